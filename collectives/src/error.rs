@@ -1,0 +1,81 @@
+//! The crate's error type. Recoverable faults (timeout, lost peer, i/o, mismatch) are errors;
+//! broken invariants are asserts.
+
+use crate::transport::TransportError;
+
+/// Errors of collective operations. Each names the lane and the op's sequence number.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// Ranks issued different ops at the same point of a lane. Every rank involved gets this.
+    #[error("collective mismatch on lane '{lane}' seq {seq}: this rank (rank {rank}) issued {ours}, rank {peer} issued {theirs}")]
+    Mismatch {
+        /// Lane name.
+        lane: String,
+        /// Sequence number on the lane.
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// This rank's op, described.
+        ours: String,
+        /// The disagreeing peer.
+        peer: usize,
+        /// The peer's op, described.
+        theirs: String,
+    },
+    /// A wait passed its deadline.
+    #[error("timeout on lane '{lane}' seq {seq}: rank {peer} did not arrive within {timeout_ms} ms")]
+    Timeout {
+        /// Lane name.
+        lane: String,
+        /// Sequence number.
+        seq: u64,
+        /// The peer that did not arrive.
+        peer: usize,
+        /// The deadline that passed, in milliseconds.
+        timeout_ms: u64,
+    },
+    /// The communicator was aborted.
+    #[error("aborted on lane '{lane}' seq {seq}: {reason}")]
+    Aborted {
+        /// Lane name.
+        lane: String,
+        /// Sequence number.
+        seq: u64,
+        /// The reason given to `abort`.
+        reason: String,
+    },
+    /// A peer process or thread died.
+    #[error("rank {rank} lost (lane '{lane}' seq {seq}): {detail}")]
+    PeerLost {
+        /// The lost rank.
+        rank: usize,
+        /// Lane name.
+        lane: String,
+        /// Sequence number.
+        seq: u64,
+        /// What was observed.
+        detail: String,
+    },
+    /// A peer failed and told us so (its reason is forwarded).
+    #[error("lane '{lane}' seq {seq}: {detail}")]
+    PeerFailed {
+        /// Lane name.
+        lane: String,
+        /// Sequence number.
+        seq: u64,
+        /// The forwarded failure.
+        detail: String,
+    },
+    /// Invalid arguments (buffer sizes, root out of range...). Detected before any I/O.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Transport failure not covered above (setup, i/o, corruption).
+    #[error("transport error on lane '{lane}': {source}")]
+    Transport {
+        /// Lane name.
+        lane: String,
+        /// The transport's error.
+        source: TransportError,
+    },
+}
