@@ -1,0 +1,2 @@
+//! shardline-bench (in progress)
+fn main() {}

@@ -1,0 +1,1 @@
+//! Algorithms: pure schedules. (in progress)

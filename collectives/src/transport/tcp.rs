@@ -1,0 +1,1 @@
+//! tcp transport (in progress)

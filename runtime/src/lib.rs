@@ -1,0 +1,2 @@
+//! # shardline-runtime (in progress)
+#![deny(missing_docs)]

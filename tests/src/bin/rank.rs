@@ -1,0 +1,2 @@
+//! A rank process for multi-process tests (in progress).
+fn main() {}
