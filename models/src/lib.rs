@@ -5,5 +5,23 @@
 //! actor; SyncBatchNorm reduces its statistics through a collectives lane it is handed.
 #![deny(missing_docs)]
 
+pub mod backend;
+pub mod batchnorm;
+pub mod conv;
+pub mod error;
+pub mod layers;
+pub mod rng;
 pub mod spec;
+pub mod tensor;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
+#[cfg(test)]
+mod testutil;
+
+pub use backend::{gemm_gflops, Backend, Cpu};
+pub use batchnorm::{BatchNorm, BnKind, CountingReducer, StatsReducer};
+pub use conv::Conv2d;
+pub use error::ModelError;
+pub use layers::{Linear, MaxPool2d};
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
+pub use tensor::Tensor;

@@ -1,0 +1,428 @@
+//! Layers as pure functions.
+//!
+//! A layer owns no parameter memory: `forward(params, input) -> (output, saved)` and
+//! `backward(params, saved, grad_output, grads_out) -> grad_input`, where `params` is a view
+//! into a flat buffer owned by the caller, laid out as the layer's [`ParamSpec`]s in order.
+//!
+//! Invariants:
+//! - `LAYER-1`: `backward` ADDS its parameter gradients into `grads_out` (same layout as
+//!   `params`); callers zero the buffer once per step. This is what lets a unit hand one flat
+//!   gradient buffer to all its layers.
+//! - `LAYER-2`: every layer's `backward` is the exact derivative of its `forward` (checked by
+//!   a finite-difference test per layer).
+//! - `LAYER-3`: inputs are consumed by value: a layer that needs its input in backward keeps
+//!   it in `saved` without copying.
+
+use crate::backend::Backend;
+use crate::error::ModelError;
+use crate::spec::ParamSpec;
+use crate::tensor::Tensor;
+
+pub(crate) fn check_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
+    if got != want {
+        return Err(ModelError::shape(what, want, got));
+    }
+    Ok(())
+}
+
+/// Fully connected layer: `y = x W^T + b`, `W` of shape `[out, in]` (PyTorch layout).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Linear {
+    /// Input features.
+    pub in_features: usize,
+    /// Output features.
+    pub out_features: usize,
+    /// Whether the layer has a bias.
+    pub bias: bool,
+}
+
+/// What [`Linear::backward`] needs: the input.
+#[derive(Clone, Debug)]
+pub struct LinearSaved {
+    input: Tensor,
+}
+
+impl Linear {
+    /// A linear layer with bias.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        Linear { in_features, out_features, bias: true }
+    }
+
+    /// `weight [out, in]`, then `bias [out]`.
+    pub fn param_specs(&self) -> Vec<ParamSpec> {
+        let mut v = vec![ParamSpec {
+            name: "weight".into(),
+            shape: vec![self.out_features, self.in_features],
+        }];
+        if self.bias {
+            v.push(ParamSpec { name: "bias".into(), shape: vec![self.out_features] });
+        }
+        v
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.out_features * self.in_features + if self.bias { self.out_features } else { 0 }
+    }
+
+    /// `input [N, in]` -> `[N, out]`.
+    pub fn forward(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        input: Tensor,
+    ) -> Result<(Tensor, LinearSaved), ModelError> {
+        check_len("linear params", params.len(), self.num_params())?;
+        if input.shape.len() != 2 || input.shape[1] != self.in_features {
+            return Err(ModelError::shape(
+                "linear input",
+                format!("[N, {}]", self.in_features),
+                format!("{:?}", input.shape),
+            ));
+        }
+        let n = input.shape[0];
+        let (o, i) = (self.out_features, self.in_features);
+        let w = &params[..o * i];
+        let mut out = vec![0.0f32; n * o];
+        if self.bias {
+            let b = &params[o * i..];
+            for row in out.chunks_exact_mut(o) {
+                row.copy_from_slice(b);
+            }
+        }
+        be.gemm(n, o, i, &input.data, false, w, true, &mut out, self.bias);
+        Ok((Tensor { shape: vec![n, o], data: out }, LinearSaved { input }))
+    }
+
+    /// Gradient of the input; adds `dW = dY^T X` and `db = sum dY` into `grads_out` (LAYER-1).
+    pub fn backward(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        saved: &LinearSaved,
+        grad_output: &Tensor,
+        grads_out: &mut [f32],
+    ) -> Result<Tensor, ModelError> {
+        check_len("linear grads", grads_out.len(), self.num_params())?;
+        let n = saved.input.shape[0];
+        let (o, i) = (self.out_features, self.in_features);
+        check_len("linear grad_output", grad_output.numel(), n * o)?;
+        let w = &params[..o * i];
+        let (gw, gb) = grads_out.split_at_mut(o * i);
+        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, true);
+        if self.bias {
+            for row in grad_output.data.chunks_exact(o) {
+                for (g, d) in gb.iter_mut().zip(row) {
+                    *g += d;
+                }
+            }
+        }
+        let mut gx = vec![0.0f32; n * i];
+        be.gemm(n, i, o, &grad_output.data, false, w, false, &mut gx, false);
+        Ok(Tensor { shape: vec![n, i], data: gx })
+    }
+}
+
+/// ReLU; what backward needs is the output.
+#[derive(Clone, Debug)]
+pub struct ReluSaved {
+    output: Tensor,
+}
+
+/// `max(x, 0)`, in place on the consumed input.
+pub fn relu_forward(be: &dyn Backend, mut input: Tensor) -> (Tensor, ReluSaved) {
+    be.relu(&mut input.data);
+    let saved = ReluSaved { output: input.clone() };
+    (input, saved)
+}
+
+/// Gradient of ReLU (0 where the output was 0; PyTorch's convention at 0).
+pub fn relu_backward(
+    be: &dyn Backend,
+    saved: &ReluSaved,
+    mut grad_output: Tensor,
+) -> Result<Tensor, ModelError> {
+    check_len("relu grad_output", grad_output.numel(), saved.output.numel())?;
+    be.relu_backward(&saved.output.data, &mut grad_output.data);
+    Ok(grad_output)
+}
+
+/// 2-D max pooling over NCHW input (no padding; windows that would run past the edge are
+/// dropped, as PyTorch's default `ceil_mode=False`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaxPool2d {
+    /// Window size (square).
+    pub kernel: usize,
+    /// Step between windows.
+    pub stride: usize,
+}
+
+/// What [`MaxPool2d::backward`] needs: input shape and the flat index of each maximum.
+#[derive(Clone, Debug)]
+pub struct MaxPoolSaved {
+    input_shape: Vec<usize>,
+    argmax: Vec<u32>,
+}
+
+fn nchw(what: &str, t: &Tensor) -> Result<(usize, usize, usize, usize), ModelError> {
+    if t.shape.len() != 4 {
+        return Err(ModelError::shape(what, "[N, C, H, W]", format!("{:?}", t.shape)));
+    }
+    Ok((t.shape[0], t.shape[1], t.shape[2], t.shape[3]))
+}
+
+impl MaxPool2d {
+    /// Output spatial size for an input size.
+    pub fn out_size(&self, h: usize) -> usize {
+        if h < self.kernel {
+            0
+        } else {
+            (h - self.kernel) / self.stride + 1
+        }
+    }
+
+    /// `[N, C, H, W]` -> `[N, C, Ho, Wo]`.
+    pub fn forward(&self, input: Tensor) -> Result<(Tensor, MaxPoolSaved), ModelError> {
+        let (n, c, h, w) = nchw("maxpool input", &input)?;
+        if self.kernel == 0 || self.stride == 0 {
+            return Err(ModelError::Config("maxpool kernel and stride must be positive".into()));
+        }
+        let (ho, wo) = (self.out_size(h), self.out_size(w));
+        let mut out = vec![0.0f32; n * c * ho * wo];
+        let mut argmax = vec![0u32; out.len()];
+        for plane in 0..n * c {
+            let src = &input.data[plane * h * w..(plane + 1) * h * w];
+            for oy in 0..ho {
+                for ox in 0..wo {
+                    let mut best = f32::NEG_INFINITY;
+                    let mut at = 0usize;
+                    for ky in 0..self.kernel {
+                        for kx in 0..self.kernel {
+                            let idx = (oy * self.stride + ky) * w + ox * self.stride + kx;
+                            if src[idx] > best || (ky == 0 && kx == 0) {
+                                best = src[idx];
+                                at = idx;
+                            }
+                        }
+                    }
+                    let o = plane * ho * wo + oy * wo + ox;
+                    out[o] = best;
+                    argmax[o] = (plane * h * w + at) as u32;
+                }
+            }
+        }
+        Ok((
+            Tensor { shape: vec![n, c, ho, wo], data: out },
+            MaxPoolSaved { input_shape: input.shape, argmax },
+        ))
+    }
+
+    /// Routes each output gradient to the input position that held the maximum.
+    pub fn backward(
+        &self,
+        saved: &MaxPoolSaved,
+        grad_output: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        check_len("maxpool grad_output", grad_output.numel(), saved.argmax.len())?;
+        let mut gx = Tensor::zeros(&saved.input_shape);
+        for (g, &a) in grad_output.data.iter().zip(&saved.argmax) {
+            gx.data[a as usize] += g;
+        }
+        Ok(gx)
+    }
+}
+
+/// Shape of the input, kept by shape-only layers for their backward.
+#[derive(Clone, Debug)]
+pub struct ShapeSaved {
+    input_shape: Vec<usize>,
+}
+
+/// Global average pooling: `[N, C, H, W]` -> `[N, C]`.
+pub fn global_avg_pool_forward(input: Tensor) -> Result<(Tensor, ShapeSaved), ModelError> {
+    let (n, c, h, w) = nchw("global avg pool input", &input)?;
+    let hw = h * w;
+    let inv = if hw == 0 { 0.0 } else { 1.0 / hw as f64 };
+    let data = input
+        .data
+        .chunks_exact(hw.max(1))
+        .take(n * c)
+        .map(|p| (p.iter().map(|&v| v as f64).sum::<f64>() * inv) as f32)
+        .collect();
+    Ok((Tensor { shape: vec![n, c], data }, ShapeSaved { input_shape: input.shape }))
+}
+
+/// Gradient of global average pooling: each position gets `g / (H W)`.
+pub fn global_avg_pool_backward(
+    saved: &ShapeSaved,
+    grad_output: &Tensor,
+) -> Result<Tensor, ModelError> {
+    let s = &saved.input_shape;
+    check_len("global avg pool grad_output", grad_output.numel(), s[0] * s[1])?;
+    let hw = s[2] * s[3];
+    let mut gx = Tensor::zeros(s);
+    if hw > 0 {
+        let inv = 1.0 / hw as f32;
+        for (plane, g) in gx.data.chunks_exact_mut(hw).zip(&grad_output.data) {
+            plane.fill(g * inv);
+        }
+    }
+    Ok(gx)
+}
+
+/// Flatten: `[N, ...]` -> `[N, prod(...)]` (no copy).
+pub fn flatten_forward(input: Tensor) -> Result<(Tensor, ShapeSaved), ModelError> {
+    let n = input.batch();
+    let rest: usize = input.shape.iter().skip(1).product();
+    let input_shape = input.shape.clone();
+    Ok((input.reshape(vec![n, rest])?, ShapeSaved { input_shape }))
+}
+
+/// Gradient of flatten: the same values in the input's shape.
+pub fn flatten_backward(saved: &ShapeSaved, grad_output: Tensor) -> Result<Tensor, ModelError> {
+    grad_output.reshape(saved.input_shape.clone())
+}
+
+/// Residual add: `a + b` (same shapes), consuming `a`.
+pub fn add_forward(be: &dyn Backend, mut a: Tensor, b: &Tensor) -> Result<Tensor, ModelError> {
+    if a.shape != b.shape {
+        return Err(ModelError::shape("add", format!("{:?}", a.shape), format!("{:?}", b.shape)));
+    }
+    be.axpy(1.0, &b.data, &mut a.data);
+    Ok(a)
+}
+
+/// Gradient of the residual add: the same gradient flows to both inputs.
+pub fn add_backward(grad_output: &Tensor) -> (Tensor, Tensor) {
+    (grad_output.clone(), grad_output.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{check_grads, rand_tensor};
+    use crate::Cpu;
+
+    #[test]
+    fn linear_gradients_match_finite_differences() {
+        // LAYER-1, LAYER-2
+        let be = Cpu::new();
+        let l = Linear::new(5, 3);
+        check_grads(l.num_params(), &[4, 5], 11, &|p, x, gy, gp| {
+            let (y, s) = l.forward(&be, p, x)?;
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(l.backward(&be, p, &s, gy, gp)?),
+                    None => None,
+                },
+            ))
+        });
+        let nb = Linear { bias: false, ..Linear::new(3, 2) };
+        check_grads(nb.num_params(), &[2, 3], 12, &|p, x, gy, gp| {
+            let (y, s) = nb.forward(&be, p, x)?;
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(nb.backward(&be, p, &s, gy, gp)?),
+                    None => None,
+                },
+            ))
+        });
+    }
+
+    #[test]
+    fn linear_matches_naive_formula() {
+        let be = Cpu::new();
+        let l = Linear::new(3, 2);
+        let p: Vec<f32> = (0..l.num_params()).map(|i| i as f32 * 0.1 - 0.3).collect();
+        let x = rand_tensor(&[2, 3], 3);
+        let (y, _) = l.forward(&be, &p, x.clone()).unwrap();
+        for n in 0..2 {
+            for o in 0..2 {
+                let want: f32 =
+                    (0..3).map(|i| x.data[n * 3 + i] * p[o * 3 + i]).sum::<f32>() + p[6 + o];
+                assert!((y.data[n * 2 + o] - want).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn relu_maxpool_pool_flatten_add_gradients() {
+        let be = Cpu::new();
+        check_grads(0, &[3, 7], 1, &|_p, x, gy, _gp| {
+            let (y, s) = relu_forward(&be, x);
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(relu_backward(&be, &s, gy.clone())?),
+                    None => None,
+                },
+            ))
+        });
+        let mp = MaxPool2d { kernel: 2, stride: 2 };
+        check_grads(0, &[2, 3, 5, 4], 2, &|_p, x, gy, _gp| {
+            let (y, s) = mp.forward(x)?;
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(mp.backward(&s, gy)?),
+                    None => None,
+                },
+            ))
+        });
+        let mp3 = MaxPool2d { kernel: 3, stride: 1 };
+        check_grads(0, &[1, 2, 4, 5], 3, &|_p, x, gy, _gp| {
+            let (y, s) = mp3.forward(x)?;
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(mp3.backward(&s, gy)?),
+                    None => None,
+                },
+            ))
+        });
+        check_grads(0, &[2, 3, 2, 3], 4, &|_p, x, gy, _gp| {
+            let (y, s) = global_avg_pool_forward(x)?;
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(global_avg_pool_backward(&s, gy)?),
+                    None => None,
+                },
+            ))
+        });
+        check_grads(0, &[2, 3, 2, 2], 5, &|_p, x, gy, _gp| {
+            let (y, s) = flatten_forward(x)?;
+            assert_eq!(y.shape, vec![2, 12]);
+            Ok((
+                y,
+                match gy {
+                    Some(gy) => Some(flatten_backward(&s, gy.clone())?),
+                    None => None,
+                },
+            ))
+        });
+        // add: y = x + 2x (as a residual of the input with itself scaled), d/dx = 3
+        check_grads(0, &[2, 4], 6, &|_p, x, gy, _gp| {
+            let twice =
+                Tensor { shape: x.shape.clone(), data: x.data.iter().map(|v| 2.0 * v).collect() };
+            let y = add_forward(&be, x, &twice)?;
+            let gx = gy.map(|gy| {
+                let (a, b) = add_backward(gy);
+                Tensor {
+                    shape: a.shape.clone(),
+                    data: a.data.iter().zip(&b.data).map(|(p, q)| p + 2.0 * q).collect(),
+                }
+            });
+            Ok((y, gx))
+        });
+    }
+
+    #[test]
+    fn maxpool_picks_window_maxima() {
+        let x = Tensor::new(vec![1, 1, 2, 4], vec![1., 5., 2., 0., 3., 4., 8., -1.]).unwrap();
+        let (y, _) = MaxPool2d { kernel: 2, stride: 2 }.forward(x).unwrap();
+        assert_eq!(y.data, vec![5., 8.]);
+    }
+}
