@@ -1,1 +1,288 @@
-//! (in progress)
+//! The communicator: a rank's view of a group, owning its transport, its lanes and its
+//! buffer pool.
+//!
+//! - COMM-1: `abort` fails every pending and later op on every lane of this communicator
+//!   with `Aborted` carrying the first reason given, and poisons peers (best effort).
+//! - COMM-2: `lane(name)` returns the same lane for the same name; all ranks must open the
+//!   same lanes.
+
+use crate::config;
+use crate::error::CollectiveError;
+use crate::lane::Lane;
+use crate::pool::BufferPool;
+use crate::topology::Topology;
+use crate::transport::local::{LocalFabric, LocalTransport};
+use crate::transport::Transport;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Per-communicator options. Fields are private; setters state their defaults.
+#[derive(Clone, Debug)]
+pub struct CommOptions {
+    timeout: Duration,
+    spin: Duration,
+    small_bytes: usize,
+    pipeline_bytes: usize,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_millis(config::TIMEOUT_MS.get()),
+            spin: Duration::from_micros(config::SPIN_US.get()),
+            small_bytes: config::SMALL_BYTES.get() as usize,
+            pipeline_bytes: config::PIPELINE_BYTES.get() as usize,
+        }
+    }
+}
+
+impl CommOptions {
+    /// Options from the defaults and environment (see [`crate::config`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Default deadline of every op, from issue. Default 60 s (env `SHARDLINE_TIMEOUT_MS`).
+    ///
+    /// ```
+    /// use shardline_collectives::CommOptions;
+    /// let mut o = CommOptions::new();
+    /// o.timeout(std::time::Duration::from_secs(5)).spin_us(20);
+    /// assert_eq!(o.get_timeout(), std::time::Duration::from_secs(5));
+    /// ```
+    pub fn timeout(&mut self, d: Duration) -> &mut Self {
+        self.timeout = d;
+        self
+    }
+
+    /// How long a waiter spins before yielding and then sleeping, in microseconds. Default 50
+    /// (env `SHARDLINE_SPIN_US`). Used by the local transport built by [`local_group`].
+    pub fn spin_us(&mut self, us: u64) -> &mut Self {
+        self.spin = Duration::from_micros(us);
+        self
+    }
+
+    /// `Algorithm::Auto` takes Direct at or below this many bytes. Default 64 KiB (env
+    /// `SHARDLINE_SMALL_BYTES`).
+    pub fn small_bytes(&mut self, b: usize) -> &mut Self {
+        self.small_bytes = b;
+        self
+    }
+
+    /// Piece size of the pipelined broadcast chain. Default 1 MiB (env
+    /// `SHARDLINE_PIPELINE_BYTES`).
+    pub fn pipeline_bytes(&mut self, b: usize) -> &mut Self {
+        self.pipeline_bytes = b;
+        self
+    }
+
+    /// Current default timeout.
+    pub fn get_timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Current spin time.
+    pub fn get_spin(&self) -> Duration {
+        self.spin
+    }
+
+    /// Current Auto threshold in bytes.
+    pub fn get_small_bytes(&self) -> usize {
+        self.small_bytes
+    }
+
+    /// Current broadcast piece size in bytes.
+    pub fn get_pipeline_bytes(&self) -> usize {
+        self.pipeline_bytes
+    }
+}
+
+/// State shared by a communicator and its lanes' threads.
+pub(crate) struct Shared {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) topology: Topology,
+    pub(crate) opts: CommOptions,
+    pub(crate) cancel: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl Shared {
+    pub(crate) fn abort_reason(&self) -> String {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_else(|| "aborted".into())
+    }
+}
+
+struct CommInner {
+    transport: Arc<dyn Transport>,
+    shared: Arc<Shared>,
+    lanes: Mutex<HashMap<String, Lane>>,
+    pool: BufferPool,
+}
+
+/// A rank's communicator. Cheap to clone; `Send + Sync`.
+///
+/// ```
+/// use shardline_collectives::{local_group, ReduceOp};
+/// let comms = local_group(2).unwrap();
+/// let handles: Vec<_> = comms
+///     .into_iter()
+///     .map(|comm| {
+///         std::thread::spawn(move || {
+///             let lane = comm.lane("grads").unwrap();
+///             let buf = vec![comm.rank() as f32 + 1.0; 4];
+///             lane.all_reduce(buf, ReduceOp::Sum).wait_timeout(std::time::Duration::from_secs(30)).unwrap()
+///         })
+///     })
+///     .collect();
+/// for h in handles {
+///     assert_eq!(h.join().unwrap(), vec![3.0; 4]);
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<CommInner>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank())
+            .field("world", &self.world())
+            .field("transport", &self.inner.transport.name())
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// A communicator over `transport`; `topology` must have the transport's world size.
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        topology: Topology,
+        opts: CommOptions,
+    ) -> Result<Self, CollectiveError> {
+        let (rank, world) = (transport.rank(), transport.world());
+        if topology.world() != world || rank >= world {
+            return Err(CollectiveError::InvalidArgument(format!(
+                "topology has {} ranks, transport has world {world} (rank {rank})",
+                topology.world()
+            )));
+        }
+        let shared = Arc::new(Shared {
+            rank,
+            world,
+            topology,
+            opts,
+            cancel: AtomicBool::new(false),
+            reason: Mutex::new(None),
+        });
+        Ok(Communicator {
+            inner: Arc::new(CommInner {
+                transport,
+                shared,
+                lanes: Mutex::new(HashMap::new()),
+                pool: BufferPool::default(),
+            }),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.shared.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.inner.shared.world
+    }
+
+    /// Placement of ranks on nodes.
+    pub fn topology(&self) -> &Topology {
+        &self.inner.shared.topology
+    }
+
+    /// The options this communicator was built with.
+    pub fn options(&self) -> &CommOptions {
+        &self.inner.shared.opts
+    }
+
+    /// Name of the transport ("local", "shm", "tcp").
+    pub fn transport_name(&self) -> &'static str {
+        self.inner.transport.name()
+    }
+
+    /// Opens (or returns the already open) lane `name`, with its own progress thread
+    /// (COMM-2). All ranks must open the same lanes.
+    pub fn lane(&self, name: &str) -> Result<Lane, CollectiveError> {
+        let mut lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = lanes.get(name) {
+            return Ok(l.clone());
+        }
+        let deadline = Instant::now() + self.inner.shared.opts.get_timeout();
+        let links = self
+            .inner
+            .transport
+            .open_lane(name, deadline)
+            .map_err(|source| CollectiveError::Transport { lane: name.to_string(), source })?;
+        let lane = Lane::start(name, self.inner.shared.clone(), links)?;
+        lanes.insert(name.to_string(), lane.clone());
+        Ok(lane)
+    }
+
+    /// Fails every pending and later op on every lane with `Aborted { reason }` and poisons
+    /// the peers, best effort (COMM-1). The first reason wins.
+    pub fn abort(&self, reason: &str) {
+        {
+            let mut r = self.inner.shared.reason.lock().unwrap_or_else(|e| e.into_inner());
+            if r.is_none() {
+                *r = Some(reason.to_string());
+            }
+        }
+        self.inner.shared.cancel.store(true, Ordering::Release);
+        let lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
+        for l in lanes.values() {
+            l.poke_abort();
+        }
+    }
+
+    /// True once [`Communicator::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.inner.shared.cancel.load(Ordering::Acquire)
+    }
+
+    /// The communicator's buffer pool.
+    pub fn pool(&self) -> &BufferPool {
+        &self.inner.pool
+    }
+}
+
+/// `world` communicators over one in-process fabric (ranks as threads), one node, default
+/// options.
+pub fn local_group(world: usize) -> Result<Vec<Communicator>, CollectiveError> {
+    local_group_with_topology(Topology::single_node(world), CommOptions::default())
+}
+
+/// Like [`local_group`] with an explicit (possibly simulated multi-node) topology and options.
+pub fn local_group_with_topology(
+    topology: Topology,
+    opts: CommOptions,
+) -> Result<Vec<Communicator>, CollectiveError> {
+    let world = topology.world();
+    if world == 0 {
+        return Err(CollectiveError::InvalidArgument("a group needs at least one rank".into()));
+    }
+    let fabric = LocalFabric::new(world);
+    (0..world)
+        .map(|r| {
+            let t: Arc<dyn Transport> =
+                Arc::new(LocalTransport::new(fabric.clone(), r, opts.get_spin()));
+            Communicator::new(t, topology.clone(), opts.clone())
+        })
+        .collect()
+}

@@ -1,1 +1,58 @@
-//! (in progress)
+//! Tunables of the crate: each has a default, an environment variable that overrides it, and
+//! a doc line. Per-call choices live in [`crate::lane::CallOptions`]; per-communicator ones
+//! in [`crate::communicator::CommOptions`], whose defaults come from here.
+
+/// A tunable integer.
+#[derive(Clone, Copy, Debug)]
+pub struct Tunable {
+    /// Environment variable that overrides the default.
+    pub env: &'static str,
+    /// Default value.
+    pub default: u64,
+    /// What it controls.
+    pub doc: &'static str,
+}
+
+impl Tunable {
+    /// The value from the environment when set and parseable, else the default.
+    pub fn get(&self) -> u64 {
+        std::env::var(self.env).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(self.default)
+    }
+}
+
+/// Default deadline of every op, in milliseconds.
+pub const TIMEOUT_MS: Tunable =
+    Tunable { env: "SHARDLINE_TIMEOUT_MS", default: 60_000, doc: "default per-op deadline (ms)" };
+
+/// How long a waiter spins before yielding, then sleeping, in microseconds. Spinning keeps
+/// small-message latency free of thread wake-ups; beyond a few tens of microseconds it only
+/// steals CPU from the peers on a 2-core machine.
+pub const SPIN_US: Tunable =
+    Tunable { env: "SHARDLINE_SPIN_US", default: 50, doc: "spin time before yielding (us)" };
+
+/// `Algorithm::Auto` uses Direct at or below this many bytes per rank buffer, else Ring (or
+/// Hierarchical on a multi-node topology).
+pub const SMALL_BYTES: Tunable = Tunable {
+    env: "SHARDLINE_SMALL_BYTES",
+    default: 64 * 1024,
+    doc: "Auto: direct at or below (bytes)",
+};
+
+/// Piece size of the pipelined broadcast chain, in bytes.
+pub const PIPELINE_BYTES: Tunable = Tunable {
+    env: "SHARDLINE_PIPELINE_BYTES",
+    default: 1 << 20,
+    doc: "broadcast chain piece (bytes)",
+};
+
+/// Most bytes a [`crate::pool::BufferPool`] keeps in total.
+pub const POOL_MAX_BYTES: Tunable =
+    Tunable { env: "SHARDLINE_POOL_MAX_BYTES", default: 1 << 30, doc: "buffer pool cap (bytes)" };
+
+/// Most buffers a pool keeps per size class.
+pub const POOL_PER_CLASS: Tunable =
+    Tunable { env: "SHARDLINE_POOL_PER_CLASS", default: 16, doc: "buffers kept per pool class" };
+
+/// Every tunable, for `--help` style listings.
+pub const ALL: &[Tunable] =
+    &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS];

@@ -24,7 +24,9 @@ pub enum CollectiveError {
         theirs: String,
     },
     /// A wait passed its deadline.
-    #[error("timeout on lane '{lane}' seq {seq}: rank {peer} did not arrive within {timeout_ms} ms")]
+    #[error(
+        "timeout on lane '{lane}' seq {seq}: rank {peer} did not arrive within {timeout_ms} ms"
+    )]
     Timeout {
         /// Lane name.
         lane: String,

@@ -1,1 +1,656 @@
-//! (in progress)
+//! Lanes: ordered streams of collective ops, each with its own progress thread.
+//!
+//! - LANE-1: ops on a lane run in issue order; every rank must issue the same ops in the
+//!   same order (checked by fingerprints, see [`crate::fingerprint`]).
+//! - LANE-2: after any error other than an argument error, the lane is failed for good:
+//!   later ops fail at once with the same error.
+//! - LANE-3: a failing rank poisons its peers so that every rank fails promptly with an
+//!   error naming the same cause (mismatch, late or lost rank, abort) instead of timing out.
+//! - LANE-4: each op's deadline is its issue time plus its timeout.
+//! - LANE-5: dropping the last handle of a lane closes its queue; the thread finishes the
+//!   queued ops, exits and is joined.
+
+use crate::algo::{self, Algorithm, Schedule};
+use crate::communicator::Shared;
+use crate::error::CollectiveError;
+use crate::executor::Executor;
+use crate::fingerprint::{self, describe, describe_pair, op_tag, parse_reason, OpKind, Reason};
+use crate::reduce::{scale_avg, Combine, ReduceOp};
+use crate::transport::{LaneLinks, Poison, Tag, TransportError};
+use crate::work::{self, Completer, Work};
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Options of one call (Gloo style: options travel with the call).
+#[derive(Clone, Debug, Default)]
+pub struct CallOptions {
+    timeout: Option<Duration>,
+    algorithm: Algorithm,
+}
+
+impl CallOptions {
+    /// Defaults: the communicator's timeout, `Algorithm::Auto`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Deadline of this op, measured from issue (default: the communicator's timeout).
+    ///
+    /// ```
+    /// use shardline_collectives::{Algorithm, CallOptions};
+    /// let mut o = CallOptions::new();
+    /// o.timeout(std::time::Duration::from_secs(5)).algorithm(Algorithm::Ring);
+    /// ```
+    pub fn timeout(&mut self, d: Duration) -> &mut Self {
+        self.timeout = Some(d);
+        self
+    }
+
+    /// Algorithm to use (default `Auto`). Every rank must pass the same one.
+    pub fn algorithm(&mut self, a: Algorithm) -> &mut Self {
+        self.algorithm = a;
+        self
+    }
+}
+
+enum Body {
+    AllReduce {
+        buf: Vec<f32>,
+        op: ReduceOp,
+        done: Completer<Vec<f32>>,
+    },
+    ReduceScatter {
+        input: Vec<f32>,
+        output: Vec<f32>,
+        op: ReduceOp,
+        done: Completer<(Vec<f32>, Vec<f32>)>,
+    },
+    AllGather {
+        input: Vec<f32>,
+        output: Vec<f32>,
+        done: Completer<(Vec<f32>, Vec<f32>)>,
+    },
+    Broadcast {
+        buf: Vec<f32>,
+        root: usize,
+        done: Completer<Vec<f32>>,
+    },
+    Barrier {
+        done: Completer<()>,
+    },
+    Records {
+        buf: Vec<f32>,
+        record_len: usize,
+        combine: fn(&mut [f32], &[f32]),
+        done: Completer<Vec<f32>>,
+    },
+}
+
+struct Job {
+    seq: u64,
+    deadline: Instant,
+    timeout: Duration,
+    algo: Algorithm,
+    body: Body,
+}
+
+enum Msg {
+    Job(Job),
+    Abort,
+}
+
+/// A lane: cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub struct Lane {
+    inner: Arc<LaneInner>,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane")
+            .field("name", &self.inner.name)
+            .field("rank", &self.inner.shared.rank)
+            .finish()
+    }
+}
+
+struct LaneInner {
+    name: Arc<str>,
+    shared: Arc<Shared>,
+    next_seq: Mutex<u64>,
+    tx: Option<Sender<Msg>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for LaneInner {
+    fn drop(&mut self) {
+        // LANE-5: closing the channel lets the thread drain and exit.
+        self.tx.take();
+        if let Some(h) = self.thread.take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+impl Lane {
+    /// Starts the lane's progress thread over `links`.
+    pub(crate) fn start(
+        name: &str,
+        shared: Arc<Shared>,
+        links: Box<dyn LaneLinks>,
+    ) -> Result<Lane, CollectiveError> {
+        let (tx, rx) = unbounded();
+        let worker = Worker {
+            name: name.into(),
+            hash: fingerprint::lane_hash(name),
+            shared: shared.clone(),
+            links,
+            exec: Executor::default(),
+            failed: None,
+            next_seq: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("lane-{name}-r{}", shared.rank))
+            .spawn(move || worker.run(rx))
+            .map_err(|e| CollectiveError::Transport {
+                lane: name.to_string(),
+                source: TransportError::Setup(format!("cannot spawn the lane thread: {e}")),
+            })?;
+        Ok(Lane {
+            inner: Arc::new(LaneInner {
+                name: name.into(),
+                shared,
+                next_seq: Mutex::new(0),
+                tx: Some(tx),
+                thread: Some(thread),
+            }),
+        })
+    }
+
+    /// The lane's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub(crate) fn poke_abort(&self) {
+        if let Some(tx) = &self.inner.tx {
+            let _ = tx.send(Msg::Abort);
+        }
+    }
+
+    fn aborted(&self, seq: u64) -> CollectiveError {
+        CollectiveError::Aborted {
+            lane: self.inner.name.to_string(),
+            seq,
+            reason: self.inner.shared.abort_reason(),
+        }
+    }
+
+    /// Queues an op; `make` builds its body from the completer once the seq is known.
+    fn issue<T>(
+        &self,
+        opts: &CallOptions,
+        check: Result<(), String>,
+        make: impl FnOnce(Completer<T>) -> Body,
+    ) -> Work<T> {
+        let mut next = self.inner.next_seq.lock().unwrap_or_else(|e| e.into_inner());
+        let seq = *next;
+        if let Err(msg) = check {
+            // Argument errors are caught before any I/O and consume no sequence number.
+            return Work::ready(
+                self.inner.name.clone(),
+                seq,
+                Err(CollectiveError::InvalidArgument(msg)),
+            );
+        }
+        *next += 1;
+        if self.inner.shared.cancel.load(Ordering::Acquire) {
+            return Work::ready(self.inner.name.clone(), seq, Err(self.aborted(seq)));
+        }
+        let (work, done) = work::pair(self.inner.name.clone(), seq);
+        let timeout = opts.timeout.unwrap_or(self.inner.shared.opts.get_timeout());
+        let job = Job {
+            seq,
+            deadline: Instant::now() + timeout,
+            timeout,
+            algo: opts.algorithm,
+            body: make(done),
+        };
+        if let Some(tx) = &self.inner.tx {
+            if let Err(e) = tx.send(Msg::Job(job)) {
+                // The thread is gone (it panicked): completing through the dropped job's
+                // completer already reported it.
+                drop(e);
+            }
+        }
+        work
+    }
+
+    /// All-reduce `buf` in place; returns it.
+    pub fn all_reduce(&self, buf: Vec<f32>, op: ReduceOp) -> Work<Vec<f32>> {
+        self.all_reduce_opts(buf, op, &CallOptions::default())
+    }
+
+    /// [`Lane::all_reduce`] with options.
+    pub fn all_reduce_opts(
+        &self,
+        buf: Vec<f32>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Work<Vec<f32>> {
+        self.issue(opts, Ok(()), |done| Body::AllReduce { buf, op, done })
+    }
+
+    /// `input.len() == world * output.len()`; rank r gets the reduction of slice r of every
+    /// rank's input. `input` is used as scratch and handed back.
+    pub fn reduce_scatter(
+        &self,
+        input: Vec<f32>,
+        output: Vec<f32>,
+        op: ReduceOp,
+    ) -> Work<(Vec<f32>, Vec<f32>)> {
+        self.reduce_scatter_opts(input, output, op, &CallOptions::default())
+    }
+
+    /// [`Lane::reduce_scatter`] with options.
+    pub fn reduce_scatter_opts(
+        &self,
+        input: Vec<f32>,
+        output: Vec<f32>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Work<(Vec<f32>, Vec<f32>)> {
+        let w = self.inner.shared.world;
+        let check = if input.len() == w * output.len() {
+            Ok(())
+        } else {
+            Err(format!(
+                "reduce_scatter: input has {} elements, expected world {w} x output {}",
+                input.len(),
+                output.len()
+            ))
+        };
+        self.issue(opts, check, |done| Body::ReduceScatter { input, output, op, done })
+    }
+
+    /// `output.len() == world * input.len()`; slice r of output is rank r's input.
+    pub fn all_gather(&self, input: Vec<f32>, output: Vec<f32>) -> Work<(Vec<f32>, Vec<f32>)> {
+        self.all_gather_opts(input, output, &CallOptions::default())
+    }
+
+    /// [`Lane::all_gather`] with options.
+    pub fn all_gather_opts(
+        &self,
+        input: Vec<f32>,
+        output: Vec<f32>,
+        opts: &CallOptions,
+    ) -> Work<(Vec<f32>, Vec<f32>)> {
+        let w = self.inner.shared.world;
+        let check = if output.len() == w * input.len() {
+            Ok(())
+        } else {
+            Err(format!(
+                "all_gather: output has {} elements, expected world {w} x input {}",
+                output.len(),
+                input.len()
+            ))
+        };
+        self.issue(opts, check, |done| Body::AllGather { input, output, done })
+    }
+
+    /// Copies `root`'s buffer into every rank's buffer.
+    pub fn broadcast(&self, buf: Vec<f32>, root: usize) -> Work<Vec<f32>> {
+        self.broadcast_opts(buf, root, &CallOptions::default())
+    }
+
+    /// [`Lane::broadcast`] with options.
+    pub fn broadcast_opts(&self, buf: Vec<f32>, root: usize, opts: &CallOptions) -> Work<Vec<f32>> {
+        let w = self.inner.shared.world;
+        let check = if root < w {
+            Ok(())
+        } else {
+            Err(format!("broadcast: root {root} outside world {w}"))
+        };
+        self.issue(opts, check, |done| Body::Broadcast { buf, root, done })
+    }
+
+    /// Completes once every rank has reached it.
+    pub fn barrier(&self) -> Work<()> {
+        self.barrier_opts(&CallOptions::default())
+    }
+
+    /// [`Lane::barrier`] with options (the algorithm is ignored).
+    pub fn barrier_opts(&self, opts: &CallOptions) -> Work<()> {
+        self.issue(opts, Ok(()), |done| Body::Barrier { done })
+    }
+
+    /// Latency path with a user combine over records of `record_len` elements: the result
+    /// on every rank is the fold of all ranks' buffers in rank order 0..world,
+    /// `combine(acc, other)` called once per record; bitwise identical on every rank; one
+    /// message per peer.
+    pub fn all_reduce_records(
+        &self,
+        buf: Vec<f32>,
+        record_len: usize,
+        combine: fn(&mut [f32], &[f32]),
+    ) -> Work<Vec<f32>> {
+        self.all_reduce_records_opts(buf, record_len, combine, &CallOptions::default())
+    }
+
+    /// [`Lane::all_reduce_records`] with options (the algorithm is always Direct).
+    pub fn all_reduce_records_opts(
+        &self,
+        buf: Vec<f32>,
+        record_len: usize,
+        combine: fn(&mut [f32], &[f32]),
+        opts: &CallOptions,
+    ) -> Work<Vec<f32>> {
+        let check = if record_len > 0 && buf.len() % record_len == 0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "all_reduce_records: {} elements are not whole records of {record_len}",
+                buf.len()
+            ))
+        };
+        self.issue(opts, check, |done| Body::Records { buf, record_len, combine, done })
+    }
+}
+
+struct Worker {
+    name: Arc<str>,
+    hash: u32,
+    shared: Arc<Shared>,
+    links: Box<dyn LaneLinks>,
+    exec: Executor,
+    failed: Option<CollectiveError>,
+    next_seq: u64,
+}
+
+struct OpCtx {
+    seq: u64,
+    deadline: Instant,
+    timeout: Duration,
+    tag: Tag,
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Msg>) {
+        while let Ok(msg) = rx.recv() {
+            match msg {
+                Msg::Job(job) => {
+                    self.next_seq = job.seq + 1;
+                    self.handle(job);
+                }
+                Msg::Abort => {
+                    if self.failed.is_none() {
+                        let e = CollectiveError::Aborted {
+                            lane: self.name.to_string(),
+                            seq: self.next_seq,
+                            reason: self.shared.abort_reason(),
+                        };
+                        self.fail(
+                            e,
+                            Some(Reason::Other(format!("aborted: {}", self.shared.abort_reason()))),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, e: CollectiveError, reason: Option<Reason>) {
+        tracing::debug!(lane = %self.name, rank = self.shared.rank, error = %e, "lane failed");
+        if let Some(r) = reason {
+            self.links.poison(&Poison {
+                origin: self.shared.rank,
+                reason: fingerprint::format_reason(&r),
+            });
+        }
+        self.failed = Some(e);
+    }
+
+    fn resolve(&self, algo: Algorithm, bytes: usize) -> Algorithm {
+        match algo {
+            Algorithm::Auto => {
+                let t = &self.shared.topology;
+                if bytes <= self.shared.opts.get_small_bytes() {
+                    Algorithm::Direct
+                } else if t.nodes() > 1 && t.is_uniform() {
+                    Algorithm::Hierarchical
+                } else {
+                    Algorithm::Ring
+                }
+            }
+            a => a,
+        }
+    }
+
+    fn handle(&mut self, job: Job) {
+        let (rank, world) = (self.shared.rank, self.shared.world);
+        let topo = self.shared.topology.clone();
+        let mk = |me: &Self, kind, op, algo, count, root| OpCtx {
+            seq: job.seq,
+            deadline: job.deadline,
+            timeout: job.timeout,
+            tag: op_tag(me.hash, job.seq, kind, op, algo, count, root),
+        };
+        match job.body {
+            Body::AllReduce { mut buf, op, done } => {
+                let n = buf.len();
+                let algo = self.resolve(job.algo, n * 4);
+                let sched = match algo {
+                    Algorithm::Direct => algo::direct_all_reduce(rank, world, n),
+                    Algorithm::Hierarchical => algo::hier_all_reduce(rank, &topo, n),
+                    _ => algo::ring_all_reduce(rank, world, n),
+                };
+                let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);
+                let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(op));
+                if r.is_ok() && op == ReduceOp::Avg {
+                    scale_avg(&mut buf, world);
+                }
+                done.complete(r.map(|_| buf));
+            }
+            Body::Records { mut buf, record_len, combine, done } => {
+                let n = buf.len();
+                let sched = algo::direct_all_reduce(rank, world, n);
+                let ctx = mk(self, OpKind::AllReduceRecords, None, Algorithm::Direct, n, None);
+                let r = self.execute(
+                    &ctx,
+                    &sched,
+                    &mut buf,
+                    Combine::Records { len: record_len, f: combine },
+                );
+                done.complete(r.map(|_| buf));
+            }
+            Body::ReduceScatter { mut input, mut output, op, done } => {
+                let n = output.len();
+                let algo = self.resolve(job.algo, input.len() * 4);
+                let sched = match algo {
+                    Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
+                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, &topo, n),
+                    _ => algo::ring_reduce_scatter(rank, world, n),
+                };
+                let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
+                let r = self.execute(&ctx, &sched, &mut input, Combine::Op(op));
+                if r.is_ok() {
+                    output.copy_from_slice(&input[rank * n..(rank + 1) * n]);
+                    if op == ReduceOp::Avg {
+                        scale_avg(&mut output, world);
+                    }
+                }
+                done.complete(r.map(|_| (input, output)));
+            }
+            Body::AllGather { input, mut output, done } => {
+                let n = input.len();
+                let algo = self.resolve(job.algo, output.len() * 4);
+                let sched = match algo {
+                    Algorithm::Direct => algo::direct_all_gather(rank, world, n),
+                    Algorithm::Hierarchical => algo::hier_all_gather(rank, &topo, n),
+                    _ => algo::ring_all_gather(rank, world, n),
+                };
+                output[rank * n..(rank + 1) * n].copy_from_slice(&input);
+                let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
+                let r = self.execute(&ctx, &sched, &mut output, Combine::Op(ReduceOp::Sum));
+                done.complete(r.map(|_| (input, output)));
+            }
+            Body::Broadcast { mut buf, root, done } => {
+                let n = buf.len();
+                let algo = match self.resolve(job.algo, n * 4) {
+                    Algorithm::Direct => Algorithm::Direct,
+                    _ => Algorithm::Ring,
+                };
+                let sched = if algo == Algorithm::Direct {
+                    algo::direct_broadcast(rank, world, root, n)
+                } else {
+                    let piece = (self.shared.opts.get_pipeline_bytes() / 4).max(1);
+                    algo::chain_broadcast(rank, world, root, n, n.div_ceil(piece).clamp(1, 256))
+                };
+                let ctx = mk(self, OpKind::Broadcast, None, algo, n, Some(root));
+                let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(ReduceOp::Sum));
+                done.complete(r.map(|_| buf));
+            }
+            Body::Barrier { done } => {
+                let sched = algo::direct_all_reduce(rank, world, 0);
+                let ctx = mk(self, OpKind::Barrier, None, Algorithm::Direct, 0, None);
+                let r = self.execute(&ctx, &sched, &mut [], Combine::Op(ReduceOp::Sum));
+                done.complete(r);
+            }
+        }
+    }
+
+    fn execute(
+        &mut self,
+        ctx: &OpCtx,
+        sched: &Schedule,
+        buf: &mut [f32],
+        combine: Combine,
+    ) -> Result<(), CollectiveError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if self.shared.cancel.load(Ordering::Acquire) {
+            let reason = self.shared.abort_reason();
+            let e = CollectiveError::Aborted {
+                lane: self.name.to_string(),
+                seq: ctx.seq,
+                reason: reason.clone(),
+            };
+            self.fail(e.clone(), Some(Reason::Other(format!("aborted: {reason}"))));
+            return Err(e);
+        }
+        let res = self.exec.run(
+            &mut *self.links,
+            sched,
+            buf,
+            combine,
+            ctx.tag,
+            ctx.deadline,
+            &self.shared.cancel,
+        );
+        match res {
+            Ok(()) => Ok(()),
+            Err(te) => {
+                let (e, reason) = self.convert(te, ctx);
+                self.fail(e.clone(), reason);
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps a transport error to this rank's error and the reason to poison peers with
+    /// (LANE-3; none when the error itself came from a peer's poison).
+    fn convert(&self, te: TransportError, ctx: &OpCtx) -> (CollectiveError, Option<Reason>) {
+        let lane = self.name.to_string();
+        let (seq, me) = (ctx.seq, self.shared.rank);
+        let timeout_ms = ctx.timeout.as_millis() as u64;
+        match te {
+            TransportError::Timeout { peer } => (
+                CollectiveError::Timeout { lane, seq, peer, timeout_ms },
+                Some(Reason::Timeout { peer }),
+            ),
+            TransportError::PeerLost { peer, detail } => (
+                CollectiveError::PeerLost { rank: peer, lane, seq, detail: detail.clone() },
+                Some(Reason::Lost { peer, detail }),
+            ),
+            TransportError::TagMismatch { peer, expected, got } => {
+                let (ours, theirs) = describe_pair(&expected, &got);
+                (
+                    CollectiveError::Mismatch {
+                        lane,
+                        seq,
+                        rank: me,
+                        ours: ours.clone(),
+                        peer,
+                        theirs: theirs.clone(),
+                    },
+                    Some(Reason::Mismatch { peer, ours, theirs }),
+                )
+            }
+            TransportError::Poisoned(p) => {
+                let origin = p.origin;
+                let e = match parse_reason(&p.reason) {
+                    Reason::Mismatch { peer, ours: a, theirs: b } => {
+                        if peer == me {
+                            CollectiveError::Mismatch {
+                                lane,
+                                seq,
+                                rank: me,
+                                ours: b,
+                                peer: origin,
+                                theirs: a,
+                            }
+                        } else {
+                            let mine = describe(&ctx.tag);
+                            let (peer, theirs) = if mine == b { (origin, a) } else { (peer, b) };
+                            CollectiveError::Mismatch {
+                                lane,
+                                seq,
+                                rank: me,
+                                ours: mine,
+                                peer,
+                                theirs,
+                            }
+                        }
+                    }
+                    Reason::Timeout { peer } if peer != me => {
+                        CollectiveError::Timeout { lane, seq, peer, timeout_ms }
+                    }
+                    Reason::Timeout { .. } => CollectiveError::PeerFailed {
+                        lane,
+                        seq,
+                        detail: format!("rank {origin} timed out waiting for this rank"),
+                    },
+                    Reason::Lost { peer, detail } => CollectiveError::PeerLost {
+                        rank: peer,
+                        lane,
+                        seq,
+                        detail: format!("{detail} (reported by rank {origin})"),
+                    },
+                    Reason::Other(s) => CollectiveError::PeerFailed {
+                        lane,
+                        seq,
+                        detail: format!("rank {origin} failed: {s}"),
+                    },
+                };
+                (e, None)
+            }
+            TransportError::Cancelled => {
+                let reason = self.shared.abort_reason();
+                (
+                    CollectiveError::Aborted { lane, seq, reason: reason.clone() },
+                    Some(Reason::Other(format!("aborted: {reason}"))),
+                )
+            }
+            other => {
+                let text = other.to_string();
+                (CollectiveError::Transport { lane, source: other }, Some(Reason::Other(text)))
+            }
+        }
+    }
+}

@@ -39,21 +39,19 @@ pub mod lane;
 pub mod pool;
 pub mod reduce;
 pub mod store;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
 pub mod topology;
 pub mod transport;
 pub mod work;
-#[cfg(any(test, feature = "test-utils"))]
-pub mod testing;
 
-// Re-exports are enabled as their modules land.
-/*
 pub use algo::Algorithm;
 pub use communicator::{local_group, local_group_with_topology, CommOptions, Communicator};
 pub use error::CollectiveError;
 pub use lane::{CallOptions, Lane};
 pub use pool::BufferPool;
 pub use reduce::ReduceOp;
-pub use store::{MemStore, Store, StoreError, TcpStoreClient, TcpStoreServer};
+pub use store::{Store, StoreError};
+// pub use store::{MemStore, TcpStoreClient, TcpStoreServer};
 pub use topology::Topology;
 pub use work::Work;
-*/

@@ -1,1 +1,188 @@
-//! (in progress)
+//! Completion handles. A [`Work`] is completed once by the lane's progress thread; the owner
+//! blocks on it (`wait`), polls it (`is_done`) or awaits it (`Future`).
+
+use crate::error::CollectiveError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+enum State<T> {
+    Pending(Option<Waker>),
+    Done(Result<T, CollectiveError>),
+    Taken,
+}
+
+struct Slot<T> {
+    state: Mutex<State<T>>,
+    cv: Condvar,
+}
+
+impl<T> Slot<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // A panic while holding this lock cannot leave the state half-written (plain moves).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Handle on an op in flight; hands the op's buffers back on success.
+#[must_use = "an op's result (and buffers) come back through its Work"]
+pub struct Work<T> {
+    slot: Arc<Slot<T>>,
+    lane: Arc<str>,
+    seq: u64,
+}
+
+/// The completing side of a [`Work`].
+pub(crate) struct Completer<T> {
+    slot: Option<Arc<Slot<T>>>,
+    lane: Arc<str>,
+    seq: u64,
+}
+
+/// Creates a pending work and its completer.
+pub(crate) fn pair<T>(lane: Arc<str>, seq: u64) -> (Work<T>, Completer<T>) {
+    let slot = Arc::new(Slot { state: Mutex::new(State::Pending(None)), cv: Condvar::new() });
+    (
+        Work { slot: slot.clone(), lane: lane.clone(), seq },
+        Completer { slot: Some(slot), lane, seq },
+    )
+}
+
+impl<T> Completer<T> {
+    /// Completes the work; wakes a blocked `wait` and an awaiting task.
+    pub(crate) fn complete(mut self, result: Result<T, CollectiveError>) {
+        if let Some(slot) = self.slot.take() {
+            let waker = {
+                let mut st = slot.lock();
+                let prev = std::mem::replace(&mut *st, State::Done(result));
+                slot.cv.notify_all();
+                match prev {
+                    State::Pending(w) => w,
+                    _ => None,
+                }
+            };
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+}
+
+impl<T> Drop for Completer<T> {
+    fn drop(&mut self) {
+        if self.slot.is_some() {
+            let err = CollectiveError::Aborted {
+                lane: self.lane.to_string(),
+                seq: self.seq,
+                reason: "the lane's progress thread stopped before completing this op".into(),
+            };
+            let me = Completer { slot: self.slot.take(), lane: self.lane.clone(), seq: self.seq };
+            me.complete(Err(err));
+        }
+    }
+}
+
+impl<T> Work<T> {
+    /// A work that is already complete.
+    pub(crate) fn ready(lane: Arc<str>, seq: u64, result: Result<T, CollectiveError>) -> Self {
+        let (w, c) = pair(lane, seq);
+        c.complete(result);
+        w
+    }
+
+    /// Blocks until the op completes. The op's own deadline bounds the wait.
+    pub fn wait(self) -> Result<T, CollectiveError> {
+        let mut st = self.slot.lock();
+        loop {
+            if let State::Done(_) = &*st {
+                return take(&mut st);
+            }
+            st = self.slot.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Like [`Work::wait`] but gives up after `d` with `CollectiveError::Timeout`, whose
+    /// `peer` is `usize::MAX` (a local wait does not know which peer is late). The op keeps
+    /// running; its buffers are dropped when it completes.
+    pub fn wait_timeout(self, d: Duration) -> Result<T, CollectiveError> {
+        let end = Instant::now() + d;
+        let mut st = self.slot.lock();
+        loop {
+            if let State::Done(_) = &*st {
+                return take(&mut st);
+            }
+            let now = Instant::now();
+            if now >= end {
+                return Err(CollectiveError::Timeout {
+                    lane: self.lane.to_string(),
+                    seq: self.seq,
+                    peer: usize::MAX,
+                    timeout_ms: d.as_millis() as u64,
+                });
+            }
+            st = self.slot.cv.wait_timeout(st, end - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    /// True once the op has completed (successfully or not).
+    pub fn is_done(&self) -> bool {
+        matches!(&*self.slot.lock(), State::Done(_) | State::Taken)
+    }
+
+    /// Sequence number of the op on its lane.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+fn take<T>(st: &mut State<T>) -> Result<T, CollectiveError> {
+    match std::mem::replace(st, State::Taken) {
+        State::Done(r) => r,
+        // A Work is consumed by wait and polled to completion once; Taken cannot be seen twice.
+        _ => unreachable!("work result taken twice"),
+    }
+}
+
+impl<T> Future for Work<T> {
+    type Output = Result<T, CollectiveError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = self.slot.lock();
+        match &mut *st {
+            State::Done(_) => Poll::Ready(take(&mut st)),
+            State::Pending(w) => {
+                *w = Some(cx.waker().clone());
+                Poll::Pending
+            }
+            State::Taken => panic!("Work polled after completion"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_timeout_then_complete() {
+        let (w, c) = pair::<u32>("l".into(), 1);
+        assert!(!w.is_done());
+        assert!(matches!(
+            w.wait_timeout(Duration::from_millis(1)),
+            Err(CollectiveError::Timeout { .. })
+        ));
+        let (w, c2) = pair::<u32>("l".into(), 2);
+        let t = std::thread::spawn(move || c2.complete(Ok(7)));
+        assert_eq!(w.wait_timeout(Duration::from_secs(10)), Ok(7));
+        t.join().unwrap();
+        drop(c);
+        let (w, c) = pair::<u32>("l".into(), 3);
+        drop(c);
+        assert!(matches!(
+            w.wait_timeout(Duration::from_secs(10)),
+            Err(CollectiveError::Aborted { .. })
+        ));
+    }
+}

@@ -1,1 +1,215 @@
-//! Algorithms: pure schedules. (in progress)
+//! Algorithms as pure schedules: which element range goes to which peer at which step, and
+//! what the receiver does with it. No I/O here; [`crate::executor`] runs a schedule over a
+//! lane's links, and the tests below run it over in-memory buffers.
+//!
+//! A schedule addresses one virtual array: `[0, buf_len)` is the op's work buffer and
+//! `[buf_len, buf_len + scratch_len)` is executor scratch.
+//!
+//! Invariants (checked by [`Schedule::validate`] and the simulations in the tests):
+//! - ALGO-1: in every step a rank sends at most one message to and receives at most one
+//!   message from each peer, and every send is matched by the peer's receive of equal length
+//!   in the same step (so ranks never wait on each other in a cycle).
+//! - ALGO-2: within a step, the ranges a rank sends, the ranges it receives into, and each
+//!   other's receive ranges are pairwise disjoint (the executor reads and writes them
+//!   concurrently).
+//! - ALGO-3: every contribution is reduced in an order fixed by (world, count, algorithm),
+//!   so results are bitwise identical across runs; all-reduce results are also bitwise
+//!   identical on every rank (Direct folds in rank order 0..W-1 on every rank; Ring and
+//!   Hierarchical reduce each chunk on one rank and copy it).
+//! - ALGO-4: shard order follows global rank: after reduce-scatter rank r holds slot r, and
+//!   all-gather puts rank r's input in slot r, whatever the algorithm.
+
+mod direct;
+mod hier;
+mod ring;
+
+pub use direct::{direct_all_gather, direct_all_reduce, direct_broadcast, direct_reduce_scatter};
+pub use hier::{hier_all_gather, hier_all_reduce, hier_reduce_scatter};
+pub use ring::{chain_broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter, split};
+
+use std::ops::Range;
+
+/// Algorithm choice for one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// Direct below the communicator's `small_bytes`, else Hierarchical on a multi-node
+    /// uniform topology, else Ring.
+    #[default]
+    Auto,
+    /// Bandwidth-optimal ring (reduce-scatter then all-gather); pipelined chain for broadcast.
+    Ring,
+    /// Every rank sends to every peer in one step (latency-optimal for small messages).
+    Direct,
+    /// Intra-node reduce-scatter, inter-node exchange among equal local ranks, intra-node
+    /// all-gather. Falls back to Ring on a non-uniform topology.
+    Hierarchical,
+}
+
+impl Algorithm {
+    /// Short lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Auto => "auto",
+            Algorithm::Ring => "ring",
+            Algorithm::Direct => "direct",
+            Algorithm::Hierarchical => "hierarchical",
+        }
+    }
+
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Algorithm::Auto => 0,
+            Algorithm::Ring => 1,
+            Algorithm::Direct => 2,
+            Algorithm::Hierarchical => 3,
+        }
+    }
+
+    pub(crate) fn from_code(c: u32) -> Option<Self> {
+        Some(match c {
+            0 => Algorithm::Auto,
+            1 => Algorithm::Ring,
+            2 => Algorithm::Direct,
+            3 => Algorithm::Hierarchical,
+            _ => return None,
+        })
+    }
+}
+
+/// What a receiver does with incoming elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Overwrite the range.
+    Copy,
+    /// Reduce into the range with the op's reduction.
+    Reduce,
+}
+
+/// One outgoing message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SendStep {
+    /// Destination rank.
+    pub peer: usize,
+    /// Elements sent (virtual array).
+    pub range: Range<usize>,
+}
+
+/// One incoming message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecvStep {
+    /// Source rank.
+    pub peer: usize,
+    /// Elements written (virtual array).
+    pub range: Range<usize>,
+    /// Copy or reduce.
+    pub action: Action,
+}
+
+/// Local work done after a step's messages have all arrived.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalOp {
+    /// `dst = src`.
+    Copy {
+        /// Source range.
+        src: Range<usize>,
+        /// Destination range (same length, disjoint).
+        dst: Range<usize>,
+    },
+    /// `dst = dst (op) src`.
+    Reduce {
+        /// Source range.
+        src: Range<usize>,
+        /// Destination range (same length, disjoint).
+        dst: Range<usize>,
+    },
+}
+
+/// One step: messages exchanged concurrently, then local ops in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Messages sent.
+    pub sends: Vec<SendStep>,
+    /// Messages received.
+    pub recvs: Vec<RecvStep>,
+    /// Local ops run after the exchange.
+    pub local: Vec<LocalOp>,
+}
+
+impl Step {
+    /// True when the step moves no message.
+    pub fn is_local(&self) -> bool {
+        self.sends.is_empty() && self.recvs.is_empty()
+    }
+}
+
+/// A rank's full schedule for one op.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Schedule {
+    /// Length of the work buffer.
+    pub buf_len: usize,
+    /// Scratch elements needed after the work buffer.
+    pub scratch_len: usize,
+    /// Steps in order. Step numbers (message tags) are indexes into this list and agree
+    /// across ranks.
+    pub steps: Vec<Step>,
+}
+
+fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end && !a.is_empty() && !b.is_empty()
+}
+
+impl Schedule {
+    /// Checks the per-rank parts of ALGO-1 and ALGO-2 and that every range lies inside the
+    /// virtual array. Returns a description of the first violation.
+    pub fn validate(&self, rank: usize, world: usize) -> Result<(), String> {
+        let end = self.buf_len + self.scratch_len;
+        for (i, s) in self.steps.iter().enumerate() {
+            for x in &s.sends {
+                if x.peer >= world
+                    || x.peer == rank
+                    || x.range.end > end
+                    || x.range.start > x.range.end
+                {
+                    return Err(format!("step {i}: bad send {x:?}"));
+                }
+            }
+            for x in &s.recvs {
+                if x.peer >= world
+                    || x.peer == rank
+                    || x.range.end > end
+                    || x.range.start > x.range.end
+                {
+                    return Err(format!("step {i}: bad recv {x:?}"));
+                }
+            }
+            for (a, x) in s.sends.iter().enumerate() {
+                if s.sends[a + 1..].iter().any(|y| y.peer == x.peer) {
+                    return Err(format!("step {i}: two sends to rank {}", x.peer));
+                }
+            }
+            for (a, x) in s.recvs.iter().enumerate() {
+                if s.recvs[a + 1..].iter().any(|y| y.peer == x.peer || overlaps(&x.range, &y.range))
+                {
+                    return Err(format!("step {i}: overlapping or repeated recvs {x:?}"));
+                }
+                if s.sends.iter().any(|y| overlaps(&x.range, &y.range)) {
+                    return Err(format!("step {i}: recv {x:?} overlaps a send"));
+                }
+            }
+            for l in &s.local {
+                let (LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst }) = l;
+                if src.len() != dst.len() || overlaps(src, dst) || src.end > end || dst.end > end {
+                    return Err(format!("step {i}: bad local op {l:?}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn push(&mut self, step: Step) {
+        self.steps.push(step);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod sim;

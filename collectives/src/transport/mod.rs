@@ -186,7 +186,11 @@ pub trait Transport: Send + Sync {
     /// Opens this rank's endpoint of lane `lane`: links to every peer, independent of other
     /// lanes' links. Every rank must open the same lanes (in any order); this call waits for
     /// the peers up to `deadline`.
-    fn open_lane(&self, lane: &str, deadline: Instant) -> Result<Box<dyn LaneLinks>, TransportError>;
+    fn open_lane(
+        &self,
+        lane: &str,
+        deadline: Instant,
+    ) -> Result<Box<dyn LaneLinks>, TransportError>;
 }
 
 /// One rank's links to all its peers on one lane (Gloo's `Pair`s, gathered).
