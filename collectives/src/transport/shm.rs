@@ -1,1 +1,993 @@
-//! shm transport (in progress)
+//! Shared-memory transport: ranks are processes on one node.
+//!
+//! For every lane and every ordered pair of ranks (src -> dst) the sender creates a segment,
+//! a file in `/dev/shm` mapped by both sides, and publishes its name through the store. The
+//! receiver maps it and unlinks the file at once, so nothing is left behind once both sides
+//! hold the mapping (the sender unlinks too on drop, for a receiver that never came).
+//!
+//! A segment holds a single-producer single-consumer ring of slots. `head` (slots published,
+//! written by the sender) and `tail` (slots consumed, written by the receiver) are atomics in
+//! the segment, each on its own cache line. A slot carries a header (tag, message length,
+//! offset of the piece in the message, piece length) and a 4 KiB-aligned payload. Big messages
+//! stream through the ring: the receiver reduces or copies out of one slot while the sender
+//! fills the next. The segment header also carries the `closed` flags of both sides and the
+//! poison record the sender writes when its lane fails.
+//!
+//! Invariants, besides the transport's TR-1..TR-5:
+//! - SHM-1: a slot is written only by the sender and only while `head - tail < slots`; it is
+//!   read only by the receiver and only while `tail < head`. `head` is published with Release
+//!   after the slot is written, `tail` with Release after the slot is consumed, and each side
+//!   reads the other's counter with Acquire, so a slot is never read and written at once.
+//! - SHM-2: every field a peer writes is validated before use (geometry on open; piece
+//!   offset and length on receive): a corrupt segment gives `Corrupt`, never an out-of-bounds
+//!   access.
+//! - SHM-3: a waiting rank checks, every [`LIVENESS_PERIOD`], the closed flags of the peers it
+//!   waits on and whether their processes are alive, and reports `PeerLost` — but only once no
+//!   data that the peer published before leaving remains to be read.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapRaw;
+
+use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
+use crate::store::Store;
+
+/// Default number of slots per ring (env `SHARDLINE_SHM_SLOTS`).
+pub const DEFAULT_SLOTS: usize = 8;
+/// Default payload bytes per slot (env `SHARDLINE_SHM_SLOT_BYTES`, rounded to 4 KiB).
+pub const DEFAULT_SLOT_BYTES: usize = 256 << 10;
+/// How often a waiting rank checks that its peers are still there (SHM-3).
+pub const LIVENESS_PERIOD: Duration = Duration::from_millis(2);
+/// How long an idle exchange spins before it yields the core.
+const SPIN: Duration = Duration::from_micros(30);
+/// How long it yields before it starts sleeping.
+const YIELD: Duration = Duration::from_micros(300);
+/// Longest sleep between two progress checks.
+const MAX_SLEEP: Duration = Duration::from_micros(500);
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SLSHM001");
+const OFF_MAGIC: usize = 0;
+const OFF_SLOTS: usize = 8;
+const OFF_SLOT_BYTES: usize = 12;
+const OFF_SENDER_CLOSED: usize = 64;
+const OFF_RECEIVER_CLOSED: usize = 68;
+const OFF_POISONED: usize = 72;
+const OFF_POISON_ORIGIN: usize = 76;
+const OFF_POISON_LEN: usize = 80;
+const OFF_POISON_REASON: usize = 128;
+const POISON_REASON_MAX: usize = 256;
+const OFF_HEAD: usize = 512;
+const OFF_TAIL: usize = 576;
+const OFF_SLOT_HEADERS: usize = 1024;
+const SLOT_HEADER_BYTES: usize = 64;
+const PAGE: usize = 4096;
+
+static SEGMENT_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn payload_base(slots: usize) -> usize {
+    (OFF_SLOT_HEADERS + slots * SLOT_HEADER_BYTES).div_ceil(PAGE) * PAGE
+}
+
+fn segment_bytes(slots: usize, slot_bytes: usize) -> usize {
+    payload_base(slots) + slots * slot_bytes
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default)
+}
+
+fn setup(what: impl std::fmt::Display) -> TransportError {
+    TransportError::Setup(what.to_string())
+}
+
+/// FNV-1a, for short stable names of lanes in segment file names.
+fn fnv1a(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+}
+
+/// One mapped segment (one direction of one pair on one lane).
+struct Segment {
+    map: MmapRaw,
+    slots: usize,
+    slot_bytes: usize,
+    /// Set on the creating (sending) side: the file to unlink on drop.
+    path: Option<PathBuf>,
+}
+
+// SAFETY: the mapping is plain shared memory; all concurrent access to it goes through
+// atomics or through slots owned by one side at a time (SHM-1).
+unsafe impl Send for Segment {}
+
+impl Segment {
+    fn create(path: PathBuf, slots: usize, slot_bytes: usize) -> Result<Segment, TransportError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| setup(format!("create {}: {e}", path.display())))?;
+        let len = segment_bytes(slots, slot_bytes);
+        file.set_len(len as u64).map_err(|e| setup(format!("size {}: {e}", path.display())))?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| setup(format!("mmap: {e}")))?;
+        let seg = Segment { map, slots, slot_bytes, path: Some(path) };
+        seg.u32_at(OFF_SLOTS).store(slots as u32, Ordering::Relaxed);
+        seg.u32_at(OFF_SLOT_BYTES).store(slot_bytes as u32, Ordering::Relaxed);
+        seg.u64_at(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    fn open(path: &str) -> Result<Segment, TransportError> {
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| setup(format!("open {path}: {e}")))?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| setup(format!("mmap {path}: {e}")))?;
+        // Both sides hold the mapping now: the name is no longer needed.
+        let _ = std::fs::remove_file(path);
+        // SHM-2: check the geometry before trusting any offset derived from it.
+        if map.len() < OFF_SLOT_HEADERS {
+            return Err(setup(format!("segment {path} too small")));
+        }
+        let mut seg = Segment { map, slots: 0, slot_bytes: 0, path: None };
+        if seg.u64_at(OFF_MAGIC).load(Ordering::Acquire) != MAGIC {
+            return Err(setup(format!("segment {path} has a bad magic")));
+        }
+        let slots = seg.u32_at(OFF_SLOTS).load(Ordering::Relaxed) as usize;
+        let slot_bytes = seg.u32_at(OFF_SLOT_BYTES).load(Ordering::Relaxed) as usize;
+        if slots == 0
+            || slots > 1024
+            || slot_bytes == 0
+            || slot_bytes % PAGE != 0
+            || seg.map.len() < segment_bytes(slots, slot_bytes)
+        {
+            return Err(setup(format!(
+                "segment {path} has a bad geometry ({slots} x {slot_bytes})"
+            )));
+        }
+        seg.slots = slots;
+        seg.slot_bytes = slot_bytes;
+        Ok(seg)
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        // SAFETY: `off` is a constant 8-aligned offset inside the header (the mapping is page
+        // aligned and at least OFF_SLOT_HEADERS long); the memory lives as long as `self`
+        // and is only ever accessed atomically at this offset by both processes.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        // SAFETY: as in `u64_at`, with 4-byte alignment.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn head(&self) -> &AtomicU64 {
+        self.u64_at(OFF_HEAD)
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        self.u64_at(OFF_TAIL)
+    }
+
+    fn slot_header_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < self.slots);
+        // SAFETY: slot < slots, and the geometry was checked against the mapping length.
+        unsafe { self.map.as_mut_ptr().add(OFF_SLOT_HEADERS + slot * SLOT_HEADER_BYTES) }
+    }
+
+    fn payload_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < self.slots);
+        // SAFETY: as above; the payload area of slot `slot` spans `slot_bytes` bytes inside
+        // the mapping.
+        unsafe { self.map.as_mut_ptr().add(payload_base(self.slots) + slot * self.slot_bytes) }
+    }
+
+    /// Writes a poison record once (the first reason wins).
+    fn write_poison(&self, p: &Poison) {
+        if self.u32_at(OFF_POISONED).load(Ordering::Acquire) != 0 {
+            return;
+        }
+        let mut n = p.reason.len().min(POISON_REASON_MAX);
+        while !p.reason.is_char_boundary(n) {
+            n -= 1;
+        }
+        // SAFETY: the reason area [OFF_POISON_REASON, +POISON_REASON_MAX) is inside the
+        // header and written only by the sender before it publishes `poisoned` (Release).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                p.reason.as_ptr(),
+                self.map.as_mut_ptr().add(OFF_POISON_REASON),
+                n,
+            );
+        }
+        self.u32_at(OFF_POISON_ORIGIN).store(p.origin as u32, Ordering::Relaxed);
+        self.u32_at(OFF_POISON_LEN).store(n as u32, Ordering::Relaxed);
+        self.u32_at(OFF_POISONED).store(1, Ordering::Release);
+    }
+
+    fn read_poison(&self) -> Option<Poison> {
+        if self.u32_at(OFF_POISONED).load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let origin = self.u32_at(OFF_POISON_ORIGIN).load(Ordering::Relaxed) as usize;
+        let n =
+            (self.u32_at(OFF_POISON_LEN).load(Ordering::Relaxed) as usize).min(POISON_REASON_MAX);
+        let mut buf = vec![0u8; n];
+        // SAFETY: n <= POISON_REASON_MAX keeps the read inside the header's reason area,
+        // which the sender no longer writes once `poisoned` is set.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(OFF_POISON_REASON),
+                buf.as_mut_ptr(),
+                n,
+            );
+        }
+        Some(Poison { origin, reason: String::from_utf8_lossy(&buf).into_owned() })
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if let Some(p) = &self.path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Is process `pid` still running? Zombies count as dead: a killed child whose parent has
+/// not reaped it yet must not look alive.
+fn pid_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return true;
+    }
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Err(nix::errno::Errno::ESRCH) => false,
+        _ => match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the parenthesised command name, which may contain spaces.
+            Ok(stat) => !matches!(
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()),
+                Some('Z') | Some('X')
+            ),
+            Err(_) => true,
+        },
+    }
+}
+
+/// The shared-memory transport (see the module docs).
+pub struct ShmTransport {
+    rank: usize,
+    world: usize,
+    store: Arc<dyn Store>,
+    job: String,
+    /// How many times each lane was opened here: part of the store keys, so that reopening
+    /// a lane never picks up the segment names of an earlier opening.
+    opens: Mutex<HashMap<String, u64>>,
+    pids: Mutex<Vec<Option<i32>>>,
+    slots: usize,
+    slot_bytes: usize,
+}
+
+impl ShmTransport {
+    /// Creates this rank's transport and publishes its pid under the job's keys.
+    /// `job` names the job in the store keys and segment names (unique per job).
+    pub fn new(
+        rank: usize,
+        world: usize,
+        store: Arc<dyn Store>,
+        job: &str,
+    ) -> Result<Self, TransportError> {
+        if rank >= world {
+            return Err(setup(format!("rank {rank} out of world {world}")));
+        }
+        let slots = env_usize("SHARDLINE_SHM_SLOTS", DEFAULT_SLOTS).clamp(2, 1024);
+        let slot_bytes = env_usize("SHARDLINE_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES)
+            .clamp(PAGE, 64 << 20)
+            .div_ceil(PAGE)
+            * PAGE;
+        store
+            .set(&format!("shm/{job}/pid/{rank}"), std::process::id().to_string().as_bytes())
+            .map_err(|e| setup(format!("publishing pid: {e}")))?;
+        Ok(ShmTransport {
+            rank,
+            world,
+            store,
+            job: job.to_owned(),
+            opens: Mutex::new(HashMap::new()),
+            pids: Mutex::new(vec![None; world]),
+            slots,
+            slot_bytes,
+        })
+    }
+
+    fn peer_pid(&self, peer: usize, deadline: Instant) -> Result<i32, TransportError> {
+        if let Some(pid) = self.pids.lock().unwrap_or_else(|e| e.into_inner())[peer] {
+            return Ok(pid);
+        }
+        let key = format!("shm/{}/pid/{peer}", self.job);
+        let v = self.store.get(&key, deadline.saturating_duration_since(Instant::now())).map_err(
+            |e| match e {
+                crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer },
+                e => setup(e),
+            },
+        )?;
+        let pid = std::str::from_utf8(&v)
+            .ok()
+            .and_then(|s| s.parse::<i32>().ok())
+            .ok_or_else(|| setup(format!("rank {peer} published a bad pid")))?;
+        self.pids.lock().unwrap_or_else(|e| e.into_inner())[peer] = Some(pid);
+        Ok(pid)
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn open_lane(
+        &self,
+        lane: &str,
+        deadline: Instant,
+    ) -> Result<Box<dyn LaneLinks>, TransportError> {
+        let generation = {
+            let mut opens = self.opens.lock().unwrap_or_else(|e| e.into_inner());
+            let g = opens.entry(lane.to_owned()).or_insert(0);
+            *g += 1;
+            *g
+        };
+        let me = self.rank;
+        let safe_job: String = self
+            .job
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+            .take(32)
+            .collect();
+        let key =
+            |src: usize, dst: usize| format!("shm/{}/{lane}/{generation}/{src}->{dst}", self.job);
+        let mut outs: Vec<Option<Segment>> = (0..self.world).map(|_| None).collect();
+        for (p, out) in outs.iter_mut().enumerate() {
+            if p == me {
+                continue;
+            }
+            // The pid and a process-wide counter keep names of transports in one process apart.
+            let name = format!(
+                "shardline-{safe_job}-{:08x}-{generation}-{me}-{p}-{}-{}",
+                fnv1a(lane),
+                std::process::id(),
+                SEGMENT_COUNTER.fetch_add(1, Ordering::Relaxed)
+            );
+            let path = PathBuf::from("/dev/shm").join(&name);
+            // A leftover of a killed run with the same pid would block create_new.
+            let _ = std::fs::remove_file(&path);
+            let seg = Segment::create(path.clone(), self.slots, self.slot_bytes)?;
+            self.store
+                .set(&key(me, p), path.to_string_lossy().as_bytes())
+                .map_err(|e| setup(format!("publishing segment: {e}")))?;
+            *out = Some(seg);
+        }
+        let mut peers = Vec::with_capacity(self.world);
+        for (p, out) in outs.into_iter().enumerate() {
+            let Some(out) = out else {
+                peers.push(None);
+                continue;
+            };
+            let pid = self.peer_pid(p, deadline)?;
+            let name = self
+                .store
+                .get(&key(p, me), deadline.saturating_duration_since(Instant::now()))
+                .map_err(|e| match e {
+                    crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer: p },
+                    e => setup(e),
+                })?;
+            let name = String::from_utf8(name).map_err(|_| setup("bad segment name"))?;
+            let inn = Segment::open(&name)?;
+            peers.push(Some(Peer { out, inn, pid, out_head: 0, in_tail: 0 }));
+        }
+        Ok(Box::new(ShmLinks { rank: me, peers, idle_spins: 0 }))
+    }
+}
+
+/// Both directions of one pair on one lane.
+struct Peer {
+    /// me -> peer (created here; written here).
+    out: Segment,
+    /// peer -> me (created by the peer; read here).
+    inn: Segment,
+    pid: i32,
+    /// Local copy of `out.head` (only this side writes it).
+    out_head: u64,
+    /// Local copy of `inn.tail` (only this side writes it).
+    in_tail: u64,
+}
+
+/// One rank's shm links on one lane.
+struct ShmLinks {
+    rank: usize,
+    peers: Vec<Option<Peer>>,
+    /// Adaptive idle strategy: how long the last waits were (unused for now beyond stats).
+    idle_spins: u64,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Progress {
+    done_bytes: usize,
+    /// A zero-length message still takes one slot.
+    done: bool,
+}
+
+impl ShmLinks {
+    fn peer(&mut self, p: usize) -> Result<&mut Peer, TransportError> {
+        let rank = self.rank;
+        self.peers
+            .get_mut(p)
+            .and_then(|x| x.as_mut())
+            .ok_or_else(|| setup(format!("rank {rank} has no link to rank {p}")))
+    }
+
+    fn check_poison(&self) -> Result<(), TransportError> {
+        for p in self.peers.iter().flatten() {
+            if let Some(poison) = p.inn.read_poison() {
+                return Err(TransportError::Poisoned(poison));
+            }
+        }
+        Ok(())
+    }
+
+    /// Pushes as much of `data` as the ring takes; returns whether anything moved.
+    fn push(peer: &mut Peer, tag: &Tag, data: &[u8], st: &mut Progress) -> bool {
+        let seg = &peer.out;
+        let mut moved = false;
+        while !st.done {
+            let tail = seg.tail().load(Ordering::Acquire);
+            if peer.out_head - tail >= seg.slots as u64 {
+                break;
+            }
+            let slot = (peer.out_head % seg.slots as u64) as usize;
+            let n = (data.len() - st.done_bytes).min(seg.slot_bytes);
+            let mut h = [0u8; SLOT_HEADER_BYTES];
+            h[0..32].copy_from_slice(&tag.encode());
+            h[32..40].copy_from_slice(&(data.len() as u64).to_le_bytes());
+            h[40..48].copy_from_slice(&(st.done_bytes as u64).to_le_bytes());
+            h[48..52].copy_from_slice(&(n as u32).to_le_bytes());
+            // SAFETY: SHM-1: head - tail < slots, so the receiver is done with this slot and
+            // will not read it before `head` moves past it; n <= slot_bytes and the source
+            // range lies inside `data`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr().add(st.done_bytes),
+                    seg.payload_ptr(slot),
+                    n,
+                );
+                std::ptr::copy_nonoverlapping(
+                    h.as_ptr(),
+                    seg.slot_header_ptr(slot),
+                    SLOT_HEADER_BYTES,
+                );
+            }
+            peer.out_head += 1;
+            seg.head().store(peer.out_head, Ordering::Release);
+            st.done_bytes += n;
+            st.done = st.done_bytes == data.len();
+            moved = true;
+        }
+        moved
+    }
+
+    /// Delivers every published slot of the current message to the sink.
+    fn pull(
+        peer: &mut Peer,
+        peer_rank: usize,
+        tag: &Tag,
+        op: &mut RecvOp<'_>,
+        st: &mut Progress,
+    ) -> Result<bool, TransportError> {
+        let seg = &peer.inn;
+        let mut moved = false;
+        while !st.done {
+            let head = seg.head().load(Ordering::Acquire);
+            if peer.in_tail >= head {
+                break;
+            }
+            let slot = (peer.in_tail % seg.slots as u64) as usize;
+            let mut h = [0u8; SLOT_HEADER_BYTES];
+            // SAFETY: SHM-1: tail < head, so the sender finished this slot (its writes are
+            // visible through the Acquire load of head) and leaves it alone until tail moves.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    seg.slot_header_ptr(slot),
+                    h.as_mut_ptr(),
+                    SLOT_HEADER_BYTES,
+                );
+            }
+            let mut tb = [0u8; Tag::WIRE_BYTES];
+            tb.copy_from_slice(&h[0..32]);
+            let got = Tag::decode(&tb);
+            if got != *tag {
+                return Err(TransportError::TagMismatch { peer: peer_rank, expected: *tag, got });
+            }
+            let u64_at = |i: usize| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(&h[i..i + 8]);
+                u64::from_le_bytes(a)
+            };
+            let msg_len = u64_at(32) as usize;
+            if msg_len != op.len {
+                return Err(TransportError::LengthMismatch {
+                    peer: peer_rank,
+                    expected: op.len,
+                    got: msg_len,
+                });
+            }
+            let offset = u64_at(40) as usize;
+            let n = u32::from_le_bytes([h[48], h[49], h[50], h[51]]) as usize;
+            // SHM-2: the piece must continue the message and fit the slot.
+            if offset != st.done_bytes
+                || n > seg.slot_bytes
+                || n % 4 != 0
+                || offset + n > msg_len
+                || (n == 0 && msg_len != 0)
+            {
+                return Err(TransportError::Corrupt {
+                    peer: peer_rank,
+                    detail: format!(
+                        "piece at {offset} of {n} B (expected offset {})",
+                        st.done_bytes
+                    ),
+                });
+            }
+            if n > 0 {
+                // SAFETY: n <= slot_bytes keeps the slice inside this slot's payload, which
+                // the sender does not touch until we publish the new tail (SHM-1); the
+                // payload is page aligned, so the piece is 4-byte aligned (TR-2).
+                let piece = unsafe { std::slice::from_raw_parts(seg.payload_ptr(slot), n) };
+                (op.sink)(offset, piece);
+            }
+            peer.in_tail += 1;
+            seg.tail().store(peer.in_tail, Ordering::Release);
+            st.done_bytes += n;
+            st.done = st.done_bytes == msg_len;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// SHM-3: reports the first peer that is gone among `waiting_on`.
+    fn check_peers(&self, waiting_on: &[(usize, bool)]) -> Result<(), TransportError> {
+        for &(p, is_recv) in waiting_on {
+            let Some(peer) = self.peers.get(p).and_then(|x| x.as_ref()) else {
+                continue;
+            };
+            let closed = if is_recv {
+                peer.inn.u32_at(OFF_SENDER_CLOSED).load(Ordering::Acquire) != 0
+            } else {
+                peer.out.u32_at(OFF_RECEIVER_CLOSED).load(Ordering::Acquire) != 0
+            };
+            let detail = if closed {
+                Some("closed its endpoint".to_owned())
+            } else if !pid_alive(peer.pid) {
+                Some(format!("process {} is not alive", peer.pid))
+            } else {
+                None
+            };
+            if let Some(detail) = detail {
+                // Data published before the peer left is still delivered first.
+                if is_recv && peer.inn.head().load(Ordering::Acquire) > peer.in_tail {
+                    continue;
+                }
+                return Err(TransportError::PeerLost { peer: p, detail });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LaneLinks for ShmLinks {
+    fn exchange(
+        &mut self,
+        tag: Tag,
+        sends: &[SendOp<'_>],
+        recvs: &mut [RecvOp<'_>],
+        deadline: Instant,
+        cancel: &AtomicBool,
+    ) -> Result<(), TransportError> {
+        self.check_poison()?;
+        for s in sends {
+            self.peer(s.peer)?;
+        }
+        for r in recvs.iter() {
+            self.peer(r.peer)?;
+        }
+        let mut send_st = vec![Progress::default(); sends.len()];
+        let mut recv_st = vec![Progress::default(); recvs.len()];
+        let world = self.peers.len();
+        let mut busy = vec![false; world];
+        let mut idle_since: Option<Instant> = None;
+        let mut last_check = Instant::now();
+        let mut sleep = Duration::from_micros(20);
+        loop {
+            let mut moved = false;
+            let mut pending = false;
+            // Several messages to one peer in one step go in list order (TR-1).
+            busy.iter_mut().for_each(|b| *b = false);
+            for (op, st) in sends.iter().zip(send_st.iter_mut()) {
+                if st.done || busy[op.peer] {
+                    pending |= !st.done;
+                    continue;
+                }
+                busy[op.peer] = true;
+                let peer = self.peers[op.peer].as_mut().ok_or_else(|| setup("no link"))?;
+                moved |= Self::push(peer, &tag, op.data, st);
+                pending |= !st.done;
+            }
+            busy.iter_mut().for_each(|b| *b = false);
+            for (op, st) in recvs.iter_mut().zip(recv_st.iter_mut()) {
+                if st.done || busy[op.peer] {
+                    pending |= !st.done;
+                    continue;
+                }
+                busy[op.peer] = true;
+                let p = op.peer;
+                let peer = self.peers[p].as_mut().ok_or_else(|| setup("no link"))?;
+                moved |= Self::pull(peer, p, &tag, op, st)?;
+                pending |= !st.done;
+            }
+            if !pending {
+                return Ok(());
+            }
+            if moved {
+                idle_since = None;
+                sleep = Duration::from_micros(20);
+                continue;
+            }
+            let now = Instant::now();
+            let since = *idle_since.get_or_insert(now);
+            if cancel.load(Ordering::Relaxed) {
+                return Err(TransportError::Cancelled);
+            }
+            let waiting_on: Vec<(usize, bool)> = recvs
+                .iter()
+                .zip(&recv_st)
+                .filter(|(_, st)| !st.done)
+                .map(|(op, _)| (op.peer, true))
+                .chain(
+                    sends
+                        .iter()
+                        .zip(&send_st)
+                        .filter(|(_, st)| !st.done)
+                        .map(|(op, _)| (op.peer, false)),
+                )
+                .collect();
+            if now >= deadline {
+                return Err(TransportError::Timeout {
+                    peer: waiting_on.first().map_or(self.rank, |w| w.0),
+                });
+            }
+            if now.duration_since(last_check) >= LIVENESS_PERIOD {
+                last_check = now;
+                self.check_poison()?;
+                self.check_peers(&waiting_on)?;
+            }
+            // Small messages must not pay a wake-up per hop: spin briefly, then give the core
+            // away (other ranks may need it to make the progress we wait for), then sleep.
+            let idle = now.duration_since(since);
+            if idle < SPIN {
+                self.idle_spins += 1;
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            } else if idle < YIELD {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(sleep.min(deadline.saturating_duration_since(now)));
+                sleep = (sleep * 2).min(MAX_SLEEP);
+            }
+        }
+    }
+
+    fn poison(&mut self, poison: &Poison) {
+        for p in self.peers.iter().flatten() {
+            p.out.write_poison(poison);
+        }
+    }
+}
+
+impl Drop for ShmLinks {
+    fn drop(&mut self) {
+        for p in self.peers.iter().flatten() {
+            p.out.u32_at(OFF_SENDER_CLOSED).store(1, Ordering::Release);
+            p.inn.u32_at(OFF_RECEIVER_CLOSED).store(1, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod suite {
+    //! Transport tests run against every multi-rank transport (ranks as threads).
+
+    use super::*;
+    use crate::store::MemStore;
+    use std::sync::mpsc;
+
+    pub(crate) const T: Duration = Duration::from_secs(20);
+
+    /// Makes the transport of `rank` of `world` over a shared store.
+    pub(crate) type Factory = dyn Fn(usize, usize, Arc<dyn Store>) -> Box<dyn Transport> + Sync;
+
+    /// Runs `f(rank, links)` on `world` threads, each with the lane "l" open; returns the
+    /// results in rank order. Fails (instead of hanging) after `T`.
+    pub(crate) fn run<R: Send + 'static>(
+        make: &'static Factory,
+        world: usize,
+        f: impl Fn(usize, &mut dyn LaneLinks) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let f = Arc::new(f);
+        let (tx, rx) = mpsc::channel();
+        for rank in 0..world {
+            let (store, f, tx) = (store.clone(), f.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let t = make(rank, world, store);
+                let mut links = t.open_lane("l", Instant::now() + T).unwrap();
+                let r = f(rank, links.as_mut());
+                let _ = tx.send((rank, r));
+                // Keep the endpoint open until every rank finished with it.
+                std::thread::sleep(Duration::from_millis(200));
+                drop(links);
+            });
+        }
+        let mut out: Vec<Option<R>> = (0..world).map(|_| None).collect();
+        for _ in 0..world {
+            let (rank, r) = rx.recv_timeout(T * 2).expect("a rank hung or panicked");
+            out[rank] = Some(r);
+        }
+        out.into_iter().map(|r| r.unwrap()).collect()
+    }
+
+    pub(crate) fn tag(step: u32) -> Tag {
+        Tag { lane: 7, seq: 3, kind: 1, count: 10, root: u32::MAX, step }
+    }
+
+    fn payload(src: usize, step: usize, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i.wrapping_mul(31) ^ (src * 7 + step * 13)) as u8).collect()
+    }
+
+    /// TR-1, TR-2, TR-5: every rank sends to every other rank at once, for sizes around the
+    /// slot/chunk boundaries; bytes arrive complete, in order, in aligned pieces.
+    pub(crate) fn all_to_all(make: &'static Factory, world: usize) {
+        let sizes = [0usize, 4, 1000, 256 << 10, (1 << 20) + 12, (3 << 20) + 4];
+        let res = run(make, world, move |rank, links| {
+            for (step, &len) in sizes.iter().enumerate() {
+                let data: Vec<Vec<u8>> = (0..world).map(|_| payload(rank, step, len)).collect();
+                let sends: Vec<SendOp<'_>> = (0..world)
+                    .filter(|&p| p != rank)
+                    .map(|p| SendOp { peer: p, data: &data[p] })
+                    .collect();
+                let mut got: Vec<Vec<u8>> = vec![Vec::new(); world];
+                let bad_piece = std::cell::Cell::new(false);
+                {
+                    let mut sinks: Vec<_> = got
+                        .iter_mut()
+                        .map(|g| {
+                            let bad = &bad_piece;
+                            move |off: usize, piece: &[u8]| {
+                                // TR-2
+                                if off != g.len()
+                                    || off % 4 != 0
+                                    || piece.len() % 4 != 0
+                                    || piece.as_ptr() as usize % 4 != 0
+                                {
+                                    bad.set(true);
+                                }
+                                g.extend_from_slice(piece);
+                            }
+                        })
+                        .collect();
+                    let mut recvs: Vec<RecvOp<'_>> = sinks
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(p, _)| *p != rank)
+                        .map(|(p, s)| RecvOp { peer: p, len, sink: s })
+                        .collect();
+                    links
+                        .exchange(
+                            tag(step as u32),
+                            &sends,
+                            &mut recvs,
+                            Instant::now() + T,
+                            &AtomicBool::new(false),
+                        )
+                        .unwrap();
+                }
+                assert!(!bad_piece.get(), "TR-2 violated at len {len}");
+                for (p, g) in got.iter().enumerate() {
+                    if p != rank {
+                        assert!(*g == payload(p, step, len), "rank {rank} from {p}, len {len}");
+                    }
+                }
+            }
+            true
+        });
+        assert!(res.into_iter().all(|x| x));
+    }
+
+    fn one(
+        links: &mut dyn LaneLinks,
+        t: Tag,
+        to: Option<(usize, &[u8])>,
+        from: Option<(usize, usize)>,
+        deadline: Duration,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<u8>, TransportError> {
+        let mut got = Vec::new();
+        let mut sink = |_: usize, p: &[u8]| got.extend_from_slice(p);
+        let sends: Vec<SendOp<'_>> =
+            to.map(|(peer, data)| SendOp { peer, data }).into_iter().collect();
+        let mut recvs: Vec<RecvOp<'_>> =
+            from.map(|(peer, len)| RecvOp { peer, len, sink: &mut sink }).into_iter().collect();
+        links.exchange(t, &sends, &mut recvs, Instant::now() + deadline, cancel)?;
+        drop(recvs);
+        Ok(got)
+    }
+
+    /// Tag and length mismatches are reported, not consumed as data.
+    pub(crate) fn mismatches(make: &'static Factory) {
+        let res = run(make, 2, |rank, links| {
+            let c = AtomicBool::new(false);
+            if rank == 0 {
+                let _ = one(links, tag(1), Some((1, &[0u8; 8])), None, T, &c);
+                let _ = one(links, tag(2), Some((1, &[0u8; 8])), None, T, &c);
+                None
+            } else {
+                let a = one(links, tag(9), None, Some((0, 8)), T, &c).err();
+                Some(a)
+            }
+        });
+        match &res[1] {
+            Some(Some(TransportError::TagMismatch { peer: 0, expected, got })) => {
+                assert_eq!(expected.step, 9);
+                assert_eq!(got.step, 1);
+            }
+            other => panic!("expected TagMismatch, got {other:?}"),
+        }
+        let res = run(make, 2, |rank, links| {
+            let c = AtomicBool::new(false);
+            if rank == 0 {
+                one(links, tag(1), Some((1, &[0u8; 8])), None, T, &c).err()
+            } else {
+                one(links, tag(1), None, Some((0, 12)), T, &c).err()
+            }
+        });
+        assert!(
+            matches!(
+                res[1],
+                Some(TransportError::LengthMismatch { peer: 0, expected: 12, got: 8 })
+            ),
+            "{res:?}"
+        );
+    }
+
+    /// TR-3 (deadline and cancel) and TR-4 (a dropped endpoint), plus poison.
+    pub(crate) fn failures(make: &'static Factory) {
+        // TR-3: nobody sends; the deadline fires and names the peer.
+        let res = run(make, 2, |rank, links| {
+            let c = AtomicBool::new(false);
+            (rank == 1).then(|| {
+                one(links, tag(0), None, Some((0, 4)), Duration::from_millis(100), &c).err()
+            })
+        });
+        assert!(matches!(res[1], Some(Some(TransportError::Timeout { peer: 0 }))), "{res:?}");
+        // TR-3: cancel set from another thread.
+        let res = run(make, 2, |rank, links| {
+            let c = Arc::new(AtomicBool::new(false));
+            let c2 = c.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                c2.store(true, Ordering::Relaxed);
+            });
+            (rank == 1).then(|| one(links, tag(0), None, Some((0, 4)), T, &c).err())
+        });
+        assert!(matches!(res[1], Some(Some(TransportError::Cancelled))), "{res:?}");
+        // Poison: rank 0 fails and tells rank 1, which waits on it.
+        let res = run(make, 2, |rank, links| {
+            let c = AtomicBool::new(false);
+            if rank == 0 {
+                std::thread::sleep(Duration::from_millis(30));
+                links.poison(&Poison { origin: 0, reason: "disk on fire".into() });
+                None
+            } else {
+                one(links, tag(0), None, Some((0, 4)), T, &c).err()
+            }
+        });
+        match &res[1] {
+            Some(TransportError::Poisoned(p)) => {
+                assert_eq!((p.origin, p.reason.as_str()), (0, "disk on fire"))
+            }
+            other => panic!("expected Poisoned, got {other:?}"),
+        }
+        // TR-4: rank 0 drops its endpoint without sending.
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let s2 = store.clone();
+        let h = std::thread::spawn(move || {
+            let t = make(0, 2, s2);
+            let links = t.open_lane("l", Instant::now() + T).unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            drop(links);
+            drop(t);
+        });
+        let t = make(1, 2, store);
+        let mut links = t.open_lane("l", Instant::now() + T).unwrap();
+        let err = one(links.as_mut(), tag(0), None, Some((0, 4)), T, &AtomicBool::new(false)).err();
+        h.join().unwrap();
+        assert!(matches!(err, Some(TransportError::PeerLost { peer: 0, .. })), "{err:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::suite;
+    use super::*;
+
+    fn make(rank: usize, world: usize, store: Arc<dyn Store>) -> Box<dyn Transport> {
+        Box::new(ShmTransport::new(rank, world, store, "unit").unwrap())
+    }
+
+    /// TR-1, TR-2, TR-5
+    #[test]
+    fn shm_all_to_all_w2_w3() {
+        suite::all_to_all(&make, 2);
+        suite::all_to_all(&make, 3);
+    }
+
+    #[test]
+    fn shm_mismatches() {
+        suite::mismatches(&make);
+    }
+
+    /// TR-3, TR-4
+    #[test]
+    fn shm_failures() {
+        suite::failures(&make);
+    }
+
+    /// SHM-2: a segment with a bad geometry is refused on open.
+    #[test]
+    fn shm_refuses_a_bad_segment() {
+        let path = format!("/dev/shm/shardline-test-bad-{}", std::process::id());
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        assert!(matches!(Segment::open(&path), Err(TransportError::Setup(_))));
+        assert!(!std::path::Path::new(&path).exists(), "receiver unlinks the segment");
+    }
+
+    #[test]
+    fn zombie_or_missing_pid_is_dead() {
+        assert!(pid_alive(std::process::id() as i32));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let end = Instant::now() + suite::T;
+        // Unreaped, the exited child is a zombie: it must already count as dead.
+        while pid_alive(pid) {
+            assert!(Instant::now() < end, "child never exited");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!pid_alive(pid));
+    }
+}
