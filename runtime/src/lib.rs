@@ -1,2 +1,48 @@
-//! # shardline-runtime (in progress)
+//! # shardline-runtime
+//!
+//! The actor runtime and sharding engine of Shardline (see ARCHITECTURE.md, "runtime").
+//! Its building blocks, bottom up:
+//!
+//! - [`shard`]: flat parameters, padding, shard ranges, resharding and the ZeRO stage rules
+//!   ([`Stage`]), with the theoretical per-rank model-state estimate.
+//! - [`optim`]: SGD (momentum) and AdamW over shard slices, gradient-norm clipping;
+//!   [`schedule`]: learning-rate warmup + cosine.
+//! - [`memory`]: per-rank memory accounting by category against an optional cap.
+//! - [`checkpoint`]: sharded, atomic, reshardable checkpoints; safetensors export.
+//! - [`error`]: the crate's error type, [`RuntimeError`].
+//!
+//! The engine (forward/backward schedule per stage), the actors (`RankActor`,
+//! `Coordinator`), telemetry and the `shardline` CLI build on these modules.
+//!
+//! ```
+//! use shardline_models::{ModelSpec, ParamSpec, UnitSpec};
+//! use shardline_runtime::shard::{ShardedModelLayout, Stage};
+//! let unit = UnitSpec {
+//!     name: "fc".into(),
+//!     params: vec![
+//!         ParamSpec { name: "fc.weight".into(), shape: vec![3, 3] },
+//!         ParamSpec { name: "fc.bias".into(), shape: vec![3] },
+//!     ],
+//!     buffers: vec![],
+//! };
+//! let spec = ModelSpec { name: "tiny".into(), units: vec![unit] };
+//! let layout = ShardedModelLayout::new(&spec, 5).unwrap();
+//! assert_eq!(layout.unit(0).padded_numel(), 15);
+//! assert_eq!(layout.unit(0).shard_range(4), 12..15);
+//! assert!(!Stage::Zero3.keeps_full_params());
+//! ```
 #![deny(missing_docs)]
+
+pub mod checkpoint;
+pub mod error;
+pub mod memory;
+pub mod optim;
+pub mod schedule;
+pub mod shard;
+// Engine, actors, telemetry and CLI modules are declared here as they land.
+
+pub use error::{Result, RuntimeError};
+pub use memory::{Allocation, Category, MemoryTracker};
+pub use optim::Optimizer;
+pub use schedule::LrSchedule;
+pub use shard::{FlatLayout, ShardedModelLayout, Stage};

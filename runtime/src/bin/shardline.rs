@@ -1,1 +1,2 @@
+//! `shardline`: the command-line entry point (train, launch, checkpoint).
 fn main() {}

@@ -1,0 +1,66 @@
+//! The runtime's error type. Recoverable faults (a cap exceeded, a bad or damaged checkpoint,
+//! an impossible configuration, a failed collective) are errors; broken invariants are asserts.
+
+use std::path::PathBuf;
+
+use shardline_collectives::error::CollectiveError;
+
+use crate::memory::{format_bytes, Category};
+
+/// Errors of the runtime.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuntimeError {
+    /// An allocation would exceed the rank's memory cap (`--device-memory`).
+    #[error(
+        "rank {rank}: allocating {} for {} {what} would exceed the {} cap; in use: {breakdown}",
+        format_bytes(*requested),
+        category.label(),
+        format_bytes(*cap)
+    )]
+    OutOfMemory {
+        /// The rank whose tracker refused.
+        rank: usize,
+        /// Category of the refused allocation.
+        category: Category,
+        /// What was being allocated, e.g. `blocks.3`.
+        what: String,
+        /// Bytes requested.
+        requested: u64,
+        /// The cap.
+        cap: u64,
+        /// Bytes in use before the request.
+        in_use: u64,
+        /// Human breakdown of what is in use, by category.
+        breakdown: String,
+    },
+    /// A checkpoint file is missing, damaged, inconsistent or does not match this run.
+    #[error("checkpoint {}: {detail}", file.display())]
+    Checkpoint {
+        /// The offending file or directory.
+        file: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// An impossible or inconsistent configuration (world 0, unknown stage, mismatched sizes).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A collective operation failed.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+}
+
+impl RuntimeError {
+    /// Shorthand for a [`RuntimeError::Checkpoint`] naming `file`.
+    pub fn checkpoint(file: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
+        RuntimeError::Checkpoint { file: file.into(), detail: detail.into() }
+    }
+
+    /// Shorthand for a [`RuntimeError::Config`].
+    pub fn config(detail: impl Into<String>) -> Self {
+        RuntimeError::Config(detail.into())
+    }
+}
+
+/// Result alias of the runtime.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

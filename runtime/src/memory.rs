@@ -1,0 +1,415 @@
+//! Per-rank memory accounting against an optional cap, like a GPU's memory.
+//!
+//! Every buffer the engine allocates is registered with the rank's [`MemoryTracker`] under a
+//! [`Category`]; the returned [`Allocation`] is an RAII guard that gives the bytes back when
+//! dropped. An allocation that would exceed the cap is refused with
+//! [`RuntimeError::OutOfMemory`], naming what was being allocated and the current breakdown.
+//!
+//! # Invariants
+//!
+//! - **MEM-1**: `current(cat)` is the sum of the live allocations of `cat`; the total is the
+//!   sum over categories.
+//! - **MEM-2**: with a cap, the total in use never exceeds it: a refused allocation changes
+//!   nothing.
+//! - **MEM-3**: peaks are monotone until `reset_peaks` and are never below the current value;
+//!   the total peak is the peak of the total, not the sum of per-category peaks.
+//!
+//! ```
+//! use shardline_runtime::memory::{Category, MemoryTracker};
+//! let mem = MemoryTracker::new(0, Some(1024));
+//! let a = mem.alloc(Category::ShardParams, 800, "blocks.0").unwrap();
+//! assert!(mem.alloc(Category::GatheredUnits, 400, "blocks.1").is_err());
+//! drop(a);
+//! assert_eq!(mem.total(), 0);
+//! assert_eq!(mem.peak_total(), 800);
+//! ```
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, RuntimeError};
+
+/// What a tracked buffer is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Category {
+    /// Full (unsharded) parameters kept between steps (stages 0-2).
+    FullParams,
+    /// This rank's parameter shards.
+    ShardParams,
+    /// Gradients (full or shard).
+    Grads,
+    /// Optimizer state (full or shard).
+    OptimizerState,
+    /// Units gathered for compute at stage 3 (including prefetched ones).
+    GatheredUnits,
+    /// Saved activations and temporaries of forward/backward.
+    Activations,
+    /// Staging buffers of collectives.
+    CommBuffers,
+}
+
+impl Category {
+    /// All categories in display order.
+    pub const ALL: [Category; 7] = [
+        Category::FullParams,
+        Category::ShardParams,
+        Category::Grads,
+        Category::OptimizerState,
+        Category::GatheredUnits,
+        Category::Activations,
+        Category::CommBuffers,
+    ];
+
+    /// Short human label used in breakdowns and errors.
+    pub fn label(self) -> &'static str {
+        match self {
+            Category::FullParams => "params",
+            Category::ShardParams => "shard params",
+            Category::Grads => "grads",
+            Category::OptimizerState => "optimizer state",
+            Category::GatheredUnits => "gathered unit",
+            Category::Activations => "activations",
+            Category::CommBuffers => "comm buffers",
+        }
+    }
+
+    /// Stable snake_case key (metrics labels, JSON).
+    pub fn key(self) -> &'static str {
+        match self {
+            Category::FullParams => "full_params",
+            Category::ShardParams => "shard_params",
+            Category::Grads => "grads",
+            Category::OptimizerState => "optimizer_state",
+            Category::GatheredUnits => "gathered_units",
+            Category::Activations => "activations",
+            Category::CommBuffers => "comm_buffers",
+        }
+    }
+
+    fn idx(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Category {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// Formats a byte count with binary units and one decimal: `12.0 MiB`, `512 B`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    current: [u64; 7],
+    peak: [u64; 7],
+    total: u64,
+    peak_total: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    rank: usize,
+    cap: Option<u64>,
+    counters: Mutex<Counters>,
+}
+
+/// One rank's memory tracker. Cloning gives another handle to the same counters.
+#[derive(Clone, Debug)]
+pub struct MemoryTracker {
+    inner: Arc<Inner>,
+}
+
+/// A point-in-time copy of a tracker's counters.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemorySnapshot {
+    /// The rank.
+    pub rank: usize,
+    /// The cap, if any.
+    pub cap: Option<u64>,
+    /// Bytes in use per category, in [`Category::ALL`] order.
+    pub current: [u64; 7],
+    /// Peak bytes per category, in [`Category::ALL`] order.
+    pub peak: [u64; 7],
+    /// Bytes in use in total.
+    pub total: u64,
+    /// Peak of the total.
+    pub peak_total: u64,
+}
+
+impl MemorySnapshot {
+    /// Bytes in use for `cat`.
+    pub fn current(&self, cat: Category) -> u64 {
+        self.current[cat.idx()]
+    }
+    /// Peak bytes for `cat`.
+    pub fn peak(&self, cat: Category) -> u64 {
+        self.peak[cat.idx()]
+    }
+}
+
+impl MemoryTracker {
+    /// A tracker for `rank`, with an optional cap in bytes.
+    pub fn new(rank: usize, cap: Option<u64>) -> Self {
+        MemoryTracker {
+            inner: Arc::new(Inner { rank, cap, counters: Mutex::new(Counters::default()) }),
+        }
+    }
+
+    /// The rank this tracker counts for.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// The cap, if any.
+    pub fn cap(&self) -> Option<u64> {
+        self.inner.cap
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Counters> {
+        // A panic while holding the lock cannot leave the counters half-updated (every
+        // update is a few integer stores), so a poisoned lock is still usable.
+        self.inner.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers `bytes` of `cat` for `what` (e.g. `blocks.3`). Refused with
+    /// [`RuntimeError::OutOfMemory`] if it would exceed the cap (MEM-2).
+    pub fn alloc(&self, cat: Category, bytes: u64, what: &str) -> Result<Allocation> {
+        let mut c = self.lock();
+        let new_total = c.total.saturating_add(bytes);
+        if let Some(cap) = self.inner.cap {
+            if new_total > cap {
+                let breakdown = breakdown_of(&c.current, c.total);
+                return Err(RuntimeError::OutOfMemory {
+                    rank: self.inner.rank,
+                    category: cat,
+                    what: what.to_string(),
+                    requested: bytes,
+                    cap,
+                    in_use: c.total,
+                    breakdown,
+                });
+            }
+        }
+        let i = cat.idx();
+        c.current[i] += bytes;
+        c.peak[i] = c.peak[i].max(c.current[i]);
+        c.total = new_total;
+        c.peak_total = c.peak_total.max(new_total);
+        Ok(Allocation { tracker: self.clone(), cat, bytes })
+    }
+
+    /// Registers `count` f32 values (4 bytes each).
+    pub fn alloc_f32(&self, cat: Category, count: usize, what: &str) -> Result<Allocation> {
+        self.alloc(cat, count as u64 * 4, what)
+    }
+
+    fn free(&self, cat: Category, bytes: u64) {
+        let mut c = self.lock();
+        let i = cat.idx();
+        c.current[i] = c.current[i].saturating_sub(bytes);
+        c.total = c.total.saturating_sub(bytes);
+    }
+
+    /// Bytes in use for `cat`.
+    pub fn current(&self, cat: Category) -> u64 {
+        self.lock().current[cat.idx()]
+    }
+    /// Peak bytes for `cat` since creation or the last [`reset_peaks`](Self::reset_peaks).
+    pub fn peak(&self, cat: Category) -> u64 {
+        self.lock().peak[cat.idx()]
+    }
+    /// Bytes in use in total.
+    pub fn total(&self) -> u64 {
+        self.lock().total
+    }
+    /// Peak of the total.
+    pub fn peak_total(&self) -> u64 {
+        self.lock().peak_total
+    }
+    /// Sets every peak to the current value (e.g. at the start of a measured step).
+    pub fn reset_peaks(&self) {
+        let mut c = self.lock();
+        c.peak = c.current;
+        c.peak_total = c.total;
+    }
+    /// A copy of all counters.
+    pub fn snapshot(&self) -> MemorySnapshot {
+        let c = self.lock();
+        MemorySnapshot {
+            rank: self.inner.rank,
+            cap: self.inner.cap,
+            current: c.current,
+            peak: c.peak,
+            total: c.total,
+            peak_total: c.peak_total,
+        }
+    }
+    /// Human breakdown of what is in use: `params 40.1 MiB, grads 10.0 MiB, total 50.1 MiB`.
+    pub fn breakdown(&self) -> String {
+        let c = self.lock();
+        breakdown_of(&c.current, c.total)
+    }
+}
+
+fn breakdown_of(current: &[u64; 7], total: u64) -> String {
+    let mut parts: Vec<String> = Category::ALL
+        .iter()
+        .filter(|c| current[c.idx()] > 0)
+        .map(|c| format!("{} {}", c.label(), format_bytes(current[c.idx()])))
+        .collect();
+    parts.push(format!("total {}", format_bytes(total)));
+    parts.join(", ")
+}
+
+/// RAII registration of a tracked buffer; frees its bytes on drop.
+#[derive(Debug)]
+#[must_use = "dropping an Allocation frees its bytes at once"]
+pub struct Allocation {
+    tracker: MemoryTracker,
+    cat: Category,
+    bytes: u64,
+}
+
+impl Allocation {
+    /// Bytes registered.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// Category.
+    pub fn category(&self) -> Category {
+        self.cat
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.tracker.free(self.cat, self.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1024 * 1024;
+
+    #[test]
+    fn format_bytes_units() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(1024), "1.0 KiB");
+        assert_eq!(format_bytes(12 * MIB), "12.0 MiB");
+        assert_eq!(format_bytes(40 * MIB + MIB / 10 + 1), "40.1 MiB");
+        assert_eq!(format_bytes(3 * 1024 * MIB), "3.0 GiB");
+    }
+
+    /// MEM-2: the OOM error names what, the cap and the breakdown; nothing changes.
+    #[test]
+    fn oom_names_allocation_and_breakdown() {
+        let mem = MemoryTracker::new(2, Some(64 * MIB));
+        let _p = mem.alloc(Category::FullParams, 40 * MIB, "params").unwrap();
+        let _g = mem.alloc(Category::Grads, 20 * MIB, "grads").unwrap();
+        let err = mem.alloc(Category::GatheredUnits, 12 * MIB, "blocks.3").unwrap_err();
+        let msg = err.to_string();
+        assert_eq!(
+            msg,
+            "rank 2: allocating 12.0 MiB for gathered unit blocks.3 would exceed the 64.0 MiB \
+             cap; in use: params 40.0 MiB, grads 20.0 MiB, total 60.0 MiB"
+        );
+        assert!(matches!(
+            err,
+            RuntimeError::OutOfMemory { requested, in_use, .. } if requested == 12 * MIB && in_use == 60 * MIB
+        ));
+        assert_eq!(mem.total(), 60 * MIB);
+        assert_eq!(mem.current(Category::GatheredUnits), 0);
+        // Exactly at the cap is allowed.
+        let _a = mem.alloc(Category::Activations, 4 * MIB, "act").unwrap();
+        assert_eq!(mem.total(), 64 * MIB);
+        assert!(mem.alloc(Category::CommBuffers, 1, "one byte").is_err());
+    }
+
+    /// MEM-3: the total peak is the peak of the sum, not the sum of peaks.
+    #[test]
+    fn peaks_and_reset() {
+        let mem = MemoryTracker::new(0, None);
+        {
+            let _a = mem.alloc(Category::GatheredUnits, 100, "u0").unwrap();
+        }
+        let b = mem.alloc(Category::Activations, 70, "act").unwrap();
+        assert_eq!(mem.peak(Category::GatheredUnits), 100);
+        assert_eq!(mem.peak(Category::Activations), 70);
+        assert_eq!(mem.peak_total(), 100);
+        mem.reset_peaks();
+        assert_eq!(mem.peak(Category::GatheredUnits), 0);
+        assert_eq!(mem.peak_total(), 70);
+        drop(b);
+        let s = mem.snapshot();
+        assert_eq!(s.total, 0);
+        assert_eq!(s.peak(Category::Activations), 70);
+    }
+
+    #[test]
+    fn handles_share_counters_across_threads() {
+        let mem = MemoryTracker::new(0, None);
+        let m2 = mem.clone();
+        let h = std::thread::spawn(move || m2.alloc_f32(Category::CommBuffers, 10, "bucket"));
+        let a = h.join().expect("thread panicked").unwrap();
+        assert_eq!(mem.current(Category::CommBuffers), 40);
+        drop(a);
+        assert_eq!(mem.total(), 0);
+    }
+
+    proptest! {
+        /// MEM-1, MEM-2, MEM-3 against a naive model of the counters.
+        #[test]
+        fn matches_naive_model(ops in proptest::collection::vec((0usize..7, 0u64..500, any::<bool>()), 0..60),
+                               cap in proptest::option::of(200u64..3000)) {
+            let mem = MemoryTracker::new(0, cap);
+            let mut live: Vec<Allocation> = Vec::new();
+            let mut naive: Vec<(usize, u64)> = Vec::new();
+            let mut naive_peak_total = 0;
+            for (cat, bytes, free) in ops {
+                if free && !live.is_empty() {
+                    drop(live.remove(0));
+                    naive.remove(0);
+                } else {
+                    let total: u64 = naive.iter().map(|x| x.1).sum();
+                    let r = mem.alloc(Category::ALL[cat], bytes, "x");
+                    if cap.is_some_and(|c| total + bytes > c) {
+                        prop_assert!(r.is_err());
+                    } else {
+                        live.push(r.unwrap());
+                        naive.push((cat, bytes));
+                    }
+                }
+                let total: u64 = naive.iter().map(|x| x.1).sum();
+                naive_peak_total = naive_peak_total.max(total);
+                prop_assert_eq!(mem.total(), total);
+                for c in Category::ALL {
+                    let cur: u64 = naive.iter().filter(|x| x.0 == c.idx()).map(|x| x.1).sum();
+                    prop_assert_eq!(mem.current(c), cur);
+                    prop_assert!(mem.peak(c) >= cur);
+                }
+                prop_assert_eq!(mem.peak_total(), naive_peak_total);
+                if let Some(c) = cap { prop_assert!(mem.total() <= c); }
+            }
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! Optimizers over flat slices: SGD (momentum, weight decay) and AdamW, with PyTorch's
+//! semantics, plus global gradient-norm clipping.
+//!
+//! An optimizer step is elementwise, so it runs on any slice of a unit's flat buffer: the
+//! engine calls [`Optimizer::step`] with a rank's own shard of params, grads and state. The
+//! state is interleaved, `state_len_per_param()` values per element (`[m0, v0, m1, v1, ...]`
+//! for AdamW), so the state of elements `a..b` is the contiguous range `a*k..b*k`, and it is
+//! sharded, checkpointed and resharded exactly like the params with width `k`.
+//!
+//! # Invariants
+//!
+//! - **OPT-1**: stepping a slice equals stepping the whole buffer restricted to that slice,
+//!   bitwise.
+//! - **OPT-2**: zero padding stays zero: an element with param 0 and grad 0 and zero state is
+//!   left at 0 with zero state.
+//! - **OPT-3**: `step` is 1-based and counts optimizer steps taken including this one; SGD
+//!   initializes its momentum buffer to the gradient at step 1 (PyTorch's first-step rule).
+//!
+//! ```
+//! use shardline_runtime::optim::{Optimizer, SgdConfig};
+//! let opt = Optimizer::Sgd(SgdConfig { momentum: 0.9, ..SgdConfig::default() });
+//! let mut p = vec![1.0f32, 2.0];
+//! let mut state = vec![0.0; p.len() * opt.state_len_per_param()];
+//! opt.step(0.1, 1, &mut p, &[1.0, -1.0], &mut state).unwrap();
+//! assert_eq!(p, vec![0.9, 2.1]);
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, RuntimeError};
+
+/// SGD hyper-parameters (PyTorch `torch.optim.SGD`, without the learning rate, which comes
+/// from the schedule at each step).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SgdConfig {
+    /// Momentum factor; 0 disables the momentum buffer. Default 0.
+    pub momentum: f32,
+    /// Dampening for momentum. Default 0.
+    pub dampening: f32,
+    /// L2 penalty added to the gradient (coupled weight decay). Default 0.
+    pub weight_decay: f32,
+    /// Nesterov momentum. Default false.
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig { momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false }
+    }
+}
+
+/// AdamW hyper-parameters (PyTorch `torch.optim.AdamW`, without the learning rate).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Coefficient of the first-moment average. Default 0.9.
+    pub beta1: f32,
+    /// Coefficient of the second-moment average. Default 0.999.
+    pub beta2: f32,
+    /// Added to the denominator. Default 1e-8.
+    pub eps: f32,
+    /// Decoupled weight decay. Default 0.01.
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+/// An optimizer over flat slices.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Optimizer {
+    /// Stochastic gradient descent.
+    Sgd(SgdConfig),
+    /// Adam with decoupled weight decay.
+    AdamW(AdamWConfig),
+}
+
+impl Optimizer {
+    /// Short name (`sgd`, `adamw`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Optimizer::Sgd(_) => "sgd",
+            Optimizer::AdamW(_) => "adamw",
+        }
+    }
+
+    /// State values per parameter element: SGD 1 with momentum, else 0; AdamW 2.
+    pub fn state_len_per_param(&self) -> usize {
+        match self {
+            Optimizer::Sgd(c) if c.momentum != 0.0 => 1,
+            Optimizer::Sgd(_) => 0,
+            Optimizer::AdamW(_) => 2,
+        }
+    }
+
+    /// One step over a slice. `step` is the 1-based number of this step (OPT-3), `lr` the
+    /// learning rate for it. `state` holds `state_len_per_param()` values per element.
+    pub fn step(
+        &self,
+        lr: f32,
+        step: u64,
+        params: &mut [f32],
+        grads: &[f32],
+        state: &mut [f32],
+    ) -> Result<()> {
+        let k = self.state_len_per_param();
+        if grads.len() != params.len() || state.len() != params.len() * k {
+            return Err(RuntimeError::config(format!(
+                "optimizer slices disagree: {} params, {} grads, {} state values (want {})",
+                params.len(),
+                grads.len(),
+                state.len(),
+                params.len() * k
+            )));
+        }
+        if step == 0 {
+            return Err(RuntimeError::config("optimizer steps are numbered from 1"));
+        }
+        match self {
+            Optimizer::Sgd(c) => sgd_step(c, lr, step, params, grads, state),
+            Optimizer::AdamW(c) => adamw_step(c, lr, step, params, grads, state),
+        }
+        Ok(())
+    }
+}
+
+fn sgd_step(c: &SgdConfig, lr: f32, step: u64, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
+    let momentum = c.momentum != 0.0;
+    for i in 0..p.len() {
+        let mut d = g[i];
+        if c.weight_decay != 0.0 {
+            d += c.weight_decay * p[i];
+        }
+        if momentum {
+            let b = if step == 1 { d } else { c.momentum * buf[i] + (1.0 - c.dampening) * d };
+            buf[i] = b;
+            d = if c.nesterov { d + c.momentum * b } else { b };
+        }
+        p[i] -= lr * d;
+    }
+}
+
+fn adamw_step(c: &AdamWConfig, lr: f32, step: u64, p: &mut [f32], g: &[f32], st: &mut [f32]) {
+    // PyTorch computes these scalars in double precision on the host, then applies them
+    // to f32 tensors.
+    let t = step as i32;
+    let bc1 = 1.0 - (c.beta1 as f64).powi(t);
+    let bc2_sqrt = (1.0 - (c.beta2 as f64).powi(t)).sqrt();
+    let step_size = (lr as f64 / bc1) as f32;
+    let bc2_sqrt = bc2_sqrt as f32;
+    let decay = 1.0 - lr * c.weight_decay;
+    for i in 0..p.len() {
+        let gi = g[i];
+        p[i] *= decay;
+        let m = &mut st[2 * i];
+        *m += (gi - *m) * (1.0 - c.beta1);
+        let m = *m;
+        let v = &mut st[2 * i + 1];
+        *v = *v * c.beta2 + (1.0 - c.beta2) * gi * gi;
+        let denom = v.sqrt() / bc2_sqrt + c.eps;
+        p[i] -= step_size * (m / denom);
+    }
+}
+
+/// Sum of squares of a (local) gradient slice, in f64 so that the sum over ranks and units
+/// is insensitive to order at f32 precision.
+pub fn sq_norm(grads: &[f32]) -> f64 {
+    grads.iter().map(|&g| (g as f64) * (g as f64)).sum()
+}
+
+/// The clipping coefficient of PyTorch's `clip_grad_norm_`: `max_norm / (norm + 1e-6)`
+/// clamped to at most 1, where `norm = sqrt(total_sq_norm)` is the global gradient norm
+/// (the engine all-reduces the local [`sq_norm`]s). Multiply every gradient by it.
+pub fn clip_coef(total_sq_norm: f64, max_norm: f64) -> f32 {
+    let norm = total_sq_norm.max(0.0).sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    coef.min(1.0) as f32
+}
+
+/// Multiplies a gradient slice by `coef` (no-op when it is 1).
+pub fn scale(grads: &mut [f32], coef: f32) {
+    if coef != 1.0 {
+        grads.iter_mut().for_each(|g| *g *= coef);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Naive PyTorch-semantics SGD in f64, one element at a time, written from the
+    /// `torch.optim.SGD` documentation's algorithm box.
+    fn ref_sgd(c: &SgdConfig, lrs: &[f64], p0: f64, grads: &[f64]) -> f64 {
+        let (mu, tau, wd) = (c.momentum as f64, c.dampening as f64, c.weight_decay as f64);
+        let mut p = p0;
+        let mut b: Option<f64> = None;
+        for (t, (&g, &lr)) in grads.iter().zip(lrs).enumerate() {
+            let mut g = g;
+            if wd != 0.0 {
+                g += wd * p;
+            }
+            if mu != 0.0 {
+                let nb = match b {
+                    Some(prev) if t > 0 => mu * prev + (1.0 - tau) * g,
+                    _ => g,
+                };
+                b = Some(nb);
+                g = if c.nesterov { g + mu * nb } else { nb };
+            }
+            p -= lr * g;
+        }
+        p
+    }
+
+    /// Naive PyTorch-semantics AdamW in f64 (the `torch.optim.AdamW` algorithm box).
+    fn ref_adamw(c: &AdamWConfig, lrs: &[f64], p0: f64, grads: &[f64]) -> f64 {
+        let (b1, b2, eps, wd) =
+            (c.beta1 as f64, c.beta2 as f64, c.eps as f64, c.weight_decay as f64);
+        let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+        for (i, (&g, &lr)) in grads.iter().zip(lrs).enumerate() {
+            let t = (i + 1) as i32;
+            p -= lr * wd * p;
+            m = b1 * m + (1.0 - b1) * g;
+            v = b2 * v + (1.0 - b2) * g * g;
+            let mhat = m / (1.0 - b1.powi(t));
+            let vhat = v / (1.0 - b2.powi(t));
+            p -= lr * mhat / (vhat.sqrt() + eps);
+        }
+        p
+    }
+
+    fn run(opt: &Optimizer, lrs: &[f32], p0: &[f32], grads: &[Vec<f32>]) -> Vec<f32> {
+        let mut p = p0.to_vec();
+        let mut st = vec![0.0; p.len() * opt.state_len_per_param()];
+        for (t, (g, &lr)) in grads.iter().zip(lrs).enumerate() {
+            opt.step(lr, t as u64 + 1, &mut p, g, &mut st).unwrap();
+        }
+        p
+    }
+
+    fn check_against_ref(opt: Optimizer, steps: usize) {
+        let n = 37;
+        let p0: Vec<f32> = (0..n).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1).collect();
+        let grads: Vec<Vec<f32>> = (0..steps)
+            .map(|t| (0..n).map(|i| (((i * 13 + t * 5) % 17) as f32 - 8.0) * 0.05).collect())
+            .collect();
+        let lrs: Vec<f32> = (0..steps).map(|t| 0.05 / (1.0 + t as f32)).collect();
+        let got = run(&opt, &lrs, &p0, &grads);
+        let lrs64: Vec<f64> = lrs.iter().map(|&x| x as f64).collect();
+        for i in 0..n {
+            let g: Vec<f64> = grads.iter().map(|g| g[i] as f64).collect();
+            let want = match &opt {
+                Optimizer::Sgd(c) => ref_sgd(c, &lrs64, p0[i] as f64, &g),
+                Optimizer::AdamW(c) => ref_adamw(c, &lrs64, p0[i] as f64, &g),
+            };
+            // f32 arithmetic against an f64 reference over a few steps.
+            let tol = 1e-5 * (1.0 + want.abs());
+            assert!(
+                (got[i] as f64 - want).abs() <= tol,
+                "{opt:?} element {i}: got {} want {want}",
+                got[i]
+            );
+        }
+    }
+
+    #[test]
+    fn sgd_plain_matches_reference() {
+        check_against_ref(Optimizer::Sgd(SgdConfig::default()), 5);
+    }
+
+    /// OPT-3: first-step buffer initialization, with dampening and weight decay.
+    #[test]
+    fn sgd_momentum_matches_reference() {
+        for (momentum, dampening, weight_decay, nesterov) in [
+            (0.9, 0.0, 0.0, false),
+            (0.9, 0.5, 0.0, false),
+            (0.8, 0.0, 1e-2, false),
+            (0.9, 0.0, 1e-3, true),
+        ] {
+            let c = SgdConfig { momentum, dampening, weight_decay, nesterov };
+            check_against_ref(Optimizer::Sgd(c), 8);
+        }
+    }
+
+    /// OPT-3: a hand-computed two-step momentum example with dampening (the first step
+    /// copies the gradient, undamped).
+    #[test]
+    fn sgd_first_step_is_undamped() {
+        let opt =
+            Optimizer::Sgd(SgdConfig { momentum: 0.5, dampening: 0.5, ..SgdConfig::default() });
+        let mut p = vec![1.0f32];
+        let mut b = vec![0.0f32];
+        opt.step(1.0, 1, &mut p, &[2.0], &mut b).unwrap();
+        assert_eq!((p[0], b[0]), (-1.0, 2.0));
+        opt.step(1.0, 2, &mut p, &[2.0], &mut b).unwrap();
+        // b = 0.5 * 2 + 0.5 * 2 = 2
+        assert_eq!((p[0], b[0]), (-3.0, 2.0));
+    }
+
+    #[test]
+    fn adamw_matches_reference() {
+        check_against_ref(Optimizer::AdamW(AdamWConfig::default()), 10);
+        check_against_ref(
+            Optimizer::AdamW(AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-6, weight_decay: 0.1 }),
+            6,
+        );
+    }
+
+    /// AdamW's first step moves every element with a nonzero gradient by about lr (bias
+    /// correction makes m/sqrt(v) = sign(g)), after the decoupled decay.
+    #[test]
+    fn adamw_first_step_by_hand() {
+        let opt =
+            Optimizer::AdamW(AdamWConfig { weight_decay: 0.5, eps: 0.0, ..AdamWConfig::default() });
+        let mut p = vec![2.0f32, -2.0];
+        let mut st = vec![0.0; 4];
+        opt.step(0.1, 1, &mut p, &[3.0, -0.25], &mut st).unwrap();
+        // p * (1 - 0.1 * 0.5) - 0.1 * sign(g)
+        assert!((p[0] - (1.9 - 0.1)).abs() < 1e-6, "{}", p[0]);
+        assert!((p[1] - (-1.9 + 0.1)).abs() < 1e-6, "{}", p[1]);
+    }
+
+    #[test]
+    fn state_len_and_slice_checks() {
+        assert_eq!(Optimizer::Sgd(SgdConfig::default()).state_len_per_param(), 0);
+        let m = Optimizer::Sgd(SgdConfig { momentum: 0.9, ..SgdConfig::default() });
+        assert_eq!(m.state_len_per_param(), 1);
+        let a = Optimizer::AdamW(AdamWConfig::default());
+        assert_eq!(a.state_len_per_param(), 2);
+        let mut p = vec![0.0; 3];
+        assert!(a.step(0.1, 1, &mut p, &[0.0; 3], &mut [0.0; 5]).is_err());
+        assert!(a.step(0.1, 1, &mut p, &[0.0; 2], &mut [0.0; 6]).is_err());
+        assert!(a.step(0.1, 0, &mut p, &[0.0; 3], &mut [0.0; 6]).is_err());
+    }
+
+    #[test]
+    fn clip_coef_matches_torch_rule() {
+        // norm 5, max 1 -> 1 / (5 + 1e-6)
+        let c = clip_coef(25.0, 1.0);
+        assert!((c as f64 - 1.0 / (5.0 + 1e-6)).abs() < 1e-7);
+        assert_eq!(clip_coef(0.25, 1.0), 1.0);
+        assert_eq!(clip_coef(0.0, 1.0), 1.0);
+        // Sum of local squared norms of two "ranks" equals the norm of the whole.
+        let g: Vec<f32> = (0..10).map(|i| i as f32 - 4.5).collect();
+        let total = sq_norm(&g[..4]) + sq_norm(&g[4..]);
+        assert!((total - sq_norm(&g)).abs() < 1e-12);
+        let mut g2 = g.clone();
+        scale(&mut g2, clip_coef(total, 2.0));
+        assert!((sq_norm(&g2).sqrt() - 2.0).abs() < 1e-4);
+    }
+
+    fn optimizers() -> impl Strategy<Value = Optimizer> {
+        prop_oneof![
+            Just(Optimizer::Sgd(SgdConfig::default())),
+            Just(Optimizer::Sgd(SgdConfig {
+                momentum: 0.9,
+                dampening: 0.1,
+                weight_decay: 1e-2,
+                nesterov: false
+            })),
+            Just(Optimizer::AdamW(AdamWConfig::default())),
+        ]
+    }
+
+    proptest! {
+        /// OPT-1 and OPT-2: stepping each rank's shard of a zero-padded buffer equals stepping
+        /// the whole buffer, and the padding stays zero.
+        #[test]
+        fn shard_step_equals_full_step(opt in optimizers(), numel in 0usize..50,
+                                       world in 1usize..=7, steps in 1usize..4) {
+            let padded = numel.div_ceil(world) * world;
+            let k = opt.state_len_per_param();
+            let mut full_p: Vec<f32> = (0..padded)
+                .map(|i| if i < numel { (i as f32 * 0.37).sin() } else { 0.0 })
+                .collect();
+            let mut full_s = vec![0.0; padded * k];
+            let len = padded / world;
+            let mut shards_p: Vec<Vec<f32>> =
+                (0..world).map(|r| full_p[r * len..(r + 1) * len].to_vec()).collect();
+            let mut shards_s = vec![vec![0.0; len * k]; world];
+            for t in 1..=steps as u64 {
+                let g: Vec<f32> = (0..padded)
+                    .map(|i| if i < numel { ((i as f32 + t as f32) * 0.91).cos() } else { 0.0 })
+                    .collect();
+                opt.step(0.01, t, &mut full_p, &g, &mut full_s).unwrap();
+                for r in 0..world {
+                    let gr = &g[r * len..(r + 1) * len];
+                    opt.step(0.01, t, &mut shards_p[r], gr, &mut shards_s[r]).unwrap();
+                }
+            }
+            let joined: Vec<f32> = shards_p.concat();
+            prop_assert_eq!(&joined, &full_p);
+            prop_assert_eq!(shards_s.concat(), full_s.clone());
+            prop_assert!(full_p[numel..].iter().all(|v| *v == 0.0));
+            prop_assert!(full_s[numel * k..].iter().all(|v| *v == 0.0));
+        }
+    }
+}
