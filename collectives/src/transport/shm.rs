@@ -145,7 +145,7 @@ impl Segment {
         if slots == 0
             || slots > 1024
             || slot_bytes == 0
-            || slot_bytes % PAGE != 0
+            || !slot_bytes.is_multiple_of(PAGE)
             || seg.map.len() < segment_bytes(slots, slot_bytes)
         {
             return Err(setup(format!(
@@ -158,7 +158,7 @@ impl Segment {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: `off` is a constant 8-aligned offset inside the header (the mapping is page
         // aligned and at least OFF_SLOT_HEADERS long); the memory lives as long as `self`
         // and is only ever accessed atomically at this offset by both processes.
@@ -166,7 +166,7 @@ impl Segment {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: as in `u64_at`, with 4-byte alignment.
         unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
     }
@@ -541,7 +541,7 @@ impl ShmLinks {
             // SHM-2: the piece must continue the message and fit the slot.
             if offset != st.done_bytes
                 || n > seg.slot_bytes
-                || n % 4 != 0
+                || !n.is_multiple_of(4)
                 || offset + n > msg_len
                 || (n == 0 && msg_len != 0)
             {
@@ -790,9 +790,9 @@ pub(crate) mod suite {
                             move |off: usize, piece: &[u8]| {
                                 // TR-2
                                 if off != g.len()
-                                    || off % 4 != 0
-                                    || piece.len() % 4 != 0
-                                    || piece.as_ptr() as usize % 4 != 0
+                                    || !off.is_multiple_of(4)
+                                    || !piece.len().is_multiple_of(4)
+                                    || !(piece.as_ptr() as usize).is_multiple_of(4)
                                 {
                                     bad.set(true);
                                 }
