@@ -91,6 +91,44 @@ pub struct RankShard {
     pub units: Vec<UnitShard>,
 }
 
+impl RankShard {
+    /// Rank `rank`'s slices of full padded flat buffers, one params buffer and one optimizer
+    /// state buffer (`state_len_per_param` values per element) per unit: what a rank that
+    /// keeps full copies (stages 0-2) stores.
+    pub fn from_full(
+        layout: &ShardedModelLayout,
+        rank: usize,
+        params: &[&[f32]],
+        optim_state: &[&[f32]],
+        state_len_per_param: usize,
+    ) -> Result<Self> {
+        let k = state_len_per_param;
+        if params.len() != layout.units().len() || optim_state.len() != layout.units().len() {
+            return Err(RuntimeError::config("one params and one state buffer per unit needed"));
+        }
+        let mut units = Vec::with_capacity(params.len());
+        for ((l, p), s) in layout.units().iter().zip(params).zip(optim_state) {
+            if p.len() != l.padded_numel() || s.len() != l.padded_numel() * k {
+                return Err(RuntimeError::config(format!(
+                    "unit {}: full buffers have {} params and {} state values, layout needs {} \
+                     and {}",
+                    l.name(),
+                    p.len(),
+                    s.len(),
+                    l.padded_numel(),
+                    l.padded_numel() * k
+                )));
+            }
+            let r = l.shard_range(rank);
+            units.push(UnitShard {
+                params: p[r.clone()].to_vec(),
+                optim_state: s[r.start * k..r.end * k].to_vec(),
+            });
+        }
+        Ok(RankShard { units })
+    }
+}
+
 /// Where the data loader was, so that a resumed run sees the same batches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataLoaderState {
@@ -395,6 +433,20 @@ impl PendingCheckpoint {
             fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, "cannot remove stale", e))?;
         }
         fs::create_dir(&tmp).map_err(|e| io_err(&tmp, "cannot create", e))?;
+        Ok(PendingCheckpoint { root, step, tmp })
+    }
+
+    /// A handle on a checkpoint that another process already began (ranks running as
+    /// separate processes). Fails if the temporary directory does not exist.
+    pub fn join(root: impl AsRef<Path>, step: u64) -> Result<Self> {
+        let root = root.as_ref().to_path_buf();
+        let tmp = root.join(format!("{TMP_PREFIX}{step:08}"));
+        if !tmp.is_dir() {
+            return Err(RuntimeError::checkpoint(
+                &tmp,
+                "no checkpoint in progress (the committer has not begun it)",
+            ));
+        }
         Ok(PendingCheckpoint { root, step, tmp })
     }
 
@@ -1112,6 +1164,39 @@ mod tests {
         save(tmp.path(), 3, opt, s3);
         let back = Checkpoint::open(tmp.path()).unwrap().load_all(4).unwrap();
         assert_eq!(back, s4);
+    }
+
+    /// Plain SGD keeps no optimizer state; a full-copy rank's slices equal the shards.
+    #[test]
+    fn stateless_optimizer_and_from_full() {
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = spec();
+        let opt = Optimizer::Sgd(SgdConfig::default());
+        let units = model_state(&spec, 0);
+        let s3 = shards_for(&units, &spec, 0, 3);
+        let layout = ShardedModelLayout::new(&spec, 3).unwrap();
+        let full: Vec<Vec<f32>> = units
+            .iter()
+            .zip(layout.units())
+            .map(|(u, l)| {
+                let mut f = u.params.clone();
+                f.resize(l.padded_numel(), 0.0);
+                f
+            })
+            .collect();
+        let fp: Vec<&[f32]> = full.iter().map(|f| f.as_slice()).collect();
+        let fs: Vec<&[f32]> = vec![&[]; full.len()];
+        for (r, s) in s3.iter().enumerate() {
+            assert_eq!(&RankShard::from_full(&layout, r, &fp, &fs, 0).unwrap(), s);
+        }
+        save(tmp.path(), 4, opt, s3);
+        let ck = Checkpoint::open(tmp.path()).unwrap();
+        assert_eq!(ck.load_all(2).unwrap(), shards_for(&units, &spec, 0, 2));
+        // A second process joins the checkpoint the committer began.
+        let pending = PendingCheckpoint::begin(tmp.path(), 8).unwrap();
+        let joined = PendingCheckpoint::join(tmp.path(), 8).unwrap();
+        assert_eq!(joined.tmp_dir(), pending.tmp_dir());
+        assert!(PendingCheckpoint::join(tmp.path(), 9).is_err());
     }
 
     fn saved_once() -> (tempfile::TempDir, PathBuf) {

@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use shardline_models::{ModelSpec, ParamSpec, UnitSpec};
 
 use crate::error::{Result, RuntimeError};
+use crate::optim::Optimizer;
 
 /// Bytes per element of every flat buffer (f32).
 pub const ELEM_BYTES: u64 = 4;
@@ -185,6 +186,20 @@ impl FlatLayout {
         self.params.iter().map(|p| &flat[p.range()]).collect()
     }
 
+    /// Mutable views of each parameter in a flat buffer, in spec order (the parameters are
+    /// disjoint, so all can be borrowed at once). Panics if `flat` is shorter than `numel`.
+    pub fn views_mut<'a>(&self, flat: &'a mut [f32]) -> Vec<&'a mut [f32]> {
+        assert!(flat.len() >= self.numel, "flat buffer shorter than the unit");
+        let mut rest = &mut flat[..self.numel];
+        let mut out = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(p.numel);
+            out.push(head);
+            rest = tail;
+        }
+        out
+    }
+
     /// Rank `rank`'s slice of a padded flat buffer.
     pub fn shard_of<'a>(&self, flat: &'a [f32], rank: usize) -> &'a [f32] {
         assert_eq!(flat.len(), self.padded_numel, "not a padded flat buffer");
@@ -302,6 +317,11 @@ impl ShardedModelLayout {
             spec.units.iter().map(|u| FlatLayout::new(u, world)).collect::<Result<Vec<_>>>()?;
         Ok(ShardedModelLayout { world, units })
     }
+    /// The same model laid out for another world size.
+    pub fn for_world(&self, world: usize) -> Result<Self> {
+        let units = self.units.iter().map(|u| u.for_world(world)).collect::<Result<Vec<_>>>()?;
+        Ok(ShardedModelLayout { world, units })
+    }
     /// World size.
     pub fn world(&self) -> usize {
         self.world
@@ -332,10 +352,10 @@ impl ShardedModelLayout {
     }
     /// Per-rank model-state bytes for this exact layout (padding included), excluding
     /// gathered units and activations.
-    pub fn model_state_bytes(&self, stage: Stage, state_len_per_param: usize) -> u64 {
+    pub fn model_state_bytes(&self, stage: Stage, optimizer: &Optimizer) -> u64 {
         let full = self.padded_numel() as u64;
         let shard = self.shard_numel() as u64;
-        state_bytes(stage, full, shard, state_len_per_param as u64)
+        state_bytes(stage, full, shard, optimizer.state_len_per_param() as u64)
     }
 }
 
@@ -455,10 +475,24 @@ impl std::str::FromStr for Stage {
 /// Theoretical per-rank model-state bytes (params + grads + optimizer state, f32) of a model
 /// with `numel` trainable elements, as in the ZeRO paper: stage 0 keeps
 /// `(2 + K) * numel` values, stage 1 `2 * numel + K * numel / world`, stage 2
-/// `numel + (1 + K) * numel / world`, stage 3 `(2 + K) * numel / world`, where `K` is
-/// `state_len_per_param` (Adam 2, SGD with momentum 1, plain SGD 0). Shards round up.
-/// Gathered units, activations and communication buffers come on top.
-pub fn model_state_bytes(
+/// `numel + (1 + K) * numel / world`, stage 3 `(2 + K) * numel / world`, where `K` is the
+/// optimizer's `state_len_per_param()` (AdamW 2, SGD with momentum 1, plain SGD 0). Shards
+/// round up. Gathered units, activations and communication buffers come on top.
+///
+/// ```
+/// use shardline_runtime::optim::{AdamWConfig, Optimizer};
+/// use shardline_runtime::shard::{model_state_bytes, Stage};
+/// let adam = Optimizer::AdamW(AdamWConfig::default());
+/// // 1M parameters, world 4: stage 0 holds 16 MB per rank, stage 3 a quarter of it.
+/// assert_eq!(model_state_bytes(Stage::Zero0, 4, 1_000_000, &adam), 16_000_000);
+/// assert_eq!(model_state_bytes(Stage::Zero3, 4, 1_000_000, &adam), 4_000_000);
+/// ```
+pub fn model_state_bytes(stage: Stage, world: usize, numel: usize, optimizer: &Optimizer) -> u64 {
+    model_state_bytes_for_width(stage, world, numel, optimizer.state_len_per_param())
+}
+
+/// [`model_state_bytes`] with the optimizer-state width `K` given directly.
+pub fn model_state_bytes_for_width(
     stage: Stage,
     world: usize,
     numel: usize,
@@ -480,6 +514,7 @@ fn state_bytes(stage: Stage, full: u64, shard: u64, k: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::{AdamWConfig, SgdConfig};
     use proptest::prelude::*;
 
     fn unit_from_sizes(sizes: &[usize]) -> UnitSpec {
@@ -558,6 +593,11 @@ mod tests {
             for (v, t) in views.iter().zip(&ts) {
                 prop_assert_eq!(*v, t.as_slice());
             }
+            let mut flat2 = vec![0.0; l.padded_numel()];
+            for (v, t) in l.views_mut(&mut flat2).into_iter().zip(&ts) {
+                v.copy_from_slice(t);
+            }
+            prop_assert_eq!(&flat2, &flat);
             // Slots tile 0..numel in spec order.
             let mut next = 0;
             for (slot, &n) in l.params().iter().zip(&sizes) {
@@ -666,15 +706,20 @@ mod tests {
     fn model_state_bytes_matches_formulas() {
         let n = 1000;
         let w = 4;
-        assert_eq!(model_state_bytes(Stage::Zero0, w, n, 2), 4 * 4000);
-        assert_eq!(model_state_bytes(Stage::Zero1, w, n, 2), 4 * (2000 + 500));
-        assert_eq!(model_state_bytes(Stage::Zero2, w, n, 2), 4 * (1000 + 750));
-        assert_eq!(model_state_bytes(Stage::Zero3, w, n, 2), 4 * 1000);
+        let adam = Optimizer::AdamW(AdamWConfig::default());
+        assert_eq!(model_state_bytes(Stage::Zero0, w, n, &adam), 4 * 4000);
+        assert_eq!(model_state_bytes(Stage::Zero1, w, n, &adam), 4 * (2000 + 500));
+        assert_eq!(model_state_bytes(Stage::Zero2, w, n, &adam), 4 * (1000 + 750));
+        assert_eq!(model_state_bytes(Stage::Zero3, w, n, &adam), 4 * 1000);
         // SGD with momentum, odd size: shards round up.
-        assert_eq!(model_state_bytes(Stage::Zero3, 3, 10, 1), 4 * 12);
+        let sgd = Optimizer::Sgd(SgdConfig { momentum: 0.9, ..SgdConfig::default() });
+        assert_eq!(model_state_bytes(Stage::Zero3, 3, 10, &sgd), 4 * 12);
+        // Plain SGD keeps no state.
+        let plain = Optimizer::Sgd(SgdConfig::default());
+        assert_eq!(model_state_bytes(Stage::Zero0, 3, 10, &plain), 4 * 20);
         // World 1: every stage keeps everything.
         for s in Stage::ALL {
-            assert_eq!(model_state_bytes(s, 1, 10, 2), 4 * 40);
+            assert_eq!(model_state_bytes_for_width(s, 1, 10, 2), 4 * 40);
         }
     }
 
@@ -689,7 +734,11 @@ mod tests {
         assert_eq!(l.padded_numel(), 20);
         assert_eq!(l.shard_numel(), 5);
         assert_eq!(l.max_unit_padded_numel(), 12);
-        assert_eq!(l.model_state_bytes(Stage::Zero3, 2), 4 * 5 * 4);
-        assert_eq!(l.model_state_bytes(Stage::Zero0, 2), 4 * 20 * 4);
+        let adam = Optimizer::AdamW(AdamWConfig::default());
+        assert_eq!(l.model_state_bytes(Stage::Zero3, &adam), 4 * 5 * 4);
+        assert_eq!(l.model_state_bytes(Stage::Zero0, &adam), 4 * 20 * 4);
+        let l3 = l.for_world(3).unwrap();
+        assert_eq!(l3.padded_numel(), 18);
+        assert_eq!(l3, ShardedModelLayout::new(&spec, 3).unwrap());
     }
 }
