@@ -1,0 +1,304 @@
+//! Data sets: the digits set shipped in the repository, a synthetic teacher-labelled set,
+//! deterministic splits, and the distributed sampler.
+//!
+//! Invariants:
+//! - `DATA-1`: in every epoch the sampler's rank slices partition the data set: each sample
+//!   appears in exactly one global batch and in exactly one rank's slice of it (none dropped,
+//!   none duplicated; the last batch may be short, and a rank's slice may be empty).
+//! - `DATA-2`: rank slices are contiguous in global-batch order (rank r's slice comes
+//!   before rank r+1's), so concatenating the ranks' slices gives the global batch.
+//! - `DATA-3`: the order depends only on (seed, epoch); the split only on the seed.
+
+use crate::error::ModelError;
+use crate::rng::SplitMix64;
+use crate::tensor::Tensor;
+
+/// The digits CSV shipped in `models/data/` (see its README for the attribution).
+pub const DIGITS_CSV: &str = include_str!("../data/digits.csv");
+
+/// A labelled data set held in memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dataset {
+    /// Samples, row-major, `len() * sample_numel()` values.
+    pub x: Vec<f32>,
+    /// Labels in `0..classes`.
+    pub y: Vec<u32>,
+    /// Shape of one sample (`[64]`, `[1, 8, 8]`).
+    pub sample_shape: Vec<usize>,
+    /// Number of classes.
+    pub classes: usize,
+}
+
+impl Dataset {
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.y.len()
+    }
+
+    /// Whether there are no samples.
+    pub fn is_empty(&self) -> bool {
+        self.y.is_empty()
+    }
+
+    /// Values per sample.
+    pub fn sample_numel(&self) -> usize {
+        self.sample_shape.iter().product()
+    }
+
+    /// Parses a CSV with a header and rows `label,v0,v1,...`; values are divided by `scale`.
+    pub fn from_csv(
+        text: &str,
+        source_name: &str,
+        sample_shape: Vec<usize>,
+        scale: f32,
+    ) -> Result<Self, ModelError> {
+        let err = |msg: String| ModelError::Data { source_name: source_name.to_string(), msg };
+        let numel: usize = sample_shape.iter().product();
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for (ln, line) in text.lines().enumerate().skip(1) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let mut fields = line.split(',');
+            let label: u32 = fields
+                .next()
+                .unwrap_or("")
+                .trim()
+                .parse()
+                .map_err(|e| err(format!("line {}: label: {e}", ln + 1)))?;
+            let before = x.len();
+            for f in fields {
+                let v: f32 = f
+                    .trim()
+                    .parse()
+                    .map_err(|e| err(format!("line {}: value {f:?}: {e}", ln + 1)))?;
+                x.push(v / scale);
+            }
+            if x.len() - before != numel {
+                return Err(err(format!(
+                    "line {}: {} values, expected {numel}",
+                    ln + 1,
+                    x.len() - before
+                )));
+            }
+            y.push(label);
+        }
+        let classes = y.iter().max().map(|&m| m as usize + 1).unwrap_or(0);
+        Ok(Dataset { x, y, sample_shape, classes })
+    }
+
+    /// The digits set (1,797 8x8 images, pixels / 16 in [0, 1], 10 classes); `image`
+    /// gives samples the shape `[1, 8, 8]`, otherwise `[64]`.
+    pub fn digits(image: bool) -> Result<Self, ModelError> {
+        let shape = if image { vec![1, 8, 8] } else { vec![64] };
+        let mut d = Self::from_csv(DIGITS_CSV, "digits.csv", shape, 16.0)?;
+        d.classes = 10;
+        Ok(d)
+    }
+
+    /// `n` Gaussian inputs of `input_dim` values labelled by a fixed random teacher network
+    /// (`input_dim -> 32 tanh -> classes`, argmax); everything derived from `seed`.
+    pub fn synthetic(
+        n: usize,
+        input_dim: usize,
+        classes: usize,
+        seed: u64,
+    ) -> Result<Self, ModelError> {
+        if classes == 0 || input_dim == 0 {
+            return Err(ModelError::Config(
+                "synthetic data needs input_dim > 0 and classes > 0".into(),
+            ));
+        }
+        const H: usize = 32;
+        let mut t = SplitMix64::derive(seed, 1);
+        let w1: Vec<f32> =
+            (0..H * input_dim).map(|_| t.normal() / (input_dim as f32).sqrt()).collect();
+        let w2: Vec<f32> = (0..classes * H).map(|_| t.normal() / (H as f32).sqrt()).collect();
+        let b2: Vec<f32> = (0..classes).map(|_| 0.1 * t.normal()).collect();
+        let mut g = SplitMix64::derive(seed, 2);
+        let x: Vec<f32> = (0..n * input_dim).map(|_| g.normal()).collect();
+        let mut y = Vec::with_capacity(n);
+        let mut h = [0.0f32; H];
+        for s in x.chunks_exact(input_dim) {
+            for (j, hv) in h.iter_mut().enumerate() {
+                *hv = w1[j * input_dim..(j + 1) * input_dim]
+                    .iter()
+                    .zip(s)
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>()
+                    .tanh();
+            }
+            let mut best = (0, f32::NEG_INFINITY);
+            for c in 0..classes {
+                let v =
+                    b2[c] + w2[c * H..(c + 1) * H].iter().zip(&h).map(|(a, b)| a * b).sum::<f32>();
+                if v > best.1 {
+                    best = (c, v);
+                }
+            }
+            y.push(best.0 as u32);
+        }
+        Ok(Dataset { x, y, sample_shape: vec![input_dim], classes })
+    }
+
+    /// The samples at `idx`, as a batch tensor `[len, ...sample_shape]` and labels.
+    pub fn batch(&self, idx: &[usize]) -> (Tensor, Vec<u32>) {
+        let k = self.sample_numel();
+        let mut x = Vec::with_capacity(idx.len() * k);
+        for &i in idx {
+            x.extend_from_slice(&self.x[i * k..(i + 1) * k]);
+        }
+        let mut shape = vec![idx.len()];
+        shape.extend_from_slice(&self.sample_shape);
+        (Tensor { shape, data: x }, idx.iter().map(|&i| self.y[i]).collect())
+    }
+
+    fn subset(&self, idx: &[usize]) -> Dataset {
+        let (x, y) = self.batch(idx);
+        Dataset { x: x.data, y, sample_shape: self.sample_shape.clone(), classes: self.classes }
+    }
+
+    /// Stratified split: within each class, a seeded shuffle puts `round(test_fraction *
+    /// class size)` samples in the test set (DATA-3). Returns `(train, test)`.
+    pub fn split(&self, test_fraction: f64, seed: u64) -> (Dataset, Dataset) {
+        let mut rng = SplitMix64::derive(seed, 3);
+        let (mut train, mut test) = (Vec::new(), Vec::new());
+        for c in 0..self.classes as u32 {
+            let mut idx: Vec<usize> = (0..self.len()).filter(|&i| self.y[i] == c).collect();
+            rng.shuffle(&mut idx);
+            let k = (idx.len() as f64 * test_fraction).round() as usize;
+            test.extend_from_slice(&idx[..k]);
+            train.extend_from_slice(&idx[k..]);
+        }
+        train.sort_unstable();
+        test.sort_unstable();
+        (self.subset(&train), self.subset(&test))
+    }
+}
+
+/// Splits each global batch of a per-epoch shuffled order among the ranks (DATA-1..3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistributedSampler {
+    len: usize,
+    world: usize,
+    global_batch: usize,
+    seed: u64,
+    shuffle: bool,
+}
+
+impl DistributedSampler {
+    /// A sampler over `len` samples, `world` ranks, `global_batch` samples per step.
+    pub fn new(
+        len: usize,
+        world: usize,
+        global_batch: usize,
+        seed: u64,
+        shuffle: bool,
+    ) -> Result<Self, ModelError> {
+        if world == 0 || global_batch == 0 {
+            return Err(ModelError::Config("sampler needs world > 0 and global batch > 0".into()));
+        }
+        Ok(DistributedSampler { len, world, global_batch, seed, shuffle })
+    }
+
+    /// Steps per epoch (the last batch may be short).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.len.div_ceil(self.global_batch)
+    }
+
+    /// The epoch's sample order.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..self.len).collect();
+        if self.shuffle {
+            SplitMix64::derive(self.seed, 0x5EED_0000 + epoch).shuffle(&mut idx);
+        }
+        idx
+    }
+
+    /// Rank `rank`'s contiguous slice of a batch of `n` samples: the first `n % world` ranks
+    /// get one more sample than the others.
+    pub fn slice_range(n: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+        let (base, extra) = (n / world, n % world);
+        let start = rank * base + rank.min(extra);
+        start..start + base + usize::from(rank < extra)
+    }
+
+    /// For each step of the epoch: `(global batch size, this rank's sample indices)`.
+    pub fn rank_batches(&self, epoch: u64, rank: usize) -> Vec<(usize, Vec<usize>)> {
+        let order = self.epoch_order(epoch);
+        order
+            .chunks(self.global_batch)
+            .map(|b| (b.len(), b[Self::slice_range(b.len(), self.world, rank)].to_vec()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn digits_load_with_expected_shape_and_range() {
+        let d = Dataset::digits(true).unwrap();
+        assert_eq!(d.len(), 1797);
+        assert_eq!(d.sample_shape, vec![1, 8, 8]);
+        assert_eq!(d.x.len(), 1797 * 64);
+        assert!(d.x.iter().all(|&v| (0.0..=1.0).contains(&v)));
+        assert!(d.y.iter().all(|&y| y < 10));
+        let (train, test) = d.split(0.2, 1);
+        assert_eq!(train.len() + test.len(), d.len());
+        assert!((test.len() as f64 - 0.2 * 1797.0).abs() < 10.0);
+        for c in 0..10u32 {
+            let n = test.y.iter().filter(|&&y| y == c).count();
+            assert!((30..=42).contains(&n), "class {c}: {n} in test");
+        }
+        assert_eq!(d.split(0.2, 1), (train, test), "DATA-3: split is deterministic");
+    }
+
+    #[test]
+    fn bad_csv_is_a_clear_error() {
+        let e = Dataset::from_csv("label,a,b\n1,2\n", "t.csv", vec![2], 1.0).unwrap_err();
+        assert!(e.to_string().contains("line 2"), "{e}");
+        assert!(Dataset::from_csv("h\nx,1,2\n", "t.csv", vec![2], 1.0).is_err());
+    }
+
+    #[test]
+    fn synthetic_is_deterministic_and_uses_every_class() {
+        let a = Dataset::synthetic(500, 12, 4, 9).unwrap();
+        assert_eq!(a, Dataset::synthetic(500, 12, 4, 9).unwrap());
+        assert_ne!(a.y, Dataset::synthetic(500, 12, 4, 10).unwrap().y);
+        for c in 0..4u32 {
+            assert!(a.y.iter().filter(|&&y| y == c).count() > 10, "class {c} is rare");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn sampler_partitions_every_epoch(len in 0usize..200, world in 1usize..9, gb in 1usize..40, seed in 0u64..1000, epoch in 0u64..3) {
+            // DATA-1, DATA-2
+            let s = DistributedSampler::new(len, world, gb, seed, true).unwrap();
+            let per_rank: Vec<_> = (0..world).map(|r| s.rank_batches(epoch, r)).collect();
+            let order = s.epoch_order(epoch);
+            let mut seen = Vec::new();
+            for step in 0..s.batches_per_epoch() {
+                let mut global = Vec::new();
+                for rb in per_rank.iter() {
+                    prop_assert_eq!(rb[step].0, order.chunks(gb).nth(step).map_or(0, |c| c.len()));
+                    global.extend_from_slice(&rb[step].1);
+                }
+                prop_assert_eq!(&global[..], order.chunks(gb).nth(step).unwrap_or(&[]));
+                seen.extend(global);
+            }
+            seen.sort_unstable();
+            prop_assert_eq!(seen, (0..len).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn epochs_reshuffle() {
+        let s = DistributedSampler::new(100, 4, 10, 3, true).unwrap();
+        assert_ne!(s.epoch_order(0), s.epoch_order(1));
+        assert_eq!(s.epoch_order(1), s.epoch_order(1));
+    }
+}
