@@ -1264,6 +1264,8 @@ mod tests {
         let shards = shards_for(&model_state(&spec, 2), &spec, 2, 3);
         let crashed = PendingCheckpoint::begin(tmp.path(), 9).unwrap();
         crashed.write_shard(0, &shards[0]).unwrap();
+        // Crash after the manifest was written, before the rename.
+        fs::copy(dir.join(MANIFEST), crashed.tmp_dir().join(MANIFEST)).unwrap();
         drop(crashed);
         fs::create_dir(tmp.path().join("step-00000012")).unwrap();
         fs::write(tmp.path().join("step-00000012").join("shard-00000.bin"), b"x").unwrap();

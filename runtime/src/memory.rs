@@ -219,6 +219,13 @@ impl MemoryTracker {
         self.alloc(cat, count as u64 * 4, what)
     }
 
+    /// Bytes that can still be allocated under the cap (`None`: no cap). Useful to bound a
+    /// prefetch depth by what is left.
+    pub fn available(&self) -> Option<u64> {
+        let total = self.lock().total;
+        self.inner.cap.map(|c| c.saturating_sub(total))
+    }
+
     fn free(&self, cat: Category, bytes: u64) {
         let mut c = self.lock();
         let i = cat.idx();
@@ -295,6 +302,21 @@ impl Allocation {
     pub fn category(&self) -> Category {
         self.cat
     }
+
+    /// Changes the registered size (a buffer that grows or shrinks in place). Growing is
+    /// checked against the cap like a new allocation of the difference; on refusal the
+    /// allocation keeps its old size.
+    pub fn resize(&mut self, new_bytes: u64, what: &str) -> Result<()> {
+        if new_bytes > self.bytes {
+            let extra = self.tracker.alloc(self.cat, new_bytes - self.bytes, what)?;
+            // The extra bytes now belong to this allocation.
+            std::mem::forget(extra);
+        } else {
+            self.tracker.free(self.cat, self.bytes - new_bytes);
+        }
+        self.bytes = new_bytes;
+        Ok(())
+    }
 }
 
 impl Drop for Allocation {
@@ -363,6 +385,23 @@ mod tests {
         let s = mem.snapshot();
         assert_eq!(s.total, 0);
         assert_eq!(s.peak(Category::Activations), 70);
+    }
+
+    #[test]
+    fn resize_and_available() {
+        let mem = MemoryTracker::new(1, Some(100));
+        let mut a = mem.alloc(Category::Activations, 10, "act").unwrap();
+        assert_eq!(mem.available(), Some(90));
+        a.resize(60, "act").unwrap();
+        assert_eq!((a.bytes(), mem.total()), (60, 60));
+        let err = a.resize(101, "act").unwrap_err();
+        assert!(err.to_string().contains("allocating 41 B for activations act"), "{err}");
+        assert_eq!((a.bytes(), mem.total()), (60, 60));
+        a.resize(5, "act").unwrap();
+        assert_eq!((mem.total(), mem.peak_total()), (5, 60));
+        drop(a);
+        assert_eq!(mem.total(), 0);
+        assert_eq!(MemoryTracker::new(0, None).available(), None);
     }
 
     #[test]
