@@ -990,4 +990,25 @@ mod tests {
         child.wait().unwrap();
         assert!(!pid_alive(pid));
     }
+    fn group(w: usize) -> Vec<crate::Communicator> {
+        let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
+        let mut o = crate::CommOptions::new();
+        o.timeout(Duration::from_secs(60));
+        (0..w)
+            .map(|r| {
+                let t: Arc<dyn Transport> = Arc::new(
+                    ShmTransport::new(r, w, store.clone(), "grid").expect("shm transport"),
+                );
+                crate::Communicator::new(t, crate::Topology::single_node(w), o.clone())
+                    .expect("communicator")
+            })
+            .collect()
+    }
+
+    /// The core's conformance grid, ranks as threads over shm.
+    #[test]
+    fn shm_conformance_grid() {
+        let cfg = crate::testing::GridConfig { large_worlds: vec![2, 3, 4], ..Default::default() };
+        crate::testing::conformance_grid(&group, &cfg);
+    }
 }
