@@ -62,7 +62,7 @@ impl SinkTarget {
         // TR-2 makes this hold for a correct transport; a broken one must not write out of
         // bounds, hence a real assert.
         assert!(
-            offset % 4 == 0 && start + src.len() <= self.len,
+            offset.is_multiple_of(4) && start + src.len() <= self.len,
             "transport delivered a piece out of range"
         );
         // SAFETY: [ptr, ptr+len) is this receive's range, disjoint from every other range
@@ -78,6 +78,9 @@ impl SinkTarget {
 impl Executor {
     /// Runs `sched` over `buf` (length `sched.buf_len`). Message tags are `tag` with the step
     /// number filled in.
+    // The step inputs (links, schedule, buffer, combine) and the op's identity (tag,
+    // deadline, cancel) are all distinct; bundling them would only add a throwaway struct.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &mut self,
         links: &mut dyn LaneLinks,

@@ -350,7 +350,7 @@ impl Lane {
         combine: fn(&mut [f32], &[f32]),
         opts: &CallOptions,
     ) -> Work<Vec<f32>> {
-        let check = if record_len > 0 && buf.len() % record_len == 0 {
+        let check = if record_len > 0 && buf.len().is_multiple_of(record_len) {
             Ok(())
         } else {
             Err(format!(

@@ -51,7 +51,6 @@ pub use error::CollectiveError;
 pub use lane::{CallOptions, Lane};
 pub use pool::BufferPool;
 pub use reduce::ReduceOp;
-pub use store::{Store, StoreError};
-// pub use store::{MemStore, TcpStoreClient, TcpStoreServer};
+pub use store::{MemStore, Store, StoreError, TcpStoreClient, TcpStoreServer};
 pub use topology::Topology;
 pub use work::Work;

@@ -84,6 +84,9 @@ mod tests {
     use crate::topology::Topology;
     use proptest::prelude::*;
 
+    /// (rank, world, count, topology) -> schedule.
+    type Builder = fn(usize, usize, usize, &Topology) -> Schedule;
+
     fn inputs(world: usize, len: usize, seed: u64) -> Vec<Vec<f32>> {
         (0..world)
             .map(|r| {
@@ -110,7 +113,7 @@ mod tests {
     fn check_all_reduce(world: usize, count: usize, topo: &Topology, op: ReduceOp) {
         let ins = inputs(world, count, 17);
         let want = naive(&ins, op);
-        let algos: [(&str, fn(usize, usize, usize, &Topology) -> Schedule); 3] = [
+        let algos: [(&str, Builder); 3] = [
             ("ring", |r, w, c, _| ring_all_reduce(r, w, c)),
             ("direct", |r, w, c, _| direct_all_reduce(r, w, c)),
             ("hier", |r, _, c, t| hier_all_reduce(r, t, c)),
@@ -127,7 +130,7 @@ mod tests {
     fn check_rs_ag(world: usize, n: usize, topo: &Topology) {
         let ins = inputs(world, world * n, 5);
         let want = naive(&ins, ReduceOp::Sum);
-        let rs: [fn(usize, usize, usize, &Topology) -> Schedule; 3] = [
+        let rs: [Builder; 3] = [
             |r, w, n, _| ring_reduce_scatter(r, w, n),
             |r, w, n, _| direct_reduce_scatter(r, w, n),
             |r, _, n, t| hier_reduce_scatter(r, t, n),
@@ -146,7 +149,7 @@ mod tests {
         }
         let shards = inputs(world, n, 9);
         let full: Vec<f32> = shards.concat();
-        let ag: [fn(usize, usize, usize, &Topology) -> Schedule; 3] = [
+        let ag: [Builder; 3] = [
             |r, w, n, _| ring_all_gather(r, w, n),
             |r, w, n, _| direct_all_gather(r, w, n),
             |r, _, n, t| hier_all_gather(r, t, n),

@@ -183,6 +183,15 @@ impl LocalLinks {
         Ok(())
     }
 
+    /// The error for a closed peer: its poison when it left one (a failing rank poisons
+    /// before it closes, so having seen `closed` makes the poison visible), else `PeerLost`.
+    fn lost(&self, peer: usize) -> TransportError {
+        match self.check_poison() {
+            Err(e) => e,
+            Ok(()) => TransportError::PeerLost { peer, detail: "lane endpoint closed".into() },
+        }
+    }
+
     fn revoke(&self, sends: &[SendOp<'_>], states: &[SendState]) {
         for (s, st) in sends.iter().zip(states) {
             if *st == SendState::Posted {
@@ -201,10 +210,7 @@ impl LocalLinks {
             if self.fabric.closed[r.peer].load(Ordering::Acquire)
                 && !mb.full.load(Ordering::Acquire)
             {
-                return Err(TransportError::PeerLost {
-                    peer: r.peer,
-                    detail: "lane endpoint closed".into(),
-                });
+                return Err(self.lost(r.peer));
             }
             return Ok(false);
         }
@@ -261,10 +267,7 @@ impl LaneLinks for LocalLinks {
                 {
                     if self.fabric.closed[s.peer].load(Ordering::Acquire) {
                         self.revoke(sends, &sstate);
-                        return Err(TransportError::PeerLost {
-                            peer: s.peer,
-                            detail: "lane endpoint closed".into(),
-                        });
+                        return Err(self.lost(s.peer));
                     }
                     let mut slot = lock(&mb.slot);
                     *slot = Some(Desc { tag, ptr: s.data.as_ptr(), len: s.data.len() });
@@ -276,10 +279,7 @@ impl LaneLinks for LocalLinks {
                         sstate[i] = SendState::Done;
                     } else if self.fabric.closed[s.peer].load(Ordering::Acquire) {
                         self.revoke(sends, &sstate);
-                        return Err(TransportError::PeerLost {
-                            peer: s.peer,
-                            detail: "lane endpoint closed".into(),
-                        });
+                        return Err(self.lost(s.peer));
                     }
                 }
                 if sstate[i] != SendState::Done {

@@ -1,0 +1,205 @@
+//! Conformance grid over the local transport (ALGO-3, ALGO-4 end to end), determinism, and
+//! hierarchical schedules on a simulated multi-node topology.
+
+use shardline_collectives::testing::{
+    check_close, conformance_grid, input, naive_reduce, run_ranks, GridConfig,
+};
+use shardline_collectives::{
+    local_group, local_group_with_topology, Algorithm, CallOptions, CommOptions, ReduceOp, Topology,
+};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn opts() -> CommOptions {
+    let mut o = CommOptions::new();
+    o.timeout(Duration::from_secs(60));
+    o
+}
+
+#[test]
+fn local_conformance_grid() {
+    let factory = |w: usize| {
+        local_group_with_topology(Topology::single_node(w), opts()).expect("local group")
+    };
+    conformance_grid(&factory, &GridConfig::default());
+}
+
+/// ALGO-3: the same op twice gives bitwise-identical results, identical on all ranks.
+#[test]
+fn all_reduce_is_deterministic_and_identical_on_all_ranks() {
+    for algo in [Algorithm::Ring, Algorithm::Direct, Algorithm::Auto] {
+        let comms = local_group(5).expect("group");
+        let outs = run_ranks(comms, WAIT, move |comm| {
+            let lane = comm.lane("det").expect("lane");
+            let mut o = CallOptions::new();
+            o.algorithm(algo);
+            let x = input(42, comm.rank(), 10_007);
+            let a = lane
+                .all_reduce_opts(x.clone(), ReduceOp::Sum, &o)
+                .wait_timeout(WAIT)
+                .expect("first");
+            let b = lane.all_reduce_opts(x, ReduceOp::Sum, &o).wait_timeout(WAIT).expect("second");
+            assert!(
+                a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "run to run differs"
+            );
+            a
+        });
+        for o in &outs[1..] {
+            assert!(
+                o.iter().zip(&outs[0]).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{algo:?}: ranks differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn hierarchical_two_nodes_by_two_matches_naive() {
+    for topo in [Topology::uniform(2, 2), Topology::from_nodes(vec![0, 1, 0, 1])] {
+        let comms = local_group_with_topology(topo, opts()).expect("group");
+        run_ranks(comms, WAIT, |comm| {
+            let (rank, world) = (comm.rank(), comm.world());
+            let lane = comm.lane("hier").expect("lane");
+            let mut o = CallOptions::new();
+            o.algorithm(Algorithm::Hierarchical);
+            for count in [0usize, 1, 3, 997, 100_003] {
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                    let ins: Vec<_> = (0..world).map(|r| input(count as u64, r, count)).collect();
+                    let got = lane
+                        .all_reduce_opts(ins[rank].clone(), op, &o)
+                        .wait_timeout(WAIT)
+                        .expect("all_reduce");
+                    check_close(&got, &naive_reduce(&ins, op), op, world)
+                        .expect("all_reduce result");
+                    let rs: Vec<_> =
+                        (0..world).map(|r| input(count as u64 + 1, r, world * count)).collect();
+                    let (_, got) = lane
+                        .reduce_scatter_opts(rs[rank].clone(), vec![0.0; count], op, &o)
+                        .wait_timeout(WAIT)
+                        .expect("reduce_scatter");
+                    let want = naive_reduce(&rs, op);
+                    check_close(&got, &want[rank * count..(rank + 1) * count], op, world)
+                        .expect("reduce_scatter result");
+                }
+                let shards: Vec<_> = (0..world).map(|r| input(9, r, count)).collect();
+                let (_, full) = lane
+                    .all_gather_opts(shards[rank].clone(), vec![0.0; world * count], &o)
+                    .wait_timeout(WAIT)
+                    .expect("all_gather");
+                assert_eq!(full, shards.concat(), "all_gather follows global rank");
+            }
+            // Auto picks Hierarchical for large buffers on a multi-node topology.
+            let ins: Vec<_> = (0..world).map(|r| input(77, r, 50_000)).collect();
+            let got =
+                lane.all_reduce(ins[rank].clone(), ReduceOp::Sum).wait_timeout(WAIT).expect("auto");
+            check_close(&got, &naive_reduce(&ins, ReduceOp::Sum), ReduceOp::Sum, world)
+                .expect("auto result");
+        });
+    }
+}
+
+/// all_reduce_records folds in rank order 0..W-1 with the user combine (ALGO-3).
+#[test]
+fn records_fold_in_rank_order() {
+    fn combine(acc: &mut [f32], other: &[f32]) {
+        // Not commutative: exposes the fold order.
+        acc[0] = acc[0] * 10.0 + other[0];
+        acc[1] += other[1];
+    }
+    let comms = local_group(4).expect("group");
+    let outs = run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("bn").expect("lane");
+        let r = comm.rank() as f32;
+        let buf = vec![r + 1.0, r, r + 1.0, 2.0 * r];
+        lane.all_reduce_records(buf, 2, combine).wait_timeout(WAIT).expect("records")
+    });
+    for o in outs {
+        assert_eq!(o, vec![1234.0, 6.0, 1234.0, 12.0]);
+    }
+}
+
+/// Many lanes run concurrently and keep their own order; buffers round-trip through the pool
+/// without new allocations in steady state.
+#[test]
+fn lanes_run_concurrently_and_pool_reaches_steady_state() {
+    let comms = local_group(3).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let a = comm.lane("a").expect("lane a");
+        let b = comm.lane("b").expect("lane b");
+        let world = comm.world() as f32;
+        let mut allocs_after_warmup = 0;
+        for it in 0..20 {
+            let x = comm.pool().take(4096);
+            let y = comm.pool().take(100);
+            let mut x = x;
+            x.fill(1.0);
+            let mut y = y;
+            y.fill(2.0);
+            let wa = a.all_reduce(x, ReduceOp::Sum);
+            let wb = b.all_reduce(y, ReduceOp::Max);
+            let x = wa.wait_timeout(WAIT).expect("a");
+            let y = wb.wait_timeout(WAIT).expect("b");
+            assert!(x.iter().all(|&v| v == world) && y.iter().all(|&v| v == 2.0));
+            comm.pool().give(x);
+            comm.pool().give(y);
+            if it == 1 {
+                allocs_after_warmup = comm.pool().allocations();
+            }
+        }
+        assert_eq!(
+            comm.pool().allocations(),
+            allocs_after_warmup,
+            "pool allocated in steady state"
+        );
+    });
+}
+
+#[test]
+fn invalid_arguments_fail_before_io() {
+    let comms = local_group(2).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("args").expect("lane");
+        let e = lane.reduce_scatter(vec![0.0; 5], vec![0.0; 2], ReduceOp::Sum).wait_timeout(WAIT);
+        assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
+        let e = lane.broadcast(vec![0.0; 5], 9).wait_timeout(WAIT);
+        assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
+        // The lane still works afterwards.
+        lane.barrier().wait_timeout(WAIT).expect("barrier");
+    });
+}
+
+#[test]
+fn work_is_a_future() {
+    let comms = local_group(2).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("fut").expect("lane");
+        let w = lane.all_reduce(vec![1.0; 8], ReduceOp::Sum);
+        let out = block_on(w).expect("future");
+        assert_eq!(out, vec![2.0; 8]);
+    });
+}
+
+/// Minimal executor: parks the thread until woken (the lane completes the op).
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    let end = std::time::Instant::now() + WAIT;
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        assert!(std::time::Instant::now() < end, "future did not complete in time");
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+}
