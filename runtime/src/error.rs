@@ -48,9 +48,17 @@ pub enum RuntimeError {
     /// A collective operation failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// A model computation failed (shapes, BatchNorm on a single value, statistics reduction).
+    #[error("model: {0}")]
+    Model(String),
 }
 
 impl RuntimeError {
+    /// Wraps a model error (kept as text: the models crate's error is not `Sync`-bound here).
+    pub fn from_model(e: shardline_models::ModelError) -> Self {
+        RuntimeError::Model(e.to_string())
+    }
+
     /// Shorthand for a [`RuntimeError::Checkpoint`] naming `file`.
     pub fn checkpoint(file: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
         RuntimeError::Checkpoint { file: file.into(), detail: detail.into() }

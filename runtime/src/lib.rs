@@ -33,13 +33,16 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod actors;
 pub mod checkpoint;
+pub mod engine;
 pub mod error;
 pub mod memory;
 pub mod optim;
 pub mod schedule;
 pub mod shard;
-// Engine, actors, telemetry and CLI modules are declared here as they land.
+pub mod telemetry;
+pub mod train;
 
 pub use error::{Result, RuntimeError};
 pub use memory::{Allocation, Category, MemoryTracker};

@@ -1,2 +1,357 @@
-//! `shardline`: the command-line entry point (train, launch, checkpoint).
-fn main() {}
+//! `shardline`: train with every rank as an actor in one process, and inspect or export
+//! checkpoints.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use shardline_runtime::shard::Stage;
+use shardline_runtime::train::{self, RunOptions, StageChoice, SyncBnMode, TrainConfig};
+use shardline_runtime::RuntimeError;
+use std::path::PathBuf;
+
+/// Sharded data-parallel training (ZeRO 0-3 / FSDP) with SyncBatchNorm, on threads, processes
+/// or nodes.
+#[derive(Parser, Debug)]
+#[command(name = "shardline", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Train a model with every rank as an actor in this process.
+    ///
+    /// With no flags: mlp-bn on the bundled digits data, 4 ranks, ZeRO stage 3, SyncBN chosen
+    /// automatically.
+    ///
+    /// Examples:
+    ///   shardline train
+    ///   shardline train --stage auto --device-memory 64M --model wide-mlp --params 20M --dataset synthetic --steps 5
+    ///   shardline train --model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --world 2 --steps 20
+    ///   shardline train --checkpoint-dir ckpt --checkpoint-every 20 --resume
+    Train(TrainArgs),
+    /// Inspect or export checkpoints.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum CheckpointCmd {
+    /// Print a checkpoint's manifest summary and verify its files.
+    Inspect {
+        /// A `step-NNNNNNNN` directory, or a checkpoint root (its latest checkpoint is used).
+        dir: PathBuf,
+    },
+    /// Write a consolidated safetensors file with stable parameter names.
+    Export {
+        /// A `step-NNNNNNNN` directory, or a checkpoint root (its latest checkpoint is used).
+        dir: PathBuf,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum OnOffAuto {
+    On,
+    Off,
+    Auto,
+}
+
+#[derive(Args, Debug)]
+struct TrainArgs {
+    /// Number of ranks (threads, one actor each).
+    #[arg(long, default_value_t = 4)]
+    world: usize,
+    /// ZeRO stage: 0 (DDP), 1, 2, 3 (FSDP full shard), or auto (the lowest whose estimate fits
+    /// --device-memory).
+    #[arg(long, default_value = "3")]
+    stage: String,
+    /// Model: mlp-bn, convnet-bn or wide-mlp.
+    #[arg(long, default_value = "mlp-bn")]
+    model: String,
+    /// Data set: digits (bundled, 8x8 images) or synthetic (a random teacher network).
+    #[arg(long, default_value = "digits")]
+    dataset: String,
+    /// Epochs over the training set.
+    #[arg(long, default_value_t = 10)]
+    epochs: u64,
+    /// Total optimizer steps (overrides --epochs).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Global batch size (split across ranks; uneven splits are allowed).
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f32,
+    /// Optimizer: sgd (momentum 0.9) or adamw.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f32,
+    /// Weight decay (coupled for SGD, decoupled for AdamW).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Linear warmup steps before the cosine decay.
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u64,
+    /// Keep the learning rate constant instead of cosine decay.
+    #[arg(long)]
+    constant_lr: bool,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
+    /// SyncBatchNorm: on, off, or auto (on when the per-rank batch is below
+    /// --sync-bn-threshold; SyncBN costs a reduction per layer and pays only when per-rank
+    /// statistics are noisy).
+    #[arg(long, value_enum, default_value = "auto")]
+    sync_bn: OnOffAuto,
+    /// Per-rank batch below which auto turns SyncBN on.
+    #[arg(long, default_value_t = 32)]
+    sync_bn_threshold: usize,
+    /// Seed for initialisation, shuffling and synthetic data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Units gathered ahead of use at stage 3 (0 disables prefetch).
+    #[arg(long, default_value_t = 1)]
+    prefetch: usize,
+    /// Byte budget for gathered units in flight (default: (prefetch+1) x the largest unit).
+    #[arg(long, value_parser = parse_bytes)]
+    prefetch_budget: Option<u64>,
+    /// Per-rank memory cap like a GPU's (e.g. 512M, 2G): exceeding it is an OutOfMemory error.
+    #[arg(long, value_parser = parse_bytes)]
+    device_memory: Option<u64>,
+    /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Number of hidden blocks (mlp-bn).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Synthetic data: input features.
+    #[arg(long, default_value_t = 784)]
+    input_dim: usize,
+    /// Synthetic data: classes.
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    /// Synthetic data: training samples.
+    #[arg(long, default_value_t = 8192)]
+    samples: usize,
+    /// wide-mlp: parameter count (e.g. 50M).
+    #[arg(long, value_parser = parse_count, default_value = "50M")]
+    params: usize,
+    /// Group blocks into units of at least this many parameters (0: one unit per block).
+    #[arg(long, value_parser = parse_count, default_value = "0")]
+    wrap_params: usize,
+    /// Compute threads per rank.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Collective timeout in seconds (a stuck rank fails the job instead of hanging it).
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// Directory for sharded checkpoints.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N steps (and always at the end when --checkpoint-dir is set).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Resume from the latest checkpoint in --checkpoint-dir.
+    #[arg(long)]
+    resume: bool,
+    /// Write one JSON object per step to this file.
+    #[arg(long)]
+    log_json: Option<PathBuf>,
+    /// Write a Chrome trace (open in Perfetto) to this file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9100).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Stop after this many steps of this invocation (the checkpoint then lets --resume go on).
+    #[arg(long)]
+    stop_after: Option<u64>,
+    /// Write the summary as JSON to this file.
+    #[arg(long)]
+    summary_json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_scaled(s, 1024).map_err(|e| format!("{e} (try 512M or 2G)"))
+}
+
+fn parse_count(s: &str) -> Result<usize, String> {
+    parse_scaled(s, 1000).map(|v| v as usize).map_err(|e| format!("{e} (try 50M or 1500000)"))
+}
+
+fn parse_scaled(s: &str, base: u64) -> Result<u64, String> {
+    let t = s.trim();
+    let idx = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(idx);
+    let n: f64 = num.parse().map_err(|_| format!("'{s}' is not a number"))?;
+    let m = match unit.trim().to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
+        "" => 1,
+        "k" => base,
+        "m" => base * base,
+        "g" => base * base * base,
+        other => return Err(format!("unknown suffix '{other}' in '{s}'")),
+    };
+    if !(n.is_finite() && n >= 0.0) {
+        return Err(format!("'{s}' is not a valid size"));
+    }
+    Ok((n * m as f64) as u64)
+}
+
+fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
+    let stage = match a.stage.as_str() {
+        "auto" => StageChoice::Auto,
+        s => {
+            let n: u8 =
+                s.parse().map_err(|_| format!("--stage must be 0, 1, 2, 3 or auto, not '{s}'"))?;
+            StageChoice::Fixed(Stage::from_index(n).map_err(|e| e.to_string())?)
+        }
+    };
+    Ok(TrainConfig {
+        world: a.world,
+        stage,
+        model: a.model.clone(),
+        dataset: a.dataset.clone(),
+        epochs: a.epochs,
+        steps: a.steps,
+        batch_size: a.batch_size,
+        lr: a.lr,
+        optimizer: a.optimizer.clone(),
+        momentum: a.momentum,
+        weight_decay: a.weight_decay,
+        warmup_steps: a.warmup_steps,
+        cosine: !a.constant_lr,
+        clip_grad_norm: a.clip_grad_norm,
+        sync_bn: match a.sync_bn {
+            OnOffAuto::On => SyncBnMode::On,
+            OnOffAuto::Off => SyncBnMode::Off,
+            OnOffAuto::Auto => SyncBnMode::Auto,
+        },
+        sync_bn_threshold: a.sync_bn_threshold,
+        seed: a.seed,
+        prefetch: a.prefetch,
+        prefetch_budget: a.prefetch_budget,
+        device_memory: a.device_memory,
+        hidden: a.hidden,
+        depth: a.depth,
+        input_dim: a.input_dim,
+        classes: a.classes,
+        samples: a.samples,
+        params: a.params,
+        wrap_params: a.wrap_params,
+        threads: a.threads,
+        timeout_s: a.timeout,
+    })
+}
+
+fn exit_for(e: &RuntimeError) -> i32 {
+    // Configuration mistakes are usage errors (2); failures while running are 1.
+    match e {
+        RuntimeError::Config(msg) if !msg.contains("failed") => 2,
+        RuntimeError::OutOfMemory { .. } => 1,
+        _ => 1,
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHARDLINE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let code = match cli.cmd {
+        Cmd::Train(a) => {
+            let cfg = match to_config(&a) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            };
+            if let Some(addr) = a.metrics_addr {
+                if let Err(e) = shardline_runtime::telemetry::serve_prometheus(addr) {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            }
+            let opts = RunOptions {
+                checkpoint_dir: a.checkpoint_dir.clone(),
+                checkpoint_every: a.checkpoint_every,
+                resume: a.resume,
+                log_json: a.log_json.clone(),
+                trace: a.trace.clone(),
+                progress: !a.no_progress,
+                stop_after: a.stop_after,
+                quiet: false,
+            };
+            match train::run(cfg, opts) {
+                Ok(summary) => {
+                    if let Some(p) = &a.summary_json {
+                        let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
+                        if let Err(e) = std::fs::write(p, text) {
+                            eprintln!("error: writing {}: {e}", p.display());
+                            std::process::exit(1);
+                        }
+                    }
+                    0
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    exit_for(&e)
+                }
+            }
+        }
+        Cmd::Checkpoint(c) => match checkpoint_cmd(c) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+    };
+    std::process::exit(code);
+}
+
+fn resolve(dir: PathBuf) -> Result<PathBuf, RuntimeError> {
+    if dir.join("manifest.json").exists() {
+        return Ok(dir);
+    }
+    shardline_runtime::checkpoint::latest(&dir)?.ok_or_else(|| {
+        RuntimeError::checkpoint(
+            &dir,
+            "no committed checkpoint here (expected manifest.json or step-* directories)",
+        )
+    })
+}
+
+fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
+    match c {
+        CheckpointCmd::Inspect { dir } => {
+            let d = resolve(dir)?;
+            println!("{}", shardline_runtime::checkpoint::inspect(&d)?);
+        }
+        CheckpointCmd::Export { dir, out } => {
+            let d = resolve(dir)?;
+            let n = shardline_runtime::checkpoint::export_safetensors(&d, &out)?;
+            println!("wrote {} tensors from {} to {}", n, d.display(), out.display());
+        }
+    }
+    Ok(())
+}

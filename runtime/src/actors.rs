@@ -1,0 +1,232 @@
+//! Actors (actix): one [`RankActor`] per rank on its own arbiter thread, owning its shard
+//! state and engine, and a [`Coordinator`] that learns of failures and aborts every
+//! communicator so that no rank hangs.
+//!
+//! - ACT-1: a failing rank reports to the coordinator before answering its caller, so the
+//!   coordinator aborts the other ranks' communicators while they are still blocked.
+//! - ACT-2: the first failure reported is the root cause named in the job's error; the
+//!   `Aborted` errors it causes on the other ranks are consequences.
+
+use crate::checkpoint::{FileEntry, PendingCheckpoint, RankShard};
+use crate::engine::{RankEngine, StepStats};
+use crate::error::{Result, RuntimeError};
+use actix::prelude::*;
+use shardline_collectives::Communicator;
+use shardline_models::{Dataset, DistributedSampler};
+use std::sync::{Arc, Mutex};
+
+/// The data a rank reads its slices from (shared, read-only).
+pub struct RankData {
+    /// Training set.
+    pub train: Arc<Dataset>,
+    /// Test set.
+    pub test: Arc<Dataset>,
+    /// Global-batch sampler over the training set.
+    pub sampler: DistributedSampler,
+}
+
+/// One training step: the `index`-th batch of `epoch`.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<StepStats, String>")]
+pub struct Step {
+    /// Epoch.
+    pub epoch: u64,
+    /// Batch index within the epoch.
+    pub index: usize,
+}
+
+/// Evaluate on the test set; answers (correct, count, mean loss).
+#[derive(Message)]
+#[rtype(result = "std::result::Result<(u64, u64, f32), String>")]
+pub struct Eval;
+
+/// Write this rank's shard into a pending checkpoint.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<FileEntry, String>")]
+pub struct Save(pub Arc<PendingCheckpoint>);
+
+/// Restore state (collective: all ranks at once).
+#[derive(Message)]
+#[rtype(result = "std::result::Result<(), String>")]
+pub struct Load {
+    /// This rank's shard (already resharded for this world).
+    pub shard: RankShard,
+    /// Replicated buffers per unit.
+    pub buffers: Vec<Vec<f32>>,
+    /// Steps completed.
+    pub step: u64,
+}
+
+/// Gather full parameters (collective); answers per-unit unpadded parameters.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>")]
+pub struct FullParams;
+
+/// Abort this rank's communicator (pending and later ops fail).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Abort(pub String);
+
+/// Release the rank's state (engine, communicator, lane threads). The actor thread itself
+/// ends with the actor system; a `SyncArbiter` would restart a stopped actor.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+/// A rank reports its failure to the coordinator.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RankFailed {
+    /// The rank.
+    pub rank: usize,
+    /// What happened.
+    pub error: String,
+}
+
+/// One rank: engine plus data, on its own thread (a `SyncArbiter` of one).
+pub struct RankActor {
+    engine: RankEngine,
+    data: Arc<RankData>,
+    coordinator: Addr<Coordinator>,
+}
+
+impl RankActor {
+    /// A rank actor over an engine.
+    pub fn new(engine: RankEngine, data: Arc<RankData>, coordinator: Addr<Coordinator>) -> Self {
+        RankActor { engine, data, coordinator }
+    }
+
+    fn fail<T>(&self, e: RuntimeError) -> std::result::Result<T, String> {
+        let msg = e.to_string();
+        // ACT-1: tell the coordinator first, so it can abort the others while they wait.
+        self.coordinator.do_send(RankFailed { rank: self.engine.rank(), error: msg.clone() });
+        Err(msg)
+    }
+
+    fn do_step(&mut self, m: &Step) -> Result<StepStats> {
+        let rank = self.engine.rank();
+        let batches = self.data.sampler.rank_batches(m.epoch, rank);
+        let (global, idx) = batches.get(m.index).ok_or_else(|| {
+            RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
+        })?;
+        let (x, y) = self.data.train.batch(idx);
+        self.engine.train_step(x, &y, *global)
+    }
+
+    fn do_eval(&mut self) -> Result<(u64, u64, f32)> {
+        let n = self.data.test.len();
+        let world = self.engine.layout().world();
+        let r = DistributedSampler::slice_range(n, world, self.engine.rank());
+        let idx: Vec<usize> = r.collect();
+        let (x, y) = self.data.test.batch(&idx);
+        let (c, cnt, loss) = self.engine.eval(x, &y, n)?;
+        Ok((c, cnt, loss))
+    }
+}
+
+impl Actor for RankActor {
+    type Context = SyncContext<Self>;
+}
+
+impl Handler<Step> for RankActor {
+    type Result = std::result::Result<StepStats, String>;
+    fn handle(&mut self, m: Step, _: &mut Self::Context) -> Self::Result {
+        match self.do_step(&m) {
+            Ok(s) => Ok(s),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<Eval> for RankActor {
+    type Result = std::result::Result<(u64, u64, f32), String>;
+    fn handle(&mut self, _: Eval, _: &mut Self::Context) -> Self::Result {
+        match self.do_eval() {
+            Ok(s) => Ok(s),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<Save> for RankActor {
+    type Result = std::result::Result<FileEntry, String>;
+    fn handle(&mut self, m: Save, _: &mut Self::Context) -> Self::Result {
+        let shard = self.engine.shard_state();
+        match m.0.write_shard(self.engine.rank(), &shard) {
+            Ok(f) => Ok(f),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<Load> for RankActor {
+    type Result = std::result::Result<(), String>;
+    fn handle(&mut self, m: Load, _: &mut Self::Context) -> Self::Result {
+        match self.engine.load_state(&m.shard, &m.buffers, m.step) {
+            Ok(()) => Ok(()),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<FullParams> for RankActor {
+    type Result = std::result::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>;
+    fn handle(&mut self, _: FullParams, _: &mut Self::Context) -> Self::Result {
+        match self.engine.full_params() {
+            Ok(p) => Ok((p, self.engine.buffers().to_vec())),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<Abort> for RankActor {
+    type Result = ();
+    fn handle(&mut self, m: Abort, _: &mut Self::Context) {
+        self.engine.communicator().abort(&m.0);
+    }
+}
+
+impl Handler<Shutdown> for RankActor {
+    type Result = ();
+    fn handle(&mut self, _: Shutdown, _: &mut Self::Context) {
+        self.engine.shutdown();
+    }
+}
+
+/// Membership and failure handling for one job.
+pub struct Coordinator {
+    comms: Vec<Communicator>,
+    root_cause: Arc<Mutex<Option<(usize, String)>>>,
+}
+
+impl Coordinator {
+    /// A coordinator for the communicators of every rank of the job.
+    pub fn new(comms: Vec<Communicator>) -> Self {
+        Coordinator { comms, root_cause: Arc::default() }
+    }
+
+    /// Shared slot holding the first failure (rank, cause), readable after the job.
+    pub fn root_cause_slot(&self) -> Arc<Mutex<Option<(usize, String)>>> {
+        Arc::clone(&self.root_cause)
+    }
+}
+
+impl Actor for Coordinator {
+    type Context = Context<Self>;
+}
+
+impl Handler<RankFailed> for Coordinator {
+    type Result = ();
+    fn handle(&mut self, m: RankFailed, _: &mut Self::Context) {
+        let Ok(mut slot) = self.root_cause.lock() else { return };
+        if slot.is_some() {
+            return; // ACT-2: consequences of the first failure.
+        }
+        tracing::error!(rank = m.rank, error = %m.error, "rank failed; aborting every communicator");
+        let reason = format!("rank {} failed: {}", m.rank, m.error);
+        *slot = Some((m.rank, m.error));
+        for c in &self.comms {
+            c.abort(&reason);
+        }
+    }
+}

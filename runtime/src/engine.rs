@@ -1,0 +1,757 @@
+//! The per-rank training engine: the forward/backward schedule of each ZeRO stage.
+//!
+//! Stage 3 (FSDP full shard), per step (ARCHITECTURE.md, "Schedule"):
+//! - forward, unit i: wait gather(i) -> issue gather(i+1..=i+k) (prefetch depth k, bounded by
+//!   a byte budget) -> compute -> free the gathered parameters;
+//! - backward, unit i (reverse): issue gather(i-1) before computing -> wait gather(i) ->
+//!   compute gradients -> free parameters -> issue reduce-scatter(grads i) on the `reduce` lane
+//!   and go on without waiting;
+//! - optimizer step on the own slices once every reduce-scatter is done.
+//!
+//! Stage 0 all-reduces each unit's gradients (one bucket per unit) as soon as backward has
+//! produced them; stages 1 and 2 reduce-scatter them, step the own slice and all-gather the
+//! updated parameters. Gathers, reductions and SyncBN statistics use three separate lanes.
+//!
+//! Invariants:
+//! - ENG-1: the same seed, data and world size give bitwise-identical parameters with any
+//!   prefetch depth (prefetch changes when a gather is issued, never what is computed).
+//! - ENG-2: the loss reported for a step is the mean over the whole global batch.
+//! - ENG-3: every buffer the engine holds is registered with the rank's [`MemoryTracker`].
+
+use crate::error::{Result, RuntimeError};
+use crate::memory::{Allocation, Category, MemoryTracker};
+use crate::optim::{self, Optimizer};
+use crate::schedule::LrSchedule;
+use crate::shard::{ShardedModelLayout, Stage};
+use crate::telemetry::{Row, Trace};
+use shardline_collectives::{Communicator, Lane, ReduceOp, Work};
+use shardline_models::{
+    softmax_cross_entropy, CountingReducer, Cpu, Ctx, LaneReducer, Model, StatsReducer, Tensor,
+    UnitSaved,
+};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Lane names.
+pub const GATHER_LANE: &str = "gather";
+/// Lane of gradient reductions.
+pub const REDUCE_LANE: &str = "reduce";
+
+/// What the engine needs to know about the run.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// ZeRO stage.
+    pub stage: Stage,
+    /// How many units ahead to gather (stage 3). 0 disables prefetch.
+    pub prefetch: usize,
+    /// Most bytes of gathered parameters in flight or held at once (stage 3); the current
+    /// unit is always allowed.
+    pub prefetch_budget_bytes: u64,
+    /// Treat every BatchNorm as SyncBatchNorm.
+    pub sync_bn: bool,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Learning-rate schedule.
+    pub lr: LrSchedule,
+    /// Clip the global gradient norm to this value.
+    pub clip_grad_norm: Option<f64>,
+    /// Parameter-init seed.
+    pub seed: u64,
+    /// Threads per rank for compute kernels.
+    pub threads: usize,
+}
+
+/// Figures of one step on one rank.
+#[derive(Clone, Debug, Default)]
+pub struct StepStats {
+    /// Mean loss over the global batch (identical on every rank, ENG-2).
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Wall time of the step.
+    pub step_time: Duration,
+    /// Time spent computing (forward, backward, optimizer).
+    pub compute_time: Duration,
+    /// Time spent blocked waiting for communication (exposed communication).
+    pub comm_exposed: Duration,
+    /// Peak tracked bytes of this rank so far.
+    pub peak_bytes: u64,
+    /// SyncBatchNorm statistics messages this step.
+    pub stats_messages: usize,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+struct Gathered {
+    full: Vec<f32>,
+    _alloc: Allocation,
+}
+
+struct PendingGather {
+    unit: usize,
+    work: Work<(Vec<f32>, Vec<f32>)>,
+    alloc: Allocation,
+}
+
+enum PendingReduce {
+    /// Stage 0: all-reduce of the unit's full gradient.
+    AllReduce { unit: usize, work: Work<Vec<f32>>, alloc: Allocation },
+    /// Stages 1-3: reduce-scatter of the unit's full gradient into its shard.
+    ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Allocation },
+}
+
+/// One rank's engine: its shard state and the schedule that drives it.
+pub struct RankEngine {
+    rank: usize,
+    world: usize,
+    model: Arc<Model>,
+    layout: ShardedModelLayout,
+    cfg: EngineConfig,
+    comm: Communicator,
+    gather: Lane,
+    reduce: Lane,
+    stats: LaneReducer,
+    backend: Cpu,
+    mem: MemoryTracker,
+    trace: Trace,
+    /// Stage 0-2: full padded flat parameters per unit; stage 3: this rank's shard.
+    params: Vec<Vec<f32>>,
+    /// Stage 0/1: full padded gradients; stage 2/3: this rank's shard.
+    grads: Vec<Vec<f32>>,
+    /// Optimizer state: full (stage 0) or shard (1-3), `k` values per element.
+    optim_state: Vec<Vec<f32>>,
+    /// Replicated BatchNorm buffers per unit.
+    buffers: Vec<Vec<f32>>,
+    step: u64,
+    _persistent: Vec<Allocation>,
+}
+
+fn unit_label(model: &Model, u: usize) -> String {
+    model.unit_name(u)
+}
+
+impl RankEngine {
+    /// Builds the rank's state: initial parameters (the same on every rank, from the seed),
+    /// sharded as the stage says, and opens the lanes (collective: every rank calls it).
+    pub fn new(
+        comm: Communicator,
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        mem: MemoryTracker,
+        trace: Trace,
+    ) -> Result<Self> {
+        let rank = comm.rank();
+        let world = comm.world();
+        let spec = model.spec();
+        let layout = ShardedModelLayout::new(&spec, world)?;
+        let gather = comm.lane(GATHER_LANE)?;
+        let reduce = comm.lane(REDUCE_LANE)?;
+        let stats = LaneReducer::stats_lane(&comm).map_err(RuntimeError::from_model)?;
+        let k = cfg.optimizer.state_len_per_param();
+        let mut persistent = Vec::new();
+        let mut params = Vec::new();
+        let mut grads = Vec::new();
+        let mut optim_state = Vec::new();
+        let mut buffers = Vec::new();
+        for u in 0..layout.units().len() {
+            let l = layout.unit(u);
+            let name = unit_label(&model, u);
+            let init = model.init_params(u, cfg.seed).map_err(RuntimeError::from_model)?;
+            let mut full = vec![0.0f32; l.padded_numel()];
+            full[..init.len()].copy_from_slice(&init);
+            let (p, pcat) = if cfg.stage.keeps_full_params() {
+                (full, Category::FullParams)
+            } else {
+                (full[l.shard_range(rank)].to_vec(), Category::ShardParams)
+            };
+            persistent.push(mem.alloc_f32(pcat, p.len(), &name)?);
+            let glen = match cfg.stage {
+                Stage::Zero0 | Stage::Zero1 => l.padded_numel(),
+                Stage::Zero2 | Stage::Zero3 => l.shard_len(),
+            };
+            persistent.push(mem.alloc_f32(Category::Grads, glen, &name)?);
+            let slen =
+                if cfg.stage.optimizer_sharded() { l.shard_len() } else { l.padded_numel() } * k;
+            persistent.push(mem.alloc_f32(Category::OptimizerState, slen, &name)?);
+            let b = model.init_buffers(u).map_err(RuntimeError::from_model)?;
+            params.push(p);
+            grads.push(vec![0.0; glen]);
+            optim_state.push(vec![0.0; slen]);
+            buffers.push(b);
+        }
+        let backend = if cfg.threads > 1 { Cpu::with_threads(cfg.threads) } else { Cpu::new() };
+        Ok(RankEngine {
+            rank,
+            world,
+            model,
+            layout,
+            cfg,
+            comm,
+            gather,
+            reduce,
+            stats,
+            backend,
+            mem,
+            trace,
+            params,
+            grads,
+            optim_state,
+            buffers,
+            step: 0,
+            _persistent: persistent,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The rank's memory tracker.
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.mem
+    }
+
+    /// The model's sharded layout.
+    pub fn layout(&self) -> &ShardedModelLayout {
+        &self.layout
+    }
+
+    /// The communicator (for aborting from outside).
+    pub fn communicator(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    fn wait<T>(&self, w: Work<T>, row: Row, what: &str, exposed: &mut Duration) -> Result<T> {
+        let t0 = Instant::now();
+        let r = w.wait()?;
+        let t1 = Instant::now();
+        *exposed += t1 - t0;
+        self.trace.record(self.rank, row, format!("wait {what}"), t0, t1);
+        Ok(r)
+    }
+
+    fn issue_gather(&self, unit: usize) -> Result<PendingGather> {
+        let l = self.layout.unit(unit);
+        let alloc = self.mem.alloc_f32(
+            Category::GatheredUnits,
+            l.padded_numel(),
+            &unit_label(&self.model, unit),
+        )?;
+        let pool = self.comm.pool();
+        let mut shard = pool.take(l.shard_len());
+        shard.clear();
+        shard.extend_from_slice(&self.params[unit]);
+        let mut full = pool.take(l.padded_numel());
+        full.resize(l.padded_numel(), 0.0);
+        let work = self.gather.all_gather(shard, full);
+        Ok(PendingGather { unit, work, alloc })
+    }
+
+    fn gathered_bytes(&self, unit: usize) -> u64 {
+        self.layout.unit(unit).padded_numel() as u64 * 4
+    }
+
+    /// Keeps the gather queue filled up to the prefetch depth and byte budget. `order` is the
+    /// sequence of units still to be used, first = the one needed next.
+    fn fill_gathers(
+        &self,
+        queue: &mut VecDeque<PendingGather>,
+        order: &[usize],
+        depth: usize,
+    ) -> Result<()> {
+        for &u in order.iter().take(depth) {
+            if queue.iter().any(|p| p.unit == u) {
+                continue;
+            }
+            let in_flight: u64 = queue.iter().map(|p| self.gathered_bytes(p.unit)).sum();
+            if !queue.is_empty()
+                && in_flight + self.gathered_bytes(u) > self.cfg.prefetch_budget_bytes
+            {
+                break;
+            }
+            queue.push_back(self.issue_gather(u)?);
+        }
+        Ok(())
+    }
+
+    fn take_gathered(
+        &self,
+        queue: &mut VecDeque<PendingGather>,
+        unit: usize,
+        exposed: &mut Duration,
+    ) -> Result<Gathered> {
+        let pos = queue.iter().position(|p| p.unit == unit);
+        let p = match pos {
+            Some(i) => queue.remove(i).ok_or_else(|| RuntimeError::config("gather queue"))?,
+            None => self.issue_gather(unit)?,
+        };
+        let label = unit_label(&self.model, unit);
+        let (shard, full) = self.wait(p.work, Row::Gather, &format!("gather {label}"), exposed)?;
+        self.comm.pool().give(shard);
+        Ok(Gathered { full, _alloc: p.alloc })
+    }
+
+    fn release(&self, g: Gathered) {
+        self.comm.pool().give(g.full);
+    }
+
+    /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
+    /// samples. Every rank of the group must call it with its own slice (possibly empty).
+    pub fn train_step(&mut self, x: Tensor, y: &[u32], global_batch: usize) -> Result<StepStats> {
+        let t_step = Instant::now();
+        let mut exposed = Duration::ZERO;
+        let mut compute = Duration::ZERO;
+        let n_units = self.layout.units().len();
+        let stage = self.cfg.stage;
+        let counting = CountingReducer::new(&self.stats as &dyn StatsReducer);
+        let reducer: Option<&dyn StatsReducer> =
+            if self.world > 1 { Some(&counting) } else { None };
+        let model = Arc::clone(&self.model);
+
+        // ---- forward ----
+        let mut saved: Vec<UnitSaved> = Vec::with_capacity(n_units);
+        let mut act_allocs = Vec::with_capacity(n_units);
+        let mut queue: VecDeque<PendingGather> = VecDeque::new();
+        let mut xin = x;
+        for u in 0..n_units {
+            let label = unit_label(&model, u);
+            let gathered = if stage.gathers_params_per_unit() {
+                let order: Vec<usize> = (u..n_units).collect();
+                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
+                let g = self.take_gathered(&mut queue, u, &mut exposed)?;
+                // Issue the next gathers before computing (prefetch).
+                self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
+                Some(g)
+            } else {
+                None
+            };
+            let numel = self.layout.unit(u).numel();
+            let t0 = Instant::now();
+            let ctx = Ctx {
+                training: true,
+                sync_bn: self.cfg.sync_bn,
+                reducer,
+                global_batch,
+                backend: &self.backend,
+            };
+            let params: &[f32] = match &gathered {
+                Some(g) => &g.full[..numel],
+                None => &self.params[u][..numel],
+            };
+            let (yout, s) = model
+                .forward_unit(u, params, &mut self.buffers[u], xin, &ctx)
+                .map_err(RuntimeError::from_model)?;
+            let t1 = Instant::now();
+            compute += t1 - t0;
+            self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
+            act_allocs.push(self.mem.alloc_f32(Category::Activations, yout.data.len(), &label)?);
+            if let Some(g) = gathered {
+                self.release(g);
+            }
+            saved.push(s);
+            xin = yout;
+        }
+        let t0 = Instant::now();
+        let (local_loss, mut grad) =
+            softmax_cross_entropy(&xin, y, global_batch).map_err(RuntimeError::from_model)?;
+        compute += t0.elapsed();
+
+        // ---- backward ----
+        let mut pending: Vec<PendingReduce> = Vec::with_capacity(n_units);
+        for u in (0..n_units).rev() {
+            let label = unit_label(&model, u);
+            let gathered = if stage.gathers_params_per_unit() {
+                let order: Vec<usize> = (0..=u).rev().collect();
+                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
+                let g = self.take_gathered(&mut queue, u, &mut exposed)?;
+                // Backward prefetch: the previous unit's gather goes out before computing.
+                self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
+                Some(g)
+            } else {
+                None
+            };
+            let l = self.layout.unit(u);
+            let (numel, padded) = (l.numel(), l.padded_numel());
+            let galloc =
+                self.mem.alloc_f32(Category::Grads, padded, &format!("{label} (unreduced)"))?;
+            let mut gfull = self.comm.pool().take(padded);
+            gfull.clear();
+            gfull.resize(padded, 0.0);
+            let t0 = Instant::now();
+            let ctx = Ctx {
+                training: true,
+                sync_bn: self.cfg.sync_bn,
+                reducer,
+                global_batch,
+                backend: &self.backend,
+            };
+            let params: &[f32] = match &gathered {
+                Some(g) => &g.full[..numel],
+                None => &self.params[u][..numel],
+            };
+            let s = saved
+                .pop()
+                .ok_or_else(|| RuntimeError::config("saved activations out of order"))?;
+            grad = model
+                .backward_unit(u, params, &s, grad, &mut gfull[..numel], &ctx)
+                .map_err(RuntimeError::from_model)?;
+            drop(s);
+            act_allocs.pop();
+            let t1 = Instant::now();
+            compute += t1 - t0;
+            self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
+            if let Some(g) = gathered {
+                self.release(g);
+            }
+            // Reduce as soon as the unit's gradients exist; do not wait (overlap).
+            let p = if stage == Stage::Zero0 {
+                PendingReduce::AllReduce {
+                    unit: u,
+                    work: self.reduce.all_reduce(gfull, ReduceOp::Sum),
+                    alloc: galloc,
+                }
+            } else {
+                let mut out = self.comm.pool().take(l.shard_len());
+                out.resize(l.shard_len(), 0.0);
+                PendingReduce::ReduceScatter {
+                    unit: u,
+                    work: self.reduce.reduce_scatter(gfull, out, ReduceOp::Sum),
+                    alloc: galloc,
+                }
+            };
+            pending.push(p);
+        }
+        drop(grad);
+        let stats_messages = counting.messages();
+        drop(counting);
+
+        // ---- wait for the reductions ----
+        for p in pending {
+            match p {
+                PendingReduce::AllReduce { unit, work, alloc } => {
+                    let g = self.wait(
+                        work,
+                        Row::Reduce,
+                        &format!("all-reduce {}", unit_label(&model, unit)),
+                        &mut exposed,
+                    )?;
+                    let old = std::mem::replace(&mut self.grads[unit], g);
+                    self.comm.pool().give(old);
+                    drop(alloc);
+                }
+                PendingReduce::ReduceScatter { unit, work, alloc } => {
+                    let (full, shard) = self.wait(
+                        work,
+                        Row::Reduce,
+                        &format!("reduce-scatter {}", unit_label(&model, unit)),
+                        &mut exposed,
+                    )?;
+                    if stage == Stage::Zero1 {
+                        // Stage 1 keeps a full gradient buffer; its own slice holds the result.
+                        let r = self.layout.unit(unit).shard_range(self.rank);
+                        self.grads[unit][r].copy_from_slice(&shard);
+                        self.comm.pool().give(shard);
+                    } else {
+                        let old = std::mem::replace(&mut self.grads[unit], shard);
+                        self.comm.pool().give(old);
+                    }
+                    self.comm.pool().give(full);
+                    drop(alloc);
+                }
+            }
+        }
+
+        // ---- loss and gradient norm: one small all-reduce ----
+        let sq: f64 = (0..n_units).map(|u| optim::sq_norm(self.own_grads(u))).sum();
+        let w = self.reduce.all_reduce(vec![local_loss, sq as f32], ReduceOp::Sum);
+        let sums = self.wait(w, Row::Reduce, "loss+norm", &mut exposed)?;
+        let (loss, total_sq) = (sums[0], sums[1] as f64);
+        let coef = match self.cfg.clip_grad_norm {
+            Some(max) => optim::clip_coef(total_sq, max),
+            None => 1.0,
+        };
+
+        // ---- optimizer on the own slices ----
+        self.step += 1;
+        let lr = self.cfg.lr.lr_at(self.step);
+        let t0 = Instant::now();
+        for u in 0..n_units {
+            self.optimizer_step_unit(u, lr, coef)?;
+        }
+        let t1 = Instant::now();
+        compute += t1 - t0;
+        self.trace.record(self.rank, Row::Compute, "optimizer", t0, t1);
+
+        // ---- stages 1 and 2: all-gather the updated parameters ----
+        if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+            let mut works = Vec::with_capacity(n_units);
+            for u in 0..n_units {
+                let l = self.layout.unit(u);
+                let r = l.shard_range(self.rank);
+                let mut shard = self.comm.pool().take(l.shard_len());
+                shard.clear();
+                shard.extend_from_slice(&self.params[u][r]);
+                let full = std::mem::take(&mut self.params[u]);
+                works.push((u, self.gather.all_gather(shard, full)));
+            }
+            for (u, work) in works {
+                let (shard, full) = self.wait(
+                    work,
+                    Row::Gather,
+                    &format!("all-gather {}", unit_label(&model, u)),
+                    &mut exposed,
+                )?;
+                self.params[u] = full;
+                self.comm.pool().give(shard);
+            }
+        }
+        drop(act_allocs);
+        Ok(StepStats {
+            loss,
+            lr,
+            step_time: t_step.elapsed(),
+            compute_time: compute,
+            comm_exposed: exposed,
+            peak_bytes: self.mem.peak_total(),
+            stats_messages,
+            grad_norm: total_sq.sqrt(),
+        })
+    }
+
+    /// This rank's reduced gradient slice of unit `u` (what its optimizer steps on).
+    fn own_grads(&self, u: usize) -> &[f32] {
+        match self.cfg.stage {
+            Stage::Zero0 => {
+                // Every rank holds the full reduced gradient; count each element once globally
+                // by taking the own slice only.
+                let r = self.layout.unit(u).shard_range(self.rank);
+                &self.grads[u][r]
+            }
+            Stage::Zero1 => {
+                let r = self.layout.unit(u).shard_range(self.rank);
+                &self.grads[u][r]
+            }
+            Stage::Zero2 | Stage::Zero3 => &self.grads[u],
+        }
+    }
+
+    fn optimizer_step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<()> {
+        let l = self.layout.unit(u);
+        let r = l.shard_range(self.rank);
+        let opt = self.cfg.optimizer;
+        let step = self.step;
+        match self.cfg.stage {
+            Stage::Zero0 => {
+                if coef != 1.0 {
+                    optim::scale(&mut self.grads[u], coef);
+                }
+                opt.step(lr, step, &mut self.params[u], &self.grads[u], &mut self.optim_state[u])
+            }
+            Stage::Zero1 => {
+                let g = &mut self.grads[u][r.clone()];
+                if coef != 1.0 {
+                    optim::scale(g, coef);
+                }
+                opt.step(
+                    lr,
+                    step,
+                    &mut self.params[u][r.clone()],
+                    &self.grads[u][r],
+                    &mut self.optim_state[u],
+                )
+            }
+            Stage::Zero2 => {
+                if coef != 1.0 {
+                    optim::scale(&mut self.grads[u], coef);
+                }
+                opt.step(lr, step, &mut self.params[u][r], &self.grads[u], &mut self.optim_state[u])
+            }
+            Stage::Zero3 => {
+                if coef != 1.0 {
+                    optim::scale(&mut self.grads[u], coef);
+                }
+                opt.step(lr, step, &mut self.params[u], &self.grads[u], &mut self.optim_state[u])
+            }
+        }
+    }
+
+    /// Evaluates this rank's slice in eval mode; returns (correct, count, summed loss over the
+    /// slice divided by `global_n`). Collective: every rank calls it.
+    pub fn eval(&mut self, x: Tensor, y: &[u32], global_n: usize) -> Result<(u64, u64, f32)> {
+        let n_units = self.layout.units().len();
+        let model = Arc::clone(&self.model);
+        let mut exposed = Duration::ZERO;
+        let mut queue = VecDeque::new();
+        let mut xin = x;
+        for u in 0..n_units {
+            let gathered = if self.cfg.stage.gathers_params_per_unit() {
+                let order: Vec<usize> = (u..n_units).collect();
+                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
+                Some(self.take_gathered(&mut queue, u, &mut exposed)?)
+            } else {
+                None
+            };
+            let numel = self.layout.unit(u).numel();
+            let ctx = Ctx {
+                training: false,
+                sync_bn: false,
+                reducer: None,
+                global_batch: global_n.max(1),
+                backend: &self.backend,
+            };
+            let params: &[f32] = match &gathered {
+                Some(g) => &g.full[..numel],
+                None => &self.params[u][..numel],
+            };
+            let (yout, _) = model
+                .forward_unit(u, params, &mut self.buffers[u], xin, &ctx)
+                .map_err(RuntimeError::from_model)?;
+            if let Some(g) = gathered {
+                self.release(g);
+            }
+            xin = yout;
+        }
+        let classes = *xin.shape.last().unwrap_or(&1);
+        let mut correct = 0u64;
+        for (i, &label) in y.iter().enumerate() {
+            let row = &xin.data[i * classes..(i + 1) * classes];
+            let mut best = 0;
+            for (j, v) in row.iter().enumerate() {
+                if *v > row[best] {
+                    best = j;
+                }
+            }
+            correct += u64::from(best as u32 == label);
+        }
+        let (loss, _) = softmax_cross_entropy(&xin, y, global_n.max(y.len()))
+            .map_err(RuntimeError::from_model)?;
+        let sums = self
+            .reduce
+            .all_reduce(vec![correct as f32, y.len() as f32, loss], ReduceOp::Sum)
+            .wait()?;
+        Ok((sums[0] as u64, sums[1] as u64, sums[2]))
+    }
+
+    /// Full (unpadded) parameters of every unit, gathered if sharded. Collective.
+    pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::new();
+        for u in 0..self.layout.units().len() {
+            let l = self.layout.unit(u);
+            let full = if self.cfg.stage.keeps_full_params() {
+                self.params[u].clone()
+            } else {
+                let (_, full) = self
+                    .gather
+                    .all_gather(self.params[u].clone(), vec![0.0; l.padded_numel()])
+                    .wait()?;
+                full
+            };
+            out.push(full[..l.numel()].to_vec());
+        }
+        Ok(out)
+    }
+
+    /// Frees the state and returns pooled buffers; later steps fail. Idempotent.
+    pub fn shutdown(&mut self) {
+        self.params.clear();
+        self.grads.clear();
+        self.optim_state.clear();
+        self._persistent.clear();
+    }
+
+    /// Replicated buffers (BatchNorm running statistics), per unit.
+    pub fn buffers(&self) -> &[Vec<f32>] {
+        &self.buffers
+    }
+
+    /// This rank's checkpoint content: its parameter and optimizer-state slices per unit.
+    pub fn shard_state(&self) -> crate::checkpoint::RankShard {
+        use crate::checkpoint::{RankShard, UnitShard};
+        let k = self.cfg.optimizer.state_len_per_param();
+        let units = (0..self.layout.units().len())
+            .map(|u| {
+                let r = self.layout.unit(u).shard_range(self.rank);
+                let params = if self.cfg.stage.keeps_full_params() {
+                    self.params[u][r.clone()].to_vec()
+                } else {
+                    self.params[u].clone()
+                };
+                let optim_state = if self.cfg.stage.optimizer_sharded() {
+                    self.optim_state[u].clone()
+                } else {
+                    self.optim_state[u][r.start * k..r.end * k].to_vec()
+                };
+                UnitShard { params, optim_state }
+            })
+            .collect();
+        RankShard { units }
+    }
+
+    /// Restores state from a checkpoint shard written for this world size (resharded by the
+    /// loader when it was written for another), the replicated buffers and the step count.
+    /// Stages that keep full copies all-gather the slices. Collective.
+    pub fn load_state(
+        &mut self,
+        shard: &crate::checkpoint::RankShard,
+        buffers: &[Vec<f32>],
+        step: u64,
+    ) -> Result<()> {
+        let k = self.cfg.optimizer.state_len_per_param();
+        if shard.units.len() != self.layout.units().len() || buffers.len() != self.buffers.len() {
+            return Err(RuntimeError::config(
+                "checkpoint has another number of units than the model",
+            ));
+        }
+        for u in 0..self.layout.units().len() {
+            let l = self.layout.unit(u);
+            let us = &shard.units[u];
+            if us.params.len() != l.shard_len() || us.optim_state.len() != l.shard_len() * k {
+                return Err(RuntimeError::config(format!(
+                    "checkpoint shard of unit {} has the wrong size",
+                    l.name()
+                )));
+            }
+            if buffers[u].len() != self.buffers[u].len() {
+                return Err(RuntimeError::config(format!(
+                    "checkpoint buffers of unit {} have the wrong size",
+                    l.name()
+                )));
+            }
+            if self.cfg.stage.keeps_full_params() {
+                let (_, full) = self
+                    .gather
+                    .all_gather(us.params.clone(), vec![0.0; l.padded_numel()])
+                    .wait()?;
+                self.params[u] = full;
+            } else {
+                self.params[u] = us.params.clone();
+            }
+            if self.cfg.stage.optimizer_sharded() {
+                self.optim_state[u] = us.optim_state.clone();
+            } else {
+                let (_, full) = self
+                    .gather
+                    .all_gather(us.optim_state.clone(), vec![0.0; l.padded_numel() * k])
+                    .wait()?;
+                // The gathered state is rank-major blocks of shard_len*k: the same layout as
+                // the full interleaved state, because each rank's block is contiguous.
+                self.optim_state[u] = full;
+            }
+            self.buffers[u].copy_from_slice(&buffers[u]);
+        }
+        self.step = step;
+        Ok(())
+    }
+}

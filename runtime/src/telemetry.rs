@@ -1,0 +1,160 @@
+//! Telemetry: Chrome trace timelines (one row per rank and lane, opens in Perfetto) and the
+//! Prometheus endpoint for the `metrics` facade.
+
+use serde::Serialize;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// The rows of a rank in the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Row {
+    /// Forward/backward/optimizer compute.
+    Compute = 0,
+    /// Parameter all-gathers.
+    Gather = 1,
+    /// Gradient reductions.
+    Reduce = 2,
+    /// SyncBatchNorm statistics.
+    Stats = 3,
+    /// Checkpoints, faults and recoveries.
+    Control = 4,
+}
+
+impl Row {
+    fn name(self) -> &'static str {
+        match self {
+            Row::Compute => "compute",
+            Row::Gather => "gather",
+            Row::Reduce => "reduce",
+            Row::Stats => "stats",
+            Row::Control => "control",
+        }
+    }
+}
+
+/// One complete event.
+#[derive(Clone, Debug, Serialize)]
+pub struct Event {
+    /// Label, e.g. `forward blocks.2`.
+    pub name: String,
+    /// Rank (trace process).
+    pub rank: usize,
+    /// Row (trace thread).
+    pub row: Row,
+    /// Start, microseconds since the trace began.
+    pub start_us: f64,
+    /// Duration in microseconds.
+    pub dur_us: f64,
+}
+
+/// A shared, append-only trace. Cheap to clone; recording is a mutex push.
+#[derive(Clone)]
+pub struct Trace {
+    origin: Instant,
+    events: Arc<Mutex<Vec<Event>>>,
+    enabled: bool,
+}
+
+impl Trace {
+    /// A trace that records.
+    pub fn new() -> Self {
+        Trace { origin: Instant::now(), events: Arc::default(), enabled: true }
+    }
+
+    /// A trace that drops everything (no cost beyond a branch).
+    pub fn disabled() -> Self {
+        Trace { origin: Instant::now(), events: Arc::default(), enabled: false }
+    }
+
+    /// Whether events are kept.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Records an interval.
+    pub fn record(
+        &self,
+        rank: usize,
+        row: Row,
+        name: impl Into<String>,
+        start: Instant,
+        end: Instant,
+    ) {
+        if !self.enabled {
+            return;
+        }
+        let s = start.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
+        let d = end.saturating_duration_since(start).as_secs_f64() * 1e6;
+        if let Ok(mut ev) = self.events.lock() {
+            ev.push(Event { name: name.into(), rank, row, start_us: s, dur_us: d });
+        }
+    }
+
+    /// A copy of the events so far.
+    pub fn events(&self) -> Vec<Event> {
+        self.events.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// Writes the Chrome trace-event JSON (`{"traceEvents": [...]}`).
+    pub fn write_chrome(&self, path: &Path) -> std::io::Result<()> {
+        let events = self.events();
+        let mut out = Vec::with_capacity(events.len() + 16);
+        let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        for &r in &ranks {
+            out.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": r, "args": {"name": format!("rank {r}")}}));
+            for row in [Row::Compute, Row::Gather, Row::Reduce, Row::Stats, Row::Control] {
+                out.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": r, "tid": row as u32, "args": {"name": row.name()}}));
+            }
+        }
+        for e in &events {
+            out.push(serde_json::json!({
+                "ph": "X", "name": e.name, "cat": e.row.name(), "pid": e.rank, "tid": e.row as u32,
+                "ts": e.start_us, "dur": e.dur_us,
+            }));
+        }
+        let doc = serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"});
+        std::fs::write(path, serde_json::to_vec(&doc).map_err(std::io::Error::other)?)
+    }
+}
+
+impl Default for Trace {
+    fn default() -> Self {
+        Trace::new()
+    }
+}
+
+/// Serves the `metrics` facade's values for Prometheus at `http://ADDR/metrics`.
+/// Call before starting any async runtime (the exporter runs its own thread).
+pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chrome_trace_has_rows_and_events() {
+        let t = Trace::new();
+        let a = Instant::now();
+        t.record(1, Row::Gather, "gather blocks.0", a, a + std::time::Duration::from_micros(50));
+        let dir = std::env::temp_dir().join(format!("trace-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.json");
+        t.write_chrome(&p).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        let evs = v["traceEvents"].as_array().unwrap();
+        assert!(evs.iter().any(|e| e["ph"] == "X"
+            && e["tid"] == 1
+            && e["pid"] == 1
+            && e["dur"].as_f64().unwrap() > 49.0));
+        assert!(evs.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "gather"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

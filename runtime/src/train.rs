@@ -1,0 +1,815 @@
+//! `shardline train`: every rank as an actor in one process over the local transport.
+//!
+//! The job: build the model and data, start one [`RankActor`] per rank and a
+//! [`Coordinator`], drive the steps, evaluate, checkpoint, and print a summary.
+
+use crate::actors::{
+    Coordinator, Eval, FullParams, Load, RankActor, RankData, Save, Shutdown, Step,
+};
+use crate::checkpoint::{self, CheckpointMeta, DataLoaderState, PendingCheckpoint};
+use crate::engine::{EngineConfig, RankEngine, StepStats};
+use crate::error::{Result, RuntimeError};
+use crate::memory::{format_bytes, MemoryTracker};
+use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
+use crate::schedule::LrSchedule;
+use crate::shard::{ShardedModelLayout, Stage};
+use crate::telemetry::Trace;
+use actix::prelude::*;
+use serde::{Deserialize, Serialize};
+use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
+use shardline_models::{
+    convert_sync_batchnorm, zoo, Dataset, DistributedSampler, Model, WrapPolicy,
+};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `--sync-bn`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncBnMode {
+    /// Always SyncBatchNorm.
+    On,
+    /// Per-rank statistics.
+    Off,
+    /// On when the per-rank batch is below the threshold.
+    Auto,
+}
+
+/// `--stage`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StageChoice {
+    /// A fixed stage.
+    Fixed(Stage),
+    /// The lowest stage whose estimate fits `--device-memory`.
+    Auto,
+}
+
+/// Everything a training run is configured by.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Ranks.
+    pub world: usize,
+    /// ZeRO stage.
+    pub stage: StageChoice,
+    /// Zoo model name.
+    pub model: String,
+    /// `digits` or `synthetic`.
+    pub dataset: String,
+    /// Epochs (ignored when `steps` is set).
+    pub epochs: u64,
+    /// Total optimizer steps (overrides epochs).
+    pub steps: Option<u64>,
+    /// Global batch size.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// `sgd` or `adamw`.
+    pub optimizer: String,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// Weight decay.
+    pub weight_decay: f32,
+    /// Warmup steps of the LR schedule.
+    pub warmup_steps: u64,
+    /// Cosine decay after warmup (else constant).
+    pub cosine: bool,
+    /// Global gradient-norm clipping.
+    pub clip_grad_norm: Option<f64>,
+    /// SyncBN mode.
+    pub sync_bn: SyncBnMode,
+    /// Auto mode's threshold on the per-rank batch.
+    pub sync_bn_threshold: usize,
+    /// Seed for init, shuffling and synthetic data.
+    pub seed: u64,
+    /// Prefetch depth (stage 3).
+    pub prefetch: usize,
+    /// Byte budget for gathered units in flight.
+    pub prefetch_budget: Option<u64>,
+    /// Per-rank memory cap.
+    pub device_memory: Option<u64>,
+    /// Hidden width (mlp-bn) / channels (convnet-bn).
+    pub hidden: Option<usize>,
+    /// Depth (blocks).
+    pub depth: Option<usize>,
+    /// Synthetic data input dimension.
+    pub input_dim: usize,
+    /// Synthetic data classes.
+    pub classes: usize,
+    /// Synthetic training samples.
+    pub samples: usize,
+    /// wide-mlp parameter count.
+    pub params: usize,
+    /// Group blocks into units of at least this many parameters (0: one unit per block).
+    pub wrap_params: usize,
+    /// Compute threads per rank.
+    pub threads: usize,
+    /// Collective timeout.
+    pub timeout_s: u64,
+}
+
+/// Where a run writes things; not part of the configuration hash.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Checkpoint root.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Resume from the latest checkpoint in `checkpoint_dir`.
+    pub resume: bool,
+    /// One JSON object per step.
+    pub log_json: Option<PathBuf>,
+    /// Chrome trace output.
+    pub trace: Option<PathBuf>,
+    /// Show a progress bar.
+    pub progress: bool,
+    /// Stop after this many steps of this invocation (for tests of resume).
+    pub stop_after: Option<u64>,
+    /// Print the summary.
+    pub quiet: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            world: 4,
+            stage: StageChoice::Fixed(Stage::Zero3),
+            model: "mlp-bn".into(),
+            dataset: "digits".into(),
+            epochs: 10,
+            steps: None,
+            batch_size: 64,
+            lr: 0.05,
+            optimizer: "sgd".into(),
+            momentum: 0.9,
+            weight_decay: 0.0,
+            warmup_steps: 0,
+            cosine: true,
+            clip_grad_norm: None,
+            sync_bn: SyncBnMode::Auto,
+            sync_bn_threshold: 32,
+            seed: 0,
+            prefetch: 1,
+            prefetch_budget: None,
+            device_memory: None,
+            hidden: None,
+            depth: None,
+            input_dim: 784,
+            classes: 10,
+            samples: 8192,
+            params: 50_000_000,
+            wrap_params: 0,
+            threads: 1,
+            timeout_s: 60,
+        }
+    }
+}
+
+/// The result of a run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    /// Steps run in this invocation.
+    pub steps: u64,
+    /// Total steps completed (including resumed ones).
+    pub total_steps: u64,
+    /// Test accuracy after training.
+    pub test_accuracy: f64,
+    /// Final loss (mean over the last global batch).
+    pub final_loss: f32,
+    /// Steps per second (wall).
+    pub steps_per_s: f64,
+    /// Median step time over ranks' max.
+    pub median_step_s: f64,
+    /// Exposed communication as a fraction of step time (mean over steps).
+    pub comm_exposed_frac: f64,
+    /// Peak tracked bytes per rank.
+    pub peak_bytes: Vec<u64>,
+    /// Stage used.
+    pub stage: u8,
+    /// Whether SyncBN was on, and why.
+    pub sync_bn: (bool, String),
+    /// Stats messages per step.
+    pub stats_messages_per_step: usize,
+    /// Wall time of the run.
+    pub wall_s: f64,
+    /// Per-step losses.
+    pub losses: Vec<f32>,
+    /// Final full parameters per unit (unpadded).
+    #[serde(skip)]
+    pub final_params: Vec<Vec<f32>>,
+    /// Final replicated buffers per unit.
+    #[serde(skip)]
+    pub final_buffers: Vec<Vec<f32>>,
+    /// Per-step figures.
+    #[serde(skip)]
+    pub step_stats: Vec<StepStats>,
+}
+
+/// Builds the model named in the config.
+pub fn build_model(cfg: &TrainConfig, input_shape: &[usize], classes: usize) -> Result<Model> {
+    let model = match cfg.model.as_str() {
+        "mlp-bn" => {
+            let mut m = zoo::MlpBn::digits();
+            m.input_dim = input_shape.iter().product();
+            m.classes = classes;
+            if let Some(h) = cfg.hidden {
+                m.hidden = h;
+            }
+            if let Some(d) = cfg.depth {
+                m.depth = d;
+            }
+            m.build()
+        }
+        "convnet-bn" => {
+            let mut m = zoo::ConvNetBn::digits();
+            if let Some(h) = cfg.hidden {
+                m.widths = vec![h, 2 * h];
+            }
+            m.classes = classes;
+            m.build().map_err(RuntimeError::from_model)?
+        }
+        "wide-mlp" => zoo::by_name("wide-mlp", input_shape, classes, cfg.params)
+            .map_err(RuntimeError::from_model)?,
+        other => {
+            return Err(RuntimeError::config(format!(
+                "unknown model '{other}' (choose mlp-bn, convnet-bn or wide-mlp)"
+            )))
+        }
+    };
+    Ok(if cfg.wrap_params > 0 { model.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { model })
+}
+
+/// Loads the data set named in the config: (train, test).
+pub fn load_data(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
+    match cfg.dataset.as_str() {
+        "digits" => {
+            let d = Dataset::digits(image).map_err(RuntimeError::from_model)?;
+            Ok(d.split(0.2, 1234))
+        }
+        "synthetic" => {
+            let n = cfg.samples + cfg.samples / 4;
+            let d = Dataset::synthetic(n, cfg.input_dim, cfg.classes, cfg.seed ^ 0xDA7A)
+                .map_err(RuntimeError::from_model)?;
+            Ok(d.split(0.2, 1234))
+        }
+        other => Err(RuntimeError::config(format!(
+            "unknown dataset '{other}' (choose digits or synthetic)"
+        ))),
+    }
+}
+
+/// Validates what clap cannot.
+pub fn validate(cfg: &TrainConfig) -> Result<()> {
+    if cfg.world == 0 {
+        return Err(RuntimeError::config("--world must be at least 1"));
+    }
+    if cfg.batch_size == 0 {
+        return Err(RuntimeError::config("--batch-size must be at least 1"));
+    }
+    if !(cfg.lr.is_finite() && cfg.lr > 0.0) {
+        return Err(RuntimeError::config("--lr must be a positive number"));
+    }
+    if cfg.threads == 0 {
+        return Err(RuntimeError::config("--threads must be at least 1"));
+    }
+    if !matches!(cfg.optimizer.as_str(), "sgd" | "adamw") {
+        return Err(RuntimeError::config(format!(
+            "unknown optimizer '{}' (choose sgd or adamw)",
+            cfg.optimizer
+        )));
+    }
+    if cfg.steps == Some(0) || (cfg.steps.is_none() && cfg.epochs == 0) {
+        return Err(RuntimeError::config("nothing to do: --epochs or --steps must be at least 1"));
+    }
+    Ok(())
+}
+
+fn optimizer_of(cfg: &TrainConfig) -> Optimizer {
+    match cfg.optimizer.as_str() {
+        "adamw" => Optimizer::AdamW(AdamWConfig {
+            weight_decay: cfg.weight_decay,
+            ..AdamWConfig::default()
+        }),
+        _ => Optimizer::Sgd(SgdConfig {
+            momentum: cfg.momentum,
+            weight_decay: cfg.weight_decay,
+            ..SgdConfig::default()
+        }),
+    }
+}
+
+/// Per-stage per-rank memory estimate: model state plus gathered units (stage 3) or the full
+/// unsharded working copy.
+pub fn stage_estimates(model: &Model, cfg: &TrainConfig) -> Result<Vec<(Stage, u64)>> {
+    let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
+    let opt = optimizer_of(cfg);
+    let unit = layout.max_unit_padded_numel() as u64 * 4;
+    Ok([Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3]
+        .into_iter()
+        .map(|s| {
+            let state = layout.model_state_bytes(s, &opt);
+            // Transient: an unreduced gradient of one unit (stages 1-3) and, at stage 3, the
+            // gathered units (current + prefetch).
+            let transient = match s {
+                Stage::Zero0 => 0,
+                Stage::Zero3 => unit * (2 + cfg.prefetch as u64),
+                _ => unit,
+            };
+            (s, state + transient)
+        })
+        .collect())
+}
+
+/// Resolves `--stage auto`; returns the stage and the explanation lines.
+pub fn choose_stage(model: &Model, cfg: &TrainConfig) -> Result<(Stage, Vec<String>)> {
+    match cfg.stage {
+        StageChoice::Fixed(s) => Ok((s, vec![])),
+        StageChoice::Auto => {
+            let est = stage_estimates(model, cfg)?;
+            let mut lines: Vec<String> = est
+                .iter()
+                .map(|(s, b)| format!("  stage {}: ~{} per rank", s.index(), format_bytes(*b)))
+                .collect();
+            let pick = match cfg.device_memory {
+                None => Some(Stage::Zero0),
+                Some(cap) => est.iter().find(|(_, b)| *b <= cap).map(|(s, _)| *s),
+            };
+            match pick {
+                Some(s) => {
+                    lines.push(format!(
+                        "  chose stage {} (the lowest that fits{}; if the model fits, plain data parallel is simplest)",
+                        s.index(),
+                        cfg.device_memory.map(|c| format!(" {}", format_bytes(c))).unwrap_or_default()
+                    ));
+                    Ok((s, lines))
+                }
+                None => Err(RuntimeError::config(format!(
+                    "no ZeRO stage fits --device-memory {}:\n{}",
+                    format_bytes(cfg.device_memory.unwrap_or(0)),
+                    lines.join("\n")
+                ))),
+            }
+        }
+    }
+}
+
+/// The part of the configuration that must match to resume (not run length or outputs).
+fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
+    #[derive(Serialize)]
+    struct H<'a> {
+        model: &'a str,
+        dataset: &'a str,
+        batch: usize,
+        lr: f32,
+        optimizer: &'a str,
+        momentum: f32,
+        wd: f32,
+        seed: u64,
+        hidden: Option<usize>,
+        depth: Option<usize>,
+        input_dim: usize,
+        classes: usize,
+        samples: usize,
+        params: usize,
+        wrap: usize,
+        sync: bool,
+        warmup: u64,
+        cosine: bool,
+        clip: Option<f64>,
+        stage_is_3: bool,
+    }
+    let _ = stage;
+    checkpoint::config_hash(&H {
+        model: &cfg.model,
+        dataset: &cfg.dataset,
+        batch: cfg.batch_size,
+        lr: cfg.lr,
+        optimizer: &cfg.optimizer,
+        momentum: cfg.momentum,
+        wd: cfg.weight_decay,
+        seed: cfg.seed,
+        hidden: cfg.hidden,
+        depth: cfg.depth,
+        input_dim: cfg.input_dim,
+        classes: cfg.classes,
+        samples: cfg.samples,
+        params: cfg.params,
+        wrap: cfg.wrap_params,
+        sync,
+        warmup: cfg.warmup_steps,
+        cosine: cfg.cosine,
+        clip: cfg.clip_grad_norm,
+        stage_is_3: false,
+    })
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Runs a training job; blocks until it ends.
+pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
+    validate(&cfg)?;
+    let image = cfg.model == "convnet-bn";
+    let (train, test) = load_data(&cfg, image)?;
+    let mut model = build_model(&cfg, &train.sample_shape, train.classes)?;
+    let (stage, stage_lines) = choose_stage(&model, &cfg)?;
+    let per_rank_batch = cfg.batch_size / cfg.world;
+    let (sync, why) = match cfg.sync_bn {
+        SyncBnMode::On => (true, "on (--sync-bn on)".to_string()),
+        SyncBnMode::Off => (false, "off (--sync-bn off)".to_string()),
+        SyncBnMode::Auto if cfg.world == 1 => (false, "off (auto: one rank, local statistics are global)".into()),
+        SyncBnMode::Auto if per_rank_batch < cfg.sync_bn_threshold => (
+            true,
+            format!("on (auto: {per_rank_batch} samples per rank < {}, per-rank statistics would be noisy)", cfg.sync_bn_threshold),
+        ),
+        SyncBnMode::Auto => (
+            false,
+            format!("off (auto: {per_rank_batch} samples per rank >= {}, local statistics suffice)", cfg.sync_bn_threshold),
+        ),
+    };
+    if sync {
+        convert_sync_batchnorm(&mut model);
+    } else if cfg.world > 1 && model.has_local_batchnorm() {
+        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
+    }
+    let model = Arc::new(model);
+    let steps_per_epoch = train.len().div_ceil(cfg.batch_size) as u64;
+    let total_steps = cfg.steps.unwrap_or(cfg.epochs * steps_per_epoch);
+    let lr = if cfg.cosine {
+        LrSchedule::warmup_cosine(cfg.lr, cfg.warmup_steps, total_steps, 0.0)
+    } else {
+        LrSchedule::constant(cfg.lr)
+    };
+    let optimizer = optimizer_of(&cfg);
+    let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
+    let budget = cfg
+        .prefetch_budget
+        .unwrap_or(layout.max_unit_padded_numel() as u64 * 4 * (cfg.prefetch as u64 + 1));
+    let ecfg = EngineConfig {
+        stage,
+        prefetch: cfg.prefetch,
+        prefetch_budget_bytes: budget,
+        sync_bn: sync,
+        optimizer,
+        lr,
+        clip_grad_norm: cfg.clip_grad_norm,
+        seed: cfg.seed,
+        threads: cfg.threads,
+    };
+    let hash = resume_hash(&cfg, stage, sync)?;
+    if !opts.quiet {
+        println!(
+            "shardline train: {} ({} params, {} units) on {} ({} train / {} test), world {}, stage {}, global batch {}, {} steps",
+            model.name,
+            model.num_params(),
+            model.num_units(),
+            cfg.dataset,
+            train.len(),
+            test.len(),
+            cfg.world,
+            stage.index(),
+            cfg.batch_size,
+            total_steps
+        );
+        for l in &stage_lines {
+            println!("{l}");
+        }
+        println!("  sync-bn: {why}");
+    }
+    let sampler = DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
+        .map_err(RuntimeError::from_model)?;
+    let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+    let mut copts = CommOptions::new();
+    copts.timeout(Duration::from_secs(cfg.timeout_s));
+    let comms = local_group_with_topology(Topology::single_node(cfg.world), copts)?;
+    let trace = if opts.trace.is_some() { Trace::new() } else { Trace::disabled() };
+
+    // Build every engine concurrently: opening lanes is collective.
+    let engines: Vec<Result<RankEngine>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (c, m, e, t) = (c.clone(), Arc::clone(&model), ecfg.clone(), trace.clone());
+                let mem = MemoryTracker::new(c.rank(), cfg.device_memory);
+                s.spawn(move || RankEngine::new(c, m, e, mem, t))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(RuntimeError::config("engine construction panicked")))
+            })
+            .collect()
+    });
+    let engines: Vec<RankEngine> = engines.into_iter().collect::<Result<_>>()?;
+    let trackers: Vec<MemoryTracker> = engines.iter().map(|e| e.memory().clone()).collect();
+
+    let system = actix::System::new();
+    let result = system.block_on(drive(DriveArgs {
+        cfg: cfg.clone(),
+        opts: opts.clone(),
+        engines,
+        comms,
+        data,
+        model: Arc::clone(&model),
+        stage,
+        optimizer,
+        hash,
+        total_steps,
+        steps_per_epoch,
+        sync: (sync, why),
+    }));
+    if let (Some(path), true) = (&opts.trace, trace.enabled()) {
+        trace
+            .write_chrome(path)
+            .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
+    }
+    let mut summary = result?;
+    summary.peak_bytes = trackers.iter().map(|t| t.peak_total()).collect();
+    if !opts.quiet {
+        print_summary(&summary, &trackers);
+    }
+    Ok(summary)
+}
+
+fn print_summary(s: &Summary, trackers: &[MemoryTracker]) {
+    println!("summary:");
+    println!("  test accuracy     {:.2}%", s.test_accuracy * 100.0);
+    println!("  final loss        {:.4}", s.final_loss);
+    println!(
+        "  steps             {} ({} in this run) in {:.1} s, {:.1} steps/s",
+        s.total_steps, s.steps, s.wall_s, s.steps_per_s
+    );
+    println!("  median step       {:.2} ms", s.median_step_s * 1e3);
+    println!("  exposed comm      {:.1}% of step time", s.comm_exposed_frac * 100.0);
+    println!(
+        "  sync-bn           {}; {} stats messages per step",
+        s.sync_bn.1, s.stats_messages_per_step
+    );
+    for t in trackers {
+        let parts: Vec<String> = crate::memory::Category::ALL
+            .iter()
+            .filter(|c| t.peak(**c) > 0)
+            .map(|c| format!("{} {}", c.label(), format_bytes(t.peak(*c))))
+            .collect();
+        println!(
+            "  rank {} peak       {} (peaks by category: {})",
+            t.rank(),
+            format_bytes(t.peak_total()),
+            parts.join(", ")
+        );
+    }
+}
+
+struct DriveArgs {
+    cfg: TrainConfig,
+    opts: RunOptions,
+    engines: Vec<RankEngine>,
+    comms: Vec<shardline_collectives::Communicator>,
+    data: Arc<RankData>,
+    model: Arc<Model>,
+    stage: Stage,
+    optimizer: Optimizer,
+    hash: String,
+    total_steps: u64,
+    steps_per_epoch: u64,
+    sync: (bool, String),
+}
+
+async fn collect<T, M>(
+    futs: Vec<actix::prelude::Request<RankActor, M>>,
+    root: &std::sync::Mutex<Option<(usize, String)>>,
+    what: &str,
+) -> Result<Vec<T>>
+where
+    T: Send + 'static,
+    M: Message<Result = std::result::Result<T, String>> + Send + 'static,
+    RankActor: Handler<M>,
+{
+    let mut out = Vec::with_capacity(futs.len());
+    let mut first_err: Option<String> = None;
+    for (r, f) in futs.into_iter().enumerate() {
+        match f.await {
+            Ok(Ok(v)) => out.push(v),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(format!("rank {r}: {e}"));
+            }
+            Err(e) => {
+                first_err.get_or_insert(format!("rank {r} is gone ({e})"));
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        let cause = root.lock().ok().and_then(|s| s.clone());
+        let msg = match cause {
+            Some((rank, c)) => format!("{what} failed: rank {rank} failed first: {c}"),
+            None => format!("{what} failed: {e}"),
+        };
+        return Err(RuntimeError::config(msg));
+    }
+    Ok(out)
+}
+
+async fn drive(mut a: DriveArgs) -> Result<Summary> {
+    let started = Instant::now();
+    let coordinator = Coordinator::new(a.comms.clone());
+    let root = coordinator.root_cause_slot();
+    let coord = coordinator.start();
+    let mut addrs = Vec::new();
+    for e in std::mem::take(&mut a.engines) {
+        let slot = std::sync::Mutex::new(Some(e));
+        let (data, coord) = (Arc::clone(&a.data), coord.clone());
+        let slot = Arc::new(slot);
+        addrs.push(SyncArbiter::start(1, move || {
+            let e = slot.lock().ok().and_then(|mut s| s.take());
+            // The factory runs once: SyncArbiter of one thread.
+            RankActor::new(
+                e.expect("rank engine handed to its actor once"),
+                Arc::clone(&data),
+                coord.clone(),
+            )
+        }));
+    }
+    let world = a.cfg.world;
+    let mut done: u64 = 0;
+    if a.opts.resume {
+        let dir = a
+            .opts
+            .checkpoint_dir
+            .as_ref()
+            .ok_or_else(|| RuntimeError::config("--resume needs --checkpoint-dir"))?;
+        if let Some(latest) = checkpoint::latest(dir)? {
+            let ck = checkpoint::Checkpoint::open(&latest)?;
+            ck.check_config_hash(&a.hash)?;
+            ck.check_model(&a.model.spec())?;
+            let buffers = ck.buffers()?;
+            let step = ck.manifest().step;
+            let shards = ck.load_all(world)?;
+            let futs: Vec<_> = shards
+                .into_iter()
+                .zip(&addrs)
+                .map(|(shard, ad)| ad.send(Load { shard, buffers: buffers.clone(), step }))
+                .collect();
+            collect(futs, &root, "resume").await?;
+            done = step;
+            if !a.opts.quiet {
+                println!(
+                    "  resumed from {} (step {step}, written by world {})",
+                    latest.display(),
+                    ck.manifest().world
+                );
+            }
+        } else if !a.opts.quiet {
+            println!("  no checkpoint in {} yet; starting fresh", dir.display());
+        }
+    }
+    let mut log = match &a.opts.log_json {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
+                RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
+            })?,
+        )),
+        None => None,
+    };
+    let remaining = a.total_steps.saturating_sub(done);
+    let run_steps = a.opts.stop_after.map_or(remaining, |s| s.min(remaining));
+    let bar = if a.opts.progress {
+        let b = indicatif::ProgressBar::new(run_steps);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut losses = Vec::new();
+    let mut step_stats = Vec::new();
+    let mut step_times = Vec::new();
+    let mut exposed_frac = Vec::new();
+    let mut stats_msgs = 0;
+    let t_loop = Instant::now();
+    for _ in 0..run_steps {
+        let epoch = done / a.steps_per_epoch;
+        let index = (done % a.steps_per_epoch) as usize;
+        let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Step { epoch, index })).collect();
+        let stats = collect(futs, &root, &format!("step {}", done + 1)).await?;
+        done += 1;
+        let st_max = stats.iter().map(|s| s.step_time.as_secs_f64()).fold(0.0, f64::max);
+        let exp_mean =
+            stats.iter().map(|s| s.comm_exposed.as_secs_f64()).sum::<f64>() / stats.len() as f64;
+        let peak = stats.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
+        let s0 = stats[0].clone();
+        metrics::histogram!("shardline_step_seconds").record(st_max);
+        metrics::gauge!("shardline_loss").set(s0.loss as f64);
+        metrics::histogram!("shardline_comm_exposed_seconds").record(exp_mean);
+        metrics::counter!("shardline_steps_total").increment(1);
+        metrics::gauge!("shardline_peak_bytes").set(peak as f64);
+        if let Some(w) = log.as_mut() {
+            let line = serde_json::json!({
+                "step": done, "epoch": epoch, "loss": s0.loss, "lr": s0.lr, "step_time_s": st_max,
+                "comm_exposed_s": exp_mean, "compute_s": s0.compute_time.as_secs_f64(),
+                "peak_bytes": peak, "stats_messages": s0.stats_messages, "grad_norm": s0.grad_norm,
+            });
+            writeln!(w, "{line}")
+                .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
+        }
+        losses.push(s0.loss);
+        step_times.push(st_max);
+        exposed_frac.push(if st_max > 0.0 { exp_mean / st_max } else { 0.0 });
+        stats_msgs = s0.stats_messages;
+        let sps = a.cfg.batch_size as f64 / st_max.max(1e-9);
+        bar.set_message(format!("loss {:.4}  {:.0} samples/s", s0.loss, sps));
+        bar.inc(1);
+        step_stats.push(s0);
+        if let Some(dir) = &a.opts.checkpoint_dir {
+            let every = a.opts.checkpoint_every;
+            let last = done == a.total_steps
+                || Some(done - (a.total_steps - remaining)) == a.opts.stop_after;
+            if (every > 0 && done % every == 0) || last {
+                save(&addrs, &root, dir, done, &a, epoch, index as u64 + 1).await?;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if let Some(w) = log.as_mut() {
+        w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
+    }
+    let loop_s = t_loop.elapsed().as_secs_f64();
+    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Eval)).collect();
+    let ev = collect(futs, &root, "evaluation").await?;
+    let (correct, count, _) = ev[0];
+    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(FullParams)).collect();
+    let mut full = collect(futs, &root, "gathering parameters").await?;
+    let (final_params, final_buffers) = full.swap_remove(0);
+    for ad in &addrs {
+        let _ = ad.send(Shutdown).await;
+    }
+    System::current().stop();
+    let mut st = step_times.clone();
+    Ok(Summary {
+        steps: run_steps,
+        total_steps: done,
+        test_accuracy: if count > 0 { correct as f64 / count as f64 } else { 0.0 },
+        final_loss: losses.last().copied().unwrap_or(f32::NAN),
+        steps_per_s: if loop_s > 0.0 { run_steps as f64 / loop_s } else { 0.0 },
+        median_step_s: median(&mut st),
+        comm_exposed_frac: if exposed_frac.is_empty() {
+            0.0
+        } else {
+            exposed_frac.iter().sum::<f64>() / exposed_frac.len() as f64
+        },
+        peak_bytes: vec![],
+        stage: a.stage.index(),
+        sync_bn: a.sync,
+        stats_messages_per_step: stats_msgs,
+        wall_s: started.elapsed().as_secs_f64(),
+        losses,
+        final_params,
+        final_buffers,
+        step_stats,
+    })
+}
+
+async fn save(
+    addrs: &[Addr<RankActor>],
+    root: &std::sync::Mutex<Option<(usize, String)>>,
+    dir: &std::path::Path,
+    step: u64,
+    a: &DriveArgs,
+    epoch: u64,
+    next_index: u64,
+) -> Result<()> {
+    let pending = Arc::new(PendingCheckpoint::begin(dir, step)?);
+    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Save(Arc::clone(&pending)))).collect();
+    let files = collect(futs, root, &format!("checkpoint at step {step}")).await?;
+    // Buffers are replicated: take them from rank 0 through a parameter gather-free path.
+    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(FullParams)).collect();
+    let mut full = collect(futs, root, "checkpoint buffers").await?;
+    let (_, buffers) = full.swap_remove(0);
+    let pending =
+        Arc::try_unwrap(pending).map_err(|_| RuntimeError::config("checkpoint still shared"))?;
+    // The data-loader position: batches consumed in the epoch so far.
+    let (ep, st) =
+        if next_index >= a.steps_per_epoch { (epoch + 1, 0) } else { (epoch, next_index) };
+    let meta = CheckpointMeta {
+        world: a.cfg.world,
+        stage: a.stage,
+        config_hash: a.hash.clone(),
+        optimizer: a.optimizer,
+        model: a.model.spec(),
+        data_loader: DataLoaderState { epoch: ep, step: st, seed: a.cfg.seed },
+        extra: BTreeMap::new(),
+    };
+    pending.commit(meta, files, &buffers)?;
+    Ok(())
+}
