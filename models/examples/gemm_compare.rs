@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p shardline-models --example gemm_compare`
 
-use shardline_models::backend::{gemm_gflops, Backend, Cpu};
+use shardline_models::backend::{gemm_gflops, matrixmultiply_gflops, Backend, Cpu};
 use std::time::Instant;
 
 fn best_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
@@ -26,28 +26,7 @@ fn main() {
         let mut c = vec![0.0f32; m * n];
         let flops = 2.0 * (m * n * k) as f64 / 1e9;
         let g = gemm_gflops(&Cpu::new(), m, n, k, 5);
-        let mm = flops
-            / best_of(5, || {
-                // SAFETY: row-major m x k, k x n and m x n buffers of exactly those sizes.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        m,
-                        k,
-                        n,
-                        1.0,
-                        a.as_ptr(),
-                        k as isize,
-                        1,
-                        b.as_ptr(),
-                        n as isize,
-                        1,
-                        0.0,
-                        c.as_mut_ptr(),
-                        n as isize,
-                        1,
-                    )
-                }
-            });
+        let mm = matrixmultiply_gflops(m, n, k, 5);
         // i-p-j order keeps the inner loop contiguous so the compiler vectorises it; this is
         // the best a plain loop does.
         let naive = flops

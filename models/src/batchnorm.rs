@@ -276,6 +276,25 @@ impl BatchNorm {
     pub fn local_stats(&self, input: &Tensor) -> Result<Vec<ChannelStats>, ModelError> {
         let (n, s) = self.layout(input)?;
         let c = self.num_features;
+        if s == 1 {
+            // [N, C]: walk rows so the per-channel accumulators vectorise.
+            let count = n as f64;
+            let mut sum = vec![0.0f64; c];
+            for row in input.data.chunks_exact(c.max(1)) {
+                sum.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
+            }
+            let mean: Vec<f64> = sum.iter().map(|v| if n == 0 { 0.0 } else { v / count }).collect();
+            let mut m2 = vec![0.0f64; c];
+            for row in input.data.chunks_exact(c.max(1)) {
+                m2.iter_mut()
+                    .zip(row)
+                    .zip(&mean)
+                    .for_each(|((a, &v), m)| *a += (v as f64 - m).powi(2));
+            }
+            return Ok((0..c)
+                .map(|ch| ChannelStats { count, mean: mean[ch], m2: m2[ch] })
+                .collect());
+        }
         let mut out = Vec::with_capacity(c);
         for ch in 0..c {
             let planes = (0..n).map(|i| &input.data[(i * c + ch) * s..][..s]);
@@ -323,19 +342,10 @@ impl BatchNorm {
             buffers[c + ch] = ((1.0 - mom) * buffers[c + ch] as f64 + mom * var_unbiased) as f32;
         }
         buffers[2 * c] += 1.0;
-        let mut output = input.clone();
-        for i in 0..n {
-            for ch in 0..c {
-                let (m, is, w, b) = (mean[ch], invstd[ch], params[ch], params[c + ch]);
-                let off = (i * c + ch) * s;
-                let xs = &mut input.data[off..off + s];
-                let ys = &mut output.data[off..off + s];
-                for (x, y) in xs.iter_mut().zip(ys.iter_mut()) {
-                    *x = (*x - m) * is;
-                    *y = *x * w + b;
-                }
-            }
-        }
+        let output = Tensor {
+            shape: input.shape.clone(),
+            data: normalize(n, c, s, &mut input.data, &mean, &invstd, params),
+        };
         Ok((output, BnSaved { xhat: input, invstd, count, training: true, sync: self.sync }))
     }
 
@@ -350,19 +360,10 @@ impl BatchNorm {
         let invstd: Vec<f32> = (0..c)
             .map(|ch| (1.0 / (buffers[c + ch] as f64 + self.eps as f64).sqrt()) as f32)
             .collect();
-        let mut output = input.clone();
-        for i in 0..n {
-            for ch in 0..c {
-                let (m, is, w, b) = (buffers[ch], invstd[ch], params[ch], params[c + ch]);
-                let off = (i * c + ch) * s;
-                for (x, y) in
-                    input.data[off..off + s].iter_mut().zip(output.data[off..off + s].iter_mut())
-                {
-                    *x = (*x - m) * is;
-                    *y = *x * w + b;
-                }
-            }
-        }
+        let output = Tensor {
+            shape: input.shape.clone(),
+            data: normalize(n, c, s, &mut input.data, &buffers[..c], &invstd, params),
+        };
         Ok((
             output,
             BnSaved { xhat: input, invstd, count: (n * s) as f64, training: false, sync: false },
@@ -401,6 +402,42 @@ impl BatchNorm {
         )?;
         out.pop().ok_or_else(|| ModelError::Reduce("fused backward returned nothing".into()))
     }
+}
+
+/// `x <- (x - mean) * invstd` in place (the saved `xhat`) and returns `y = xhat * w + b`,
+/// for `x` laid out `[n, c, s]`.
+fn normalize(
+    n: usize,
+    c: usize,
+    s: usize,
+    x: &mut [f32],
+    mean: &[f32],
+    invstd: &[f32],
+    params: &[f32],
+) -> Vec<f32> {
+    let (w, b) = params.split_at(c);
+    let mut y = vec![0.0f32; x.len()];
+    if s == 1 {
+        for (xr, yr) in x.chunks_exact_mut(c.max(1)).zip(y.chunks_exact_mut(c.max(1))) {
+            for ch in 0..c {
+                let v = (xr[ch] - mean[ch]) * invstd[ch];
+                xr[ch] = v;
+                yr[ch] = v * w[ch] + b[ch];
+            }
+        }
+    } else {
+        for i in 0..n {
+            for ch in 0..c {
+                let off = (i * c + ch) * s;
+                let (m, is, wv, bv) = (mean[ch], invstd[ch], w[ch], b[ch]);
+                for (xv, yv) in x[off..off + s].iter_mut().zip(&mut y[off..off + s]) {
+                    *xv = (*xv - m) * is;
+                    *yv = *xv * wv + bv;
+                }
+            }
+        }
+    }
+    y
 }
 
 /// One layer's part of a fused forward.
@@ -498,18 +535,32 @@ pub fn batchnorm_backward_fused(
         let (n, s) = l.layout(&it.saved.xhat)?;
         let mut sdy = vec![0.0f64; c];
         let mut sdyx = vec![0.0f64; c];
-        for i in 0..n {
-            for ch in 0..c {
-                let off = (i * c + ch) * s;
-                let dy = &it.grad_output.data[off..off + s];
-                let xh = &it.saved.xhat.data[off..off + s];
-                let (mut a, mut b) = (0.0f32, 0.0f32);
-                for (d, x) in dy.iter().zip(xh) {
-                    a += d;
-                    b += d * x;
+        if s == 1 {
+            for (dr, xr) in it
+                .grad_output
+                .data
+                .chunks_exact(c.max(1))
+                .zip(it.saved.xhat.data.chunks_exact(c.max(1)))
+            {
+                for ch in 0..c {
+                    sdy[ch] += dr[ch] as f64;
+                    sdyx[ch] += (dr[ch] * xr[ch]) as f64;
                 }
-                sdy[ch] += a as f64;
-                sdyx[ch] += b as f64;
+            }
+        } else {
+            for i in 0..n {
+                for ch in 0..c {
+                    let off = (i * c + ch) * s;
+                    let dy = &it.grad_output.data[off..off + s];
+                    let xh = &it.saved.xhat.data[off..off + s];
+                    let (mut a, mut b) = (0.0f32, 0.0f32);
+                    for (d, x) in dy.iter().zip(xh) {
+                        a += d;
+                        b += d * x;
+                    }
+                    sdy[ch] += a as f64;
+                    sdyx[ch] += b as f64;
+                }
             }
         }
         for ch in 0..c {
@@ -541,22 +592,34 @@ pub fn batchnorm_backward_fused(
         let c = l.num_features;
         let (n, s) = l.layout(&it.saved.xhat)?;
         let mut gx = it.grad_output.clone();
+        let (mut av, mut bv, mut kv) = (vec![0.0f32; c], vec![0.0f32; c], vec![0.0f32; c]);
         for ch in 0..c {
-            let a = (it.params[ch] * it.saved.invstd[ch]) as f64;
+            av[ch] = it.params[ch] * it.saved.invstd[ch];
             // Eval mode: the statistics are constants, so dx = w * invstd * dy.
-            let (b, k) = if it.saved.training {
+            if it.saved.training {
                 let nn = it.saved.count;
-                ((sum[ch] / nn) as f32, (sum[c + ch] / nn) as f32)
-            } else {
-                (0.0, 0.0)
-            };
-            let a = a as f32;
+                bv[ch] = (sum[ch] / nn) as f32;
+                kv[ch] = (sum[c + ch] / nn) as f32;
+            }
+        }
+        if s == 1 {
+            for (gr, xr) in
+                gx.data.chunks_exact_mut(c.max(1)).zip(it.saved.xhat.data.chunks_exact(c.max(1)))
+            {
+                for ch in 0..c {
+                    gr[ch] = av[ch] * (gr[ch] - bv[ch] - xr[ch] * kv[ch]);
+                }
+            }
+        } else {
             for i in 0..n {
-                let off = (i * c + ch) * s;
-                for (g, x) in
-                    gx.data[off..off + s].iter_mut().zip(&it.saved.xhat.data[off..off + s])
-                {
-                    *g = a * (*g - b - x * k);
+                for ch in 0..c {
+                    let off = (i * c + ch) * s;
+                    let (a, b, k) = (av[ch], bv[ch], kv[ch]);
+                    for (g, x) in
+                        gx.data[off..off + s].iter_mut().zip(&it.saved.xhat.data[off..off + s])
+                    {
+                        *g = a * (*g - b - x * k);
+                    }
                 }
             }
         }
@@ -566,6 +629,7 @@ pub fn batchnorm_backward_fused(
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // index loops over parallel arrays read best here
 mod tests {
     use super::*;
     use crate::testing::{run_ranks, thread_reducers};

@@ -3,6 +3,24 @@
 //! Tensors, compute backends, layers as pure functions of `(params, input)`,
 //! BatchNorm/SyncBatchNorm, the model zoo and data sets. Models never spawn a thread or an
 //! actor; SyncBatchNorm reduces its statistics through a collectives lane it is handed.
+//!
+//! ```
+//! use shardline_models::{convert_sync_batchnorm, Cpu, Ctx, Dataset, MlpBn, softmax_cross_entropy};
+//!
+//! let data = Dataset::digits(false)?;
+//! let mut model = MlpBn::digits().build();
+//! convert_sync_batchnorm(&mut model); // with one rank (no reducer) it is plain BatchNorm
+//! let spec = model.spec(); // names, shapes, units
+//! assert_eq!(spec.units[0].params[0].name, "blocks.0.linear.weight");
+//! let params: Vec<Vec<f32>> = (0..model.num_units()).map(|u| model.init_params(u, 0)).collect::<Result<_, _>>()?;
+//! let mut buffers: Vec<Vec<f32>> = (0..model.num_units()).map(|u| model.init_buffers(u)).collect::<Result<_, _>>()?;
+//! let (x, y) = data.batch(&[0, 1, 2, 3]);
+//! let be = Cpu::new();
+//! let ctx = Ctx::new(&be, true, 4);
+//! let (loss, grads) = model.loss_and_grads(&params, &mut buffers, x, &y, &ctx)?;
+//! assert!(loss > 0.0 && grads.len() == model.num_units());
+//! # Ok::<(), shardline_models::ModelError>(())
+//! ```
 #![deny(missing_docs)]
 
 pub mod backend;

@@ -165,6 +165,23 @@ pub struct Ctx<'a> {
     pub backend: &'a dyn Backend,
 }
 
+impl<'a> Ctx<'a> {
+    /// A single-rank context (no reducer, `sync_bn` off).
+    pub fn new(backend: &'a dyn Backend, training: bool, global_batch: usize) -> Self {
+        Ctx { training, sync_bn: false, reducer: None, global_batch, backend }
+    }
+    /// With a statistics reducer across the data-parallel group.
+    pub fn with_reducer(mut self, reducer: &'a dyn StatsReducer) -> Self {
+        self.reducer = Some(reducer);
+        self
+    }
+    /// With every BatchNorm treated as SyncBatchNorm.
+    pub fn with_sync_bn(mut self, sync_bn: bool) -> Self {
+        self.sync_bn = sync_bn;
+        self
+    }
+}
+
 /// What a layer's backward needs.
 #[derive(Clone, Debug)]
 enum LayerSaved {
@@ -824,6 +841,7 @@ fn backward_block(
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // index loops over parallel arrays read best here
 mod tests {
     use super::*;
     use crate::batchnorm::CountingReducer;

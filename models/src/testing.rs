@@ -105,7 +105,7 @@ impl StatsReducer for ThreadReducer {
         record_len: usize,
         combine: fn(&mut [f32], &[f32]),
     ) -> Result<Vec<f32>, ModelError> {
-        if record_len == 0 || buf.len() % record_len != 0 {
+        if record_len == 0 || !buf.len().is_multiple_of(record_len) {
             return Err(ModelError::Reduce(format!(
                 "{} values are not whole records of {record_len}",
                 buf.len()
