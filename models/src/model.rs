@@ -1119,38 +1119,45 @@ mod tests {
         assert_eq!(counter.messages(), 0);
     }
 
-    #[test]
-    fn mlp_bn_learns_digits() {
-        // the default digits configuration reaches >= 95% test accuracy with plain SGD
-        let data = crate::data::Dataset::digits(false).unwrap();
+    /// SGD with momentum over the digits train split; returns the test accuracy.
+    fn train_digits(m: &Model, image: bool, epochs: u64, batch: usize, lr: f32) -> f64 {
+        let data = crate::data::Dataset::digits(image).unwrap();
         let (train, test) = data.split(0.2, 0);
-        let m = MlpBn::digits().build();
-        let (mut params, mut buffers) = init(&m, 0);
+        let (mut params, mut buffers) = init(m, 0);
         let be = Cpu::new();
-        let sampler = crate::data::DistributedSampler::new(train.len(), 1, 32, 0, true).unwrap();
+        let sampler = crate::data::DistributedSampler::new(train.len(), 1, batch, 0, true).unwrap();
         let mut mom: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-        for epoch in 0..15 {
+        for epoch in 0..epochs {
             for (gb, idx) in sampler.rank_batches(epoch, 0) {
                 if gb < 2 {
                     continue;
                 }
                 let (x, y) = train.batch(&idx);
-                let (_, grads) = m
-                    .loss_and_grads(&params, &mut buffers, x, &y, &ctx(&be, true, None, gb))
-                    .unwrap();
+                let (_, grads) = m.loss_and_grads(&params, &mut buffers, x, &y, &ctx(&be, true, None, gb)).unwrap();
                 for u in 0..params.len() {
                     for i in 0..params[u].len() {
                         mom[u][i] = 0.9 * mom[u][i] + grads[u][i];
-                        params[u][i] -= 0.05 * mom[u][i];
+                        params[u][i] -= lr * mom[u][i];
                     }
                 }
             }
         }
         let idx: Vec<usize> = (0..test.len()).collect();
         let (x, y) = test.batch(&idx);
-        let (logits, _) =
-            m.forward(&params, &mut buffers, x, &ctx(&be, false, None, test.len())).unwrap();
-        let acc = crate::loss::correct_count(&logits, &y) as f64 / test.len() as f64;
+        let (logits, _) = m.forward(&params, &mut buffers, x, &ctx(&be, false, None, test.len())).unwrap();
+        crate::loss::correct_count(&logits, &y) as f64 / test.len() as f64
+    }
+
+    #[test]
+    fn convnet_bn_learns_digits() {
+        let acc = train_digits(&ConvNetBn::digits().build().unwrap(), true, 4, 32, 0.05);
+        assert!(acc >= 0.9, "test accuracy {acc}");
+    }
+
+    #[test]
+    fn mlp_bn_learns_digits() {
+        // the default digits configuration reaches >= 95% test accuracy
+        let acc = train_digits(&MlpBn::digits().build(), false, 15, 32, 0.05);
         assert!(acc >= 0.95, "test accuracy {acc}");
     }
 }
