@@ -34,12 +34,16 @@ pub mod env {
     pub const TOKEN: &str = "SHARDLINE_TEST_TOKEN";
     /// Job name (store keys, shm segment names).
     pub const JOB: &str = "SHARDLINE_TEST_JOB";
-    /// `grid`, `loop` or `hang`.
+    /// `grid`, `loop`, `hang` or `bench`.
     pub const SCENARIO: &str = "SHARDLINE_TEST_SCENARIO";
     /// The rank a failure scenario singles out.
     pub const VICTIM: &str = "SHARDLINE_TEST_VICTIM";
     /// Deadline of every op, in milliseconds.
     pub const TIMEOUT_MS: &str = "SHARDLINE_TEST_TIMEOUT_MS";
+    /// In `bench`, the all-reduce size in bytes.
+    pub const BENCH_BYTES: &str = "SHARDLINE_TEST_BENCH_BYTES";
+    /// In `bench`, timed iterations.
+    pub const BENCH_ITERS: &str = "SHARDLINE_TEST_BENCH_ITERS";
     /// In `loop`, the victim exits (code 3) this many ms after its first op completed.
     pub const DIE_AFTER_MS: &str = "SHARDLINE_TEST_DIE_AFTER_MS";
 }
@@ -123,6 +127,8 @@ pub struct Outcome {
     pub error_rank: Option<usize>,
     /// Error text.
     pub error: Option<String>,
+    /// `bench`: mean time of one op, in microseconds.
+    pub time_us: f64,
 }
 
 impl Outcome {

@@ -171,3 +171,26 @@ fn rank_with_a_wrong_token_is_refused() {
     assert!(!o.ok);
     assert!(o.error.as_deref().unwrap_or("").contains("refused"), "{o:?}");
 }
+
+/// A quick performance probe (not a test of timing): `cargo test -p shardline-tests --test
+/// multiprocess probe -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn probe_all_reduce_busbw() {
+    for transport in ["shm", "tcp"] {
+        for (bytes, iters) in [(4096usize, 2000usize), (1 << 20, 50), (64 << 20, 5)] {
+            let world = 2;
+            let extra =
+                [(env::BENCH_BYTES, bytes.to_string()), (env::BENCH_ITERS, iters.to_string())];
+            let (_server, mut g) = launch(transport, world, "bench", &extra);
+            let out = g.wait_for(&[0, 1], DEADLINE, |o| o.done).unwrap_or_else(|e| panic!("{e}"));
+            let o = &out[&0];
+            assert!(o.ok, "{o:?}");
+            let busbw = bytes as f64 * 2.0 * (world - 1) as f64 / world as f64 / o.time_us / 1e3;
+            eprintln!(
+                "{transport} W={world} {bytes:>9} B: {:>10.1} us  busbw {busbw:.2} GB/s",
+                o.time_us
+            );
+        }
+    }
+}

@@ -44,8 +44,9 @@ pub const DEFAULT_SLOTS: usize = 8;
 pub const DEFAULT_SLOT_BYTES: usize = 256 << 10;
 /// How often a waiting rank checks that its peers are still there (SHM-3).
 pub const LIVENESS_PERIOD: Duration = Duration::from_millis(2);
-/// How long an idle exchange spins before it yields the core.
-const SPIN: Duration = Duration::from_micros(30);
+/// Default time an idle exchange spins before it yields the core (env
+/// `SHARDLINE_SHM_SPIN_US`).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// How long it yields before it starts sleeping.
 const YIELD: Duration = Duration::from_micros(300);
 /// Longest sleep between two progress checks.
@@ -275,6 +276,7 @@ pub struct ShmTransport {
     pids: Mutex<Vec<Option<i32>>>,
     slots: usize,
     slot_bytes: usize,
+    spin: Duration,
 }
 
 impl ShmTransport {
@@ -306,6 +308,10 @@ impl ShmTransport {
             pids: Mutex::new(vec![None; world]),
             slots,
             slot_bytes,
+            spin: Duration::from_micros(env_usize(
+                "SHARDLINE_SHM_SPIN_US",
+                DEFAULT_SPIN.as_micros() as usize,
+            ) as u64),
         })
     }
 
@@ -401,7 +407,7 @@ impl Transport for ShmTransport {
             let inn = Segment::open(&name)?;
             peers.push(Some(Peer { out, inn, pid, out_head: 0, in_tail: 0 }));
         }
-        Ok(Box::new(ShmLinks { rank: me, peers, idle_spins: 0 }))
+        Ok(Box::new(ShmLinks { rank: me, peers, spin: self.spin }))
     }
 }
 
@@ -422,8 +428,8 @@ struct Peer {
 struct ShmLinks {
     rank: usize,
     peers: Vec<Option<Peer>>,
-    /// Adaptive idle strategy: how long the last waits were (unused for now beyond stats).
-    idle_spins: u64,
+    /// How long an idle exchange spins before yielding.
+    spin: Duration,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -662,25 +668,26 @@ impl LaneLinks for ShmLinks {
             if cancel.load(Ordering::Relaxed) {
                 return Err(TransportError::Cancelled);
             }
-            let waiting_on: Vec<(usize, bool)> = recvs
-                .iter()
-                .zip(&recv_st)
-                .filter(|(_, st)| !st.done)
-                .map(|(op, _)| (op.peer, true))
-                .chain(
-                    sends
-                        .iter()
-                        .zip(&send_st)
-                        .filter(|(_, st)| !st.done)
-                        .map(|(op, _)| (op.peer, false)),
-                )
-                .collect();
-            if now >= deadline {
-                return Err(TransportError::Timeout {
-                    peer: waiting_on.first().map_or(self.rank, |w| w.0),
-                });
-            }
-            if now.duration_since(last_check) >= LIVENESS_PERIOD {
+            let past_deadline = now >= deadline;
+            if past_deadline || now.duration_since(last_check) >= LIVENESS_PERIOD {
+                let waiting_on: Vec<(usize, bool)> = recvs
+                    .iter()
+                    .zip(&recv_st)
+                    .filter(|(_, st)| !st.done)
+                    .map(|(op, _)| (op.peer, true))
+                    .chain(
+                        sends
+                            .iter()
+                            .zip(&send_st)
+                            .filter(|(_, st)| !st.done)
+                            .map(|(op, _)| (op.peer, false)),
+                    )
+                    .collect();
+                if past_deadline {
+                    return Err(TransportError::Timeout {
+                        peer: waiting_on.first().map_or(self.rank, |w| w.0),
+                    });
+                }
                 last_check = now;
                 self.check_poison()?;
                 self.check_peers(&waiting_on)?;
@@ -688,12 +695,11 @@ impl LaneLinks for ShmLinks {
             // Small messages must not pay a wake-up per hop: spin briefly, then give the core
             // away (other ranks may need it to make the progress we wait for), then sleep.
             let idle = now.duration_since(since);
-            if idle < SPIN {
-                self.idle_spins += 1;
-                for _ in 0..64 {
+            if idle < self.spin {
+                for _ in 0..8 {
                     std::hint::spin_loop();
                 }
-            } else if idle < YIELD {
+            } else if idle < self.spin + YIELD {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(sleep.min(deadline.saturating_duration_since(now)));
@@ -845,6 +851,44 @@ pub(crate) mod suite {
         links.exchange(t, &sends, &mut recvs, Instant::now() + deadline, cancel)?;
         drop(recvs);
         Ok(got)
+    }
+
+    /// Times symmetric exchanges between two ranks (sizes 4 KiB and 32 MiB) and prints them.
+    pub(crate) fn probe(make: &'static Factory, name: &'static str) {
+        for (bytes, iters) in [(4096usize, 20_000usize), (32 << 20, 10)] {
+            let res = run(make, 2, move |rank, links| {
+                let data = vec![1u8; bytes];
+                let mut sum = 0u64;
+                let mut go = || {
+                    let mut sink = |_: usize, p: &[u8]| sum += p.len() as u64;
+                    let sends = [SendOp { peer: 1 - rank, data: &data }];
+                    let mut recvs = [RecvOp { peer: 1 - rank, len: bytes, sink: &mut sink }];
+                    links
+                        .exchange(
+                            tag(0),
+                            &sends,
+                            &mut recvs,
+                            Instant::now() + T,
+                            &AtomicBool::new(false),
+                        )
+                        .unwrap();
+                };
+                for _ in 0..3 {
+                    go();
+                }
+                let t = Instant::now();
+                for _ in 0..iters {
+                    go();
+                }
+                t.elapsed().as_secs_f64() / iters as f64
+            });
+            let s = res[0];
+            eprintln!(
+                "{name}: exchange of {bytes} B: {:.2} us, {:.2} GB/s each way",
+                s * 1e6,
+                bytes as f64 / s / 1e9
+            );
+        }
     }
 
     /// Tag and length mismatches are reported, not consumed as data.
@@ -1010,5 +1054,13 @@ mod tests {
     fn shm_conformance_grid() {
         let cfg = crate::testing::GridConfig { large_worlds: vec![2, 3, 4], ..Default::default() };
         crate::testing::conformance_grid(&group, &cfg);
+    }
+
+    /// A quick probe of raw link latency and bandwidth (not a test of timing):
+    /// `cargo test -p shardline-collectives --lib probe -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn shm_probe_exchange() {
+        suite::probe(&make, "shm");
     }
 }

@@ -1154,4 +1154,11 @@ mod tests {
         let cfg = crate::testing::GridConfig { large_worlds: vec![2, 3, 4], ..Default::default() };
         crate::testing::conformance_grid(&group, &cfg);
     }
+
+    /// A quick probe of raw link latency and bandwidth (not a test of timing).
+    #[test]
+    #[ignore]
+    fn tcp_probe_exchange() {
+        suite::probe(&make, "tcp");
+    }
 }

@@ -8,6 +8,8 @@
 //! - `grid`: the reduced conformance grid against the naive reference.
 //! - `loop`: all-reduces of 1 MiB until an op fails (the launcher kills a rank meanwhile, or
 //!   the victim exits by itself after `SHARDLINE_TEST_DIE_AFTER_MS`); reports the error.
+//! - `bench`: timed all-reduces of `SHARDLINE_TEST_BENCH_BYTES` (a quick probe, not the
+//!   benchmark).
 //! - `hang`: one all-reduce that the victim never joins (it sleeps); the others report the
 //!   error they get.
 
@@ -106,6 +108,25 @@ fn run(cfg: &RankConfig) -> anyhow::Result<Outcome> {
                 }
                 Err(e) => Ok(Outcome { ok: true, ..base }.with_error(&e)),
             }
+        }
+        "bench" => {
+            let var = |k: &str, d: usize| {
+                std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(d)
+            };
+            let bytes = var(shardline_tests::env::BENCH_BYTES, 1 << 20);
+            let iters = var(shardline_tests::env::BENCH_ITERS, 20).max(1);
+            let lane = comm.lane("bench")?;
+            let mut buf = vec![1.0f32; bytes / 4];
+            for _ in 0..3 {
+                buf = lane.all_reduce(buf, ReduceOp::Max).wait_timeout(wait)?;
+            }
+            let t = Instant::now();
+            for _ in 0..iters {
+                buf = lane.all_reduce(buf, ReduceOp::Max).wait_timeout(wait)?;
+            }
+            let time_us = t.elapsed().as_secs_f64() * 1e6 / iters as f64;
+            let ok = buf.iter().all(|&x| x == 1.0);
+            Ok(Outcome { ok, cases: iters, time_us, ..base })
         }
         s => Err(anyhow!("unknown scenario '{s}'")),
     }
