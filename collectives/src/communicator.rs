@@ -57,8 +57,9 @@ impl CommOptions {
         self
     }
 
-    /// How long a waiter spins before yielding and then sleeping, in microseconds. Default 50
-    /// (env `SHARDLINE_SPIN_US`). Used by the local transport built by [`local_group`].
+    /// How long a waiter busy-spins before yielding and then sleeping, in microseconds.
+    /// Default 0 (env `SHARDLINE_SPIN_US`; [`crate::config::SPIN_US`] has the measurement).
+    /// Used by the local transport built by [`local_group`].
     pub fn spin_us(&mut self, us: u64) -> &mut Self {
         self.spin = Duration::from_micros(us);
         self

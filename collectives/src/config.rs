@@ -24,11 +24,14 @@ impl Tunable {
 pub const TIMEOUT_MS: Tunable =
     Tunable { env: "SHARDLINE_TIMEOUT_MS", default: 60_000, doc: "default per-op deadline (ms)" };
 
-/// How long a waiter spins before yielding, then sleeping, in microseconds. Spinning keeps
-/// small-message latency free of thread wake-ups; beyond a few tens of microseconds it only
-/// steals CPU from the peers on a 2-core machine.
+/// How long a waiter busy-spins before it starts yielding (then, after 500 us, sleeping), in
+/// microseconds. Measured on the 2-core reference machine (`tests/spin_probe.rs`, 4 KiB
+/// all-reduce, median): W=2: 9 us at 0, 19 us at 5, 52 us at 20, 117 us at 50; W=4: 22 us
+/// at 0, 83 us at 20. With two threads per rank the cores are oversubscribed and a busy
+/// spinner only delays the peer it waits for, while polling with `yield_now` already avoids
+/// thread wake-ups; hence 0. Raise it on machines with a free core per thread.
 pub const SPIN_US: Tunable =
-    Tunable { env: "SHARDLINE_SPIN_US", default: 50, doc: "spin time before yielding (us)" };
+    Tunable { env: "SHARDLINE_SPIN_US", default: 0, doc: "busy-spin time before yielding (us)" };
 
 /// `Algorithm::Auto` uses Direct at or below this many bytes per rank buffer, else Ring (or
 /// Hierarchical on a multi-node topology).

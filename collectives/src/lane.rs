@@ -24,6 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// How long an idle lane thread polls its queue before blocking.
+const POLL_BEFORE_BLOCK: Duration = Duration::from_micros(30);
+
 /// Options of one call (Gloo style: options travel with the call).
 #[derive(Clone, Debug, Default)]
 pub struct CallOptions {
@@ -380,8 +383,22 @@ struct OpCtx {
 }
 
 impl Worker {
+    /// Takes the next message, polling briefly first: ops issued back to back then skip the
+    /// thread wake-up (yielding keeps the poll cheap when cores are oversubscribed).
+    fn next(rx: &Receiver<Msg>) -> Option<Msg> {
+        let start = Instant::now();
+        while start.elapsed() < POLL_BEFORE_BLOCK {
+            match rx.try_recv() {
+                Ok(m) => return Some(m),
+                Err(crossbeam::channel::TryRecvError::Disconnected) => return None,
+                Err(crossbeam::channel::TryRecvError::Empty) => std::thread::yield_now(),
+            }
+        }
+        rx.recv().ok()
+    }
+
     fn run(mut self, rx: Receiver<Msg>) {
-        while let Ok(msg) = rx.recv() {
+        while let Some(msg) = Self::next(&rx) {
             match msg {
                 Msg::Job(job) => {
                     self.next_seq = job.seq + 1;

@@ -4,6 +4,7 @@
 use crate::error::CollectiveError;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -17,7 +18,13 @@ enum State<T> {
 struct Slot<T> {
     state: Mutex<State<T>>,
     cv: Condvar,
+    /// Set after the result is stored, so waiters can poll without the lock.
+    done: AtomicBool,
 }
+
+/// How long `wait` polls (yielding the CPU between polls) before blocking: a small op
+/// usually completes within this, and a condvar wake-up costs tens of microseconds.
+const POLL_BEFORE_BLOCK: Duration = Duration::from_micros(30);
 
 impl<T> Slot<T> {
     fn lock(&self) -> MutexGuard<'_, State<T>> {
@@ -43,7 +50,11 @@ pub(crate) struct Completer<T> {
 
 /// Creates a pending work and its completer.
 pub(crate) fn pair<T>(lane: Arc<str>, seq: u64) -> (Work<T>, Completer<T>) {
-    let slot = Arc::new(Slot { state: Mutex::new(State::Pending(None)), cv: Condvar::new() });
+    let slot = Arc::new(Slot {
+        state: Mutex::new(State::Pending(None)),
+        cv: Condvar::new(),
+        done: AtomicBool::new(false),
+    });
     (
         Work { slot: slot.clone(), lane: lane.clone(), seq },
         Completer { slot: Some(slot), lane, seq },
@@ -57,6 +68,7 @@ impl<T> Completer<T> {
             let waker = {
                 let mut st = slot.lock();
                 let prev = std::mem::replace(&mut *st, State::Done(result));
+                slot.done.store(true, Ordering::Release);
                 slot.cv.notify_all();
                 match prev {
                     State::Pending(w) => w,
@@ -94,6 +106,7 @@ impl<T> Work<T> {
 
     /// Blocks until the op completes. The op's own deadline bounds the wait.
     pub fn wait(self) -> Result<T, CollectiveError> {
+        self.poll_briefly();
         let mut st = self.slot.lock();
         loop {
             if let State::Done(_) = &*st {
@@ -108,6 +121,7 @@ impl<T> Work<T> {
     /// running; its buffers are dropped when it completes.
     pub fn wait_timeout(self, d: Duration) -> Result<T, CollectiveError> {
         let end = Instant::now() + d;
+        self.poll_briefly();
         let mut st = self.slot.lock();
         loop {
             if let State::Done(_) = &*st {
@@ -123,6 +137,13 @@ impl<T> Work<T> {
                 });
             }
             st = self.slot.cv.wait_timeout(st, end - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn poll_briefly(&self) {
+        let start = Instant::now();
+        while !self.slot.done.load(Ordering::Acquire) && start.elapsed() < POLL_BEFORE_BLOCK {
+            std::thread::yield_now();
         }
     }
 
