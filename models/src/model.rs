@@ -1133,7 +1133,9 @@ mod tests {
                     continue;
                 }
                 let (x, y) = train.batch(&idx);
-                let (_, grads) = m.loss_and_grads(&params, &mut buffers, x, &y, &ctx(&be, true, None, gb)).unwrap();
+                let (_, grads) = m
+                    .loss_and_grads(&params, &mut buffers, x, &y, &ctx(&be, true, None, gb))
+                    .unwrap();
                 for u in 0..params.len() {
                     for i in 0..params[u].len() {
                         mom[u][i] = 0.9 * mom[u][i] + grads[u][i];
@@ -1144,7 +1146,8 @@ mod tests {
         }
         let idx: Vec<usize> = (0..test.len()).collect();
         let (x, y) = test.batch(&idx);
-        let (logits, _) = m.forward(&params, &mut buffers, x, &ctx(&be, false, None, test.len())).unwrap();
+        let (logits, _) =
+            m.forward(&params, &mut buffers, x, &ctx(&be, false, None, test.len())).unwrap();
         crate::loss::correct_count(&logits, &y) as f64 / test.len() as f64
     }
 
