@@ -68,8 +68,8 @@ fn residual_syncbn_over_lanes_equals_one_process() {
     });
     let loss: f32 = results.iter().map(|r| r.0).sum();
     assert!((loss - want_loss).abs() < 1e-5, "{loss} vs {want_loss}");
-    for u in 0..params.len() {
-        for (i, &w) in want_grads[u].iter().enumerate() {
+    for (u, want_unit) in want_grads.iter().enumerate() {
+        for (i, &w) in want_unit.iter().enumerate() {
             let g: f32 = results.iter().map(|r| r.1[u][i]).sum();
             assert!((g - w).abs() < 1e-4 + 1e-3 * w.abs(), "unit {u} param {i}: {g} vs {w}");
         }
