@@ -1,2 +1,47 @@
-//! shardline-bench (in progress)
-fn main() {}
+//! `shardline-bench`: Shardline's benchmarks. Each prints a table for people, writes JSON
+//! (`--json FILE`) for machines and SVG plots (`--plot FILE.svg`), and quotes its figures as
+//! ratios against the machine's limits or peers measured in the same run.
+
+use clap::{Parser, Subcommand};
+
+mod collectives;
+mod limits;
+mod report;
+
+/// Shardline benchmarks.
+#[derive(Parser, Debug)]
+#[command(name = "shardline-bench", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// nccl-tests-style collectives table: time, algbw, busbw, #wrong per op and size.
+    ///
+    /// Example: shardline-bench collectives --transport local,shm,tcp --world 2,4 --json c.json --plot c.svg
+    Collectives(collectives::Args),
+    /// One rank of a multi-process collectives run (started by `collectives`).
+    #[command(hide = true)]
+    CollectivesWorker(collectives::WorkerArgs),
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let res = match cli.cmd {
+        Cmd::Collectives(a) => collectives::run(a),
+        Cmd::CollectivesWorker(a) => collectives::worker(a),
+    };
+    if let Err(e) = res {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

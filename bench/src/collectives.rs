@@ -1,0 +1,589 @@
+//! `shardline-bench collectives`: an nccl-tests-style table per op and size.
+//!
+//! Conventions (BENCH.md, nccl-tests): `bytes` is the whole buffer (the all-reduce buffer, the
+//! reduce-scatter input, the all-gather output), f32; `algbw = bytes / time`;
+//! `busbw = algbw x factor`, factor 2(W-1)/W for all-reduce, (W-1)/W for reduce-scatter and
+//! all-gather, 1 for broadcast; time is the slowest rank's (per iteration, max over ranks),
+//! median over iterations. Every row is checked against a reference (`#wrong`).
+//!
+//! For `shm` and `tcp` the benchmark starts W worker processes itself (the same binary with a
+//! hidden `collectives-worker` subcommand) around a TCP rendezvous store with a fresh token.
+
+use crate::limits::{self, MemLimits};
+use crate::report::{self, human_bytes, Series};
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use shardline_collectives::transport::shm::ShmTransport;
+use shardline_collectives::transport::tcp::{TcpOptions, TcpTransport};
+use shardline_collectives::{
+    local_group, CommOptions, Communicator, ReduceOp, Store, TcpStoreClient, TcpStoreServer,
+    Topology,
+};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Op {
+    /// All-reduce (sum).
+    AllReduce,
+    /// Reduce-scatter (sum).
+    ReduceScatter,
+    /// All-gather.
+    AllGather,
+    /// Broadcast from rank 0.
+    Broadcast,
+}
+
+impl Op {
+    const ALL: [Op; 4] = [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast];
+
+    fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all-reduce",
+            Op::ReduceScatter => "reduce-scatter",
+            Op::AllGather => "all-gather",
+            Op::Broadcast => "broadcast",
+        }
+    }
+
+    fn busbw_factor(self, w: usize) -> f64 {
+        let w = w as f64;
+        match self {
+            Op::AllReduce => 2.0 * (w - 1.0) / w,
+            Op::ReduceScatter | Op::AllGather => (w - 1.0) / w,
+            Op::Broadcast => 1.0,
+        }
+    }
+
+    /// Bytes each rank must at least read + write in memory for this op with our algorithms
+    /// (per element of the whole buffer), used for the "fraction of the machine's limit" column:
+    /// ring reduce-scatter reads two operands and writes one for (W-1)/W of the buffer;
+    /// all-gather reads and writes (W-1)/W of the buffer; all-reduce is both.
+    fn min_traffic_bytes(self, bytes: f64, w: usize) -> f64 {
+        let f = (w as f64 - 1.0) / w as f64;
+        match self {
+            Op::ReduceScatter => 3.0 * f * bytes,
+            Op::AllGather => 2.0 * f * bytes,
+            Op::AllReduce => 5.0 * f * bytes,
+            Op::Broadcast => 2.0 * bytes,
+        }
+    }
+}
+
+/// Transport to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum TransportKind {
+    /// Ranks as threads in this process.
+    Local,
+    /// Processes on this node over shared memory.
+    Shm,
+    /// Processes over loopback TCP.
+    Tcp,
+}
+
+impl TransportKind {
+    fn name(self) -> &'static str {
+        match self {
+            TransportKind::Local => "local",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
+/// Options of `shardline-bench collectives`.
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+pub struct Args {
+    /// Which ops: all, or one of all-reduce, reduce-scatter, all-gather, broadcast.
+    #[arg(long, default_value = "all", value_parser = parse_ops)]
+    pub op: OpSet,
+    /// Transports, comma-separated: local, shm, tcp.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "local")]
+    pub transport: Vec<TransportKind>,
+    /// Number of ranks (comma-separated list allowed: --world 2,4).
+    #[arg(long, value_delimiter = ',', default_value = "2")]
+    pub world: Vec<usize>,
+    /// Smallest buffer size (nccl-tests `bytes`), e.g. 4K.
+    #[arg(long, default_value = "4K", value_parser = report::parse_bytes)]
+    pub min_bytes: u64,
+    /// Largest buffer size, e.g. 64M. Sizes double from min to max.
+    #[arg(long, default_value = "64M", value_parser = report::parse_bytes)]
+    pub max_bytes: u64,
+    /// Timed iterations per size (default: from 200 for small sizes down to 20 at 64 MiB).
+    #[arg(long)]
+    pub iters: Option<usize>,
+    /// Check every result against the reference (on by default; `--check false` to skip).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub check: bool,
+    /// Per-op timeout in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_s: u64,
+    /// Write the rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw busbw vs size per transport into this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Skip measuring the machine's memory and socket limits.
+    #[arg(long)]
+    pub no_limits: bool,
+}
+
+/// A set of ops parsed from `--op`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OpSet(pub Vec<Op>);
+
+fn parse_ops(s: &str) -> Result<OpSet, String> {
+    if s == "all" {
+        return Ok(OpSet(Op::ALL.to_vec()));
+    }
+    let mut v = Vec::new();
+    for part in s.split(',') {
+        let op = Op::ALL.into_iter().find(|o| o.name() == part).ok_or_else(|| {
+            format!("unknown op '{part}' (all, all-reduce, reduce-scatter, all-gather, broadcast)")
+        })?;
+        v.push(op);
+    }
+    Ok(OpSet(v))
+}
+
+/// One measured row.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    /// Op name.
+    pub op: String,
+    /// Ranks.
+    pub world: usize,
+    /// Transport name.
+    pub transport: String,
+    /// Whole-buffer bytes (nccl-tests convention).
+    pub bytes: u64,
+    /// f32 elements of the whole buffer.
+    pub count: u64,
+    /// Median over iterations of the slowest rank's time, microseconds.
+    pub time_us: f64,
+    /// Fastest iteration, microseconds.
+    pub min_us: f64,
+    /// Slowest iteration, microseconds.
+    pub max_us: f64,
+    /// bytes / time in GB/s.
+    #[serde(rename = "algbw_GBps")]
+    pub algbw_gbps: f64,
+    /// algbw x factor in GB/s.
+    #[serde(rename = "busbw_GBps")]
+    pub busbw_gbps: f64,
+    /// Elements differing from the reference (summed over ranks); -1 when not checked.
+    pub wrong: i64,
+    /// busbw as a fraction of what the op's minimal memory traffic allows at the bandwidth
+    /// measured in the same run (local/shm) or of loopback TCP throughput (tcp).
+    pub frac_of_limit: Option<f64>,
+}
+
+fn sizes(args: &Args) -> Vec<u64> {
+    let mut v = Vec::new();
+    let mut b = args.min_bytes.max(4);
+    while b <= args.max_bytes {
+        v.push(b);
+        b *= 2;
+    }
+    v
+}
+
+fn iters_for(bytes: u64, explicit: Option<usize>) -> (usize, usize) {
+    let n = explicit.unwrap_or_else(|| ((256u64 << 20) / bytes.max(1)).clamp(20, 200) as usize);
+    (n.max(1), (n / 10).max(3))
+}
+
+/// Deterministic input element that every rank can regenerate: small integers, so sums over
+/// up to 16 ranks are exact in f32 and the check can demand bitwise equality.
+fn input_value(rank: usize, i: usize) -> f32 {
+    (((rank * 7 + i * 13) % 17) as f32) - 8.0
+}
+
+/// Runs every (op, size) on one rank; returns this rank's per-iteration times and wrong counts.
+/// Every rank runs this in lockstep.
+fn run_rank(
+    comm: &Communicator,
+    ops: &[Op],
+    sizes: &[u64],
+    args: &Args,
+) -> anyhow::Result<Vec<RankResult>> {
+    let lane = comm.lane("bench")?;
+    let timeout = Duration::from_secs(args.timeout_s);
+    let w = comm.world();
+    let r = comm.rank();
+    let mut out = Vec::new();
+    for &op in ops {
+        for &bytes in sizes {
+            let total = (bytes / 4) as usize;
+            // Buffers: reduce-scatter input / all-gather output are `total`; per-rank shard total/W.
+            let shard = total / w;
+            let (n_iters, n_warm) = iters_for(bytes, args.iters);
+            let mut times = Vec::with_capacity(n_iters);
+            let mut wrong = 0i64;
+            let mut a: Vec<f32> = Vec::new();
+            let mut b: Vec<f32> = Vec::new();
+            for it in 0..(n_warm + n_iters) {
+                // Refill inputs (not timed).
+                match op {
+                    Op::AllReduce | Op::Broadcast => {
+                        a.clear();
+                        a.extend((0..total).map(|i| input_value(r, i)));
+                    }
+                    Op::ReduceScatter => {
+                        a.clear();
+                        a.extend((0..shard * w).map(|i| input_value(r, i)));
+                        b.resize(shard, 0.0);
+                    }
+                    Op::AllGather => {
+                        a.clear();
+                        a.extend((0..shard).map(|i| input_value(r, i)));
+                        b.resize(shard * w, 0.0);
+                    }
+                }
+                lane.barrier().wait_timeout(timeout)?;
+                let t0 = Instant::now();
+                match op {
+                    Op::AllReduce => {
+                        a = lane
+                            .all_reduce(std::mem::take(&mut a), ReduceOp::Sum)
+                            .wait_timeout(timeout)?;
+                    }
+                    Op::Broadcast => {
+                        a = lane.broadcast(std::mem::take(&mut a), 0).wait_timeout(timeout)?;
+                    }
+                    Op::ReduceScatter => {
+                        let (x, y) = lane
+                            .reduce_scatter(
+                                std::mem::take(&mut a),
+                                std::mem::take(&mut b),
+                                ReduceOp::Sum,
+                            )
+                            .wait_timeout(timeout)?;
+                        a = x;
+                        b = y;
+                    }
+                    Op::AllGather => {
+                        let (x, y) = lane
+                            .all_gather(std::mem::take(&mut a), std::mem::take(&mut b))
+                            .wait_timeout(timeout)?;
+                        a = x;
+                        b = y;
+                    }
+                }
+                let dt = t0.elapsed().as_secs_f64();
+                if it >= n_warm {
+                    times.push(dt);
+                }
+                if args.check && (it == n_warm || it + 1 == n_warm + n_iters) {
+                    wrong += count_wrong(op, r, w, total, shard, &a, &b);
+                }
+            }
+            out.push(RankResult { op, bytes, times, wrong });
+        }
+    }
+    Ok(out)
+}
+
+fn count_wrong(
+    op: Op,
+    r: usize,
+    w: usize,
+    total: usize,
+    shard: usize,
+    a: &[f32],
+    b: &[f32],
+) -> i64 {
+    let sum_at = |i: usize| (0..w).map(|q| input_value(q, i)).sum::<f32>();
+    let bad = match op {
+        Op::AllReduce => (0..total).filter(|&i| a[i] != sum_at(i)).count(),
+        Op::Broadcast => (0..total).filter(|&i| a[i] != input_value(0, i)).count(),
+        Op::ReduceScatter => (0..shard).filter(|&i| b[i] != sum_at(r * shard + i)).count(),
+        Op::AllGather => (0..shard * w)
+            .filter(|&i| b[i] != input_value(i / shard.max(1), i % shard.max(1)))
+            .count(),
+    };
+    bad as i64
+}
+
+/// One rank's measurements of one (op, size).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankResult {
+    op: Op,
+    bytes: u64,
+    times: Vec<f64>,
+    wrong: i64,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s[s.len() / 2]
+}
+
+/// Combines every rank's results: per iteration the slowest rank's time.
+fn combine(transport: TransportKind, w: usize, per_rank: &[Vec<RankResult>]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (k, first) in per_rank[0].iter().enumerate() {
+        let n = first.times.len();
+        let slowest: Vec<f64> =
+            (0..n).map(|i| per_rank.iter().map(|rr| rr[k].times[i]).fold(0.0, f64::max)).collect();
+        let t = median(&slowest);
+        let algbw = first.bytes as f64 / t / 1e9;
+        rows.push(Row {
+            op: first.op.name().to_string(),
+            world: w,
+            transport: transport.name().to_string(),
+            bytes: first.bytes,
+            count: first.bytes / 4,
+            time_us: t * 1e6,
+            min_us: slowest.iter().cloned().fold(f64::MAX, f64::min) * 1e6,
+            max_us: slowest.iter().cloned().fold(0.0, f64::max) * 1e6,
+            algbw_gbps: algbw,
+            busbw_gbps: algbw * first.op.busbw_factor(w),
+            wrong: per_rank.iter().map(|rr| rr[k].wrong).sum(),
+            frac_of_limit: None,
+        });
+    }
+    rows
+}
+
+fn run_local(w: usize, ops: &[Op], sizes: &[u64], args: &Args) -> anyhow::Result<Vec<Row>> {
+    let comms = local_group(w)?;
+    let results: Vec<anyhow::Result<Vec<RankResult>>> = std::thread::scope(|s| {
+        let hs: Vec<_> =
+            comms.iter().map(|c| s.spawn(move || run_rank(c, ops, sizes, args))).collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("rank thread panicked"))))
+            .collect()
+    });
+    let per_rank: Vec<Vec<RankResult>> = results.into_iter().collect::<anyhow::Result<_>>()?;
+    Ok(combine(TransportKind::Local, w, &per_rank))
+}
+
+/// Hidden worker entry: one rank of a multi-process run.
+#[derive(clap::Args, Clone, Debug)]
+pub struct WorkerArgs {
+    /// This rank.
+    #[arg(long)]
+    pub rank: usize,
+    /// Number of ranks.
+    #[arg(long)]
+    pub world: usize,
+    /// Rendezvous store address.
+    #[arg(long)]
+    pub store: String,
+    /// Transport.
+    #[arg(long, value_enum)]
+    pub transport: TransportKind,
+    /// The benchmark's options, as JSON.
+    #[arg(long)]
+    pub spec: String,
+}
+
+/// Runs one worker process: builds the transport, measures, prints its results as one JSON line.
+pub fn worker(wa: WorkerArgs) -> anyhow::Result<()> {
+    let token = std::env::var("SHARDLINE_TOKEN").context("SHARDLINE_TOKEN not set")?;
+    let (args, ops, sizes): (Args, Vec<Op>, Vec<u64>) = serde_json::from_str(&wa.spec)?;
+    let addr: std::net::SocketAddr = wa.store.parse().context("bad --store address")?;
+    let store: Arc<dyn Store> =
+        Arc::new(TcpStoreClient::connect(addr, &token, Duration::from_secs(30))?);
+    let transport: Arc<dyn shardline_collectives::transport::Transport> = match wa.transport {
+        TransportKind::Shm => {
+            Arc::new(ShmTransport::new(wa.rank, wa.world, store, &format!("bench{}", addr.port()))?)
+        }
+        TransportKind::Tcp => {
+            Arc::new(TcpTransport::new(wa.rank, wa.world, store, TcpOptions::default())?)
+        }
+        TransportKind::Local => bail!("the local transport runs in one process"),
+    };
+    let comm =
+        Communicator::new(transport, Topology::single_node(wa.world), CommOptions::default())?;
+    let res = run_rank(&comm, &ops, &sizes, &args)?;
+    println!("RESULT {}", serde_json::to_string(&res)?);
+    Ok(())
+}
+
+fn run_processes(
+    kind: TransportKind,
+    w: usize,
+    ops: &[Op],
+    sizes: &[u64],
+    args: &Args,
+) -> anyhow::Result<Vec<Row>> {
+    let token = format!(
+        "{:016x}",
+        std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64 ^ 0x5eed_5eed
+    );
+    let server = TcpStoreServer::bind("127.0.0.1:0", &token)?;
+    let addr = server.addr();
+    let spec = serde_json::to_string(&(args, ops, sizes))?;
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for r in 0..w {
+        let child = std::process::Command::new(&exe)
+            .args(["collectives-worker", "--rank", &r.to_string(), "--world", &w.to_string()])
+            .args(["--store", &addr.to_string(), "--transport", kind.name(), "--spec", &spec])
+            .env("SHARDLINE_TOKEN", &token)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("spawning a worker")?;
+        children.push(child);
+    }
+    // Deadline for the whole run: generous, but never forever.
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s * 4 + 600);
+    let mut per_rank = Vec::new();
+    let mut failure = None;
+    for (r, child) in children.iter_mut().enumerate() {
+        loop {
+            match child.try_wait()? {
+                Some(_) => break,
+                None if Instant::now() > deadline => {
+                    let _ = child.kill();
+                    failure.get_or_insert_with(|| format!("rank {r} did not finish in time"));
+                    break;
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+    for (r, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            failure.get_or_insert_with(|| format!("rank {r} exited with {}", out.status));
+            continue;
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text.lines().find_map(|l| l.strip_prefix("RESULT ")) {
+            Some(json) => per_rank.push(serde_json::from_str::<Vec<RankResult>>(json)?),
+            None => {
+                failure.get_or_insert_with(|| format!("rank {r} printed no result"));
+            }
+        }
+    }
+    if let Some(f) = failure {
+        bail!("{} benchmark at world {w} failed: {f}", kind.name());
+    }
+    Ok(combine(kind, w, &per_rank))
+}
+
+/// Runs the benchmark, prints the table, writes JSON/SVG.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.world.iter().any(|&w| w == 0) {
+        bail!("--world must be at least 1");
+    }
+    if args.min_bytes > args.max_bytes {
+        bail!("--min-bytes ({}) is larger than --max-bytes ({})", args.min_bytes, args.max_bytes);
+    }
+    let ops = args.op.0.clone();
+    let all_sizes = sizes(&args);
+    let mem: Option<MemLimits> = (!args.no_limits).then(limits::measure_mem);
+    let tcp_limit = if !args.no_limits && args.transport.contains(&TransportKind::Tcp) {
+        limits::measure_tcp_loopback().ok()
+    } else {
+        None
+    };
+    if let Some(m) = &mem {
+        println!(
+            "# machine: memcpy {:.1} GB/s (1 thread), {:.1} GB/s ({} threads); a+b->c {:.1} / {:.1} GB/s",
+            m.memcpy_1t_gbps, m.memcpy_all_gbps, m.threads, m.add_1t_gbps, m.add_all_gbps
+        );
+    }
+    if let Some(t) = tcp_limit {
+        println!("# machine: loopback TCP {t:.2} GB/s (one stream)");
+    }
+    let mut rows = Vec::new();
+    for &kind in &args.transport {
+        for &w in &args.world {
+            // Buffers must split evenly for reduce-scatter / all-gather: round sizes to W*4 bytes.
+            let sz: Vec<u64> =
+                all_sizes.iter().map(|&b| (b / (4 * w as u64)).max(1) * 4 * w as u64).collect();
+            println!("\n# transport {} world {w}", kind.name());
+            println!(
+                "{:>15} {:>12} {:>11} {:>10} {:>10} {:>10} {:>7} {:>8}",
+                "op", "bytes", "count", "time(us)", "algbw", "busbw", "#wrong", "of-limit"
+            );
+            let mut part = match kind {
+                TransportKind::Local => run_local(w, &ops, &sz, &args)?,
+                _ => run_processes(kind, w, &ops, &sz, &args)?,
+            };
+            for row in &mut part {
+                let op = Op::ALL.into_iter().find(|o| o.name() == row.op).unwrap_or(Op::AllReduce);
+                row.frac_of_limit = match (kind, &mem, tcp_limit) {
+                    (TransportKind::Tcp, _, Some(t)) => Some(row.busbw_gbps / t),
+                    (TransportKind::Tcp, _, None) => None,
+                    (_, Some(m), _) => {
+                        // Ranks as threads share the machine's cores: the limit is the
+                        // all-core bandwidth divided among W ranks' traffic.
+                        let bw = m.add_all_gbps.max(m.memcpy_all_gbps) * 1e9;
+                        let traffic = op.min_traffic_bytes(row.bytes as f64, w) * w as f64;
+                        let t_min = traffic / bw;
+                        let busbw_max = row.bytes as f64 / t_min / 1e9 * op.busbw_factor(w);
+                        Some(row.busbw_gbps / busbw_max)
+                    }
+                    _ => None,
+                };
+                println!(
+                    "{:>15} {:>12} {:>11} {:>10.1} {:>10.3} {:>10.3} {:>7} {:>8}",
+                    row.op,
+                    row.bytes,
+                    row.count,
+                    row.time_us,
+                    row.algbw_gbps,
+                    row.busbw_gbps,
+                    row.wrong,
+                    row.frac_of_limit.map(|f| format!("{f:.2}")).unwrap_or_else(|| "-".into())
+                );
+            }
+            rows.extend(part);
+        }
+    }
+    if let Some(path) = &args.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            machine: Option<&'a MemLimits>,
+            tcp_loopback_gbps: Option<f64>,
+            rows: &'a [Row],
+        }
+        report::write_json(
+            path,
+            &Out { machine: mem.as_ref(), tcp_loopback_gbps: tcp_limit, rows: &rows },
+        )?;
+        println!("\nwrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        let mut series = Vec::new();
+        for &kind in &args.transport {
+            for &w in &args.world {
+                for &op in &ops {
+                    let pts: Vec<(f64, f64)> = rows
+                        .iter()
+                        .filter(|r| r.transport == kind.name() && r.world == w && r.op == op.name())
+                        .map(|r| (r.bytes as f64, r.busbw_gbps))
+                        .collect();
+                    if !pts.is_empty() {
+                        series.push(Series {
+                            label: format!("{} {} W={w}", kind.name(), op.name()),
+                            points: pts,
+                        });
+                    }
+                }
+            }
+        }
+        report::plot_lines(path, "busbw vs size", "bytes", "busbw (GB/s)", &series, true)?;
+        println!("wrote {}", path.display());
+    }
+    let wrong: i64 = rows.iter().map(|r| r.wrong.max(0)).sum();
+    if wrong > 0 {
+        bail!("{wrong} wrong elements against the reference");
+    }
+    let _ = human_bytes;
+    Ok(())
+}

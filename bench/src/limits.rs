@@ -1,0 +1,116 @@
+//! The machine's limits, measured in the same run as the benchmark that quotes them
+//! (BENCH.md: every claim is a ratio taken in one run).
+
+use serde::Serialize;
+use std::time::Instant;
+
+/// Memory bandwidth figures in GB/s (1e9 B/s), medians of several passes.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemLimits {
+    /// Single-thread memcpy, counting bytes read + bytes written.
+    pub memcpy_1t_gbps: f64,
+    /// memcpy on every core (each thread its own buffers), total.
+    pub memcpy_all_gbps: f64,
+    /// Single-thread c = a + b, counting 12 bytes per f32 element.
+    pub add_1t_gbps: f64,
+    /// c = a + b on every core, total.
+    pub add_all_gbps: f64,
+    /// Threads used for the "all" figures.
+    pub threads: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Bytes moved per second of one memcpy pass (read + write) over `n` f32s.
+fn memcpy_pass(src: &[f32], dst: &mut [f32]) -> f64 {
+    let t = Instant::now();
+    dst.copy_from_slice(src);
+    std::hint::black_box(&dst);
+    (src.len() * 8) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn add_pass(a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
+    let t = Instant::now();
+    for ((c, a), b) in c.iter_mut().zip(a).zip(b) {
+        *c = *a + *b;
+    }
+    std::hint::black_box(&c);
+    (a.len() * 12) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn run_threads(threads: usize, elems: usize, passes: usize, add: bool) -> f64 {
+    let results: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(move || {
+                    let a = vec![1.0f32; elems];
+                    let b = vec![2.0f32; elems];
+                    let mut c = vec![0.0f32; elems];
+                    let mut rates = Vec::with_capacity(passes);
+                    for _ in 0..passes {
+                        rates.push(if add {
+                            add_pass(&a, &b, &mut c)
+                        } else {
+                            memcpy_pass(&a, &mut c)
+                        });
+                    }
+                    median(rates)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
+    });
+    results.iter().sum::<f64>() / 1e9
+}
+
+/// Measures memcpy and a+b->c bandwidth with buffers far larger than cache (64 MiB each).
+pub fn measure_mem() -> MemLimits {
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let elems = 16 << 20; // 64 MiB of f32 per buffer
+    let passes = 5;
+    MemLimits {
+        memcpy_1t_gbps: run_threads(1, elems, passes, false),
+        memcpy_all_gbps: run_threads(threads, elems, passes, false),
+        add_1t_gbps: run_threads(1, elems, passes, true),
+        add_all_gbps: run_threads(threads, elems, passes, true),
+        threads,
+    }
+}
+
+/// Loopback TCP throughput of one stream in GB/s (the limit for the tcp transport), measured
+/// with 64 MiB of 1 MiB writes.
+pub fn measure_tcp_loopback() -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let total: usize = 256 << 20;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0;
+        while got < total {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        s.write_all(&[1])?;
+        Ok(())
+    });
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let buf = vec![7u8; 1 << 20];
+    let t = Instant::now();
+    for _ in 0..(total >> 20) {
+        s.write_all(&buf)?;
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)?;
+    let secs = t.elapsed().as_secs_f64();
+    reader.join().map_err(|_| std::io::Error::other("reader thread panicked"))??;
+    Ok(total as f64 / secs / 1e9)
+}
