@@ -100,6 +100,12 @@ impl Cpu {
         Cpu { threads: threads.max(1) }
     }
 
+    /// A CPU backend with the thread count of [`crate::config::cpu_threads`]
+    /// (`SHARDLINE_CPU_THREADS`, default 1).
+    pub fn from_env() -> Self {
+        Self::with_threads(crate::config::cpu_threads())
+    }
+
     /// Threads used by one matrix multiply.
     pub fn threads(&self) -> usize {
         self.threads

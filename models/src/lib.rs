@@ -25,6 +25,7 @@
 
 pub mod backend;
 pub mod batchnorm;
+pub mod config;
 pub mod conv;
 pub mod data;
 pub mod error;
