@@ -120,10 +120,14 @@ impl Shared {
     }
 }
 
+type LaneCell = Arc<Mutex<Option<Lane>>>;
+
 struct CommInner {
     transport: Arc<dyn Transport>,
     shared: Arc<Shared>,
-    lanes: Mutex<HashMap<String, Lane>>,
+    /// One cell per lane name: opening a lane may wait for peers, so it holds only its own
+    /// cell, and ranks may open different lanes from several threads in any order.
+    lanes: Mutex<HashMap<String, LaneCell>>,
     pool: BufferPool,
 }
 
@@ -221,8 +225,12 @@ impl Communicator {
     /// Opens (or returns the already open) lane `name`, with its own progress thread
     /// (COMM-2). All ranks must open the same lanes.
     pub fn lane(&self, name: &str) -> Result<Lane, CollectiveError> {
-        let mut lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = lanes.get(name) {
+        let cell = {
+            let mut lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
+            lanes.entry(name.to_string()).or_default().clone()
+        };
+        let mut slot = cell.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = &*slot {
             return Ok(l.clone());
         }
         let deadline = Instant::now() + self.inner.shared.opts.get_timeout();
@@ -232,7 +240,7 @@ impl Communicator {
             .open_lane(name, deadline)
             .map_err(|source| CollectiveError::Transport { lane: name.to_string(), source })?;
         let lane = Lane::start(name, self.inner.shared.clone(), links)?;
-        lanes.insert(name.to_string(), lane.clone());
+        *slot = Some(lane.clone());
         Ok(lane)
     }
 
@@ -246,9 +254,17 @@ impl Communicator {
             }
         }
         self.inner.shared.cancel.store(true, Ordering::Release);
-        let lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
-        for l in lanes.values() {
-            l.poke_abort();
+        let cells: Vec<LaneCell> = {
+            let lanes = self.inner.lanes.lock().unwrap_or_else(|e| e.into_inner());
+            lanes.values().cloned().collect()
+        };
+        for cell in cells {
+            // A lane still being opened is skipped: its ops see the cancel flag at issue.
+            if let Ok(slot) = cell.try_lock() {
+                if let Some(l) = &*slot {
+                    l.poke_abort();
+                }
+            }
         }
     }
 

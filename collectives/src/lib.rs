@@ -10,7 +10,7 @@
 //! - [`Communicator`] and [`Lane`]: ops issued in order on a lane's own progress thread,
 //!   returning [`Work`] handles that hand the owned buffers back.
 //!
-//! ```ignore
+//! ```
 //! use shardline_collectives::{local_group, ReduceOp};
 //! let comms = local_group(2).unwrap();
 //! let handles: Vec<_> = comms
@@ -19,7 +19,7 @@
 //!         std::thread::spawn(move || {
 //!             let lane = comm.lane("grads").unwrap();
 //!             let buf = vec![comm.rank() as f32 + 1.0; 4];
-//!             lane.all_reduce(buf, ReduceOp::Sum).wait().unwrap()
+//!             lane.all_reduce(buf, ReduceOp::Sum).wait().unwrap() // bounded by the op deadline
 //!         })
 //!     })
 //!     .collect();

@@ -203,3 +203,27 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         std::thread::park_timeout(Duration::from_millis(100));
     }
 }
+
+/// LANE-5: dropping every handle joins the lane threads (no thread outlives its group).
+#[test]
+fn dropping_the_group_joins_lane_threads() {
+    fn lane_threads(prefix: &str) -> usize {
+        let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return 0 };
+        dir.filter_map(|e| e.ok())
+            .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+            .filter(|c| c.trim_end().starts_with(prefix))
+            .count()
+    }
+    let comms = local_group(3).expect("group");
+    let lanes: Vec<_> = comms.iter().map(|c| c.lane("lk").expect("lane")).collect();
+    let works: Vec<_> = lanes.iter().map(|l| l.barrier()).collect();
+    for w in works {
+        w.wait_timeout(WAIT).expect("barrier");
+    }
+    if std::path::Path::new("/proc/self/task").exists() {
+        assert_eq!(lane_threads("lane-lk-"), 3);
+    }
+    drop(lanes);
+    drop(comms);
+    assert_eq!(lane_threads("lane-lk-"), 0, "lane threads survived their communicators");
+}
