@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod collectives;
 mod limits;
 mod report;
+mod syncbn;
 
 /// Shardline benchmarks.
 #[derive(Parser, Debug)]
@@ -22,6 +23,10 @@ enum Cmd {
     ///
     /// Example: shardline-bench collectives --transport local,shm,tcp --world 2,4 --json c.json --plot c.svg
     Collectives(collectives::Args),
+    /// The small-batch experiment: per-rank BN vs SyncBN vs one rank, on digits.
+    ///
+    /// Example: shardline-bench syncbn --world 8 --per-rank 2 --json syncbn.json
+    Syncbn(syncbn::Args),
     /// One rank of a multi-process collectives run (started by `collectives`).
     #[command(hide = true)]
     CollectivesWorker(collectives::WorkerArgs),
@@ -39,6 +44,7 @@ fn main() {
     let res = match cli.cmd {
         Cmd::Collectives(a) => collectives::run(a),
         Cmd::CollectivesWorker(a) => collectives::worker(a),
+        Cmd::Syncbn(a) => syncbn::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
