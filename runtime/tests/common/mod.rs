@@ -1,0 +1,80 @@
+//! Helpers shared by the runtime's integration tests.
+#![allow(dead_code)]
+
+use shardline_runtime::shard::Stage;
+use shardline_runtime::train::{self, RunOptions, StageChoice, Summary, SyncBnMode, TrainConfig};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Every run in these tests ends well within this; a hang fails the test instead.
+pub const RUN_DEADLINE: Duration = Duration::from_secs(120);
+
+/// A small mlp-bn on digits: two hidden blocks of 32, SGD with momentum, SyncBN on.
+pub fn small_cfg(world: usize, stage: u8, steps: u64, batch: usize) -> TrainConfig {
+    TrainConfig {
+        world,
+        stage: StageChoice::Fixed(Stage::from_index(stage).expect("stage 0..3")),
+        model: "mlp-bn".into(),
+        dataset: "digits".into(),
+        steps: Some(steps),
+        batch_size: batch,
+        lr: 0.05,
+        hidden: Some(32),
+        depth: Some(2),
+        sync_bn: SyncBnMode::On,
+        prefetch: 1,
+        seed: 7,
+        timeout_s: 30,
+        ..TrainConfig::default()
+    }
+}
+
+/// Options for a quiet run with no outputs.
+pub fn quiet() -> RunOptions {
+    RunOptions { quiet: true, progress: false, ..RunOptions::default() }
+}
+
+/// `train::run` on its own thread with a deadline.
+pub fn run_with_deadline(cfg: TrainConfig, opts: RunOptions) -> shardline_runtime::Result<Summary> {
+    let (tx, rx) = mpsc::channel();
+    let what = format!("world {} stage {:?} model {}", cfg.world, cfg.stage, cfg.model);
+    std::thread::spawn(move || {
+        let _ = tx.send(train::run(cfg, opts));
+    });
+    match rx.recv_timeout(RUN_DEADLINE) {
+        Ok(r) => r,
+        Err(e) => panic!("training run ({what}) did not finish within {RUN_DEADLINE:?}: {e}"),
+    }
+}
+
+/// `run_with_deadline`, expecting success.
+pub fn run_ok(cfg: TrainConfig, opts: RunOptions) -> Summary {
+    let what = format!("world {} stage {:?}", cfg.world, cfg.stage);
+    run_with_deadline(cfg, opts).unwrap_or_else(|e| panic!("run ({what}) failed: {e}"))
+}
+
+/// Largest absolute elementwise difference between two per-unit parameter lists.
+pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len(), "unit count");
+    let mut m = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len(), "unit length");
+        for (p, q) in x.iter().zip(y) {
+            m = m.max((p - q).abs());
+        }
+    }
+    m
+}
+
+/// Bitwise equality of per-unit f32 lists (NaN-safe, -0.0 != 0.0).
+pub fn bits_eq(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        })
+}
+
+/// Bitwise equality of two loss curves.
+pub fn losses_bits_eq(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+}
