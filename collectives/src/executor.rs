@@ -177,3 +177,85 @@ fn sched_step_check(step: &crate::algo::Step) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::{RecvStep, SendStep, Step};
+    use crate::reduce::ReduceOp;
+    use crate::transport::Poison;
+
+    /// Links that deliver a fixed payload to every receive, in two pieces (TR-2).
+    struct Canned(Vec<f32>);
+
+    impl LaneLinks for Canned {
+        fn exchange(
+            &mut self,
+            _tag: Tag,
+            _sends: &[SendOp<'_>],
+            recvs: &mut [RecvOp<'_>],
+            _deadline: Instant,
+            _cancel: &AtomicBool,
+        ) -> Result<(), TransportError> {
+            let bytes: &[u8] = bytemuck::cast_slice(&self.0);
+            for r in recvs.iter_mut() {
+                let half = (r.len / 8) * 4;
+                (r.sink)(0, &bytes[..half]);
+                (r.sink)(half, &bytes[half..r.len]);
+            }
+            Ok(())
+        }
+
+        fn poison(&mut self, _poison: &Poison) {}
+    }
+
+    fn step(send: std::ops::Range<usize>, recv: std::ops::Range<usize>, action: Action) -> Step {
+        Step {
+            sends: vec![SendStep { peer: 1, range: send }],
+            recvs: vec![RecvStep { peer: 1, range: recv, action }],
+            local: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn sinks_reduce_pieces_into_their_range() {
+        let sched =
+            Schedule { buf_len: 6, scratch_len: 0, steps: vec![step(0..2, 2..6, Action::Reduce)] };
+        let mut buf = vec![1.0, 1.0, 1.0, 2.0, 3.0, 4.0];
+        let never = AtomicBool::new(false);
+        let far = Instant::now() + std::time::Duration::from_secs(10);
+        Executor::default()
+            .run(
+                &mut Canned(vec![10.0, 20.0, 30.0, 40.0]),
+                &sched,
+                &mut buf,
+                Combine::Op(ReduceOp::Sum),
+                Tag::default(),
+                far,
+                &never,
+            )
+            .unwrap();
+        assert_eq!(buf, vec![1.0, 1.0, 11.0, 22.0, 33.0, 44.0]);
+    }
+
+    /// EXEC-1: overlapping send and receive ranges are refused before any I/O.
+    #[test]
+    fn overlapping_ranges_are_refused_exec_1() {
+        let sched =
+            Schedule { buf_len: 4, scratch_len: 0, steps: vec![step(0..3, 2..4, Action::Copy)] };
+        let mut buf = vec![0.0; 4];
+        let never = AtomicBool::new(false);
+        let far = Instant::now() + std::time::Duration::from_secs(10);
+        let r = Executor::default().run(
+            &mut Canned(vec![1.0, 2.0]),
+            &sched,
+            &mut buf,
+            Combine::Op(ReduceOp::Sum),
+            Tag::default(),
+            far,
+            &never,
+        );
+        assert!(matches!(r, Err(TransportError::Setup(_))), "{r:?}");
+        assert_eq!(buf, vec![0.0; 4]);
+    }
+}
