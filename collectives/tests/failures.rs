@@ -69,27 +69,31 @@ fn mismatched_kind_is_detected() {
     }
 }
 
-/// Rank 3 never issues: the others get Timeout naming rank 3 (LANE-4).
+/// Rank 3 never issues: the others get Timeout naming rank 3 (LANE-4, LOCAL-4), with Direct
+/// (everyone waits on rank 3) and Ring (ranks 1 and 2 wait on ranks that wait on rank 3).
 #[test]
 fn timeout_names_the_missing_rank() {
-    let comms = group(4, Duration::from_millis(500));
-    let errs = run_ranks(comms, WAIT, |comm| {
-        let lane = comm.lane("to").expect("lane");
-        if comm.rank() == 3 {
-            // Alive but silent: keep the communicator open past the others' deadline.
-            std::thread::sleep(Duration::from_millis(1500));
-            return None;
-        }
-        Some(
-            lane.all_reduce(vec![1.0; 16], ReduceOp::Sum)
-                .wait_timeout(WAIT)
-                .expect_err("must time out"),
-        )
-    });
-    for (r, e) in errs.iter().enumerate().take(3) {
-        match e {
-            Some(CollectiveError::Timeout { peer: 3, lane, seq: 0, .. }) => assert_eq!(lane, "to"),
-            other => panic!("rank {r}: expected Timeout naming rank 3, got {other:?}"),
+    for algo in [Algorithm::Direct, Algorithm::Ring] {
+        let comms = group(4, Duration::from_millis(500));
+        let errs = run_ranks(comms, WAIT, move |comm| {
+            let lane = comm.lane("to").expect("lane");
+            if comm.rank() == 3 {
+                // Alive but silent: keep the communicator open past the others' deadline.
+                std::thread::sleep(Duration::from_millis(1500));
+                return None;
+            }
+            let mut o = CallOptions::new();
+            o.algorithm(algo);
+            let w = lane.all_reduce_opts(vec![1.0; 1000], ReduceOp::Sum, &o);
+            Some(w.wait_timeout(WAIT).expect_err("must time out"))
+        });
+        for (r, e) in errs.iter().enumerate().take(3) {
+            match e {
+                Some(CollectiveError::Timeout { peer: 3, lane, seq: 0, .. }) => {
+                    assert_eq!(lane, "to")
+                }
+                other => panic!("{algo:?} rank {r}: expected Timeout naming rank 3, got {other:?}"),
+            }
         }
     }
 }

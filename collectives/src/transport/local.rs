@@ -12,10 +12,12 @@
 //!   loop for long (W=8 ranks share 2 cores in tests).
 //! - LOCAL-3: dropping a rank's lane endpoint marks it closed; a peer waiting on it gets
 //!   `PeerLost` (TR-4).
+//! - LOCAL-4: a timeout names a rank that has not entered the op when the awaited peer has
+//!   (it is only waiting further down the chain), so every rank names the one that is late.
 
 use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -43,6 +45,9 @@ struct LaneFabric {
     closed: Vec<AtomicBool>,
     poisoned: Vec<AtomicBool>,
     poison: Vec<Mutex<Option<Poison>>>,
+    /// Per rank: 1 + the highest op sequence number it has entered an exchange for
+    /// (LOCAL-4).
+    entered: Vec<AtomicU64>,
 }
 
 impl LaneFabric {
@@ -53,6 +58,7 @@ impl LaneFabric {
             closed: (0..world).map(|_| AtomicBool::new(false)).collect(),
             poisoned: (0..world).map(|_| AtomicBool::new(false)).collect(),
             poison: (0..world).map(|_| Mutex::new(None)).collect(),
+            entered: (0..world).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -192,6 +198,17 @@ impl LocalLinks {
         }
     }
 
+    /// LOCAL-4: the rank to blame for a timeout. The peer we wait on may itself be waiting
+    /// inside the same op; then the rank that has not entered the op is the one that did
+    /// not arrive.
+    fn missing(&self, tag: Tag, waited_on: usize) -> usize {
+        let entered = |r: usize| self.fabric.entered[r].load(Ordering::Acquire) > tag.seq;
+        if !entered(waited_on) {
+            return waited_on;
+        }
+        (0..self.fabric.world).find(|&r| r != self.me && !entered(r)).unwrap_or(waited_on)
+    }
+
     fn revoke(&self, sends: &[SendOp<'_>], states: &[SendState]) {
         for (s, st) in sends.iter().zip(states) {
             if *st == SendState::Posted {
@@ -249,6 +266,7 @@ impl LaneLinks for LocalLinks {
         cancel: &AtomicBool,
     ) -> Result<(), TransportError> {
         self.check_poison()?;
+        self.fabric.entered[self.me].fetch_max(tag.seq + 1, Ordering::AcqRel);
         let mut sstate: Vec<SendState> = sends.iter().map(|_| SendState::Waiting).collect();
         let mut rdone: Vec<bool> = vec![false; recvs.len()];
         let mut backoff = Backoff::new(self.spin);
@@ -314,7 +332,9 @@ impl LaneLinks for LocalLinks {
             } else if let Err(e) = self.check_poison() {
                 Some(e)
             } else if Instant::now() >= deadline {
-                Some(TransportError::Timeout { peer: late_peer.unwrap_or(self.me) })
+                Some(TransportError::Timeout {
+                    peer: self.missing(tag, late_peer.unwrap_or(self.me)),
+                })
             } else {
                 None
             };
