@@ -1,0 +1,12 @@
+//! RDMA transport (InfiniBand / RoCE): reliable-connected queue pairs per peer, a
+//! pre-registered slot ring per link, RDMA write with immediate and credit-based flow control.
+//!
+//! The protocol logic lives in [`proto`], a pure state machine compiled and tested on every
+//! build; the verbs shim (`verbs`, feature `rdma`) only posts the writes the state machine
+//! hands out and feeds it the completions. The shim loads libibverbs at run time, so a binary
+//! built with the feature still starts where rdma-core is missing, and opening the transport
+//! there fails with a `DeviceUnavailable` setup error.
+
+pub mod proto;
+#[cfg(feature = "rdma")]
+pub mod verbs;
