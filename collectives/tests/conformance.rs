@@ -227,3 +227,33 @@ fn dropping_the_group_joins_lane_threads() {
     drop(comms);
     assert_eq!(lane_threads("lane-lk-"), 0, "lane threads survived their communicators");
 }
+
+/// Lanes are independent: an op pending on lane "a" does not hold back lane "b".
+#[test]
+fn a_pending_lane_does_not_block_another() {
+    let comms = local_group(2).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let a = comm.lane("a").expect("lane a");
+        let b = comm.lane("b").expect("lane b");
+        if comm.rank() == 0 {
+            let wa = a.all_reduce(vec![1.0; 64], ReduceOp::Sum);
+            let got = b.all_reduce(vec![2.0; 64], ReduceOp::Sum).wait_timeout(WAIT).expect("b");
+            assert_eq!(got, vec![4.0; 64]);
+            assert_eq!(wa.wait_timeout(WAIT).expect("a"), vec![2.0; 64]);
+        } else {
+            let got = b.all_reduce(vec![2.0; 64], ReduceOp::Sum).wait_timeout(WAIT).expect("b");
+            assert_eq!(got, vec![4.0; 64]);
+            let got = a.all_reduce(vec![1.0; 64], ReduceOp::Sum).wait_timeout(WAIT).expect("a");
+            assert_eq!(got, vec![2.0; 64]);
+        }
+    });
+}
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync + Clone>() {}
+    check::<shardline_collectives::Communicator>();
+    check::<shardline_collectives::Lane>();
+    fn send<T: Send>() {}
+    send::<shardline_collectives::Work<Vec<f32>>>();
+}
