@@ -46,6 +46,8 @@ pub const MAX_POISON_REASON: usize = 1024;
 /// Socket buffer size requested for every link.
 pub const SOCKET_BUFFER_BYTES: usize = 4 << 20;
 const SCRATCH_BYTES: usize = 256 << 10;
+/// Bytes one receive reads before the exchange loop turns to the sends again.
+const PULL_BUDGET_BYTES: usize = 1 << 20;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"SLTH");
 const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"SLTF");
 const VERSION: u16 = 1;
@@ -736,6 +738,7 @@ impl TcpLinks {
         let n_chunks = chunks_of(op.len);
         let spp = conn.socks.len();
         let mut moved = false;
+        let mut budget = PULL_BUDGET_BYTES;
         while !st.done {
             let fd = conn.socks[st.chunk % spp].fd;
             if let Some((want, reason)) = &mut st.poison {
@@ -824,6 +827,7 @@ impl TcpLinks {
                         st.carry_len = have - whole;
                         st.carry[..st.carry_len].copy_from_slice(&bytes[whole..have]);
                         st.got += k;
+                        budget = budget.saturating_sub(k);
                     }
                 }
             }
@@ -832,6 +836,10 @@ impl TcpLinks {
                 st.hdr_got = 0;
                 st.got = 0;
                 st.done = st.chunk >= n_chunks;
+            }
+            if budget == 0 {
+                // Back to the exchange loop, so that this rank's own sends keep flowing.
+                return Ok(moved);
             }
         }
         Ok(moved)
