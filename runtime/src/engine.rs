@@ -484,8 +484,10 @@ impl RankEngine {
         };
 
         // ---- optimizer on the own slices ----
-        self.step += 1;
+        // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
+        // count is 1-based (OPT-3).
         let lr = self.cfg.lr.lr_at(self.step);
+        self.step += 1;
         let t0 = Instant::now();
         for u in 0..n_units {
             self.optimizer_step_unit(u, lr, coef)?;
