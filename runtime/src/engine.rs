@@ -101,6 +101,39 @@ enum PendingReduce {
     ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Allocation },
 }
 
+/// Records each SyncBatchNorm statistics reduction on the trace's `stats` row.
+struct TracedReducer<'a> {
+    inner: &'a dyn StatsReducer,
+    trace: &'a Trace,
+    rank: usize,
+}
+
+impl StatsReducer for TracedReducer<'_> {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn reduce_records(
+        &self,
+        buf: Vec<f32>,
+        record_len: usize,
+        combine: fn(&mut [f32], &[f32]),
+    ) -> std::result::Result<Vec<f32>, shardline_models::ModelError> {
+        let t0 = Instant::now();
+        let r = self.inner.reduce_records(buf, record_len, combine);
+        self.trace.record(self.rank, Row::Stats, "stats forward", t0, Instant::now());
+        r
+    }
+    fn reduce_sum(
+        &self,
+        buf: Vec<f32>,
+    ) -> std::result::Result<Vec<f32>, shardline_models::ModelError> {
+        let t0 = Instant::now();
+        let r = self.inner.reduce_sum(buf);
+        self.trace.record(self.rank, Row::Stats, "stats backward", t0, Instant::now());
+        r
+    }
+}
+
 /// One rank's engine: its shard state and the schedule that drives it.
 pub struct RankEngine {
     rank: usize,
@@ -315,7 +348,8 @@ impl RankEngine {
         let mut compute = Duration::ZERO;
         let n_units = self.layout.units().len();
         let stage = self.cfg.stage;
-        let counting = CountingReducer::new(&self.stats as &dyn StatsReducer);
+        let traced = TracedReducer { inner: &self.stats, trace: &self.trace, rank: self.rank };
+        let counting = CountingReducer::new(&traced as &dyn StatsReducer);
         let reducer: Option<&dyn StatsReducer> =
             if self.world > 1 { Some(&counting) } else { None };
         let model = Arc::clone(&self.model);
