@@ -1,0 +1,338 @@
+//! The `shardline` command: usage errors and exit codes, checkpoint inspect/export, corrupted
+//! shards, `--log-json` and `--trace` output, and `--device-memory`.
+
+mod common;
+use common::*;
+use shardline_runtime::checkpoint::{self, shard_file_name, Checkpoint};
+use shardline_runtime::shard::FlatLayout;
+use shardline_runtime::train::RunOptions;
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Every process these tests start is killed after this.
+const PROCESS_DEADLINE: Duration = Duration::from_secs(60);
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `shardline ARGS` with a deadline; kills it and fails the test if it overruns.
+fn shardline(args: &[&str]) -> Out {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start shardline");
+    let mut so = child.stdout.take().expect("stdout pipe");
+    let mut se = child.stderr.take().expect("stderr pipe");
+    let ro = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = so.read_to_string(&mut s);
+        s
+    });
+    let re = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = se.read_to_string(&mut s);
+        s
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for shardline") {
+            break st;
+        }
+        if t0.elapsed() > PROCESS_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("shardline {args:?} did not exit within {PROCESS_DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Out {
+        code: status.code(),
+        stdout: ro.join().unwrap_or_default(),
+        stderr: re.join().unwrap_or_default(),
+    }
+}
+
+/// Flags of a small, fast training run.
+const SMALL: &[&str] = &[
+    "train",
+    "--hidden",
+    "32",
+    "--depth",
+    "2",
+    "--batch-size",
+    "60",
+    "--steps",
+    "3",
+    "--no-progress",
+];
+
+fn small(extra: &[&str]) -> Vec<String> {
+    SMALL.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn run_small(extra: &[&str]) -> Out {
+    let args = small(extra);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    shardline(&refs)
+}
+
+#[test]
+fn help_works() {
+    let o = shardline(&["--help"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(o.stdout.contains("train") && o.stdout.contains("checkpoint"), "{}", o.stdout);
+    let o = shardline(&["train", "--help"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    for flag in ["--world", "--stage", "--device-memory", "--resume", "--log-json", "--trace"] {
+        assert!(o.stdout.contains(flag), "train --help lacks {flag}");
+    }
+}
+
+#[test]
+fn usage_and_config_errors_exit_2_with_a_clear_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--bogus-flag"], "--bogus-flag"),
+        (&["--world", "0"], "--world must be at least 1"),
+        (&["--world", "two"], "--world"),
+        (&["--model", "resnet-9000"], "unknown model 'resnet-9000'"),
+        (&["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (&["--stage", "4"], "stage"),
+        (&["--stage", "zero"], "--stage must be 0, 1, 2, 3 or auto"),
+        (&["--optimizer", "lamb"], "unknown optimizer 'lamb'"),
+        (&["--resume"], "--resume needs --checkpoint-dir"),
+        (&["--device-memory", "lots"], "--device-memory"),
+        (&["--sync-bn", "maybe"], "--sync-bn"),
+    ];
+    for (extra, needle) in cases {
+        let o = run_small(extra);
+        assert_eq!(o.code, Some(2), "{extra:?}: exit code; stderr: {}", o.stderr);
+        assert!(o.stderr.contains(needle), "{extra:?}: stderr lacks '{needle}': {}", o.stderr);
+        assert!(!o.stderr.contains("panicked"), "{extra:?}: {}", o.stderr);
+    }
+    // The global batch is the last flag that wins; 0 must be refused, not divide by zero.
+    let o = shardline(&["train", "--batch-size", "0", "--steps", "1", "--no-progress"]);
+    assert_eq!(o.code, Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("--batch-size must be at least 1"), "{}", o.stderr);
+    let o = shardline(&["checkpoint", "inspect"]);
+    assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
+}
+
+#[test]
+fn device_memory_too_small_is_out_of_memory_naming_the_allocation() {
+    let o = run_small(&["--device-memory", "16K", "--world", "2", "--stage", "3"]);
+    assert_ne!(o.code, Some(0), "{}", o.stdout);
+    assert_ne!(o.code, Some(2), "OOM is a run failure, not a usage error: {}", o.stderr);
+    assert!(o.code.is_some(), "killed by a signal: {}", o.stderr);
+    // The message says what was being allocated, for which unit, against which cap.
+    assert!(o.stderr.contains("would exceed the 16.0 KiB cap"), "{}", o.stderr);
+    assert!(o.stderr.contains("allocating"), "{}", o.stderr);
+    assert!(o.stderr.contains("in use:"), "{}", o.stderr);
+    assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
+}
+
+fn read_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).expect("read exported file");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[test]
+fn checkpoint_inspect_and_export_match_the_final_parameters() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ck_dir = dir.path().join("ckpt");
+    let summary = run_ok(
+        small_cfg(3, 3, 4, 62),
+        RunOptions { checkpoint_dir: Some(ck_dir.clone()), ..quiet() },
+    );
+    let ck_path = checkpoint::latest(&ck_dir).expect("list").expect("a checkpoint");
+    let ck = Checkpoint::open(&ck_path).expect("open");
+
+    let o = shardline(&["checkpoint", "inspect", ck_dir.to_str().expect("utf-8 path")]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(o.stdout.contains("step 4, world 3, stage 3"), "{}", o.stdout);
+    for r in 0..3 {
+        assert!(o.stdout.contains(&shard_file_name(r)), "inspect lists rank {r}: {}", o.stdout);
+    }
+
+    let out = dir.path().join("model.safetensors");
+    let o = shardline(&[
+        "checkpoint",
+        "export",
+        ck_path.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let tensors = read_safetensors(&out);
+
+    // Expected: every parameter and buffer under its spec name, from the run's final state.
+    let spec = &ck.manifest().model;
+    let mut expected: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (u, unit) in spec.units.iter().enumerate() {
+        let layout = FlatLayout::new(unit, 1).expect("layout");
+        for (slot, view) in layout.params().iter().zip(layout.views(&summary.final_params[u])) {
+            expected.push((slot.name.clone(), slot.shape.clone(), view.to_vec()));
+        }
+        let mut off = 0;
+        for b in &unit.buffers {
+            let n: usize = b.shape.iter().product();
+            expected.push((
+                b.name.clone(),
+                b.shape.clone(),
+                summary.final_buffers[u][off..off + n].to_vec(),
+            ));
+            off += n;
+        }
+    }
+    expected.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(expected.iter().any(|t| t.0.contains("running_mean")), "buffers are exported");
+    assert_eq!(tensors.len(), expected.len(), "tensor count");
+    for (got, want) in tensors.iter().zip(&expected) {
+        assert_eq!(got.0, want.0, "tensor names");
+        assert_eq!(got.1, want.1, "{}: shape", got.0);
+        let same = got.2.iter().zip(&want.2).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same && got.2.len() == want.2.len(), "{}: values differ", got.0);
+    }
+}
+
+#[test]
+fn corrupted_or_truncated_shard_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ck_dir = dir.path().join("ckpt");
+    let cfg = small_cfg(2, 2, 5, 60);
+    run_ok(
+        cfg.clone(),
+        RunOptions { checkpoint_dir: Some(ck_dir.clone()), stop_after: Some(3), ..quiet() },
+    );
+    let ck_path = checkpoint::latest(&ck_dir).expect("list").expect("a checkpoint");
+    let shard = ck_path.join(shard_file_name(1));
+    let pristine = std::fs::read(&shard).expect("read shard");
+
+    // One flipped bit in the middle of rank 1's file.
+    let mut bad = pristine.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x10;
+    std::fs::write(&shard, &bad).expect("corrupt shard");
+    let out = dir.path().join("x.safetensors");
+    let (ck_s, out_s) = (ck_path.to_str().expect("utf-8"), out.to_str().expect("utf-8"));
+    for args in
+        [vec!["checkpoint", "export", ck_s, "--out", out_s], vec!["checkpoint", "inspect", ck_s]]
+    {
+        let o = shardline(&args);
+        assert_eq!(
+            o.code,
+            Some(1),
+            "{args:?} accepted a corrupted shard: {}{}",
+            o.stdout,
+            o.stderr
+        );
+        assert!(o.stderr.contains(&shard.display().to_string()), "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains("corrupted"), "{args:?}: {}", o.stderr);
+    }
+    // Resuming from it is refused too, naming the file.
+    let e = run_with_deadline(
+        cfg.clone(),
+        RunOptions { checkpoint_dir: Some(ck_dir.clone()), resume: true, ..quiet() },
+    )
+    .err()
+    .expect("resume from a corrupted shard must fail");
+    assert!(e.to_string().contains(&shard.display().to_string()), "{e}");
+
+    // Truncated.
+    std::fs::write(&shard, &pristine[..pristine.len() - 7]).expect("truncate shard");
+    for args in
+        [vec!["checkpoint", "export", ck_s, "--out", out_s], vec!["checkpoint", "inspect", ck_s]]
+    {
+        let o = shardline(&args);
+        assert_eq!(
+            o.code,
+            Some(1),
+            "{args:?} accepted a truncated shard: {}{}",
+            o.stdout,
+            o.stderr
+        );
+        assert!(o.stderr.contains(&shard.display().to_string()), "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains("truncated"), "{args:?}: {}", o.stderr);
+    }
+
+    // Restored, it is accepted again.
+    std::fs::write(&shard, &pristine).expect("restore shard");
+    let o = shardline(&["checkpoint", "inspect", ck_s]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+}
+
+#[test]
+fn log_json_has_one_object_per_step_with_the_documented_keys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("steps.jsonl");
+    let trace = dir.path().join("trace.json");
+    let o = run_small(&[
+        "--world",
+        "2",
+        "--stage",
+        "3",
+        "--sync-bn",
+        "on",
+        "--log-json",
+        log.to_str().expect("utf-8"),
+        "--trace",
+        trace.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let text = std::fs::read_to_string(&log).expect("read log");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
+        .collect();
+    assert_eq!(lines.len(), 3, "one object per step: {text}");
+    // No warmup: the first step runs at the peak rate (the schedule is 0-based), and the
+    // cosine has not reached 0 by the last step of the run.
+    assert_eq!(lines[0]["lr"].as_f64(), Some(f64::from(0.05f32)), "{}", lines[0]);
+    for (i, v) in lines.iter().enumerate() {
+        assert_eq!(v["step"].as_u64(), Some(i as u64 + 1), "{v}");
+        for key in ["loss", "lr", "step_time_s", "comm_exposed_s"] {
+            let x = v[key].as_f64().unwrap_or_else(|| panic!("{key} missing or not a number: {v}"));
+            assert!(x.is_finite() && x >= 0.0, "{key} = {x}");
+        }
+        assert!(v["peak_bytes"].as_u64().is_some_and(|b| b > 0), "{v}");
+        assert!(v["lr"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    }
+
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("read trace")).expect("trace JSON");
+    let events = doc["traceEvents"].as_array().expect("traceEvents");
+    let complete: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &complete {
+        assert!(e["ts"].as_f64().is_some() && e["dur"].as_f64().is_some_and(|d| d >= 0.0), "{e}");
+    }
+    for rank in 0..2u64 {
+        for row in ["compute", "gather", "reduce", "stats"] {
+            assert!(
+                complete.iter().any(|e| e["pid"].as_u64() == Some(rank) && e["cat"] == row),
+                "no {row} event for rank {rank} in the trace"
+            );
+        }
+    }
+}
