@@ -65,7 +65,8 @@ pub fn lane_hash(name: &str) -> u32 {
     h
 }
 
-/// Builds the tag of step 0 of an op (FP-1).
+/// Builds the tag of step 0 of an op (FP-1). `root` carries the record length for
+/// `AllReduceRecords`.
 pub fn op_tag(
     lane: u32,
     seq: u64,
@@ -94,7 +95,9 @@ pub fn describe(tag: &Tag) -> String {
         s.push_str(&format!(", op={}", op.name()));
     }
     if tag.root != u32::MAX {
-        s.push_str(&format!(", root={}", tag.root));
+        let field =
+            if tag.kind & 0xff == OpKind::AllReduceRecords as u32 { "record_len" } else { "root" };
+        s.push_str(&format!(", {field}={}", tag.root));
     }
     if let Some(a) = Algorithm::from_code((tag.kind >> 16) & 0xff) {
         s.push_str(&format!(", algo={}", a.name()));

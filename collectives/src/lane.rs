@@ -476,7 +476,16 @@ impl Worker {
             Body::Records { mut buf, record_len, combine, done } => {
                 let n = buf.len();
                 let sched = algo::direct_all_reduce(rank, world, n);
-                let ctx = mk(self, OpKind::AllReduceRecords, None, Algorithm::Direct, n, None);
+                // The record length rides in the root field, so ranks that disagree on it
+                // get a Mismatch too.
+                let ctx = mk(
+                    self,
+                    OpKind::AllReduceRecords,
+                    None,
+                    Algorithm::Direct,
+                    n,
+                    Some(record_len),
+                );
                 let r = self.execute(
                     &ctx,
                     &sched,

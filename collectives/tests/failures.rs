@@ -157,3 +157,23 @@ fn dropped_peer_is_lost() {
     }
     assert!(start.elapsed() < Duration::from_secs(15), "loss was found by timing out");
 }
+
+/// FP-1: ranks that disagree on the record length of all_reduce_records get Mismatch.
+#[test]
+fn records_with_different_record_len_mismatch() {
+    fn keep(_acc: &mut [f32], _other: &[f32]) {}
+    let comms = group(2, Duration::from_secs(20));
+    let errs = run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("rec").expect("lane");
+        let len = if comm.rank() == 0 { 2 } else { 3 };
+        lane.all_reduce_records(vec![0.0; 6], len, keep).wait_timeout(WAIT).map(|_| ())
+    });
+    for (r, e) in errs.iter().enumerate() {
+        match e {
+            Err(CollectiveError::Mismatch { ours, theirs, .. }) => {
+                assert!(ours.contains("record_len") && theirs.contains("record_len"), "rank {r}")
+            }
+            other => panic!("rank {r}: expected Mismatch, got {other:?}"),
+        }
+    }
+}
