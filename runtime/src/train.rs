@@ -230,8 +230,13 @@ pub fn build_model(cfg: &TrainConfig, input_shape: &[usize], classes: usize) -> 
             m.classes = classes;
             m.build().map_err(RuntimeError::from_model)?
         }
-        "wide-mlp" => zoo::by_name("wide-mlp", input_shape, classes, cfg.params)
-            .map_err(RuntimeError::from_model)?,
+        "wide-mlp" => {
+            // Sized by --params, but fed by the data set: its input width and classes.
+            let mut m = zoo::WideMlp::with_params(cfg.params);
+            m.input_dim = input_shape.iter().product();
+            m.classes = classes;
+            m.build()
+        }
         other => {
             return Err(RuntimeError::config(format!(
                 "unknown model '{other}' (choose mlp-bn, convnet-bn or wide-mlp)"
