@@ -1106,6 +1106,26 @@ pub(crate) mod suite {
             }
             other => panic!("expected Poisoned, got {other:?}"),
         }
+        // Poison from a rank this one is not waiting on still ends the wait.
+        let res = run(make, 3, |rank, links| {
+            let c = AtomicBool::new(false);
+            match rank {
+                0 => {
+                    std::thread::sleep(Duration::from_millis(30));
+                    links.poison(&Poison { origin: 0, reason: "bystander".into() });
+                    None
+                }
+                1 => one(links, tag(0), None, Some((2, 4)), T, &c).err(),
+                _ => {
+                    std::thread::sleep(Duration::from_secs(2));
+                    None
+                }
+            }
+        });
+        match &res[1] {
+            Some(TransportError::Poisoned(p)) => assert_eq!(p.origin, 0),
+            other => panic!("expected Poisoned from rank 0, got {other:?}"),
+        }
         // TR-4: rank 0 drops its endpoint without sending.
         let store: Arc<dyn Store> = Arc::new(MemStore::new());
         let s2 = store.clone();

@@ -483,7 +483,12 @@ impl Transport for TcpTransport {
                     .map_err(|e| TransportError::Io { peer: p, detail: e.to_string() })?;
             }
         }
-        Ok(Box::new(TcpLinks { rank: self.rank, peers, scratch: vec![0u32; SCRATCH_BYTES / 4] }))
+        Ok(Box::new(TcpLinks {
+            rank: self.rank,
+            peers,
+            scratch: vec![0u32; SCRATCH_BYTES / 4],
+            last_peek: Instant::now(),
+        }))
     }
 }
 
@@ -525,6 +530,9 @@ struct TcpLinks {
     peers: Vec<Option<PeerConn>>,
     /// Receive buffer; u32-backed so that pieces handed to sinks are 4-byte aligned (TR-2).
     scratch: Vec<u32>,
+    /// When idle sockets were last checked for a poison frame (at most every PEEK_PERIOD,
+    /// so that small exchanges do not pay a syscall per idle peer).
+    last_peek: Instant,
 }
 
 fn chunks_of(len: usize) -> usize {
@@ -919,8 +927,10 @@ impl LaneLinks for TcpLinks {
                 done: false,
             })
             .collect();
-        self.peek_poison(&active)?;
-        let mut last_peek = Instant::now();
+        if self.last_peek.elapsed() >= PEEK_PERIOD {
+            self.last_peek = Instant::now();
+            self.peek_poison(&active)?;
+        }
         let mut busy = vec![false; world];
         let mut pfds: Vec<libc::pollfd> = Vec::new();
         let mut waiting: Vec<usize> = Vec::new();
@@ -984,8 +994,8 @@ impl LaneLinks for TcpLinks {
                     peer: waiting.first().copied().unwrap_or(self.rank),
                 });
             }
-            if now.duration_since(last_peek) >= PEEK_PERIOD {
-                last_peek = now;
+            if now.duration_since(self.last_peek) >= PEEK_PERIOD {
+                self.last_peek = now;
                 self.peek_poison(&active)?;
             }
             // Short waits keep the cancel flag and idle sockets (poison) observed.
