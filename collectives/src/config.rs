@@ -26,10 +26,12 @@ pub const TIMEOUT_MS: Tunable =
 
 /// How long a waiter busy-spins before it starts yielding (then, after 500 us, sleeping), in
 /// microseconds. Measured on the 2-core reference machine (`tests/spin_probe.rs`, 4 KiB
-/// all-reduce, median): W=2: 9 us at 0, 19 us at 5, 52 us at 20, 117 us at 50; W=4: 22 us
-/// at 0, 83 us at 20. With two threads per rank the cores are oversubscribed and a busy
-/// spinner only delays the peer it waits for, while polling with `yield_now` already avoids
-/// thread wake-ups; hence 0. Raise it on machines with a free core per thread.
+/// all-reduce, median of 2000, two runs under different background load): W=2: 8.9-9.2 us
+/// at 0, 4.8-19 us at 5, 5-52 us at 20, 5-117 us at 50; W=4: 21-22 us at 0, 33-43 us at 5,
+/// 83-106 us at 20, 620 us at 200. With two threads per rank the cores are oversubscribed,
+/// and a busy spinner then only delays the peer it waits for, while polling with
+/// `yield_now` already avoids thread wake-ups. 0 is never far from the best and never
+/// collapses; raise it on machines with a free core per thread.
 pub const SPIN_US: Tunable =
     Tunable { env: "SHARDLINE_SPIN_US", default: 0, doc: "busy-spin time before yielding (us)" };
 

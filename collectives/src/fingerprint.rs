@@ -12,7 +12,7 @@ use crate::reduce::ReduceOp;
 use crate::transport::Tag;
 
 /// Op kind codes (low byte of `Tag::kind`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum OpKind {
     /// all_reduce.

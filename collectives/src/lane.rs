@@ -19,6 +19,7 @@ use crate::reduce::{scale_avg, Combine, ReduceOp};
 use crate::transport::{LaneLinks, Poison, Tag, TransportError};
 use crate::work::{self, Completer, Work};
 use crossbeam::channel::{unbounded, Receiver, Sender};
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -156,6 +157,7 @@ impl Lane {
             exec: Executor::default(),
             failed: None,
             next_seq: 0,
+            schedules: HashMap::new(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("lane-{name}-r{}", shared.rank))
@@ -373,7 +375,13 @@ struct Worker {
     exec: Executor,
     failed: Option<CollectiveError>,
     next_seq: u64,
+    /// Schedules by (kind, algorithm, count, root): steady-state training repeats the same
+    /// few ops, so each schedule is built once.
+    schedules: HashMap<(OpKind, Algorithm, usize, usize), Arc<Schedule>>,
 }
+
+/// Most schedules a lane keeps; beyond it the cache starts over.
+const SCHEDULE_CACHE: usize = 64;
 
 struct OpCtx {
     seq: u64,
@@ -450,7 +458,8 @@ impl Worker {
 
     fn handle(&mut self, job: Job) {
         let (rank, world) = (self.shared.rank, self.shared.world);
-        let topo = self.shared.topology.clone();
+        let shared = self.shared.clone();
+        let topo = &shared.topology;
         let mk = |me: &Self, kind, op, algo, count, root| OpCtx {
             seq: job.seq,
             deadline: job.deadline,
@@ -461,11 +470,11 @@ impl Worker {
             Body::AllReduce { mut buf, op, done } => {
                 let n = buf.len();
                 let algo = self.resolve(job.algo, n * 4);
-                let sched = match algo {
+                let sched = self.schedule((OpKind::AllReduce, algo, n, 0), || match algo {
                     Algorithm::Direct => algo::direct_all_reduce(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_all_reduce(rank, &topo, n),
+                    Algorithm::Hierarchical => algo::hier_all_reduce(rank, topo, n),
                     _ => algo::ring_all_reduce(rank, world, n),
-                };
+                });
                 let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);
                 let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
@@ -475,7 +484,9 @@ impl Worker {
             }
             Body::Records { mut buf, record_len, combine, done } => {
                 let n = buf.len();
-                let sched = algo::direct_all_reduce(rank, world, n);
+                let sched = self.schedule((OpKind::AllReduce, Algorithm::Direct, n, 0), || {
+                    algo::direct_all_reduce(rank, world, n)
+                });
                 // The record length rides in the root field, so ranks that disagree on it
                 // get a Mismatch too.
                 let ctx = mk(
@@ -497,11 +508,11 @@ impl Worker {
             Body::ReduceScatter { mut input, mut output, op, done } => {
                 let n = output.len();
                 let algo = self.resolve(job.algo, input.len() * 4);
-                let sched = match algo {
+                let sched = self.schedule((OpKind::ReduceScatter, algo, n, 0), || match algo {
                     Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, &topo, n),
+                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, topo, n),
                     _ => algo::ring_reduce_scatter(rank, world, n),
-                };
+                });
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
                 let r = self.execute(&ctx, &sched, &mut input, Combine::Op(op));
                 if r.is_ok() {
@@ -515,11 +526,11 @@ impl Worker {
             Body::AllGather { input, mut output, done } => {
                 let n = input.len();
                 let algo = self.resolve(job.algo, output.len() * 4);
-                let sched = match algo {
+                let sched = self.schedule((OpKind::AllGather, algo, n, 0), || match algo {
                     Algorithm::Direct => algo::direct_all_gather(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_all_gather(rank, &topo, n),
+                    Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
                     _ => algo::ring_all_gather(rank, world, n),
-                };
+                });
                 output[rank * n..(rank + 1) * n].copy_from_slice(&input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
                 let r = self.execute(&ctx, &sched, &mut output, Combine::Op(ReduceOp::Sum));
@@ -531,23 +542,44 @@ impl Worker {
                     Algorithm::Direct => Algorithm::Direct,
                     _ => Algorithm::Ring,
                 };
-                let sched = if algo == Algorithm::Direct {
-                    algo::direct_broadcast(rank, world, root, n)
-                } else {
-                    let piece = (self.shared.opts.get_pipeline_bytes() / 4).max(1);
-                    algo::chain_broadcast(rank, world, root, n, n.div_ceil(piece).clamp(1, 256))
-                };
+                let piece = (self.shared.opts.get_pipeline_bytes() / 4).max(1);
+                let sched = self.schedule((OpKind::Broadcast, algo, n, root), || {
+                    if algo == Algorithm::Direct {
+                        algo::direct_broadcast(rank, world, root, n)
+                    } else {
+                        let pieces = n.div_ceil(piece).clamp(1, 256);
+                        algo::chain_broadcast(rank, world, root, n, pieces)
+                    }
+                });
                 let ctx = mk(self, OpKind::Broadcast, None, algo, n, Some(root));
                 let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Barrier { done } => {
-                let sched = algo::direct_all_reduce(rank, world, 0);
+                let sched = self.schedule((OpKind::AllReduce, Algorithm::Direct, 0, 0), || {
+                    algo::direct_all_reduce(rank, world, 0)
+                });
                 let ctx = mk(self, OpKind::Barrier, None, Algorithm::Direct, 0, None);
                 let r = self.execute(&ctx, &sched, &mut [], Combine::Op(ReduceOp::Sum));
                 done.complete(r);
             }
         }
+    }
+
+    fn schedule(
+        &mut self,
+        key: (OpKind, Algorithm, usize, usize),
+        build: impl FnOnce() -> Schedule,
+    ) -> Arc<Schedule> {
+        if let Some(s) = self.schedules.get(&key) {
+            return s.clone();
+        }
+        if self.schedules.len() >= SCHEDULE_CACHE {
+            self.schedules.clear();
+        }
+        let s = Arc::new(build());
+        self.schedules.insert(key, s.clone());
+        s
     }
 
     fn execute(
