@@ -72,6 +72,10 @@ pub enum CollectiveError {
     /// Invalid arguments (buffer sizes, root out of range...). Detected before any I/O.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A device (GPU, NCCL, RDMA NIC) that was asked for is not on this host; the text names
+    /// what was looked for.
+    #[error("DeviceUnavailable: {0}")]
+    DeviceUnavailable(String),
     /// Transport failure not covered above (setup, i/o, corruption).
     #[error("transport error on lane '{lane}': {source}")]
     Transport {

@@ -36,6 +36,8 @@ pub mod error;
 pub mod executor;
 pub mod fingerprint;
 pub mod lane;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod pool;
 pub mod reduce;
 pub mod store;

@@ -41,6 +41,13 @@ pub enum ModelError {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A compute device (GPU, driver, library) that was asked for is not on this host; the
+    /// text names what was looked for.
+    #[error("DeviceUnavailable: {0}")]
+    DeviceUnavailable(String),
+    /// A device operation failed (launch, copy, library call).
+    #[error("device error: {0}")]
+    Device(String),
 }
 
 impl ModelError {

@@ -27,6 +27,8 @@ pub mod backend;
 pub mod batchnorm;
 pub mod config;
 pub mod conv;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod lane;

@@ -58,8 +58,20 @@ enum OnOffAuto {
     Auto,
 }
 
+/// Where the kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceKind {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend (needs the `cuda` feature and a GPU).
+    Cuda,
+}
+
 #[derive(Args, Debug)]
 struct TrainArgs {
+    /// Compute device: cpu, or cuda (built with the `cuda` feature, on a host with a GPU).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceKind,
     /// Number of ranks (threads, one actor each).
     #[arg(long, default_value_t = 4)]
     world: usize,
@@ -260,6 +272,30 @@ fn exit_for(e: &RuntimeError) -> i32 {
     }
 }
 
+/// Checks `--device cuda` before anything starts: a host without a GPU (or a build without
+/// the feature) is a usage error with exit code 2.
+fn check_device(device: DeviceKind) -> Result<(), String> {
+    match device {
+        DeviceKind::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            let gpu = shardline_models::cuda::Cuda::open(0).map_err(|e| e.to_string())?;
+            Err(format!(
+                "--device cuda: found {}, but the training engine runs its steps on the CPU \
+                 backend for now; the CUDA backend is tested through `cargo test -p \
+                 shardline-models --features cuda`",
+                gpu.device_name()
+            ))
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => {
+            Err("--device cuda: this shardline was built without the cuda feature \
+             (cargo build -p shardline-runtime --features cuda)"
+                .to_string())
+        }
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -278,6 +314,10 @@ fn main() {
     };
     let code = match cli.cmd {
         Cmd::Train(a) => {
+            if let Err(e) = check_device(a.device) {
+                eprintln!("error: {e}");
+                std::process::exit(2);
+            }
             let cfg = match to_config(&a) {
                 Ok(c) => c,
                 Err(e) => {

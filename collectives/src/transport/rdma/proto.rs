@@ -116,7 +116,7 @@ impl ProtoConfig {
     /// assert!(ProtoConfig::new(30, 16).is_none());
     /// ```
     pub fn new(slot_bytes: usize, slots: u32) -> Option<Self> {
-        let ok = slot_bytes % 4 == 0
+        let ok = slot_bytes & 3 == 0
             && slot_bytes > HEADER_BYTES
             && slot_bytes <= u32::MAX as usize
             && (1..=1 << 20).contains(&slots);
@@ -420,7 +420,7 @@ impl LinkProto {
                 if self.arrived[slot].is_some() {
                     return Err(self.corrupt(format!("chunk {seq} arrived twice")));
                 }
-                if written.len() > self.cfg.slot_bytes || written.len() % 4 != 0 {
+                if written.len() > self.cfg.slot_bytes || written.len() & 3 != 0 {
                     return Err(self.corrupt(format!("chunk of {} bytes", written.len())));
                 }
                 let header = if first {
