@@ -16,7 +16,7 @@ use crate::transport::Transport;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Per-communicator options. Fields are private; setters state their defaults.
 #[derive(Clone, Debug)]
@@ -233,7 +233,7 @@ impl Communicator {
         if let Some(l) = &*slot {
             return Ok(l.clone());
         }
-        let deadline = Instant::now() + self.inner.shared.opts.get_timeout();
+        let deadline = config::deadline_after(self.inner.shared.opts.get_timeout());
         let links = self
             .inner
             .transport

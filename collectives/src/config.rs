@@ -61,3 +61,11 @@ pub const POOL_PER_CLASS: Tunable =
 /// Every tunable, for `--help` style listings.
 pub const ALL: &[Tunable] =
     &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS];
+
+/// `now + d`, saturating far in the future (a timeout of `Duration::MAX` means "no limit"
+/// and must not overflow `Instant`).
+pub fn deadline_after(d: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + std::time::Duration::from_secs(100 * 365 * 24 * 3600))
+}

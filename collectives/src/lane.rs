@@ -221,7 +221,7 @@ impl Lane {
         let timeout = opts.timeout.unwrap_or(self.inner.shared.opts.get_timeout());
         let job = Job {
             seq,
-            deadline: Instant::now() + timeout,
+            deadline: crate::config::deadline_after(timeout),
             timeout,
             algo: opts.algorithm,
             body: make(done),

@@ -35,7 +35,7 @@ where
         handles.push(Some(h));
     }
     drop(tx);
-    let end = Instant::now() + deadline;
+    let end = crate::config::deadline_after(deadline);
     let mut results: Vec<Option<R>> = (0..world).map(|_| None).collect();
     let mut errors = Vec::new();
     let mut left = world;

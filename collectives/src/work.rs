@@ -120,7 +120,7 @@ impl<T> Work<T> {
     /// `peer` is `usize::MAX` (a local wait does not know which peer is late). The op keeps
     /// running; its buffers are dropped when it completes.
     pub fn wait_timeout(self, d: Duration) -> Result<T, CollectiveError> {
-        let end = Instant::now() + d;
+        let end = crate::config::deadline_after(d);
         self.poll_briefly();
         let mut st = self.slot.lock();
         loop {

@@ -257,3 +257,18 @@ fn handles_are_send_and_sync() {
     fn send<T: Send>() {}
     send::<shardline_collectives::Work<Vec<f32>>>();
 }
+
+/// A timeout of `Duration::MAX` means "no limit" and must not overflow the deadline.
+#[test]
+fn unbounded_timeout_is_accepted() {
+    let mut o = CommOptions::new();
+    o.timeout(Duration::MAX);
+    let comms = local_group_with_topology(Topology::single_node(2), o).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("max").expect("lane");
+        let mut c = CallOptions::new();
+        c.timeout(Duration::MAX);
+        let got = lane.all_reduce_opts(vec![1.0; 3], ReduceOp::Sum, &c).wait_timeout(Duration::MAX);
+        assert_eq!(got.expect("op"), vec![2.0; 3]);
+    });
+}
