@@ -738,6 +738,9 @@ impl ShmLinks {
                 if is_recv && peer.inn.head().load(Ordering::Acquire) > peer.in_tail {
                     continue;
                 }
+                // A peer that failed, poisoned its links and exited is reported by its
+                // poison (which names the root cause), not as lost.
+                self.check_poison()?;
                 return Err(TransportError::PeerLost { peer: p, detail });
             }
         }
