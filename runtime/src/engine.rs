@@ -83,6 +83,15 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
+impl PendingReduce {
+    fn is_done(&self) -> bool {
+        match self {
+            PendingReduce::AllReduce { work, .. } => work.is_done(),
+            PendingReduce::ReduceScatter { work, .. } => work.is_done(),
+        }
+    }
+}
+
 struct Gathered {
     full: Vec<f32>,
     _alloc: Allocation,
@@ -95,10 +104,11 @@ struct PendingGather {
 }
 
 enum PendingReduce {
-    /// Stage 0: all-reduce of the unit's full gradient.
-    AllReduce { unit: usize, work: Work<Vec<f32>>, alloc: Allocation },
-    /// Stages 1-3: reduce-scatter of the unit's full gradient into its shard.
-    ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Allocation },
+    /// Stage 0: all-reduce of the unit's full gradient (its persistent buffer).
+    AllReduce { unit: usize, work: Work<Vec<f32>> },
+    /// Stages 1-3: reduce-scatter of the unit's full gradient into its shard. Stage 1 reduces
+    /// its persistent full buffer; stages 2 and 3 a transient one, counted by `alloc`.
+    ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation> },
 }
 
 /// Records each SyncBatchNorm statistics reduction on the trace's `stats` row.
@@ -144,7 +154,8 @@ pub struct RankEngine {
     comm: Communicator,
     gather: Lane,
     reduce: Lane,
-    stats: LaneReducer,
+    /// Shared so that a step can hold it while the engine's other state changes.
+    stats: Arc<LaneReducer>,
     backend: Cpu,
     mem: MemoryTracker,
     trace: Trace,
@@ -180,7 +191,7 @@ impl RankEngine {
         let layout = ShardedModelLayout::new(&spec, world)?;
         let gather = comm.lane(GATHER_LANE)?;
         let reduce = comm.lane(REDUCE_LANE)?;
-        let stats = LaneReducer::stats_lane(&comm).map_err(RuntimeError::from_model)?;
+        let stats = Arc::new(LaneReducer::stats_lane(&comm).map_err(RuntimeError::from_model)?);
         let k = cfg.optimizer.state_len_per_param();
         let mut persistent = Vec::new();
         let mut params = Vec::new();
@@ -348,7 +359,8 @@ impl RankEngine {
         let mut compute = Duration::ZERO;
         let n_units = self.layout.units().len();
         let stage = self.cfg.stage;
-        let traced = TracedReducer { inner: &self.stats, trace: &self.trace, rank: self.rank };
+        let (stats, trace) = (Arc::clone(&self.stats), self.trace.clone());
+        let traced = TracedReducer { inner: &*stats, trace: &trace, rank: self.rank };
         let counting = CountingReducer::new(&traced as &dyn StatsReducer);
         let reducer: Option<&dyn StatsReducer> =
             if self.world > 1 { Some(&counting) } else { None };
@@ -403,7 +415,7 @@ impl RankEngine {
         compute += t0.elapsed();
 
         // ---- backward ----
-        let mut pending: Vec<PendingReduce> = Vec::with_capacity(n_units);
+        let mut pending: VecDeque<PendingReduce> = VecDeque::with_capacity(n_units);
         for u in (0..n_units).rev() {
             let label = unit_label(&model, u);
             let gathered = if stage.gathers_params_per_unit() {
@@ -418,11 +430,21 @@ impl RankEngine {
             };
             let l = self.layout.unit(u);
             let (numel, padded) = (l.numel(), l.padded_numel());
-            let galloc =
-                self.mem.alloc_f32(Category::Grads, padded, &format!("{label} (unreduced)"))?;
-            let mut gfull = self.comm.pool().take(padded);
-            gfull.clear();
-            gfull.resize(padded, 0.0);
+            // Stages 0 and 1 keep a full gradient buffer: backward writes into it and the
+            // collective reduces it in place of a second copy. Stages 2 and 3 hold a unit's
+            // full gradient only until its reduce-scatter is done.
+            let (galloc, mut gfull) = if stage.keeps_full_grads() {
+                let mut g = std::mem::take(&mut self.grads[u]);
+                g.fill(0.0);
+                (None, g)
+            } else {
+                let a =
+                    self.mem.alloc_f32(Category::Grads, padded, &format!("{label} (unreduced)"))?;
+                let mut g = self.comm.pool().take(padded);
+                g.clear();
+                g.resize(padded, 0.0);
+                (Some(a), g)
+            };
             let t0 = Instant::now();
             let ctx = Ctx {
                 training: true,
@@ -454,7 +476,6 @@ impl RankEngine {
                 PendingReduce::AllReduce {
                     unit: u,
                     work: self.reduce.all_reduce(gfull, ReduceOp::Sum),
-                    alloc: galloc,
                 }
             } else {
                 let mut out = self.comm.pool().take(l.shard_len());
@@ -465,7 +486,15 @@ impl RankEngine {
                     alloc: galloc,
                 }
             };
-            pending.push(p);
+            pending.push_back(p);
+            // Reductions that already finished give their memory back now ("freed as they
+            // are reduced"); this never blocks, and when a result is stored does not change
+            // what it is.
+            while pending.front().is_some_and(PendingReduce::is_done) {
+                if let Some(p) = pending.pop_front() {
+                    self.finish_reduce(p, &mut exposed)?;
+                }
+            }
         }
         drop(grad);
         let stats_messages = counting.messages();
@@ -473,38 +502,7 @@ impl RankEngine {
 
         // ---- wait for the reductions ----
         for p in pending {
-            match p {
-                PendingReduce::AllReduce { unit, work, alloc } => {
-                    let g = self.wait(
-                        work,
-                        Row::Reduce,
-                        &format!("all-reduce {}", unit_label(&model, unit)),
-                        &mut exposed,
-                    )?;
-                    let old = std::mem::replace(&mut self.grads[unit], g);
-                    self.comm.pool().give(old);
-                    drop(alloc);
-                }
-                PendingReduce::ReduceScatter { unit, work, alloc } => {
-                    let (full, shard) = self.wait(
-                        work,
-                        Row::Reduce,
-                        &format!("reduce-scatter {}", unit_label(&model, unit)),
-                        &mut exposed,
-                    )?;
-                    if stage == Stage::Zero1 {
-                        // Stage 1 keeps a full gradient buffer; its own slice holds the result.
-                        let r = self.layout.unit(unit).shard_range(self.rank);
-                        self.grads[unit][r].copy_from_slice(&shard);
-                        self.comm.pool().give(shard);
-                    } else {
-                        let old = std::mem::replace(&mut self.grads[unit], shard);
-                        self.comm.pool().give(old);
-                    }
-                    self.comm.pool().give(full);
-                    drop(alloc);
-                }
-            }
+            self.finish_reduce(p, &mut exposed)?;
         }
 
         // ---- loss and gradient norm: one small all-reduce ----
@@ -564,6 +562,34 @@ impl RankEngine {
             stats_messages,
             grad_norm: total_sq.sqrt(),
         })
+    }
+
+    /// Waits for a unit's gradient reduction and stores the result where the optimizer
+    /// reads it.
+    fn finish_reduce(&mut self, p: PendingReduce, exposed: &mut Duration) -> Result<()> {
+        match p {
+            PendingReduce::AllReduce { unit, work } => {
+                let what = format!("all-reduce {}", unit_label(&self.model, unit));
+                self.grads[unit] = self.wait(work, Row::Reduce, &what, exposed)?;
+            }
+            PendingReduce::ReduceScatter { unit, work, alloc } => {
+                let what = format!("reduce-scatter {}", unit_label(&self.model, unit));
+                let (full, shard) = self.wait(work, Row::Reduce, &what, exposed)?;
+                if self.cfg.stage == Stage::Zero1 {
+                    // The persistent full buffer; its own slice holds the result.
+                    self.grads[unit] = full;
+                    let r = self.layout.unit(unit).shard_range(self.rank);
+                    self.grads[unit][r].copy_from_slice(&shard);
+                    self.comm.pool().give(shard);
+                } else {
+                    let old = std::mem::replace(&mut self.grads[unit], shard);
+                    self.comm.pool().give(old);
+                    self.comm.pool().give(full);
+                }
+                drop(alloc);
+            }
+        }
+        Ok(())
     }
 
     /// This rank's reduced gradient slice of unit `u` (what its optimizer steps on).
