@@ -186,6 +186,9 @@ pub struct Summary {
     pub comm_exposed_frac: f64,
     /// Peak tracked bytes per rank.
     pub peak_bytes: Vec<u64>,
+    /// Per rank, each category's own peak (`Category::key`, bytes); they need not coincide
+    /// in time, so they may sum to more than the total peak.
+    pub peak_by_category: Vec<Vec<(String, u64)>>,
     /// Stage used.
     pub stage: u8,
     /// Whether SyncBN was on, and why.
@@ -538,6 +541,12 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     }
     let mut summary = result?;
     summary.peak_bytes = trackers.iter().map(|t| t.peak_total()).collect();
+    summary.peak_by_category = trackers
+        .iter()
+        .map(|t| {
+            crate::memory::Category::ALL.iter().map(|c| (c.key().to_string(), t.peak(*c))).collect()
+        })
+        .collect();
     if !opts.quiet {
         print_summary(&summary, &trackers);
     }
@@ -774,6 +783,7 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
             exposed_frac.iter().sum::<f64>() / exposed_frac.len() as f64
         },
         peak_bytes: vec![],
+        peak_by_category: vec![],
         stage: a.stage.index(),
         sync_bn: a.sync,
         stats_messages_per_step: stats_msgs,
