@@ -498,7 +498,6 @@ impl RankEngine {
         }
         drop(grad);
         let stats_messages = counting.messages();
-        drop(counting);
 
         // ---- wait for the reductions ----
         for p in pending {
@@ -776,9 +775,8 @@ impl RankEngine {
                 "checkpoint has another number of units than the model",
             ));
         }
-        for u in 0..self.layout.units().len() {
+        for (u, us) in shard.units.iter().enumerate() {
             let l = self.layout.unit(u);
-            let us = &shard.units[u];
             if us.params.len() != l.shard_len() || us.optim_state.len() != l.shard_len() * k {
                 return Err(RuntimeError::config(format!(
                     "checkpoint shard of unit {} has the wrong size",

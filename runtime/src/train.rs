@@ -749,7 +749,7 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
             let every = a.opts.checkpoint_every;
             let last = done == a.total_steps
                 || Some(done - (a.total_steps - remaining)) == a.opts.stop_after;
-            if (every > 0 && done % every == 0) || last {
+            if (every > 0 && done.is_multiple_of(every)) || last {
                 save(&addrs, &root, dir, done, &a, epoch, index as u64 + 1).await?;
             }
         }
