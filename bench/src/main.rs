@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod collectives;
 mod limits;
+mod memory;
 mod report;
 mod syncbn;
 
@@ -27,6 +28,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench syncbn --world 8 --per-rank 2 --json syncbn.json
     Syncbn(syncbn::Args),
+    /// Per-rank memory peak vs theoretical model state, per ZeRO stage and world; a model
+    /// that fails at stage 0 under a cap and trains at stage 3.
+    ///
+    /// Example: shardline-bench memory --world 1,2,4 --params 2M --json memory.json
+    Memory(memory::Args),
     /// One rank of a multi-process collectives run (started by `collectives`).
     #[command(hide = true)]
     CollectivesWorker(collectives::WorkerArgs),
@@ -45,6 +51,7 @@ fn main() {
         Cmd::Collectives(a) => collectives::run(a),
         Cmd::CollectivesWorker(a) => collectives::worker(a),
         Cmd::Syncbn(a) => syncbn::run(a),
+        Cmd::Memory(a) => memory::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
