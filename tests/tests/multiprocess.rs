@@ -40,7 +40,11 @@ fn launch(
 }
 
 fn grid(transport: &str) {
-    for world in [2, 3, 4] {
+    grid_worlds(transport, &[2, 3, 4]);
+}
+
+fn grid_worlds(transport: &str, worlds: &[usize]) {
+    for &world in worlds {
         let (_server, mut g) = launch(transport, world, "grid", &[]);
         let ranks: Vec<usize> = (0..world).collect();
         let out = g.wait_for(&ranks, DEADLINE, |o| o.done).unwrap_or_else(|e| panic!("{e}"));
@@ -64,6 +68,14 @@ fn shm_grid_multiprocess() {
 #[test]
 fn tcp_grid_multiprocess() {
     grid("tcp");
+}
+
+/// MP-2 with 8 processes (4 per core here): slow, so run on demand with `--ignored`.
+#[test]
+#[ignore]
+fn grid_multiprocess_w8() {
+    grid_worlds("shm", &[8]);
+    grid_worlds("tcp", &[8]);
 }
 
 /// Every rank but `victim` ends with `PeerLost` naming the victim, well inside the op
