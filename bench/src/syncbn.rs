@@ -158,6 +158,35 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         syn.stats_messages_per_step
     );
 
+    // The same comparison on the MLP that BENCH.md measures in PyTorch (784 -> 4 x 1024 BN
+    // ReLU -> 10, global batch 256): compute per step is realistic there, so the statistics
+    // reductions' latency is a smaller share than on the tiny digits convnet.
+    let mlp = |sync| TrainConfig {
+        world: ow,
+        stage: StageChoice::Fixed(Stage::Zero0),
+        model: "mlp-bn".into(),
+        dataset: "synthetic".into(),
+        hidden: Some(1024),
+        depth: Some(4),
+        input_dim: 784,
+        classes: 10,
+        samples: 4096,
+        steps: Some(12),
+        batch_size: 256,
+        sync_bn: sync,
+        ..TrainConfig::default()
+    };
+    let mloc = train::run(mlp(SyncBnMode::Off), quiet())?;
+    let msyn = train::run(mlp(SyncBnMode::On), quiet())?;
+    let overhead_mlp = msyn.median_step_s / mloc.median_step_s - 1.0;
+    println!(
+        "SyncBN step-time overhead at W={ow}, mlp-bn 784-4x1024-10, batch 256: local BN {:.1} ms, SyncBN {:.1} ms ({:+.1}%), {} stats messages per step",
+        mloc.median_step_s * 1e3,
+        msyn.median_step_s * 1e3,
+        overhead_mlp * 100.0,
+        msyn.stats_messages_per_step
+    );
+
     // GEMM backend vs the alternative, same run.
     use shardline_models::backend::{gemm_gflops, matrixmultiply_gflops};
     let cpu = shardline_models::Cpu::new();
@@ -173,6 +202,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "rows": rows,
                 "syncbn_overhead_at_world": {"world": a.world, "overhead": overhead_ab},
                 "syncbn_overhead_second_world": {"world": ow, "local_ms": loc.median_step_s * 1e3, "sync_ms": syn.median_step_s * 1e3, "overhead": overhead_w},
+                "syncbn_overhead_mlp": {"world": ow, "local_ms": mloc.median_step_s * 1e3, "sync_ms": msyn.median_step_s * 1e3, "overhead": overhead_mlp},
                 "gemm": {"m": m, "n": n, "k": k, "gemm_gflops": ours, "matrixmultiply_gflops": alt},
             }),
         )?;
