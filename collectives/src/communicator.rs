@@ -124,6 +124,8 @@ type LaneCell = Arc<Mutex<Option<Lane>>>;
 
 struct CommInner {
     transport: Arc<dyn Transport>,
+    /// Recent ops of every lane, for hang and desync reports.
+    pub(crate) recent: crate::recent::RecentOps,
     shared: Arc<Shared>,
     /// One cell per lane name: opening a lane may wait for peers, so it holds only its own
     /// cell, and ranks may open different lanes from several threads in any order.
@@ -202,6 +204,7 @@ impl Communicator {
         self.inner.shared.rank
     }
 
+            recent: crate::recent::RecentOps::default(),
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.inner.shared.world
@@ -289,6 +292,11 @@ pub fn local_group(world: usize) -> Result<Vec<Communicator>, CollectiveError> {
 pub fn local_group_with_topology(
     topology: Topology,
     opts: CommOptions,
+    /// This rank's recent collectives over all lanes, oldest first (see [`crate::recent`]).
+    pub fn recent_ops(&self) -> Vec<crate::recent::OpRecord> {
+        self.inner.shared.recent.snapshot()
+    }
+
 ) -> Result<Vec<Communicator>, CollectiveError> {
     let world = topology.world();
     if world == 0 {

@@ -42,7 +42,8 @@ impl OpKind {
         }
     }
 
-    fn from_code(c: u32) -> Option<Self> {
+    /// The kind of a code (`None` for an unknown code).
+    pub fn from_code(c: u32) -> Option<Self> {
         Some(match c {
             1 => OpKind::AllReduce,
             2 => OpKind::ReduceScatter,

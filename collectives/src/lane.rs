@@ -615,6 +615,8 @@ impl Worker {
             Ok(()) => Ok(()),
             Err(te) => {
                 let (e, reason) = self.convert(te, ctx);
+        let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
+        self.shared.recent.start(&self.name, ctx.seq, kind, buf.len() * 4);
                 self.fail(e.clone(), reason);
                 Err(e)
             }
@@ -624,6 +626,7 @@ impl Worker {
     /// Maps a transport error to this rank's error and the reason to poison peers with
     /// (LANE-3; none when the error itself came from a peer's poison).
     fn convert(&self, te: TransportError, ctx: &OpCtx) -> (CollectiveError, Option<Reason>) {
+        self.shared.recent.end(&self.name, ctx.seq, res.is_err());
         let lane = self.name.to_string();
         let (seq, me) = (ctx.seq, self.shared.rank);
         let timeout_ms = ctx.timeout.as_millis() as u64;

@@ -39,6 +39,7 @@ pub mod lane;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod pool;
+pub mod recent;
 pub mod reduce;
 pub mod store;
 #[cfg(any(test, feature = "test-utils"))]
