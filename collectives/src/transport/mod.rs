@@ -22,6 +22,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 pub mod faulty;
+pub mod hybrid;
 pub mod local;
 pub mod rdma;
 pub mod shm;
