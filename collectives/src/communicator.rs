@@ -25,6 +25,7 @@ pub struct CommOptions {
     spin: Duration,
     small_bytes: usize,
     pipeline_bytes: usize,
+    link_rate: Option<u64>,
 }
 
 impl Default for CommOptions {
@@ -34,6 +35,7 @@ impl Default for CommOptions {
             spin: Duration::from_micros(config::SPIN_US.get()),
             small_bytes: config::SMALL_BYTES.get() as usize,
             pipeline_bytes: config::PIPELINE_BYTES.get() as usize,
+            link_rate: config::link_rate_from_env(),
         }
     }
 }
@@ -79,6 +81,20 @@ impl CommOptions {
         self
     }
 
+    /// Caps each directed link of the local transport built by [`local_group`] at this many
+    /// bytes per second (`None` or 0: unlimited, the default; env `SHARDLINE_LINK_RATE`,
+    /// see [`crate::config::LINK_RATE`]). Lanes share a link's bandwidth, as they would a
+    /// wire. Other transports ignore it.
+    pub fn link_rate(&mut self, bytes_per_s: Option<u64>) -> &mut Self {
+        self.link_rate = bytes_per_s.filter(|r| *r > 0);
+        self
+    }
+
+    /// Current per-link rate limit of the local transport (`None`: unlimited).
+    pub fn get_link_rate(&self) -> Option<u64> {
+        self.link_rate
+    }
+
     /// Current default timeout.
     pub fn get_timeout(&self) -> Duration {
         self.timeout
@@ -108,6 +124,8 @@ pub(crate) struct Shared {
     pub(crate) opts: CommOptions,
     pub(crate) cancel: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// Recent ops of every lane, for hang and desync reports.
+    pub(crate) recent: crate::recent::RecentOps,
 }
 
 impl Shared {
@@ -124,8 +142,6 @@ type LaneCell = Arc<Mutex<Option<Lane>>>;
 
 struct CommInner {
     transport: Arc<dyn Transport>,
-    /// Recent ops of every lane, for hang and desync reports.
-    pub(crate) recent: crate::recent::RecentOps,
     shared: Arc<Shared>,
     /// One cell per lane name: opening a lane may wait for peers, so it holds only its own
     /// cell, and ranks may open different lanes from several threads in any order.
@@ -188,6 +204,7 @@ impl Communicator {
             opts,
             cancel: AtomicBool::new(false),
             reason: Mutex::new(None),
+            recent: crate::recent::RecentOps::default(),
         });
         Ok(Communicator {
             inner: Arc::new(CommInner {
@@ -204,7 +221,6 @@ impl Communicator {
         self.inner.shared.rank
     }
 
-            recent: crate::recent::RecentOps::default(),
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.inner.shared.world
@@ -276,6 +292,11 @@ impl Communicator {
         self.inner.shared.cancel.load(Ordering::Acquire)
     }
 
+    /// This rank's recent collectives over all lanes, oldest first (see [`crate::recent`]).
+    pub fn recent_ops(&self) -> Vec<crate::recent::OpRecord> {
+        self.inner.shared.recent.snapshot()
+    }
+
     /// The communicator's buffer pool.
     pub fn pool(&self) -> &BufferPool {
         &self.inner.pool
@@ -292,17 +313,12 @@ pub fn local_group(world: usize) -> Result<Vec<Communicator>, CollectiveError> {
 pub fn local_group_with_topology(
     topology: Topology,
     opts: CommOptions,
-    /// This rank's recent collectives over all lanes, oldest first (see [`crate::recent`]).
-    pub fn recent_ops(&self) -> Vec<crate::recent::OpRecord> {
-        self.inner.shared.recent.snapshot()
-    }
-
 ) -> Result<Vec<Communicator>, CollectiveError> {
     let world = topology.world();
     if world == 0 {
         return Err(CollectiveError::InvalidArgument("a group needs at least one rank".into()));
     }
-    let fabric = LocalFabric::new(world);
+    let fabric = LocalFabric::with_link_rate(world, opts.get_link_rate());
     (0..world)
         .map(|r| {
             let t: Arc<dyn Transport> =

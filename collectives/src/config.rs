@@ -58,9 +58,77 @@ pub const POOL_MAX_BYTES: Tunable =
 pub const POOL_PER_CLASS: Tunable =
     Tunable { env: "SHARDLINE_POOL_PER_CLASS", default: 16, doc: "buffers kept per pool class" };
 
+/// Artificial bandwidth of each directed link of the local transport, in bytes per second;
+/// 0 means unlimited (the default). The value may also be written as [`parse_rate`] reads
+/// it (`1gbit`, `200MB/s`). Used to make communication comparable to compute on a machine
+/// where threads exchange memory far faster than a network would.
+pub const LINK_RATE: Tunable = Tunable {
+    env: "SHARDLINE_LINK_RATE",
+    default: 0,
+    doc: "local transport: bytes/s per link, 0 = unlimited (also 1gbit, 200MB/s)",
+};
+
 /// Every tunable, for `--help` style listings.
 pub const ALL: &[Tunable] =
-    &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS];
+    &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS, LINK_RATE];
+
+/// [`LINK_RATE`] from the environment: `None` when unset, 0 or unreadable (unlimited).
+pub fn link_rate_from_env() -> Option<u64> {
+    let v = std::env::var(LINK_RATE.env).ok()?;
+    parse_rate(&v).ok().filter(|r| *r > 0)
+}
+
+/// Reads a data rate in bytes per second: a number with an optional unit, decimal prefixes
+/// (k, M, G, T = 10^3..10^12) or binary ones (Ki, Mi, Gi), bytes (`B`, `B/s`) or bits
+/// (`bit`, `bit/s`, `bps`, divided by 8). A bare number is bytes per second.
+///
+/// ```
+/// use shardline_collectives::config::parse_rate;
+/// assert_eq!(parse_rate("1gbit"), Ok(125_000_000));
+/// assert_eq!(parse_rate("200MB/s"), Ok(200_000_000));
+/// assert_eq!(parse_rate("1.5GiB/s"), Ok(1_610_612_736));
+/// assert_eq!(parse_rate("4096"), Ok(4096));
+/// assert!(parse_rate("fast").is_err());
+/// ```
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.parse().map_err(|_| format!("'{s}' is not a rate (e.g. 1gbit, 200MB/s)"))?;
+    let unit = unit.trim();
+    let unit = unit.strip_suffix("/s").or_else(|| unit.strip_suffix("ps")).unwrap_or(unit);
+    let lower = unit.to_ascii_lowercase();
+    let (scale, rest) = if let Some(r) = lower.strip_prefix("ki") {
+        (1024f64, r)
+    } else if let Some(r) = lower.strip_prefix("mi") {
+        (1024f64 * 1024.0, r)
+    } else if let Some(r) = lower.strip_prefix("gi") {
+        (1024f64 * 1024.0 * 1024.0, r)
+    } else if let Some(r) = lower.strip_prefix('k') {
+        (1e3, r)
+    } else if let Some(r) = lower.strip_prefix('m') {
+        (1e6, r)
+    } else if let Some(r) = lower.strip_prefix('g') {
+        (1e9, r)
+    } else if let Some(r) = lower.strip_prefix('t') {
+        (1e12, r)
+    } else {
+        (1.0, lower.as_str())
+    };
+    // `b` alone follows the usual convention of its case: `B` bytes, `b` bits.
+    let per = match rest {
+        "" | "byte" | "bytes" => 1.0,
+        "bit" | "bits" => 0.125,
+        "b" if unit.ends_with('B') => 1.0,
+        "b" => 0.125,
+        _ => return Err(format!("'{s}': unknown unit (use B/s, bit/s, with k, M, G, Ki, Mi, Gi)")),
+    };
+    let v = x * scale * per;
+    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+        return Err(format!("'{s}' is out of range"));
+    }
+    Ok(v.round() as u64)
+}
 
 /// `now + d`, saturating far in the future (a timeout of `Duration::MAX` means "no limit"
 /// and must not overflow `Instant`).

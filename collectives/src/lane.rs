@@ -93,6 +93,18 @@ enum Body {
     },
 }
 
+impl Body {
+    /// Stamps the op's start on its work (WORK-1).
+    fn start(&self, at: Instant) {
+        match self {
+            Body::AllReduce { done, .. } | Body::Broadcast { done, .. } => done.start(at),
+            Body::Records { done, .. } => done.start(at),
+            Body::ReduceScatter { done, .. } | Body::AllGather { done, .. } => done.start(at),
+            Body::Barrier { done } => done.start(at),
+        }
+    }
+}
+
 struct Job {
     seq: u64,
     deadline: Instant,
@@ -457,6 +469,7 @@ impl Worker {
     }
 
     fn handle(&mut self, job: Job) {
+        job.body.start(Instant::now());
         let (rank, world) = (self.shared.rank, self.shared.world);
         let shared = self.shared.clone();
         let topo = &shared.topology;
@@ -602,6 +615,8 @@ impl Worker {
             self.fail(e.clone(), Some(Reason::Other(format!("aborted: {reason}"))));
             return Err(e);
         }
+        let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
+        self.shared.recent.start(&self.name, ctx.seq, kind, buf.len() * 4);
         let res = self.exec.run(
             &mut *self.links,
             sched,
@@ -611,12 +626,11 @@ impl Worker {
             ctx.deadline,
             &self.shared.cancel,
         );
+        self.shared.recent.end(&self.name, ctx.seq, res.is_err());
         match res {
             Ok(()) => Ok(()),
             Err(te) => {
                 let (e, reason) = self.convert(te, ctx);
-        let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
-        self.shared.recent.start(&self.name, ctx.seq, kind, buf.len() * 4);
                 self.fail(e.clone(), reason);
                 Err(e)
             }
@@ -626,7 +640,6 @@ impl Worker {
     /// Maps a transport error to this rank's error and the reason to poison peers with
     /// (LANE-3; none when the error itself came from a peer's poison).
     fn convert(&self, te: TransportError, ctx: &OpCtx) -> (CollectiveError, Option<Reason>) {
-        self.shared.recent.end(&self.name, ctx.seq, res.is_err());
         let lane = self.name.to_string();
         let (seq, me) = (ctx.seq, self.shared.rank);
         let timeout_ms = ctx.timeout.as_millis() as u64;

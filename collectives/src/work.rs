@@ -1,11 +1,15 @@
 //! Completion handles. A [`Work`] is completed once by the lane's progress thread; the owner
 //! blocks on it (`wait`), polls it (`is_done`) or awaits it (`Future`).
+//!
+//! - WORK-1: once an op is done, [`Work::timing`] gives the instants its lane thread started
+//!   and finished it, `start <= end`; the span is the op itself, not the time the owner
+//!   waited for it (an op still queued behind others on its lane has not started).
 
 use crate::error::CollectiveError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -20,6 +24,10 @@ struct Slot<T> {
     cv: Condvar,
     /// Set after the result is stored, so waiters can poll without the lock.
     done: AtomicBool,
+    /// When the lane thread began the op (WORK-1).
+    started: OnceLock<Instant>,
+    /// When the lane thread finished it; set before `done`.
+    finished: OnceLock<Instant>,
 }
 
 /// How long `wait` polls (yielding the CPU between polls) before blocking: a small op
@@ -54,6 +62,8 @@ pub(crate) fn pair<T>(lane: Arc<str>, seq: u64) -> (Work<T>, Completer<T>) {
         state: Mutex::new(State::Pending(None)),
         cv: Condvar::new(),
         done: AtomicBool::new(false),
+        started: OnceLock::new(),
+        finished: OnceLock::new(),
     });
     (
         Work { slot: slot.clone(), lane: lane.clone(), seq },
@@ -62,9 +72,21 @@ pub(crate) fn pair<T>(lane: Arc<str>, seq: u64) -> (Work<T>, Completer<T>) {
 }
 
 impl<T> Completer<T> {
+    /// Records that the lane thread begins the op now (WORK-1). Only the first call counts.
+    pub(crate) fn start(&self, at: Instant) {
+        if let Some(slot) = &self.slot {
+            let _ = slot.started.set(at);
+        }
+    }
+
     /// Completes the work; wakes a blocked `wait` and an awaiting task.
     pub(crate) fn complete(mut self, result: Result<T, CollectiveError>) {
         if let Some(slot) = self.slot.take() {
+            let now = Instant::now();
+            // An op completed without being started (argument error, abort before it ran)
+            // took no time.
+            let _ = slot.started.set(now);
+            let _ = slot.finished.set(now);
             let waker = {
                 let mut st = slot.lock();
                 let prev = std::mem::replace(&mut *st, State::Done(result));
@@ -147,6 +169,30 @@ impl<T> Work<T> {
         }
     }
 
+    /// Like [`Work::wait`], also returning [`Work::timing`]'s span of the op.
+    pub fn wait_timed(self) -> (Result<T, CollectiveError>, Option<(Instant, Instant)>) {
+        let slot = self.slot.clone();
+        let r = self.wait();
+        (r, timing_of(&slot))
+    }
+
+    /// Like [`Work::wait_timeout`], also returning [`Work::timing`]'s span of the op (`None`
+    /// when it timed out).
+    pub fn wait_timeout_timed(
+        self,
+        d: Duration,
+    ) -> (Result<T, CollectiveError>, Option<(Instant, Instant)>) {
+        let slot = self.slot.clone();
+        let r = self.wait_timeout(d);
+        (r, timing_of(&slot))
+    }
+
+    /// When the op's lane thread started and finished it, once it is done (WORK-1); `None`
+    /// while it is pending.
+    pub fn timing(&self) -> Option<(Instant, Instant)> {
+        timing_of(&self.slot)
+    }
+
     /// True once the op has completed (successfully or not).
     pub fn is_done(&self) -> bool {
         matches!(&*self.slot.lock(), State::Done(_) | State::Taken)
@@ -156,6 +202,15 @@ impl<T> Work<T> {
     pub fn seq(&self) -> u64 {
         self.seq
     }
+}
+
+fn timing_of<T>(slot: &Slot<T>) -> Option<(Instant, Instant)> {
+    if !slot.done.load(Ordering::Acquire) {
+        return None;
+    }
+    let end = *slot.finished.get()?;
+    let start = slot.started.get().copied().unwrap_or(end).min(end);
+    Some((start, end))
 }
 
 fn take<T>(st: &mut State<T>) -> Result<T, CollectiveError> {
@@ -205,5 +260,32 @@ mod tests {
             w.wait_timeout(Duration::from_secs(10)),
             Err(CollectiveError::Aborted { .. })
         ));
+    }
+
+    /// WORK-1: the span runs from `start` to completion, whoever waits and however late.
+    #[test]
+    fn timing_spans_the_op_not_the_wait() {
+        let (w, c) = pair::<u32>("l".into(), 1);
+        assert_eq!(w.timing(), None);
+        let issued = Instant::now();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            let s = Instant::now();
+            c.start(s);
+            std::thread::sleep(Duration::from_millis(5));
+            c.complete(Ok(3));
+            s
+        });
+        let s = t.join().unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        let before_wait = Instant::now();
+        let (st, en) = w.timing().expect("done");
+        assert_eq!(st, s);
+        assert!(st > issued && en >= st + Duration::from_millis(5) && en < before_wait);
+        let (r, tm) = w.wait_timeout_timed(Duration::from_secs(10));
+        assert_eq!((r, tm), (Ok(3), Some((st, en))));
+        let w = Work::ready("l".into(), 2, Ok(1u32));
+        let (a, b) = w.timing().expect("a ready work is done");
+        assert_eq!(a, b);
     }
 }

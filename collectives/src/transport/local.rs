@@ -14,6 +14,11 @@
 //!   `PeerLost` (TR-4).
 //! - LOCAL-4: a timeout names a rank that has not entered the op when the awaited peer has
 //!   (it is only waiting further down the chain), so every rank names the one that is late.
+//! - LOCAL-5: with a link rate R ([`LocalFabric::with_link_rate`]), a message of n bytes
+//!   posted on the directed link src -> dst at time t is not read before
+//!   `max(t, the link's previous message's delivery) + n / R`: each link delivers at most R
+//!   bytes per second, shared by every lane on it. Waiting for a delivery time sleeps (it
+//!   never spins). Without a rate nothing is timed and messages are read as soon as posted.
 
 use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
 use std::collections::HashMap;
@@ -26,6 +31,8 @@ struct Desc {
     tag: Tag,
     ptr: *const u8,
     len: usize,
+    /// Delivery time under a link rate (LOCAL-5).
+    ready_at: Option<Instant>,
 }
 
 // SAFETY: the pointer is only dereferenced under LOCAL-1 (while the sender keeps the memory
@@ -71,16 +78,72 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Per directed link, when everything posted on it so far is delivered (LOCAL-5).
+struct RateLimit {
+    world: usize,
+    bytes_per_s: f64,
+    /// Indexed `src * world + dst`; `None` until the first message.
+    free_at: Vec<Mutex<Option<Instant>>>,
+}
+
+impl RateLimit {
+    /// Books `len` bytes on src -> dst; returns when they are delivered.
+    fn reserve(&self, src: usize, dst: usize, len: usize) -> Instant {
+        let now = Instant::now();
+        let mut free = lock(&self.free_at[src * self.world + dst]);
+        let start = free.map_or(now, |t| t.max(now));
+        let ready = start + Duration::from_secs_f64(len as f64 / self.bytes_per_s);
+        *free = Some(ready);
+        ready
+    }
+}
+
+/// Sleeps towards `t`, waking a little early: thread sleeps overshoot by tens of
+/// microseconds, and the last stretch is cheaper to yield through than to oversleep.
+fn sleep_towards(t: Instant, deadline: Instant) {
+    let now = Instant::now();
+    let until = t.min(deadline);
+    if until <= now {
+        return;
+    }
+    let left = until - now;
+    if left > Duration::from_micros(200) {
+        // Wake at least every 5 ms to see cancellation and poison.
+        std::thread::sleep((left - Duration::from_micros(100)).min(Duration::from_millis(5)));
+    } else {
+        std::thread::yield_now();
+    }
+}
+
 /// The in-process fabric shared by the ranks of one local group.
 pub struct LocalFabric {
     world: usize,
     lanes: Mutex<HashMap<String, Arc<LaneFabric>>>,
+    rate: Option<Arc<RateLimit>>,
 }
 
 impl LocalFabric {
-    /// A fabric for `world` ranks.
+    /// A fabric for `world` ranks, links unlimited.
     pub fn new(world: usize) -> Arc<Self> {
-        Arc::new(LocalFabric { world, lanes: Mutex::new(HashMap::new()) })
+        Self::with_link_rate(world, None)
+    }
+
+    /// A fabric for `world` ranks whose directed links each deliver at most `bytes_per_s`
+    /// bytes per second (LOCAL-5); `None` or 0: unlimited.
+    pub fn with_link_rate(world: usize, bytes_per_s: Option<u64>) -> Arc<Self> {
+        let rate = bytes_per_s.filter(|r| *r > 0).map(|r| {
+            Arc::new(RateLimit {
+                world,
+                bytes_per_s: r as f64,
+                free_at: (0..world * world).map(|_| Mutex::new(None)).collect(),
+            })
+        });
+        Arc::new(LocalFabric { world, lanes: Mutex::new(HashMap::new()), rate })
+    }
+
+    /// The per-link rate limit in bytes per second, if any.
+    pub fn link_rate(&self) -> Option<u64> {
+        self.rate.as_ref().map(|r| r.bytes_per_s as u64)
     }
 }
 
@@ -129,7 +192,12 @@ impl Transport for LocalTransport {
                 self.rank
             )));
         }
-        Ok(Box::new(LocalLinks { fabric, me: self.rank, spin: self.spin }))
+        Ok(Box::new(LocalLinks {
+            fabric,
+            me: self.rank,
+            spin: self.spin,
+            rate: self.fabric.rate.clone(),
+        }))
     }
 }
 
@@ -137,6 +205,16 @@ struct LocalLinks {
     fabric: Arc<LaneFabric>,
     me: usize,
     spin: Duration,
+    rate: Option<Arc<RateLimit>>,
+}
+
+/// What a receive attempt found.
+enum Recv {
+    Done,
+    /// Nothing posted yet.
+    Empty,
+    /// Posted, deliverable at this time (LOCAL-5).
+    NotBefore(Instant),
 }
 
 impl Drop for LocalLinks {
@@ -221,7 +299,7 @@ impl LocalLinks {
         }
     }
 
-    fn try_recv(&self, tag: Tag, r: &mut RecvOp<'_>) -> Result<bool, TransportError> {
+    fn try_recv(&self, tag: Tag, r: &mut RecvOp<'_>) -> Result<Recv, TransportError> {
         let mb = self.fabric.mailbox(r.peer, self.me);
         if !mb.full.load(Ordering::Acquire) {
             if self.fabric.closed[r.peer].load(Ordering::Acquire)
@@ -229,10 +307,10 @@ impl LocalLinks {
             {
                 return Err(self.lost(r.peer));
             }
-            return Ok(false);
+            return Ok(Recv::Empty);
         }
         let mut slot = lock(&mb.slot);
-        let Some(d) = *slot else { return Ok(false) };
+        let Some(d) = *slot else { return Ok(Recv::Empty) };
         if d.tag != tag {
             return Err(TransportError::TagMismatch { peer: r.peer, expected: tag, got: d.tag });
         }
@@ -243,6 +321,11 @@ impl LocalLinks {
                 got: d.len,
             });
         }
+        if let Some(t) = d.ready_at {
+            if Instant::now() < t {
+                return Ok(Recv::NotBefore(t));
+            }
+        }
         if d.len > 0 {
             // SAFETY: LOCAL-1: the slot is full and locked, so the sender is still inside its
             // exchange holding `d.len` readable bytes at `d.ptr`, and cannot revoke them
@@ -252,7 +335,7 @@ impl LocalLinks {
         }
         *slot = None;
         mb.full.store(false, Ordering::Release);
-        Ok(true)
+        Ok(Recv::Done)
     }
 }
 
@@ -268,11 +351,17 @@ impl LaneLinks for LocalLinks {
         self.check_poison()?;
         self.fabric.entered[self.me].fetch_max(tag.seq + 1, Ordering::AcqRel);
         let mut sstate: Vec<SendState> = sends.iter().map(|_| SendState::Waiting).collect();
+        let mut sready: Vec<Option<Instant>> = vec![None; sends.len()];
         let mut rdone: Vec<bool> = vec![false; recvs.len()];
         let mut backoff = Backoff::new(self.spin);
         loop {
             let mut pending = false;
             let mut late_peer = None;
+            // LOCAL-5: the earliest delivery time among posted receives and sends, and
+            // whether some receive still waits for its sender to post.
+            let mut recv_wake: Option<Instant> = None;
+            let mut send_wake: Option<Instant> = None;
+            let mut recv_unposted = false;
             // Sends: post each when no earlier send to the same peer is in flight (TR-1).
             for i in 0..sends.len() {
                 let s = &sends[i];
@@ -287,8 +376,15 @@ impl LaneLinks for LocalLinks {
                         self.revoke(sends, &sstate);
                         return Err(self.lost(s.peer));
                     }
+                    let ready_at = match &self.rate {
+                        Some(rate) if !s.data.is_empty() => {
+                            Some(rate.reserve(self.me, s.peer, s.data.len()))
+                        }
+                        _ => None,
+                    };
+                    sready[i] = ready_at;
                     let mut slot = lock(&mb.slot);
-                    *slot = Some(Desc { tag, ptr: s.data.as_ptr(), len: s.data.len() });
+                    *slot = Some(Desc { tag, ptr: s.data.as_ptr(), len: s.data.len(), ready_at });
                     mb.full.store(true, Ordering::Release);
                     sstate[i] = SendState::Posted;
                 }
@@ -303,6 +399,9 @@ impl LaneLinks for LocalLinks {
                 if sstate[i] != SendState::Done {
                     pending = true;
                     late_peer.get_or_insert(s.peer);
+                    if let (SendState::Posted, Some(t)) = (&sstate[i], sready[i]) {
+                        send_wake = Some(send_wake.map_or(t, |w| w.min(t)));
+                    }
                 }
             }
             for i in 0..recvs.len() {
@@ -312,8 +411,11 @@ impl LaneLinks for LocalLinks {
                     continue;
                 }
                 match self.try_recv(tag, &mut recvs[i]) {
-                    Ok(true) => rdone[i] = true,
-                    Ok(false) => {}
+                    Ok(Recv::Done) => rdone[i] = true,
+                    Ok(Recv::Empty) => recv_unposted = true,
+                    Ok(Recv::NotBefore(t)) => {
+                        recv_wake = Some(recv_wake.map_or(t, |w| w.min(t)));
+                    }
                     Err(e) => {
                         self.revoke(sends, &sstate);
                         return Err(e);
@@ -342,7 +444,21 @@ impl LaneLinks for LocalLinks {
                 self.revoke(sends, &sstate);
                 return Err(e);
             }
-            backoff.wait();
+            // LOCAL-5: sleep until a delivery when nothing else can happen before it. A
+            // receive whose sender has not posted yet must be read promptly once posted (the
+            // sender waits for it), so it keeps the ordinary backoff.
+            let wake = match (recv_wake, send_wake) {
+                _ if recv_unposted => None,
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            match wake {
+                Some(t) if t > Instant::now() => {
+                    sleep_towards(t, deadline);
+                    backoff = Backoff::new(self.spin);
+                }
+                _ => backoff.wait(),
+            }
         }
     }
 
@@ -413,5 +529,59 @@ mod tests {
         );
         // Poison is sticky on the lane; a fresh lane reports the closed peer (LOCAL-3).
         assert!(matches!(e, Err(TransportError::Poisoned(_))));
+    }
+
+    /// Sends `bytes` from rank 1 to rank 0 on each of `lanes` lanes at once (a thread per
+    /// lane and side); returns the elapsed time and whether every byte arrived intact.
+    fn timed_transfer(rate: Option<u64>, lanes: usize, bytes: usize) -> (Duration, bool) {
+        let fabric = LocalFabric::with_link_rate(2, rate);
+        let dl = Instant::now() + Duration::from_secs(30);
+        let t0 = LocalTransport::new(fabric.clone(), 0, Duration::ZERO);
+        let t1 = LocalTransport::new(fabric, 1, Duration::ZERO);
+        let start = Instant::now();
+        let mut threads = Vec::new();
+        for l in 0..lanes {
+            let name = format!("lane{l}");
+            let mut rx = t0.open_lane(&name, dl).unwrap();
+            let mut tx = t1.open_lane(&name, dl).unwrap();
+            threads.push(std::thread::spawn(move || {
+                let data: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
+                let never = AtomicBool::new(false);
+                tx.exchange(tag(0), &[SendOp { peer: 0, data: &data }], &mut [], dl, &never).is_ok()
+            }));
+            threads.push(std::thread::spawn(move || {
+                let mut got = Vec::with_capacity(bytes);
+                let mut sink = |_off: usize, p: &[u8]| got.extend_from_slice(p);
+                let never = AtomicBool::new(false);
+                let r = rx.exchange(
+                    tag(0),
+                    &[],
+                    &mut [RecvOp { peer: 1, len: bytes, sink: &mut sink }],
+                    dl,
+                    &never,
+                );
+                r.is_ok() && got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8)
+            }));
+        }
+        let ok = threads.into_iter().all(|t| t.join().unwrap());
+        (start.elapsed(), ok)
+    }
+
+    /// LOCAL-5: a limited link takes at least (about) bytes / rate, and lanes share it. Only
+    /// a lower bound is checked (with slack for clock granularity); it fails only if the
+    /// limiter lets bytes through faster than the rate.
+    #[test]
+    fn link_rate_limits_each_link_and_lanes_share_it() {
+        let (bytes, rate) = (4 << 20, 100_000_000u64);
+        let (free, ok) = timed_transfer(None, 1, bytes);
+        assert!(ok);
+        let (one, ok) = timed_transfer(Some(rate), 1, bytes);
+        assert!(ok);
+        let (two, ok) = timed_transfer(Some(rate), 2, bytes);
+        assert!(ok);
+        let need = |b: usize| Duration::from_secs_f64(0.8 * b as f64 / rate as f64);
+        eprintln!("4 MiB: unlimited {free:?}, at 100 MB/s {one:?}, two lanes {two:?}");
+        assert!(one >= need(bytes), "{one:?} < {:?}", need(bytes));
+        assert!(two >= need(2 * bytes), "{two:?} < {:?}", need(2 * bytes));
     }
 }
