@@ -211,7 +211,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let excess = peak as i64 - bound as i64;
                 let cats = s.peak_by_category.get(rank).cloned().unwrap_or_default();
                 let mut top: Vec<&(String, u64)> = cats.iter().filter(|c| c.1 > 0).collect();
-                top.sort_by(|x, y| y.1.cmp(&x.1));
+                top.sort_by_key(|c| std::cmp::Reverse(c.1));
                 let top: Vec<String> =
                     top.iter().take(4).map(|(k, b)| format!("{k} {}", format_bytes(*b))).collect();
                 let row = Row {

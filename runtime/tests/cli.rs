@@ -256,8 +256,7 @@ fn corrupted_or_truncated_shard_is_refused_naming_the_file() {
         cfg.clone(),
         RunOptions { checkpoint_dir: Some(ck_dir.clone()), resume: true, ..quiet() },
     )
-    .err()
-    .expect("resume from a corrupted shard must fail");
+    .expect_err("resume from a corrupted shard must fail");
     assert!(e.to_string().contains(&shard.display().to_string()), "{e}");
 
     // Truncated.

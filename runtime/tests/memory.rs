@@ -53,7 +53,7 @@ fn a_cap_that_stage_0_exceeds_is_enough_for_stage_3() {
     let cap = (p0 + p3) / 2;
     let mut cfg = wide(4, 0, 400_000);
     cfg.device_memory = Some(cap);
-    let err = run_with_deadline(cfg, quiet()).err().expect("stage 0 must not fit under the cap");
+    let err = run_with_deadline(cfg, quiet()).expect_err("stage 0 must not fit under the cap");
     let msg = err.to_string();
     assert!(msg.contains("would exceed the"), "not an OutOfMemory: {msg}");
     assert!(msg.contains("allocating") && msg.contains("in use:"), "{msg}");
