@@ -476,7 +476,7 @@ fn run_processes(
 
 /// Runs the benchmark, prints the table, writes JSON/SVG.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.world.iter().any(|&w| w == 0) {
+    if args.world.contains(&0) {
         bail!("--world must be at least 1");
     }
     if args.min_bytes > args.max_bytes {
