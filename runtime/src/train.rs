@@ -413,7 +413,8 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
     })
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// Median of `v` (sorts it); 0 when empty.
+pub fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -421,13 +422,40 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs a training job; blocks until it ends.
-pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
-    validate(&cfg)?;
+/// What a job derives from its configuration before any rank starts: the same on every
+/// rank of a job, whether ranks are threads of one process or separate processes.
+pub struct JobPlan {
+    /// Training split.
+    pub train: Dataset,
+    /// Test split.
+    pub test: Dataset,
+    /// The model (SyncBatchNorm already converted when on).
+    pub model: Arc<Model>,
+    /// The stage used.
+    pub stage: Stage,
+    /// Lines explaining `--stage auto`.
+    pub stage_lines: Vec<String>,
+    /// Whether SyncBatchNorm is on, and why.
+    pub sync: (bool, String),
+    /// Optimizer steps of the whole job.
+    pub total_steps: u64,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: u64,
+    /// The optimizer.
+    pub optimizer: Optimizer,
+    /// Each rank's engine configuration.
+    pub engine: EngineConfig,
+    /// Hash of the configuration a checkpoint must match to be resumed.
+    pub hash: String,
+}
+
+/// Validates `cfg` and derives the job's plan (data, model, stage, schedule).
+pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
+    validate(cfg)?;
     let image = cfg.model == "convnet-bn";
-    let (train, test) = load_data(&cfg, image)?;
-    let mut model = build_model(&cfg, &train.sample_shape, train.classes)?;
-    let (stage, stage_lines) = choose_stage(&model, &cfg)?;
+    let (train, test) = load_data(cfg, image)?;
+    let mut model = build_model(cfg, &train.sample_shape, train.classes)?;
+    let (stage, stage_lines) = choose_stage(&model, cfg)?;
     let per_rank_batch = cfg.batch_size / cfg.world;
     let (sync, why) = match cfg.sync_bn {
         SyncBnMode::On => (true, "on (--sync-bn on)".to_string()),
@@ -455,12 +483,12 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     } else {
         LrSchedule::constant(cfg.lr)
     };
-    let optimizer = optimizer_of(&cfg);
+    let optimizer = optimizer_of(cfg);
     let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
     let budget = cfg
         .prefetch_budget
         .unwrap_or(layout.max_unit_padded_numel() as u64 * 4 * (cfg.prefetch as u64 + 1));
-    let ecfg = EngineConfig {
+    let engine = EngineConfig {
         stage,
         prefetch: cfg.prefetch,
         prefetch_budget_bytes: budget,
@@ -471,26 +499,95 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
         seed: cfg.seed,
         threads: cfg.threads,
     };
-    let hash = resume_hash(&cfg, stage, sync)?;
-    if !opts.quiet {
-        println!(
-            "shardline train: {} ({} params, {} units) on {} ({} train / {} test), world {}, stage {}, global batch {}, {} steps",
-            model.name,
-            model.num_params(),
-            model.num_units(),
-            cfg.dataset,
-            train.len(),
-            test.len(),
-            cfg.world,
-            stage.index(),
-            cfg.batch_size,
-            total_steps
-        );
-        for l in &stage_lines {
-            println!("{l}");
-        }
-        println!("  sync-bn: {why}");
+    let hash = resume_hash(cfg, stage, sync)?;
+    Ok(JobPlan {
+        train,
+        test,
+        model,
+        stage,
+        stage_lines,
+        sync: (sync, why),
+        total_steps,
+        steps_per_epoch,
+        optimizer,
+        engine,
+        hash,
+    })
+}
+
+/// Prints the job's header lines (what `shardline train` shows before the first step).
+pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
+    println!(
+        "shardline train: {} ({} params, {} units) on {} ({} train / {} test), world {}, stage {}, global batch {}, {} steps",
+        p.model.name,
+        p.model.num_params(),
+        p.model.num_units(),
+        cfg.dataset,
+        p.train.len(),
+        p.test.len(),
+        cfg.world,
+        p.stage.index(),
+        cfg.batch_size,
+        p.total_steps
+    );
+    for l in &p.stage_lines {
+        println!("{l}");
     }
+    println!("  sync-bn: {}", p.sync.1);
+}
+
+/// The data-loader position after batch `next_index - 1` of `epoch`: batches consumed in
+/// the epoch so far, rolling over to the next epoch at its end.
+pub fn loader_position(
+    steps_per_epoch: u64,
+    epoch: u64,
+    next_index: u64,
+    seed: u64,
+) -> DataLoaderState {
+    let (epoch, step) =
+        if next_index >= steps_per_epoch { (epoch + 1, 0) } else { (epoch, next_index) };
+    DataLoaderState { epoch, step, seed }
+}
+
+/// The manifest fields of a checkpoint of this job at `position`.
+pub fn checkpoint_meta(
+    cfg: &TrainConfig,
+    stage: Stage,
+    hash: &str,
+    optimizer: Optimizer,
+    model: &Model,
+    position: DataLoaderState,
+) -> CheckpointMeta {
+    CheckpointMeta {
+        world: cfg.world,
+        stage,
+        config_hash: hash.to_owned(),
+        optimizer,
+        model: model.spec(),
+        data_loader: position,
+        extra: BTreeMap::new(),
+    }
+}
+
+/// Runs a training job; blocks until it ends.
+pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
+    let p = plan(&cfg)?;
+    if !opts.quiet {
+        print_header(&cfg, &p);
+    }
+    let JobPlan {
+        train,
+        test,
+        model,
+        stage,
+        sync: (sync, why),
+        total_steps,
+        steps_per_epoch,
+        optimizer,
+        engine: ecfg,
+        hash,
+        ..
+    } = p;
     let sampler = DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
         .map_err(RuntimeError::from_model)?;
     let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
@@ -553,7 +650,8 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     Ok(summary)
 }
 
-fn print_summary(s: &Summary, trackers: &[MemoryTracker]) {
+/// Prints the summary block of a finished run.
+pub fn print_summary(s: &Summary, trackers: &[MemoryTracker]) {
     println!("summary:");
     println!("  test accuracy     {:.2}%", s.test_accuracy * 100.0);
     println!("  final loss        {:.4}", s.final_loss);
@@ -813,18 +911,8 @@ async fn save(
     let (_, buffers) = full.swap_remove(0);
     let pending =
         Arc::try_unwrap(pending).map_err(|_| RuntimeError::config("checkpoint still shared"))?;
-    // The data-loader position: batches consumed in the epoch so far.
-    let (ep, st) =
-        if next_index >= a.steps_per_epoch { (epoch + 1, 0) } else { (epoch, next_index) };
-    let meta = CheckpointMeta {
-        world: a.cfg.world,
-        stage: a.stage,
-        config_hash: a.hash.clone(),
-        optimizer: a.optimizer,
-        model: a.model.spec(),
-        data_loader: DataLoaderState { epoch: ep, step: st, seed: a.cfg.seed },
-        extra: BTreeMap::new(),
-    };
+    let position = loader_position(a.steps_per_epoch, epoch, next_index, a.cfg.seed);
+    let meta = checkpoint_meta(&a.cfg, a.stage, &a.hash, a.optimizer, &a.model, position);
     pending.commit(meta, files, &buffers)?;
     Ok(())
 }
