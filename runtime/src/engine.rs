@@ -17,6 +17,15 @@
 //!   prefetch depth (prefetch changes when a gather is issued, never what is computed).
 //! - ENG-2: the loss reported for a step is the mean over the whole global batch.
 //! - ENG-3: every buffer the engine holds is registered with the rank's [`MemoryTracker`].
+//! - ENG-4: a step's communication time is the length of the union of the intervals in
+//!   which any of its collectives was in flight on this rank (each op's own span on its lane
+//!   thread, WORK-1; SyncBN statistics reductions by their blocking call). Exposed
+//!   communication is the time the step was blocked waiting, so it never exceeds the
+//!   communication time by more than the wake-up latency of a wait.
+//!
+//! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
+//! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
+//! lane; `stats` the SyncBN reductions.
 
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
@@ -75,6 +84,9 @@ pub struct StepStats {
     pub compute_time: Duration,
     /// Time spent blocked waiting for communication (exposed communication).
     pub comm_exposed: Duration,
+    /// Time in which any collective of the step was in flight on this rank, overlapped or
+    /// not (ENG-4).
+    pub comm_time: Duration,
     /// Peak tracked bytes of this rank so far.
     pub peak_bytes: u64,
     /// SyncBatchNorm statistics messages this step.
@@ -90,6 +102,35 @@ impl PendingReduce {
             PendingReduce::ReduceScatter { work, .. } => work.is_done(),
         }
     }
+}
+
+/// A step's communication bookkeeping: blocked time and the spans of its collectives.
+#[derive(Default)]
+struct CommClock {
+    exposed: Duration,
+    spans: Vec<(Instant, Instant)>,
+}
+
+/// Length of the union of `spans` (ENG-4).
+fn union_len(spans: &mut [(Instant, Instant)]) -> Duration {
+    spans.sort_by_key(|s| s.0);
+    let mut total = Duration::ZERO;
+    let mut cur: Option<(Instant, Instant)> = None;
+    for &(a, b) in spans.iter() {
+        match &mut cur {
+            Some((_, e)) if a <= *e => *e = (*e).max(b),
+            _ => {
+                if let Some((s, e)) = cur {
+                    total += e - s;
+                }
+                cur = Some((a, b));
+            }
+        }
+    }
+    if let Some((s, e)) = cur {
+        total += e - s;
+    }
+    total
 }
 
 struct Gathered {
@@ -111,11 +152,21 @@ enum PendingReduce {
     ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation> },
 }
 
-/// Records each SyncBatchNorm statistics reduction on the trace's `stats` row.
+/// Records each SyncBatchNorm statistics reduction on the trace's `stats` row, and its span
+/// for the step's communication time.
 struct TracedReducer<'a> {
     inner: &'a dyn StatsReducer,
     trace: &'a Trace,
     rank: usize,
+    spans: std::sync::Mutex<Vec<(Instant, Instant)>>,
+}
+
+impl TracedReducer<'_> {
+    fn note(&self, name: &str, t0: Instant) {
+        let t1 = Instant::now();
+        self.trace.record(self.rank, Row::Stats, name, t0, t1);
+        self.spans.lock().unwrap_or_else(|e| e.into_inner()).push((t0, t1));
+    }
 }
 
 impl StatsReducer for TracedReducer<'_> {
@@ -130,7 +181,7 @@ impl StatsReducer for TracedReducer<'_> {
     ) -> std::result::Result<Vec<f32>, shardline_models::ModelError> {
         let t0 = Instant::now();
         let r = self.inner.reduce_records(buf, record_len, combine);
-        self.trace.record(self.rank, Row::Stats, "stats forward", t0, Instant::now());
+        self.note("stats forward", t0);
         r
     }
     fn reduce_sum(
@@ -139,7 +190,7 @@ impl StatsReducer for TracedReducer<'_> {
     ) -> std::result::Result<Vec<f32>, shardline_models::ModelError> {
         let t0 = Instant::now();
         let r = self.inner.reduce_sum(buf);
-        self.trace.record(self.rank, Row::Stats, "stats backward", t0, Instant::now());
+        self.note("stats backward", t0);
         r
     }
 }
@@ -169,6 +220,8 @@ pub struct RankEngine {
     buffers: Vec<Vec<f32>>,
     step: u64,
     _persistent: Vec<Allocation>,
+    /// Fault injection points (`--fault`), none in a normal run.
+    fault_hook: Option<crate::fault::FaultHook>,
 }
 
 fn unit_label(model: &Model, u: usize) -> String {
@@ -244,7 +297,20 @@ impl RankEngine {
             buffers,
             step: 0,
             _persistent: persistent,
+            fault_hook: None,
         })
+    }
+
+    /// Installs the fault plan's hook, called at each phase of each step.
+    pub fn set_fault_hook(&mut self, hook: crate::fault::FaultHook) {
+        self.fault_hook = Some(hook);
+    }
+
+    /// A fault injection point of the step being run.
+    fn fault_point(&self, phase: crate::fault::Phase) {
+        if let Some(h) = &self.fault_hook {
+            h(self.rank, self.step + 1, phase);
+        }
     }
 
     /// This rank.
@@ -277,13 +343,21 @@ impl RankEngine {
         &self.cfg
     }
 
-    fn wait<T>(&self, w: Work<T>, row: Row, what: &str, exposed: &mut Duration) -> Result<T> {
+    /// Blocks on `w`: the blocked time is exposed communication (a `wait` span on the compute
+    /// row), the op's own span goes on `row` and into the step's communication time.
+    fn wait<T>(&self, w: Work<T>, row: Row, what: &str, clock: &mut CommClock) -> Result<T> {
         let t0 = Instant::now();
-        let r = w.wait()?;
+        let (r, span) = w.wait_timed();
         let t1 = Instant::now();
-        *exposed += t1 - t0;
-        self.trace.record(self.rank, row, format!("wait {what}"), t0, t1);
-        Ok(r)
+        clock.exposed += t1 - t0;
+        if t1 - t0 >= Duration::from_micros(1) {
+            self.trace.record(self.rank, Row::Compute, format!("wait {what}"), t0, t1);
+        }
+        if let Some((a, b)) = span {
+            self.trace.record(self.rank, row, what, a, b);
+            clock.spans.push((a, b));
+        }
+        Ok(r?)
     }
 
     fn issue_gather(&self, unit: usize) -> Result<PendingGather> {
@@ -334,7 +408,7 @@ impl RankEngine {
         &self,
         queue: &mut VecDeque<PendingGather>,
         unit: usize,
-        exposed: &mut Duration,
+        clock: &mut CommClock,
     ) -> Result<Gathered> {
         let pos = queue.iter().position(|p| p.unit == unit);
         let p = match pos {
@@ -342,7 +416,7 @@ impl RankEngine {
             None => self.issue_gather(unit)?,
         };
         let label = unit_label(&self.model, unit);
-        let (shard, full) = self.wait(p.work, Row::Gather, &format!("gather {label}"), exposed)?;
+        let (shard, full) = self.wait(p.work, Row::Gather, &format!("gather {label}"), clock)?;
         self.comm.pool().give(shard);
         Ok(Gathered { full, _alloc: p.alloc })
     }
@@ -355,12 +429,17 @@ impl RankEngine {
     /// samples. Every rank of the group must call it with its own slice (possibly empty).
     pub fn train_step(&mut self, x: Tensor, y: &[u32], global_batch: usize) -> Result<StepStats> {
         let t_step = Instant::now();
-        let mut exposed = Duration::ZERO;
+        let mut clock = CommClock::default();
         let mut compute = Duration::ZERO;
         let n_units = self.layout.units().len();
         let stage = self.cfg.stage;
         let (stats, trace) = (Arc::clone(&self.stats), self.trace.clone());
-        let traced = TracedReducer { inner: &*stats, trace: &trace, rank: self.rank };
+        let traced = TracedReducer {
+            inner: &*stats,
+            trace: &trace,
+            rank: self.rank,
+            spans: std::sync::Mutex::default(),
+        };
         let counting = CountingReducer::new(&traced as &dyn StatsReducer);
         let reducer: Option<&dyn StatsReducer> =
             if self.world > 1 { Some(&counting) } else { None };
@@ -371,12 +450,13 @@ impl RankEngine {
         let mut act_allocs = Vec::with_capacity(n_units);
         let mut queue: VecDeque<PendingGather> = VecDeque::new();
         let mut xin = x;
+        self.fault_point(crate::fault::Phase::Forward);
         for u in 0..n_units {
             let label = unit_label(&model, u);
             let gathered = if stage.gathers_params_per_unit() {
                 let order: Vec<usize> = (u..n_units).collect();
                 self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                let g = self.take_gathered(&mut queue, u, &mut exposed)?;
+                let g = self.take_gathered(&mut queue, u, &mut clock)?;
                 // Issue the next gathers before computing (prefetch).
                 self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
                 Some(g)
@@ -421,7 +501,7 @@ impl RankEngine {
             let gathered = if stage.gathers_params_per_unit() {
                 let order: Vec<usize> = (0..=u).rev().collect();
                 self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                let g = self.take_gathered(&mut queue, u, &mut exposed)?;
+                let g = self.take_gathered(&mut queue, u, &mut clock)?;
                 // Backward prefetch: the previous unit's gather goes out before computing.
                 self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
                 Some(g)
@@ -487,12 +567,15 @@ impl RankEngine {
                 }
             };
             pending.push_back(p);
+            if u + 1 == n_units {
+                self.fault_point(crate::fault::Phase::Backward);
+            }
             // Reductions that already finished give their memory back now ("freed as they
             // are reduced"); this never blocks, and when a result is stored does not change
             // what it is.
             while pending.front().is_some_and(PendingReduce::is_done) {
                 if let Some(p) = pending.pop_front() {
-                    self.finish_reduce(p, &mut exposed)?;
+                    self.finish_reduce(p, &mut clock)?;
                 }
             }
         }
@@ -500,14 +583,15 @@ impl RankEngine {
         let stats_messages = counting.messages();
 
         // ---- wait for the reductions ----
+        self.fault_point(crate::fault::Phase::Reduce);
         for p in pending {
-            self.finish_reduce(p, &mut exposed)?;
+            self.finish_reduce(p, &mut clock)?;
         }
 
         // ---- loss and gradient norm: one small all-reduce ----
         let sq: f64 = (0..n_units).map(|u| optim::sq_norm(self.own_grads(u))).sum();
         let w = self.reduce.all_reduce(vec![local_loss, sq as f32], ReduceOp::Sum);
-        let sums = self.wait(w, Row::Reduce, "loss+norm", &mut exposed)?;
+        let sums = self.wait(w, Row::Reduce, "loss+norm", &mut clock)?;
         let (loss, total_sq) = (sums[0], sums[1] as f64);
         let coef = match self.cfg.clip_grad_norm {
             Some(max) => optim::clip_coef(total_sq, max),
@@ -544,7 +628,7 @@ impl RankEngine {
                     work,
                     Row::Gather,
                     &format!("all-gather {}", unit_label(&model, u)),
-                    &mut exposed,
+                    &mut clock,
                 )?;
                 self.params[u] = full;
                 self.comm.pool().give(shard);
@@ -556,7 +640,8 @@ impl RankEngine {
             lr,
             step_time: t_step.elapsed(),
             compute_time: compute,
-            comm_exposed: exposed,
+            comm_exposed: clock.exposed,
+            comm_time: union_len(&mut clock.spans),
             peak_bytes: self.mem.peak_total(),
             stats_messages,
             grad_norm: total_sq.sqrt(),
@@ -565,15 +650,15 @@ impl RankEngine {
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer
     /// reads it.
-    fn finish_reduce(&mut self, p: PendingReduce, exposed: &mut Duration) -> Result<()> {
+    fn finish_reduce(&mut self, p: PendingReduce, clock: &mut CommClock) -> Result<()> {
         match p {
             PendingReduce::AllReduce { unit, work } => {
                 let what = format!("all-reduce {}", unit_label(&self.model, unit));
-                self.grads[unit] = self.wait(work, Row::Reduce, &what, exposed)?;
+                self.grads[unit] = self.wait(work, Row::Reduce, &what, clock)?;
             }
             PendingReduce::ReduceScatter { unit, work, alloc } => {
                 let what = format!("reduce-scatter {}", unit_label(&self.model, unit));
-                let (full, shard) = self.wait(work, Row::Reduce, &what, exposed)?;
+                let (full, shard) = self.wait(work, Row::Reduce, &what, clock)?;
                 if self.cfg.stage == Stage::Zero1 {
                     // The persistent full buffer; its own slice holds the result.
                     self.grads[unit] = full;
@@ -653,14 +738,14 @@ impl RankEngine {
     pub fn eval(&mut self, x: Tensor, y: &[u32], global_n: usize) -> Result<(u64, u64, f32)> {
         let n_units = self.layout.units().len();
         let model = Arc::clone(&self.model);
-        let mut exposed = Duration::ZERO;
+        let mut clock = CommClock::default();
         let mut queue = VecDeque::new();
         let mut xin = x;
         for u in 0..n_units {
             let gathered = if self.cfg.stage.gathers_params_per_unit() {
                 let order: Vec<usize> = (u..n_units).collect();
                 self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                Some(self.take_gathered(&mut queue, u, &mut exposed)?)
+                Some(self.take_gathered(&mut queue, u, &mut clock)?)
             } else {
                 None
             };
@@ -813,5 +898,37 @@ impl RankEngine {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ENG-4: communication time is the union of the spans, against a naive per-microsecond
+    /// count.
+    #[test]
+    fn union_len_matches_a_naive_count() {
+        let o = Instant::now();
+        let us = |a: u64| o + Duration::from_micros(a);
+        let cases: Vec<Vec<(u64, u64)>> = vec![
+            vec![],
+            vec![(5, 5)],
+            vec![(0, 10), (20, 30)],
+            vec![(0, 10), (5, 15), (14, 16), (40, 41)],
+            vec![(30, 50), (0, 100), (10, 20)],
+            vec![(7, 9), (1, 3), (3, 7), (60, 61), (60, 62)],
+        ];
+        for c in cases {
+            let mut covered = [false; 128];
+            for &(a, b) in &c {
+                for x in a..b {
+                    covered[x as usize] = true;
+                }
+            }
+            let naive = covered.iter().filter(|x| **x).count() as u64;
+            let mut spans: Vec<_> = c.iter().map(|&(a, b)| (us(a), us(b))).collect();
+            assert_eq!(union_len(&mut spans), Duration::from_micros(naive), "{c:?}");
+        }
     }
 }
