@@ -6,13 +6,21 @@
 //!   coordinator aborts the other ranks' communicators while they are still blocked.
 //! - ACT-2: the first failure reported is the root cause named in the job's error; the
 //!   `Aborted` errors it causes on the other ranks are consequences.
+//! - ACT-3: a rank whose actor thread dies (a panic, an injected kill) reports `rank R died`
+//!   from the actor's drop, so the coordinator aborts the others instead of letting them wait
+//!   for the dead rank until their timeout.
+//! - ACT-4: at the first failure the coordinator captures every rank's recent collectives
+//!   before aborting (see [`crate::doctor`]); on a timeout it prints the hang report.
 
 use crate::checkpoint::{FileEntry, PendingCheckpoint, RankShard};
+use crate::doctor::Diagnosis;
 use crate::engine::{RankEngine, StepStats};
 use crate::error::{Result, RuntimeError};
+use crate::fault::{FaultInjector, Phase};
 use actix::prelude::*;
 use shardline_collectives::Communicator;
 use shardline_models::{Dataset, DistributedSampler};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 /// The data a rank reads its slices from (shared, read-only).
@@ -88,12 +96,19 @@ pub struct RankActor {
     engine: RankEngine,
     data: Arc<RankData>,
     coordinator: Addr<Coordinator>,
+    faults: Option<Arc<FaultInjector>>,
 }
 
 impl RankActor {
     /// A rank actor over an engine.
     pub fn new(engine: RankEngine, data: Arc<RankData>, coordinator: Addr<Coordinator>) -> Self {
-        RankActor { engine, data, coordinator }
+        RankActor { engine, data, coordinator, faults: None }
+    }
+
+    /// Carries a fault plan (`--fault`): step progress and the checkpoint-phase hook.
+    pub fn with_faults(mut self, faults: Option<Arc<FaultInjector>>) -> Self {
+        self.faults = faults;
+        self
     }
 
     fn fail<T>(&self, e: RuntimeError) -> std::result::Result<T, String> {
@@ -132,7 +147,12 @@ impl Handler<Step> for RankActor {
     type Result = std::result::Result<StepStats, String>;
     fn handle(&mut self, m: Step, _: &mut Self::Context) -> Self::Result {
         match self.do_step(&m) {
-            Ok(s) => Ok(s),
+            Ok(s) => {
+                if let Some(f) = &self.faults {
+                    f.step_done(self.engine.rank(), self.engine.steps_done());
+                }
+                Ok(s)
+            }
             Err(e) => self.fail(e),
         }
     }
@@ -153,7 +173,12 @@ impl Handler<Save> for RankActor {
     fn handle(&mut self, m: Save, _: &mut Self::Context) -> Self::Result {
         let shard = self.engine.shard_state();
         match m.0.write_shard(self.engine.rank(), &shard) {
-            Ok(f) => Ok(f),
+            Ok(f) => {
+                if let Some(inj) = &self.faults {
+                    inj.at(self.engine.rank(), self.engine.steps_done(), Phase::Checkpoint);
+                }
+                Ok(f)
+            }
             Err(e) => self.fail(e),
         }
     }
@@ -179,6 +204,19 @@ impl Handler<FullParams> for RankActor {
     }
 }
 
+impl Drop for RankActor {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // ACT-3: the thread is unwinding; the engine (and its lanes) drop after this.
+            let rank = self.engine.rank();
+            self.coordinator.do_send(RankFailed {
+                rank,
+                error: format!("rank {rank} died (its actor thread panicked)"),
+            });
+        }
+    }
+}
+
 impl Handler<Abort> for RankActor {
     type Result = ();
     fn handle(&mut self, m: Abort, _: &mut Self::Context) {
@@ -197,12 +235,26 @@ impl Handler<Shutdown> for RankActor {
 pub struct Coordinator {
     comms: Vec<Communicator>,
     root_cause: Arc<Mutex<Option<(usize, String)>>>,
+    faults: Option<Arc<FaultInjector>>,
+    dump: Option<PathBuf>,
 }
 
 impl Coordinator {
     /// A coordinator for the communicators of every rank of the job.
     pub fn new(comms: Vec<Communicator>) -> Self {
-        Coordinator { comms, root_cause: Arc::default() }
+        Coordinator { comms, root_cause: Arc::default(), faults: None, dump: None }
+    }
+
+    /// Reports failures to a fault plan's injector and writes the collective-state dump
+    /// (`--dump-on-failure`) at the first failure.
+    pub fn with_supervision(
+        mut self,
+        faults: Option<Arc<FaultInjector>>,
+        dump: Option<PathBuf>,
+    ) -> Self {
+        self.faults = faults;
+        self.dump = dump;
+        self
     }
 
     /// Shared slot holding the first failure (rank, cause), readable after the job.
@@ -224,6 +276,19 @@ impl Handler<RankFailed> for Coordinator {
         }
         tracing::error!(rank = m.rank, error = %m.error, "rank failed; aborting every communicator");
         let reason = format!("rank {} failed: {}", m.rank, m.error);
+        // ACT-4: the state at the failure, before the abort ends every op.
+        let diag = Diagnosis::capture(&self.comms, m.rank, &m.error);
+        if diag.is_timeout() {
+            eprintln!("{}", diag.report());
+        }
+        if let Some(p) = &self.dump {
+            if let Err(e) = diag.write(p) {
+                tracing::warn!("{e}");
+            }
+        }
+        if let Some(f) = &self.faults {
+            f.failure_detected(m.rank, &m.error);
+        }
         *slot = Some((m.rank, m.error));
         for c in &self.comms {
             c.abort(&reason);

@@ -35,12 +35,16 @@
 
 pub mod actors;
 pub mod checkpoint;
+pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod launch;
+pub mod fault;
 pub mod memory;
 pub mod optim;
 pub mod schedule;
 pub mod shard;
+pub mod supervise;
 pub mod telemetry;
 pub mod train;
 

@@ -108,6 +108,10 @@ pub struct TrainConfig {
     pub threads: usize,
     /// Collective timeout.
     pub timeout_s: u64,
+    /// Artificial bandwidth of each link between ranks in bytes per second (local
+    /// transport); `None`: unlimited unless `SHARDLINE_LINK_RATE` says otherwise. Changes
+    /// timing only, never results.
+    pub link_rate: Option<u64>,
 }
 
 /// Where a run writes things; not part of the configuration hash.
@@ -129,6 +133,10 @@ pub struct RunOptions {
     pub stop_after: Option<u64>,
     /// Print the summary.
     pub quiet: bool,
+    /// Fault plan being injected (`--fault`), shared across restarts.
+    pub faults: Option<Arc<crate::fault::FaultInjector>>,
+    /// Write every rank's recent collectives here at the first failure (`--dump-on-failure`).
+    pub dump_on_failure: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -163,6 +171,7 @@ impl Default for TrainConfig {
             wrap_params: 0,
             threads: 1,
             timeout_s: 60,
+            link_rate: None,
         }
     }
 }
@@ -593,8 +602,17 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
-    let comms = local_group_with_topology(Topology::single_node(cfg.world), copts)?;
+    if cfg.link_rate.is_some() {
+        copts.link_rate(cfg.link_rate);
+    }
+    let comms = match &opts.faults {
+        Some(f) => f.local_group(Topology::single_node(cfg.world), copts)?,
+        None => local_group_with_topology(Topology::single_node(cfg.world), copts)?,
+    };
     let trace = if opts.trace.is_some() { Trace::new() } else { Trace::disabled() };
+    if let Some(f) = &opts.faults {
+        f.attach_trace(&trace);
+    }
 
     // Build every engine concurrently: opening lanes is collective.
     let engines: Vec<Result<RankEngine>> = std::thread::scope(|s| {
@@ -613,7 +631,10 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
             })
             .collect()
     });
-    let engines: Vec<RankEngine> = engines.into_iter().collect::<Result<_>>()?;
+    let mut engines: Vec<RankEngine> = engines.into_iter().collect::<Result<_>>()?;
+    if let Some(f) = &opts.faults {
+        engines.iter_mut().for_each(|e| e.set_fault_hook(f.hook()));
+    }
     let trackers: Vec<MemoryTracker> = engines.iter().map(|e| e.memory().clone()).collect();
 
     let system = actix::System::new();
@@ -731,13 +752,15 @@ where
 
 async fn drive(mut a: DriveArgs) -> Result<Summary> {
     let started = Instant::now();
-    let coordinator = Coordinator::new(a.comms.clone());
+    let coordinator = Coordinator::new(a.comms.clone())
+        .with_supervision(a.opts.faults.clone(), a.opts.dump_on_failure.clone());
     let root = coordinator.root_cause_slot();
     let coord = coordinator.start();
     let mut addrs = Vec::new();
     for e in std::mem::take(&mut a.engines) {
         let slot = std::sync::Mutex::new(Some(e));
         let (data, coord) = (Arc::clone(&a.data), coord.clone());
+        let faults = a.opts.faults.clone();
         let slot = Arc::new(slot);
         addrs.push(SyncArbiter::start(1, move || {
             let e = slot.lock().ok().and_then(|mut s| s.take());
@@ -747,6 +770,7 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
                 Arc::clone(&data),
                 coord.clone(),
             )
+            .with_faults(faults.clone())
         }));
     }
     let world = a.cfg.world;
@@ -819,6 +843,8 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
         let st_max = stats.iter().map(|s| s.step_time.as_secs_f64()).fold(0.0, f64::max);
         let exp_mean =
             stats.iter().map(|s| s.comm_exposed.as_secs_f64()).sum::<f64>() / stats.len() as f64;
+        let comm_mean =
+            stats.iter().map(|s| s.comm_time.as_secs_f64()).sum::<f64>() / stats.len() as f64;
         let peak = stats.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
         let s0 = stats[0].clone();
         metrics::histogram!("shardline_step_seconds").record(st_max);
@@ -830,6 +856,7 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
             let line = serde_json::json!({
                 "step": done, "epoch": epoch, "loss": s0.loss, "lr": s0.lr, "step_time_s": st_max,
                 "comm_exposed_s": exp_mean, "compute_s": s0.compute_time.as_secs_f64(),
+                "comm_s": comm_mean,
                 "peak_bytes": peak, "stats_messages": s0.stats_messages, "grad_norm": s0.grad_norm,
             });
             writeln!(w, "{line}")

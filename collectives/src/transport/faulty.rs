@@ -222,6 +222,9 @@ impl Transport for FaultyTransport {
     }
 }
 
+/// A sink owned by the wrapper (it buffers a frame until its crc is checked).
+type BoxSink<'a> = Box<dyn FnMut(usize, &[u8]) + 'a>;
+
 struct FaultyLinks {
     inner: Box<dyn LaneLinks>,
     rank: usize,
@@ -330,7 +333,7 @@ impl LaneLinks for FaultyLinks {
         // Receive into 4-byte-aligned words so that the caller's sink sees aligned pieces (TR-2).
         let mut bufs: Vec<Vec<u32>> = recvs.iter().map(|r| vec![0u32; r.len / 4 + 1]).collect();
         {
-            let mut sinks: Vec<Box<dyn FnMut(usize, &[u8]) + '_>> = bufs
+            let mut sinks: Vec<BoxSink<'_>> = bufs
                 .iter_mut()
                 .map(|b| {
                     let bytes: &mut [u8] = bytemuck::cast_slice_mut(b.as_mut_slice());
@@ -338,7 +341,7 @@ impl LaneLinks for FaultyLinks {
                         if let Some(dst) = bytes.get_mut(off..off + piece.len()) {
                             dst.copy_from_slice(piece);
                         }
-                    }) as Box<dyn FnMut(usize, &[u8])>
+                    }) as BoxSink<'_>
                 })
                 .collect();
             let mut inner_recvs: Vec<RecvOp<'_>> = recvs

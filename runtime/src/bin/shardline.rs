@@ -3,7 +3,7 @@
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use shardline_runtime::shard::Stage;
-use shardline_runtime::train::{self, RunOptions, StageChoice, SyncBnMode, TrainConfig};
+use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
 use shardline_runtime::RuntimeError;
 use std::path::PathBuf;
 
@@ -32,6 +32,11 @@ enum Cmd {
     /// Inspect or export checkpoints.
     #[command(subcommand)]
     Checkpoint(CheckpointCmd),
+    /// Print the hang/desync report from a failure dump (`train --dump-on-failure FILE`).
+    Doctor {
+        /// The dump file.
+        dump: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -135,6 +140,11 @@ struct TrainArgs {
     /// Per-rank memory cap like a GPU's (e.g. 512M, 2G): exceeding it is an OutOfMemory error.
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
+    /// Artificial bandwidth of each link between ranks (e.g. 1gbit, 200MB/s; default
+    /// unlimited, or env SHARDLINE_LINK_RATE), so that communication costs what a network
+    /// would.
+    #[arg(long, value_parser = shardline_collectives::config::parse_rate)]
+    link_rate: Option<u64>,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
     #[arg(long)]
     hidden: Option<usize>,
@@ -189,6 +199,21 @@ struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Inject a fault (repeatable): kill:rank=R:step=S[:phase=forward|backward|reduce|checkpoint],
+    /// stall:rank=R:step=S:secs=T, delay:link=A-B:ms=M[:jitter=J], drop:link=A-B:p=P,
+    /// corrupt:link=A-B:p=P (partition:node=N:step=S:secs=T needs `shardline launch`).
+    #[arg(long = "fault", value_name = "SPEC")]
+    faults: Vec<String>,
+    /// Seed of every random fault decision.
+    #[arg(long, default_value_t = 0)]
+    fault_seed: u64,
+    /// Restart the rank group from the last checkpoint up to N times after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// At the first failure, write every rank's recent collectives to this JSON file
+    /// (read it with `shardline doctor FILE`).
+    #[arg(long)]
+    dump_on_failure: Option<PathBuf>,
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -260,6 +285,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         wrap_params: a.wrap_params,
         threads: a.threads,
         timeout_s: a.timeout,
+        link_rate: a.link_rate,
     })
 }
 
@@ -331,6 +357,18 @@ fn main() {
                     std::process::exit(2);
                 }
             }
+            let plan = match shardline_runtime::fault::FaultPlan::parse(&a.faults, a.fault_seed)
+                .map_err(|e| e.to_string())
+                .and_then(|p| p.validate(cfg.world).map(|_| p).map_err(|e| e.to_string()))
+            {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            };
+            let injector = (!plan.faults.is_empty())
+                .then(|| shardline_runtime::fault::FaultInjector::new(plan));
             let opts = RunOptions {
                 checkpoint_dir: a.checkpoint_dir.clone(),
                 checkpoint_every: a.checkpoint_every,
@@ -340,11 +378,24 @@ fn main() {
                 progress: !a.no_progress,
                 stop_after: a.stop_after,
                 quiet: false,
+                faults: None,
+                dump_on_failure: a.dump_on_failure.clone(),
             };
-            match train::run(cfg, opts) {
+            let sup =
+                shardline_runtime::supervise::run_supervised(cfg, opts, injector, a.max_restarts);
+            sup.print();
+            let faults = sup.fault_summary();
+            match sup.result {
                 Ok(summary) => {
                     if let Some(p) = &a.summary_json {
-                        let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
+                        let mut v = serde_json::to_value(&summary).unwrap_or_default();
+                        if let Some(o) = v.as_object_mut() {
+                            o.insert(
+                                "faults".into(),
+                                serde_json::to_value(&faults).unwrap_or_default(),
+                            );
+                        }
+                        let text = serde_json::to_string_pretty(&v).unwrap_or_default();
                         if let Err(e) = std::fs::write(p, text) {
                             eprintln!("error: writing {}: {e}", p.display());
                             std::process::exit(1);
@@ -358,6 +409,16 @@ fn main() {
                 }
             }
         }
+        Cmd::Doctor { dump } => match shardline_runtime::doctor::Diagnosis::load(&dump) {
+            Ok(d) => {
+                print!("{}", d.report());
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
         Cmd::Checkpoint(c) => match checkpoint_cmd(c) {
             Ok(()) => 0,
             Err(e) => {
