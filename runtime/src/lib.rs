@@ -38,7 +38,6 @@ pub mod checkpoint;
 pub mod doctor;
 pub mod engine;
 pub mod error;
-pub mod launch;
 pub mod fault;
 pub mod memory;
 pub mod optim;
