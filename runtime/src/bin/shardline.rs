@@ -37,6 +37,38 @@ enum Cmd {
         /// The dump file.
         dump: PathBuf,
     },
+    /// Start one `train` process per rank on this node (run one agent per node).
+    ///
+    /// Examples:
+    ///   shardline launch --nproc-per-node 4 -- train --steps 50
+    ///   shardline launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T -- train
+    Launch(LaunchArgs),
+}
+
+/// `shardline launch`.
+#[derive(Args, Debug)]
+struct LaunchArgs {
+    /// Worker processes on this node.
+    #[arg(long)]
+    nproc_per_node: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index (0 hosts the rendezvous store).
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Rendezvous store HOST:PORT (node 0's address); required for several nodes.
+    #[arg(long)]
+    rdzv: Option<String>,
+    /// Job token (else SHARDLINE_TOKEN); required for several nodes, generated for one.
+    #[arg(long)]
+    token: Option<String>,
+    /// Seconds the other workers get to exit on their own after one died.
+    #[arg(long, default_value_t = 2.0)]
+    grace_s: f64,
+    /// The worker command: `train ...`.
+    #[arg(last = true, required = true)]
+    worker: Vec<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -375,6 +407,9 @@ fn main() {
                 faults: None,
                 dump_on_failure: a.dump_on_failure.clone(),
             };
+            if let Some(code) = worker_mode(&a, &cfg, &opts) {
+                std::process::exit(code);
+            }
             let sup =
                 shardline_runtime::supervise::run_supervised(cfg, opts, injector, a.max_restarts);
             sup.print();
@@ -403,6 +438,7 @@ fn main() {
                 }
             }
         }
+        Cmd::Launch(l) => launch_cmd(l),
         Cmd::Doctor { dump } => match shardline_runtime::doctor::Diagnosis::load(&dump) {
             Ok(d) => {
                 print!("{}", d.report());
@@ -452,4 +488,55 @@ fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
+}
+
+/// `shardline train` as one rank of a multi-process job, when a launch environment is set
+/// (`shardline launch`, torchrun or Slurm variables); `None` otherwise.
+fn worker_mode(a: &TrainArgs, cfg: &TrainConfig, opts: &RunOptions) -> Option<i32> {
+    use shardline_runtime::launch::{run_worker, WorkerEnv};
+    let env = match WorkerEnv::from_env() {
+        Ok(Some(env)) => env,
+        Ok(None) => return None,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Some(2);
+        }
+    };
+    let mut opts = opts.clone();
+    opts.progress = opts.progress && env.rank == 0;
+    match run_worker(cfg.clone(), opts, &env) {
+        Ok(summary) => {
+            if let (Some(p), 0) = (&a.summary_json, env.rank) {
+                let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
+                if let Err(e) = std::fs::write(p, text) {
+                    eprintln!("error: writing {}: {e}", p.display());
+                    return Some(1);
+                }
+            }
+            Some(0)
+        }
+        Err(e) => {
+            eprintln!("error: rank {}: {e}", env.rank);
+            Some(exit_for(&e))
+        }
+    }
+}
+
+fn launch_cmd(l: LaunchArgs) -> i32 {
+    let o = shardline_runtime::launch::LaunchOptions {
+        nproc_per_node: l.nproc_per_node,
+        nnodes: l.nnodes,
+        node_rank: l.node_rank,
+        rdzv: l.rdzv,
+        token: l.token,
+        worker_args: l.worker,
+        grace: std::time::Duration::from_secs_f64(l.grace_s.clamp(0.0, 3600.0)),
+    };
+    match shardline_runtime::launch::run_agent(&o) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
 }
