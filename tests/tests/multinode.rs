@@ -1,0 +1,402 @@
+//! `shardline launch` across processes and nodes. Each "node" is a network namespace with a
+//! veth link to a bridge of its own (addresses 10.x in those namespaces only), so that ranks
+//! of different nodes really talk over TCP between hosts, while ranks of one node use shared
+//! memory (LAUNCH-2). Needs root and `ip netns`; without them the namespace tests print why
+//! they are skipped. Everything created is removed in `Drop`, also when a test fails.
+//!
+//! The tests run the `shardline` binary of this workspace's target directory (built by
+//! `cargo build -p shardline-runtime`, or `cargo test --workspace`). Every process carries a
+//! deadline and is killed when it passes.
+
+use shardline_runtime::checkpoint::Checkpoint;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(120);
+
+fn shardline() -> PathBuf {
+    if let Ok(p) = std::env::var("SHARDLINE_BIN") {
+        return PathBuf::from(p);
+    }
+    // target/<profile>/deps/multinode-HASH -> target/<profile>/shardline
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let bin = dir.join("shardline");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build -p shardline-runtime` first (or set SHARDLINE_BIN)",
+        bin.display()
+    );
+    bin
+}
+
+/// Waits for `child` until `deadline`, killing it (SIGKILL) when the deadline passes.
+fn wait_output(mut child: Child, deadline: Instant, what: &str) -> Output {
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let out = child.wait_with_output().expect("collect output");
+                panic!(
+                    "{what} did not finish in time; stderr:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("{what}: wait failed: {e}"),
+        }
+    }
+    child.wait_with_output().expect("collect output")
+}
+
+fn spawn(mut cmd: Command) -> Child {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
+}
+
+fn summary(path: &Path) -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).expect("summary json")
+}
+
+fn losses(v: &serde_json::Value) -> Vec<f64> {
+    v["losses"].as_array().expect("losses").iter().filter_map(|x| x.as_f64()).collect()
+}
+
+/// Training flags shared by the one-process reference and the launched job.
+fn train_args(steps: u64, dir: &Path, tag: &str) -> Vec<String> {
+    [
+        "train",
+        "--model",
+        "mlp-bn",
+        "--dataset",
+        "digits",
+        "--batch-size",
+        "48",
+        "--steps",
+        &steps.to_string(),
+        "--sync-bn",
+        "on",
+        "--no-progress",
+        "--timeout",
+        "20",
+        "--summary-json",
+        &dir.join(format!("{tag}.json")).to_string_lossy(),
+        "--checkpoint-dir",
+        &dir.join(format!("ck-{tag}")).to_string_lossy(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The one-process run (`shardline train --world W`) of the same job.
+fn reference(world: usize, steps: u64, dir: &Path) -> serde_json::Value {
+    let mut cmd = Command::new(shardline());
+    cmd.args(train_args(steps, dir, "one")).args(["--world", &world.to_string()]);
+    let out = wait_output(spawn(cmd), Instant::now() + DEADLINE, "one-process train");
+    assert!(out.status.success(), "reference failed: {}", String::from_utf8_lossy(&out.stderr));
+    summary(&dir.join("one.json"))
+}
+
+/// Losses, accuracy and the committed final parameters of the launched job equal the
+/// one-process run within float tolerance (the hierarchical sums differ in order only).
+fn assert_matches_reference(dir: &Path, world: usize) {
+    let one = summary(&dir.join("one.json"));
+    let multi = summary(&dir.join("multi.json"));
+    let (a, b) = (losses(&one), losses(&multi));
+    assert_eq!(a.len(), b.len(), "step counts differ");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "step {i}: loss {x} vs {y}");
+    }
+    let (p, q) = (one["test_accuracy"].as_f64(), multi["test_accuracy"].as_f64());
+    assert!(p.is_some() && (p.unwrap_or(0.0) - q.unwrap_or(-1.0)).abs() <= 1.0 / 359.0 + 1e-9);
+    let open = |tag: &str| {
+        let root = dir.join(format!("ck-{tag}"));
+        let latest = shardline_runtime::checkpoint::latest(&root)
+            .expect("list checkpoints")
+            .unwrap_or_else(|| panic!("no checkpoint in {}", root.display()));
+        Checkpoint::open(latest).expect("open checkpoint")
+    };
+    let (c1, c2) = (open("one"), open("multi"));
+    assert_eq!(c2.manifest().world, world);
+    c2.verify().expect("launched checkpoint verifies");
+    let (u1, u2) = (c1.consolidate().expect("consolidate"), c2.consolidate().expect("consolidate"));
+    assert_eq!(u1.len(), u2.len());
+    for (k, (x, y)) in u1.iter().zip(&u2).enumerate() {
+        assert_eq!(x.params.len(), y.params.len());
+        for (i, (p, q)) in x.params.iter().zip(&y.params).enumerate() {
+            assert!((p - q).abs() <= 1e-4 * p.abs().max(1.0), "unit {k} param {i}: {p} vs {q}");
+        }
+    }
+}
+
+/// LAUNCH-3, LAUNCH-4 on one machine without namespaces: `launch --nproc-per-node 2`
+/// (shared memory between the processes) matches `train --world 2`.
+#[test]
+fn launch_two_processes_matches_one_process_run() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    reference(2, 12, dir);
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", "2", "--"]).args(train_args(12, dir, "multi"));
+    let out = wait_output(spawn(cmd), Instant::now() + DEADLINE, "launch");
+    assert!(out.status.success(), "launch failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_matches_reference(dir, 2);
+}
+
+/// LAUNCH-1: torchrun-style environments with different flags on two ranks fail at start-up
+/// on both, naming the rank that differs.
+#[test]
+fn mismatched_configs_fail_at_start_up() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+        l.local_addr().expect("addr").port()
+    };
+    let children: Vec<Child> = (0..2)
+        .map(|r| {
+            let mut cmd = Command::new(shardline());
+            cmd.args(["train", "--steps", "3", "--no-progress", "--timeout", "10"])
+                .args(["--lr", if r == 0 { "0.05" } else { "0.07" }])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", r.to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("SHARDLINE_TOKEN", "mismatch-test");
+            spawn(cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    for (r, c) in children.into_iter().enumerate() {
+        let out = wait_output(c, deadline, "worker");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "rank {r} should fail");
+        assert!(err.contains("configuration mismatch") && err.contains("[1]"), "rank {r}: {err}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Network namespaces
+// ---------------------------------------------------------------------------------------------
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Nodes as namespaces on one bridge; removed on drop.
+struct Net {
+    bridge: String,
+    namespaces: Vec<String>,
+    subnet: String,
+}
+
+impl Net {
+    /// `nodes` namespaces `10.<a>.<b>.1..` on a bridge; `Err` says why it cannot be built.
+    fn new(nodes: usize, rate: Option<&str>) -> Result<Net, String> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        if !is_root() {
+            return Err("not root".into());
+        }
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let id = (std::process::id() % 10_000) * 16 + n;
+        let mut net = Net {
+            bridge: format!("slb{id}"),
+            namespaces: Vec::new(),
+            subnet: format!("10.{}.{}", 100 + (id / 250) % 150, id % 250),
+        };
+        ip(&["link", "add", &net.bridge, "type", "bridge"])?;
+        ip(&["link", "set", &net.bridge, "up"])?;
+        for i in 0..nodes {
+            let ns = format!("sln{id}-{i}");
+            ip(&["netns", "add", &ns])?;
+            net.namespaces.push(ns.clone());
+            let (host, inner) = (format!("slh{id}-{i}"), format!("sli{id}-{i}"));
+            ip(&["link", "add", &host, "type", "veth", "peer", "name", &inner])?;
+            ip(&["link", "set", &inner, "netns", &ns])?;
+            ip(&["link", "set", &host, "master", &net.bridge, "up"])?;
+            let addr = format!("{}.{}/24", net.subnet, i + 1);
+            ip(&["-n", &ns, "addr", "add", &addr, "dev", &inner])?;
+            ip(&["-n", &ns, "link", "set", &inner, "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            if let Some(rate) = rate {
+                let out = Command::new("ip")
+                    .args(["netns", "exec", &ns, "tc", "qdisc", "add", "dev", &inner, "root"])
+                    .args(["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"])
+                    .output()
+                    .map_err(|e| format!("tc: {e}"))?;
+                if !out.status.success() {
+                    return Err(format!("tc: {}", String::from_utf8_lossy(&out.stderr)));
+                }
+            }
+        }
+        Ok(net)
+    }
+
+    fn addr(&self, node: usize) -> String {
+        format!("{}.{}", self.subnet, node + 1)
+    }
+
+    /// `shardline launch` for `node` inside its namespace.
+    fn launch(&self, node: usize, nproc: usize, port: u16, args: &[String]) -> Child {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.namespaces[node]])
+            .arg(shardline())
+            .args(["launch", "--nproc-per-node", &nproc.to_string()])
+            .args(["--nnodes", &self.namespaces.len().to_string()])
+            .args(["--node-rank", &node.to_string()])
+            .args(["--rdzv", &format!("{}:{port}", self.addr(0))])
+            .args(["--token", "multinode-test", "--"])
+            .args(args);
+        spawn(cmd)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            // Deleting a namespace removes its end of the veth pair, and with it the other.
+            let _ = ip(&["netns", "del", ns]);
+        }
+        let _ = ip(&["link", "del", &self.bridge]);
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn net_or_skip(nodes: usize, test: &str) -> Option<Net> {
+    match Net::new(nodes, None) {
+        Ok(n) => Some(n),
+        Err(why) => {
+            println!("SKIPPED {test}: cannot build network namespaces ({why})");
+            eprintln!("SKIPPED {test}: cannot build network namespaces ({why})");
+            None
+        }
+    }
+}
+
+/// Runs `nodes x nproc` ranks over namespaces and checks them against `train --world W`.
+fn multinode_matches(nodes: usize, nproc: usize, test: &str) {
+    let Some(net) = net_or_skip(nodes, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    reference(nodes * nproc, 10, dir);
+    let args = train_args(10, dir, "multi");
+    let port = 29_500;
+    let children: Vec<Child> = (0..nodes).map(|k| net.launch(k, nproc, port, &args)).collect();
+    let deadline = Instant::now() + DEADLINE;
+    for (k, c) in children.into_iter().enumerate() {
+        let out = wait_output(c, deadline, &format!("launch on node {k}"));
+        assert!(
+            out.status.success(),
+            "node {k} failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if k == 0 {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains(&format!("on {nodes} node(s)")), "topology: {text}");
+        }
+    }
+    assert_matches_reference(dir, nodes * nproc);
+}
+
+/// LAUNCH-2, HYB-2 end to end: 2 nodes x 2 processes equal the one-process run.
+#[test]
+fn two_nodes_by_two_processes_match_one_process_run() {
+    multinode_matches(2, 2, "two_nodes_by_two_processes_match_one_process_run");
+}
+
+/// 3 nodes x 1 process (tcp only, no shm part) equal the one-process run.
+#[test]
+fn three_nodes_by_one_process_match_one_process_run() {
+    multinode_matches(3, 1, "three_nodes_by_one_process_match_one_process_run");
+}
+
+/// Pids of the direct children of `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|s| s.parse().ok())
+        .collect()
+}
+
+fn rank_of(pid: u32) -> Option<usize> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .filter_map(|kv| std::str::from_utf8(kv).ok())
+        .find_map(|kv| kv.strip_prefix("SHARDLINE_RANK="))
+        .and_then(|v| v.parse().ok())
+}
+
+/// LAUNCH-5, TR-4: a worker killed with SIGKILL mid-run makes every other rank stop with an
+/// error naming it (well before the collective timeout's deadline here), and both launches
+/// exit non-zero; node 1's agent reports the signal.
+#[test]
+fn killed_worker_stops_every_rank_naming_it() {
+    let test = "killed_worker_stops_every_rank_naming_it";
+    let Some(net) = net_or_skip(2, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let mut args = train_args(1_000_000, dir, "kill");
+    // Progress lines tell when training runs; a long timeout shows detection does not wait
+    // for it.
+    args.retain(|a| a != "--no-progress");
+    let t = args.iter().position(|a| a == "--timeout").expect("timeout flag");
+    args[t + 1] = "30".into();
+    let children: Vec<Child> = (0..2).map(|k| net.launch(k, 2, 29_501, &args)).collect();
+    let victim_rank = 3;
+    let deadline = Instant::now() + DEADLINE;
+    let agent1 = children[1].id();
+    let victim = loop {
+        assert!(Instant::now() < deadline, "workers of node 1 never appeared");
+        let found = children_of(agent1).into_iter().find(|&p| rank_of(p) == Some(victim_rank));
+        if let Some(p) = found {
+            break p;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Let training get going (rendezvous, lanes, a few steps) before the kill.
+    std::thread::sleep(Duration::from_secs(2));
+    let killed_at = Instant::now();
+    let _ = Command::new("kill").args(["-KILL", &victim.to_string()]).status();
+    let mut stderr = String::new();
+    for (k, c) in children.into_iter().enumerate() {
+        let out = wait_output(c, deadline, &format!("launch on node {k}"));
+        assert!(!out.status.success(), "node {k} should exit non-zero");
+        stderr.push_str(&String::from_utf8_lossy(&out.stderr));
+    }
+    let took = killed_at.elapsed();
+    println!("all launches exited {took:?} after the kill (collective timeout 30 s)");
+    assert!(
+        stderr.contains(&format!("rank {victim_rank} exited with signal 9 (SIGKILL)")),
+        "agent report: {stderr}"
+    );
+    for r in [0usize, 1, 2] {
+        let line = stderr
+            .lines()
+            .find(|l| l.starts_with(&format!("error: rank {r}: ")))
+            .unwrap_or_else(|| panic!("rank {r} reported no error:\n{stderr}"));
+        assert!(line.contains(&format!("rank {victim_rank}")), "rank {r}: {line}");
+    }
+}
