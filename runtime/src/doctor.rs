@@ -78,7 +78,8 @@ impl Diagnosis {
 
     /// Whether the failure was a timeout (the case the report is for).
     pub fn is_timeout(&self) -> bool {
-        self.error.contains("timed out") || self.error.contains("Timeout")
+        let e = self.error.to_ascii_lowercase();
+        e.contains("timed out") || e.contains("timeout")
     }
 
     /// Per lane: the highest seq each rank has started (`None`: none in the ring).

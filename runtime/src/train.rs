@@ -740,6 +740,14 @@ where
         return Err(RuntimeError::config(msg));
     }
     Ok(out)
+        // A dead rank's reply channel closes before its death notice reaches the coordinator
+        // (ACT-3): give the notice a moment so that the root cause is the one named.
+        for _ in 0..400 {
+            if root.lock().map(|s| s.is_some()).unwrap_or(true) {
+                break;
+            }
+            actix::clock::sleep(Duration::from_millis(5)).await;
+        }
 }
 
 async fn drive(mut a: DriveArgs) -> Result<Summary> {
