@@ -732,14 +732,6 @@ where
         }
     }
     if let Some(e) = first_err {
-        let cause = root.lock().ok().and_then(|s| s.clone());
-        let msg = match cause {
-            Some((rank, c)) => format!("{what} failed: rank {rank} failed first: {c}"),
-            None => format!("{what} failed: {e}"),
-        };
-        return Err(RuntimeError::config(msg));
-    }
-    Ok(out)
         // A dead rank's reply channel closes before its death notice reaches the coordinator
         // (ACT-3): give the notice a moment so that the root cause is the one named.
         for _ in 0..400 {
@@ -748,6 +740,14 @@ where
             }
             actix::clock::sleep(Duration::from_millis(5)).await;
         }
+        let cause = root.lock().ok().and_then(|s| s.clone());
+        let msg = match cause {
+            Some((rank, c)) => format!("{what} failed: rank {rank} failed first: {c}"),
+            None => format!("{what} failed: {e}"),
+        };
+        return Err(RuntimeError::config(msg));
+    }
+    Ok(out)
 }
 
 async fn drive(mut a: DriveArgs) -> Result<Summary> {
