@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod collectives;
 mod limits;
 mod memory;
+mod overlap;
 mod report;
 mod syncbn;
 
@@ -33,6 +34,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench memory --world 1,2,4 --params 2M --json memory.json
     Memory(memory::Args),
+    /// Stage 3 overlap: compute, communication, step and exposed communication time per
+    /// prefetch depth under a per-link bandwidth limit; SVG timeline of one step per rank.
+    ///
+    /// Example: shardline-bench overlap --world 2 --json overlap.json --timeline overlap.svg
+    Overlap(overlap::Args),
     /// One rank of a multi-process collectives run (started by `collectives`).
     #[command(hide = true)]
     CollectivesWorker(collectives::WorkerArgs),
@@ -52,6 +58,7 @@ fn main() {
         Cmd::CollectivesWorker(a) => collectives::worker(a),
         Cmd::Syncbn(a) => syncbn::run(a),
         Cmd::Memory(a) => memory::run(a),
+        Cmd::Overlap(a) => overlap::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

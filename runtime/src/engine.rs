@@ -2,7 +2,9 @@
 //!
 //! Stage 3 (FSDP full shard), per step (ARCHITECTURE.md, "Schedule"):
 //! - forward, unit i: wait gather(i) -> issue gather(i+1..=i+k) (prefetch depth k, bounded by
-//!   a byte budget) -> compute -> free the gathered parameters;
+//!   a byte budget) -> compute -> free the gathered parameters, unless they are kept for
+//!   backward (ENG-5: the head, and with prefetch >= 1 the last block, go from forward
+//!   straight into backward, so the first backward gather is not exposed);
 //! - backward, unit i (reverse): issue gather(i-1) before computing -> wait gather(i) ->
 //!   compute gradients -> free parameters -> issue reduce-scatter(grads i) on the `reduce` lane
 //!   and go on without waiting;
@@ -22,6 +24,11 @@
 //!   thread, WORK-1; SyncBN statistics reductions by their blocking call). Exposed
 //!   communication is the time the step was blocked waiting, so it never exceeds the
 //!   communication time by more than the wake-up latency of a wait.
+//! - ENG-5 (stage 3): gathered parameters resident or in flight (queued gathers, units kept
+//!   for a later use, the unit in use) never exceed the prefetch byte budget, except that the
+//!   unit needed now is always gathered. A unit used again later in the step is kept, not
+//!   freed and gathered again, when it, the units used in between and the units already
+//!   kept fit the budget together (the head; with prefetch >= 1 also the last block).
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -136,6 +143,20 @@ fn union_len(spans: &mut [(Instant, Instant)]) -> Duration {
 struct Gathered {
     full: Vec<f32>,
     _alloc: Allocation,
+}
+
+/// Stage 3's gathered units over one pass: `uses` lists the units in order of use (a
+/// step: forward 0..n, then backward n-1..0).
+struct GatherPlan {
+    uses: Vec<usize>,
+    queue: VecDeque<PendingGather>,
+    held: Vec<(usize, Gathered)>,
+}
+
+impl GatherPlan {
+    fn new(uses: Vec<usize>) -> Self {
+        GatherPlan { uses, queue: VecDeque::new(), held: Vec::new() }
+    }
 }
 
 struct PendingGather {
@@ -381,27 +402,82 @@ impl RankEngine {
         self.layout.unit(unit).padded_numel() as u64 * 4
     }
 
-    /// Keeps the gather queue filled up to the prefetch depth and byte budget. `order` is the
-    /// sequence of units still to be used, first = the one needed next.
+    /// Bytes of gathered parameters resident or in flight: queued gathers, held units and
+    /// the unit in use.
+    fn resident_bytes(&self, plan: &GatherPlan, current: Option<usize>) -> u64 {
+        let queued: u64 = plan.queue.iter().map(|p| self.gathered_bytes(p.unit)).sum();
+        let held: u64 = plan.held.iter().map(|(u, _)| self.gathered_bytes(*u)).sum();
+        queued + held + current.map_or(0, |u| self.gathered_bytes(u))
+    }
+
+    /// Issues gathers for the next `depth` distinct units used from `plan.uses[from]` on
+    /// (other than `current`, the unit in use), within the byte budget (ENG-5). Units
+    /// already queued or held count towards the depth without a new gather.
     fn fill_gathers(
         &self,
-        queue: &mut VecDeque<PendingGather>,
-        order: &[usize],
+        plan: &mut GatherPlan,
+        from: usize,
+        current: Option<usize>,
         depth: usize,
     ) -> Result<()> {
-        for &u in order.iter().take(depth) {
-            if queue.iter().any(|p| p.unit == u) {
-                continue;
-            }
-            let in_flight: u64 = queue.iter().map(|p| self.gathered_bytes(p.unit)).sum();
-            if !queue.is_empty()
-                && in_flight + self.gathered_bytes(u) > self.cfg.prefetch_budget_bytes
-            {
+        let mut counted: Vec<usize> = Vec::with_capacity(depth);
+        for i in from..plan.uses.len() {
+            let u = plan.uses[i];
+            if counted.len() >= depth {
                 break;
             }
-            queue.push_back(self.issue_gather(u)?);
+            if Some(u) == current || counted.contains(&u) {
+                continue;
+            }
+            counted.push(u);
+            if plan.queue.iter().any(|p| p.unit == u) || plan.held.iter().any(|(h, _)| *h == u) {
+                continue;
+            }
+            let resident = self.resident_bytes(plan, current);
+            if resident > 0 && resident + self.gathered_bytes(u) > self.cfg.prefetch_budget_bytes {
+                break;
+            }
+            plan.queue.push_back(self.issue_gather(u)?);
         }
         Ok(())
+    }
+
+    /// The gathered parameters for use `i` of the plan: held from an earlier use, or
+    /// gathered (issued now unless prefetched). The next uses' gathers go out before the
+    /// wait, so the gather lane never idles while this rank waits.
+    fn acquire(&self, plan: &mut GatherPlan, i: usize, clock: &mut CommClock) -> Result<Gathered> {
+        let u = plan.uses[i];
+        let k = self.cfg.prefetch;
+        if let Some(pos) = plan.held.iter().position(|(h, _)| *h == u) {
+            let (_, g) = plan.held.swap_remove(pos);
+            self.fill_gathers(plan, i + 1, Some(u), k)?;
+            return Ok(g);
+        }
+        self.fill_gathers(plan, i, None, 1 + k)?;
+        let g = self.take_gathered(&mut plan.queue, u, clock)?;
+        self.fill_gathers(plan, i + 1, Some(u), k)?;
+        Ok(g)
+    }
+
+    /// After use `i`: keeps the unit's gathered parameters when it is used again and they,
+    /// the units used in between and the other held units fit the budget together (ENG-5);
+    /// frees them otherwise.
+    fn done_with(&self, plan: &mut GatherPlan, i: usize, g: Gathered) {
+        let u = plan.uses[i];
+        if let Some(j) = plan.uses[i + 1..].iter().position(|&v| v == u).map(|k| i + 1 + k) {
+            let mut between: Vec<usize> = plan.uses[i + 1..j].to_vec();
+            between.sort_unstable();
+            between.dedup();
+            let held: u64 = plan.held.iter().map(|(h, _)| self.gathered_bytes(*h)).sum();
+            let need = held
+                + self.gathered_bytes(u)
+                + between.iter().map(|&v| self.gathered_bytes(v)).sum::<u64>();
+            if need <= self.cfg.prefetch_budget_bytes {
+                plan.held.push((u, g));
+                return;
+            }
+        }
+        self.release(g);
     }
 
     fn take_gathered(
@@ -448,18 +524,13 @@ impl RankEngine {
         // ---- forward ----
         let mut saved: Vec<UnitSaved> = Vec::with_capacity(n_units);
         let mut act_allocs = Vec::with_capacity(n_units);
-        let mut queue: VecDeque<PendingGather> = VecDeque::new();
+        let mut plan = GatherPlan::new((0..n_units).chain((0..n_units).rev()).collect());
         let mut xin = x;
         self.fault_point(crate::fault::Phase::Forward);
         for u in 0..n_units {
             let label = unit_label(&model, u);
             let gathered = if stage.gathers_params_per_unit() {
-                let order: Vec<usize> = (u..n_units).collect();
-                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                let g = self.take_gathered(&mut queue, u, &mut clock)?;
-                // Issue the next gathers before computing (prefetch).
-                self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
-                Some(g)
+                Some(self.acquire(&mut plan, u, &mut clock)?)
             } else {
                 None
             };
@@ -484,7 +555,7 @@ impl RankEngine {
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
             act_allocs.push(self.mem.alloc_f32(Category::Activations, yout.data.len(), &label)?);
             if let Some(g) = gathered {
-                self.release(g);
+                self.done_with(&mut plan, u, g);
             }
             saved.push(s);
             xin = yout;
@@ -498,13 +569,9 @@ impl RankEngine {
         let mut pending: VecDeque<PendingReduce> = VecDeque::with_capacity(n_units);
         for u in (0..n_units).rev() {
             let label = unit_label(&model, u);
+            // Backward prefetch: the previous units' gathers go out before computing.
             let gathered = if stage.gathers_params_per_unit() {
-                let order: Vec<usize> = (0..=u).rev().collect();
-                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                let g = self.take_gathered(&mut queue, u, &mut clock)?;
-                // Backward prefetch: the previous unit's gather goes out before computing.
-                self.fill_gathers(&mut queue, &order[1..], self.cfg.prefetch)?;
-                Some(g)
+                Some(self.acquire(&mut plan, 2 * n_units - 1 - u, &mut clock)?)
             } else {
                 None
             };
@@ -549,7 +616,7 @@ impl RankEngine {
             compute += t1 - t0;
             self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
             if let Some(g) = gathered {
-                self.release(g);
+                self.done_with(&mut plan, 2 * n_units - 1 - u, g);
             }
             // Reduce as soon as the unit's gradients exist; do not wait (overlap).
             let p = if stage == Stage::Zero0 {
@@ -580,6 +647,10 @@ impl RankEngine {
             }
         }
         drop(grad);
+        // Every unit's last use is in backward: nothing stays held or queued past the step.
+        for (_, g) in plan.held.drain(..) {
+            self.release(g);
+        }
         let stats_messages = counting.messages();
 
         // ---- wait for the reductions ----
@@ -739,13 +810,11 @@ impl RankEngine {
         let n_units = self.layout.units().len();
         let model = Arc::clone(&self.model);
         let mut clock = CommClock::default();
-        let mut queue = VecDeque::new();
+        let mut plan = GatherPlan::new((0..n_units).collect());
         let mut xin = x;
         for u in 0..n_units {
             let gathered = if self.cfg.stage.gathers_params_per_unit() {
-                let order: Vec<usize> = (u..n_units).collect();
-                self.fill_gathers(&mut queue, &order, 1 + self.cfg.prefetch)?;
-                Some(self.take_gathered(&mut queue, u, &mut clock)?)
+                Some(self.acquire(&mut plan, u, &mut clock)?)
             } else {
                 None
             };
@@ -765,7 +834,7 @@ impl RankEngine {
                 .forward_unit(u, params, &mut self.buffers[u], xin, &ctx)
                 .map_err(RuntimeError::from_model)?;
             if let Some(g) = gathered {
-                self.release(g);
+                self.done_with(&mut plan, u, g);
             }
             xin = yout;
         }
@@ -904,6 +973,82 @@ impl RankEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Gathers per step on each rank (from the trace, before the final evaluation) and the
+    /// peak gathered-unit bytes, for a 4-unit mlp-bn (blocks of 64x64, head 64x10).
+    fn gathers_per_step(prefetch: usize) -> (Vec<usize>, u64, u64) {
+        use crate::train::{build_model, load_data, run, RunOptions, StageChoice, SyncBnMode};
+        let dir = std::env::temp_dir().join(format!("eng5-{}-{prefetch}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let trace = dir.join("t.json");
+        let steps = 2;
+        let cfg = crate::train::TrainConfig {
+            world: 2,
+            stage: StageChoice::Fixed(Stage::Zero3),
+            model: "mlp-bn".into(),
+            dataset: "synthetic".into(),
+            input_dim: 64,
+            classes: 10,
+            samples: 64,
+            hidden: Some(64),
+            depth: Some(3),
+            steps: Some(steps),
+            batch_size: 16,
+            sync_bn: SyncBnMode::Off,
+            prefetch,
+            timeout_s: 30,
+            ..Default::default()
+        };
+        let (train_set, _) = load_data(&cfg, false).unwrap();
+        let model = build_model(&cfg, &train_set.sample_shape, train_set.classes).unwrap();
+        let layout = ShardedModelLayout::new(&model.spec(), 2).unwrap();
+        assert_eq!(layout.units().len(), 4);
+        let budget = layout.max_unit_padded_numel() as u64 * 4 * (prefetch as u64 + 1);
+        let opts = RunOptions { trace: Some(trace.clone()), quiet: true, ..Default::default() };
+        let summary = run(cfg, opts).unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let evs = doc["traceEvents"].as_array().unwrap();
+        let per_rank = (0..2u64)
+            .map(|r| {
+                let mine = |e: &&serde_json::Value| e["ph"] == "X" && e["pid"].as_u64() == Some(r);
+                let end =
+                    |e: &serde_json::Value| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap();
+                let last_opt = evs
+                    .iter()
+                    .filter(mine)
+                    .filter(|e| e["name"] == "optimizer")
+                    .map(end)
+                    .fold(0.0, f64::max);
+                let n = evs
+                    .iter()
+                    .filter(mine)
+                    .filter(|e| e["tid"] == Row::Gather as u32 && end(e) <= last_opt)
+                    .count();
+                n / steps as usize
+            })
+            .collect();
+        let peak = summary.peak_by_category[0]
+            .iter()
+            .find(|(k, _)| k == "gathered_units")
+            .map(|(_, b)| *b)
+            .unwrap();
+        (per_rank, peak, budget)
+    }
+
+    /// ENG-5: the head is kept from forward into backward, and with prefetch 1 the last
+    /// block too (block + head fit two blocks' budget), never exceeding the budget; uses per
+    /// step are 2 x 4 = 8.
+    #[test]
+    fn units_used_again_soon_are_kept_within_the_budget() {
+        let (p0, peak0, budget0) = gathers_per_step(0);
+        assert_eq!(p0, vec![7, 7], "prefetch 0: only the head is kept");
+        assert!(peak0 <= budget0, "{peak0} > {budget0}");
+        let (p1, peak1, budget1) = gathers_per_step(1);
+        assert_eq!(p1, vec![6, 6], "prefetch 1: the head and the last block are kept");
+        assert!(peak1 <= budget1, "{peak1} > {budget1}");
+    }
 
     /// ENG-4: communication time is the union of the spans, against a naive per-microsecond
     /// count.
