@@ -5,6 +5,7 @@
 use clap::{Parser, Subcommand};
 
 mod collectives;
+mod faults;
 mod limits;
 mod memory;
 mod overlap;
@@ -39,6 +40,14 @@ enum Cmd {
     ///
     /// Example: shardline-bench overlap --world 2 --json overlap.json --timeline overlap.svg
     Overlap(overlap::Args),
+    /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
+    /// checkpoints, runs equal to the clean run, detection and recovery times.
+    ///
+    /// Example: shardline-bench faults --trials 100 --json faults.json
+    Faults(faults::Args),
+    /// One trial of the fault campaign (started by `faults`).
+    #[command(hide = true)]
+    FaultsTrial(faults::TrialArgs),
     /// One rank of a multi-process collectives run (started by `collectives`).
     #[command(hide = true)]
     CollectivesWorker(collectives::WorkerArgs),
@@ -57,6 +66,8 @@ fn main() {
         Cmd::Collectives(a) => collectives::run(a),
         Cmd::CollectivesWorker(a) => collectives::worker(a),
         Cmd::Syncbn(a) => syncbn::run(a),
+        Cmd::Faults(a) => faults::run(a),
+        Cmd::FaultsTrial(a) => faults::trial(a),
         Cmd::Memory(a) => memory::run(a),
         Cmd::Overlap(a) => overlap::run(a),
     };

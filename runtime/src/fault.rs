@@ -224,9 +224,11 @@ impl FaultSpec {
                     "backward" => Phase::Backward,
                     "reduce" => Phase::Reduce,
                     "checkpoint" => Phase::Checkpoint,
-                    other => return Err(err(format!(
+                    other => {
+                        return Err(err(format!(
                         "unknown phase '{other}' (choose forward, backward, reduce or checkpoint)"
-                    ))),
+                    )))
+                    }
                 };
                 FaultSpec::Kill { rank: usize_of("rank")?, step: step()?, phase }
             }
@@ -324,7 +326,8 @@ pub struct FaultRecord {
     pub detected: bool,
     /// Injection to the coordinator's abort, seconds.
     pub detection_s: Option<f64>,
-    /// Detection to the restarted group being back at the step it failed in, seconds.
+    /// Detection to the restarted group having redone every step completed before the
+    /// failure (at least one step after the restart), seconds.
     pub recovery_s: Option<f64>,
     /// The failure the job reported.
     pub error: Option<String>,
@@ -348,7 +351,9 @@ pub struct FaultEvent {
 struct Pending {
     record: usize,
     detected_at: Option<Instant>,
+    /// Steps completed when the failure was detected.
     resume_to: u64,
+    restarted: bool,
 }
 
 /// Engine hook: called with (rank, step, phase).
@@ -525,7 +530,7 @@ impl FaultInjector {
     fn set_pending(&self, record: usize) {
         if let Ok(mut p) = self.pending.lock() {
             if p.as_ref().is_none_or(|p| p.detected_at.is_none()) {
-                *p = Some(Pending { record, detected_at: None, resume_to: 0 });
+                *p = Some(Pending { record, detected_at: None, resume_to: 0, restarted: false });
             }
         }
     }
@@ -545,7 +550,7 @@ impl FaultInjector {
         let Ok(mut p) = self.pending.lock() else { return };
         let Some(pend) = p.as_ref() else { return };
         let Some(det) = pend.detected_at else { return };
-        if rank == 0 && step >= pend.resume_to {
+        if rank == 0 && pend.restarted && step >= pend.resume_to {
             let rec = pend.record;
             let secs = det.elapsed().as_secs_f64();
             *p = None;
@@ -569,13 +574,14 @@ impl FaultInjector {
     /// The coordinator saw the job's first failure (called once per attempt).
     pub fn failure_detected(&self, rank: usize, error: &str) {
         let now = Instant::now();
-        let step = self.progress.load(Ordering::Acquire) + 1;
+        let done = self.progress.load(Ordering::Acquire);
+        let step = done + 1;
         let mut idx = None;
         if let Ok(mut p) = self.pending.lock() {
             match p.as_mut() {
                 Some(pend) if pend.detected_at.is_none() => {
                     pend.detected_at = Some(now);
-                    pend.resume_to = step;
+                    pend.resume_to = done;
                     idx = Some(pend.record);
                 }
                 _ => {
@@ -588,7 +594,12 @@ impl FaultInjector {
                         step,
                         self.link_injected_at().unwrap_or(now),
                     );
-                    *p = Some(Pending { record: rec, detected_at: Some(now), resume_to: step });
+                    *p = Some(Pending {
+                        record: rec,
+                        detected_at: Some(now),
+                        resume_to: done,
+                        restarted: false,
+                    });
                     idx = Some(rec);
                 }
             }
@@ -630,6 +641,11 @@ impl FaultInjector {
     pub fn restarting(&self, generation: u64, from: u64) {
         self.generation.store(generation, Ordering::Release);
         self.progress.store(from, Ordering::Release);
+        if let Ok(mut p) = self.pending.lock() {
+            if let Some(p) = p.as_mut() {
+                p.restarted = true;
+            }
+        }
         metrics::counter!("shardline_restarts_total").increment(1);
         self.log("restart", None, from, format!("attempt {generation} resumes after step {from}"));
     }
