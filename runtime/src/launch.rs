@@ -496,6 +496,16 @@ fn save(
     Ok(())
 }
 
+/// Writes one line to stderr in a single write, so that it never interleaves with the
+/// workers' lines.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($t)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }};
+}
+
 /// What `shardline launch` is asked to run on this node.
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
@@ -607,8 +617,9 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
             .rsplit_once(':')
             .and_then(|(_, p)| p.parse::<u16>().ok())
             .ok_or_else(|| RuntimeError::config(format!("--rdzv {rdzv}: expected HOST:PORT")))?;
-        let bind = if o.nnodes > 1 { "0.0.0.0".to_owned() } else { "127.0.0.1".to_owned() };
-        let server = TcpStoreServer::bind((bind.as_str(), port), &token)
+        // An address given by the user is reached through whatever interface it names.
+        let bind = if o.rdzv.is_some() { "0.0.0.0" } else { "127.0.0.1" };
+        let server = TcpStoreServer::bind((bind, port), &token)
             .map_err(|e| RuntimeError::config(format!("hosting the store on port {port}: {e}")))?;
         let host = rdzv.rsplit_once(':').map(|(h, _)| h.to_owned()).unwrap_or_default();
         let actual = format!("{host}:{}", server.addr().port());
@@ -665,7 +676,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         if sig != 0 && sig != forwarded {
             forwarded = sig;
             if let Ok(s) = Signal::try_from(sig) {
-                eprintln!("shardline launch: forwarding {s} to the workers");
+                say!("shardline launch: forwarding {s} to the workers");
                 signal_all(&workers, s);
             }
         }
@@ -674,13 +685,13 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
                 Ok(Some(st)) => {
                     w.status = Some(st);
                     if !st.success() {
-                        eprintln!("shardline launch: rank {} exited with {}", w.rank, describe(st));
+                        say!("shardline launch: rank {} exited with {}", w.rank, describe(st));
                         failed.get_or_insert_with(Instant::now);
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    eprintln!("shardline launch: cannot wait for rank {}: {e}", w.rank);
+                    say!("shardline launch: cannot wait for rank {}: {e}", w.rank);
                     failed.get_or_insert_with(Instant::now);
                 }
             }
@@ -692,7 +703,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
             if !killed && t.elapsed() >= o.grace {
                 let left: Vec<usize> =
                     workers.iter().filter(|w| w.status.is_none()).map(|w| w.rank).collect();
-                eprintln!("shardline launch: stopping ranks {left:?}");
+                say!("shardline launch: stopping ranks {left:?}");
                 signal_all(&workers, Signal::SIGKILL);
                 killed = true;
             }
@@ -705,7 +716,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     if bad.is_empty() {
         Ok(0)
     } else {
-        eprintln!("shardline launch: failed ranks {bad:?}");
+        say!("shardline launch: failed ranks {bad:?}");
         Ok(1)
     }
 }

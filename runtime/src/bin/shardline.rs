@@ -516,7 +516,10 @@ fn worker_mode(a: &TrainArgs, cfg: &TrainConfig, opts: &RunOptions) -> Option<i3
             Some(0)
         }
         Err(e) => {
-            eprintln!("error: rank {}: {e}", env.rank);
+            // One write, so that the lines of ranks sharing a terminal never interleave.
+            use std::io::Write;
+            let line = format!("error: rank {}: {e}\n", env.rank);
+            let _ = std::io::stderr().write_all(line.as_bytes());
             Some(exit_for(&e))
         }
     }
