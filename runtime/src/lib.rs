@@ -38,6 +38,7 @@ pub mod checkpoint;
 pub mod doctor;
 pub mod engine;
 pub mod error;
+pub mod launch;
 pub mod fault;
 pub mod memory;
 pub mod optim;

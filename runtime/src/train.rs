@@ -108,6 +108,10 @@ pub struct TrainConfig {
     pub threads: usize,
     /// Collective timeout.
     pub timeout_s: u64,
+    /// Artificial bandwidth of each link between ranks in bytes per second (local
+    /// transport); `None`: unlimited unless `SHARDLINE_LINK_RATE` says otherwise. Changes
+    /// timing only, never results.
+    pub link_rate: Option<u64>,
 }
 
 /// Where a run writes things; not part of the configuration hash.
@@ -167,6 +171,7 @@ impl Default for TrainConfig {
             wrap_params: 0,
             threads: 1,
             timeout_s: 60,
+            link_rate: None,
         }
     }
 }
@@ -597,6 +602,9 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
+    if cfg.link_rate.is_some() {
+        copts.link_rate(cfg.link_rate);
+    }
     let comms = match &opts.faults {
         Some(f) => f.local_group(Topology::single_node(cfg.world), copts)?,
         None => local_group_with_topology(Topology::single_node(cfg.world), copts)?,
@@ -843,6 +851,8 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
         let st_max = stats.iter().map(|s| s.step_time.as_secs_f64()).fold(0.0, f64::max);
         let exp_mean =
             stats.iter().map(|s| s.comm_exposed.as_secs_f64()).sum::<f64>() / stats.len() as f64;
+        let comm_mean =
+            stats.iter().map(|s| s.comm_time.as_secs_f64()).sum::<f64>() / stats.len() as f64;
         let peak = stats.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
         let s0 = stats[0].clone();
         metrics::histogram!("shardline_step_seconds").record(st_max);
@@ -854,6 +864,7 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
             let line = serde_json::json!({
                 "step": done, "epoch": epoch, "loss": s0.loss, "lr": s0.lr, "step_time_s": st_max,
                 "comm_exposed_s": exp_mean, "compute_s": s0.compute_time.as_secs_f64(),
+                "comm_s": comm_mean,
                 "peak_bytes": peak, "stats_messages": s0.stats_messages, "grad_norm": s0.grad_norm,
             });
             writeln!(w, "{line}")

@@ -172,6 +172,11 @@ struct TrainArgs {
     /// Per-rank memory cap like a GPU's (e.g. 512M, 2G): exceeding it is an OutOfMemory error.
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
+    /// Artificial bandwidth of each link between ranks (e.g. 1gbit, 200MB/s; default
+    /// unlimited, or env SHARDLINE_LINK_RATE), so that communication costs what a network
+    /// would.
+    #[arg(long, value_parser = shardline_collectives::config::parse_rate)]
+    link_rate: Option<u64>,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
     #[arg(long)]
     hidden: Option<usize>,
@@ -312,6 +317,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         wrap_params: a.wrap_params,
         threads: a.threads,
         timeout_s: a.timeout,
+        link_rate: a.link_rate,
     })
 }
 
