@@ -450,7 +450,8 @@ fn draw_timeline(path: &Path, title: &str, events: &[Ev], step: usize) -> anyhow
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(130)
-        .build_cartesian_2d(0.0..span_ms, 0.0..lanes as f64)
+        // The right fifth stays empty for the legend.
+        .build_cartesian_2d(0.0..span_ms * 1.25, 0.0..lanes as f64)
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
@@ -506,7 +507,7 @@ fn draw_timeline(path: &Path, title: &str, events: &[Ev], step: usize) -> anyhow
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()

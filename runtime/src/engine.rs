@@ -29,6 +29,9 @@
 //!   unit needed now is always gathered. A unit used again later in the step is kept, not
 //!   freed and gathered again, when it, the units used in between and the units already
 //!   kept fit the budget together (the head; with prefetch >= 1 also the last block).
+//! - ENG-6 (stage 3, prefetch >= 1): unit 0's gather for the next step or evaluation is
+//!   issued right after the optimizer has updated unit 0's shard, and discarded when a
+//!   checkpoint load replaces the parameters; every rank does the same, so lane order holds.
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -243,6 +246,9 @@ pub struct RankEngine {
     _persistent: Vec<Allocation>,
     /// Fault injection points (`--fault`), none in a normal run.
     fault_hook: Option<crate::fault::FaultHook>,
+    /// Stage 3, prefetch >= 1: the first unit's gather for the next pass, issued as soon as
+    /// the optimizer has updated its shard (ENG-6).
+    prefetched: Option<PendingGather>,
 }
 
 fn unit_label(model: &Model, u: usize) -> String {
@@ -318,6 +324,7 @@ impl RankEngine {
             buffers,
             step: 0,
             _persistent: persistent,
+            prefetched: None,
             fault_hook: None,
         })
     }
@@ -525,6 +532,7 @@ impl RankEngine {
         let mut saved: Vec<UnitSaved> = Vec::with_capacity(n_units);
         let mut act_allocs = Vec::with_capacity(n_units);
         let mut plan = GatherPlan::new((0..n_units).chain((0..n_units).rev()).collect());
+        plan.queue.extend(self.prefetched.take());
         let mut xin = x;
         self.fault_point(crate::fault::Phase::Forward);
         for u in 0..n_units {
@@ -677,6 +685,11 @@ impl RankEngine {
         let t0 = Instant::now();
         for u in 0..n_units {
             self.optimizer_step_unit(u, lr, coef)?;
+            // ENG-6: the next pass starts with unit 0; its gather overlaps the rest of the
+            // optimizer and whatever the caller does between steps.
+            if u == 0 && stage.gathers_params_per_unit() && self.cfg.prefetch > 0 {
+                self.prefetched = Some(self.issue_gather(0)?);
+            }
         }
         let t1 = Instant::now();
         compute += t1 - t0;
@@ -712,7 +725,14 @@ impl RankEngine {
             step_time: t_step.elapsed(),
             compute_time: compute,
             comm_exposed: clock.exposed,
-            comm_time: union_len(&mut clock.spans),
+            comm_time: {
+                // A gather prefetched by the previous step counts from this step's start.
+                for sp in &mut clock.spans {
+                    sp.0 = sp.0.max(t_step);
+                    sp.1 = sp.1.max(sp.0);
+                }
+                union_len(&mut clock.spans)
+            },
             peak_bytes: self.mem.peak_total(),
             stats_messages,
             grad_norm: total_sq.sqrt(),
@@ -811,6 +831,7 @@ impl RankEngine {
         let model = Arc::clone(&self.model);
         let mut clock = CommClock::default();
         let mut plan = GatherPlan::new((0..n_units).collect());
+        plan.queue.extend(self.prefetched.take());
         let mut xin = x;
         for u in 0..n_units {
             let gathered = if self.cfg.stage.gathers_params_per_unit() {
@@ -880,6 +901,7 @@ impl RankEngine {
 
     /// Frees the state and returns pooled buffers; later steps fail. Idempotent.
     pub fn shutdown(&mut self) {
+        self.prefetched = None;
         self.params.clear();
         self.grads.clear();
         self.optim_state.clear();
@@ -923,6 +945,8 @@ impl RankEngine {
         buffers: &[Vec<f32>],
         step: u64,
     ) -> Result<()> {
+        // A gather issued before the load carries the old parameters (ENG-6).
+        self.prefetched = None;
         let k = self.cfg.optimizer.state_len_per_param();
         if shard.units.len() != self.layout.units().len() || buffers.len() != self.buffers.len() {
             return Err(RuntimeError::config(
@@ -1048,6 +1072,44 @@ mod tests {
         let (p1, peak1, budget1) = gathers_per_step(1);
         assert_eq!(p1, vec![6, 6], "prefetch 1: the head and the last block are kept");
         assert!(peak1 <= budget1, "{peak1} > {budget1}");
+    }
+
+    /// ENG-6: with prefetch, a step leaves unit 0's gather in flight for the next pass; a
+    /// checkpoint load drops it.
+    #[test]
+    fn the_next_passs_first_gather_leaves_with_the_optimizer() {
+        use crate::optim::SgdConfig;
+        let comm = shardline_collectives::local_group(1).unwrap().pop().unwrap();
+        let mut m = shardline_models::zoo::MlpBn::digits();
+        (m.input_dim, m.hidden, m.depth, m.classes) = (8, 8, 2, 3);
+        let model = Arc::new(m.build());
+        for prefetch in [0, 1, 2] {
+            let cfg = EngineConfig {
+                stage: Stage::Zero3,
+                prefetch,
+                prefetch_budget_bytes: 1 << 20,
+                sync_bn: false,
+                optimizer: Optimizer::Sgd(SgdConfig::default()),
+                lr: LrSchedule::constant(0.1),
+                clip_grad_norm: None,
+                seed: 1,
+                threads: 1,
+            };
+            let mem = MemoryTracker::new(0, None);
+            let mut e =
+                RankEngine::new(comm.clone(), Arc::clone(&model), cfg, mem, Trace::disabled())
+                    .unwrap();
+            let x = Tensor::new(vec![4, 8], (0..32).map(|i| i as f32 / 32.0).collect()).unwrap();
+            e.train_step(x, &[0, 1, 2, 0], 4).unwrap();
+            let expect = (prefetch > 0).then_some(0);
+            assert_eq!(e.prefetched.as_ref().map(|p| p.unit), expect, "prefetch {prefetch}");
+            let (state, bufs) = (e.shard_state(), e.buffers().to_vec());
+            e.load_state(&state, &bufs, 1).unwrap();
+            assert!(e.prefetched.is_none());
+            let x = Tensor::new(vec![4, 8], vec![0.25; 32]).unwrap();
+            let (_, n, _) = e.eval(x, &[0, 1, 2, 0], 4).unwrap();
+            assert_eq!(n, 4);
+        }
     }
 
     /// ENG-4: communication time is the union of the spans, against a naive per-microsecond
