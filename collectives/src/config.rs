@@ -68,6 +68,17 @@ pub const LINK_RATE: Tunable = Tunable {
     doc: "local transport: bytes/s per link, 0 = unlimited (also 1gbit, 200MB/s)",
 };
 
+/// Time slice each lane thread asks the Linux scheduler for, in microseconds (0: the
+/// scheduler's default). On EEVDF kernels (6.12+) a thread with a shorter slice preempts a
+/// running one when it wakes; with the default slice a lane thread woken while every core
+/// runs compute waited 2-4 ms to start an op (stage 3 traces, 2 ranks on the 2-core
+/// machine), which showed as exposed communication. Older kernels ignore the request.
+pub const LANE_SLICE_US: Tunable = Tunable {
+    env: "SHARDLINE_LANE_SLICE_US",
+    default: 100,
+    doc: "lane threads' requested scheduler slice (us), 0 = default",
+};
+
 /// Every tunable, for `--help` style listings.
 pub const ALL: &[Tunable] =
     &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS, LINK_RATE];

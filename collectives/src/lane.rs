@@ -379,6 +379,50 @@ impl Lane {
     }
 }
 
+/// Asks the scheduler for a `us` microsecond slice on this thread ([`crate::config::
+/// LANE_SLICE_US`]), keeping its nice value. Best effort: a kernel without custom slices
+/// refuses or ignores it, and nothing else depends on it.
+#[cfg(target_os = "linux")]
+fn request_slice(us: u64) {
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+        util_min: u32,
+        util_max: u32,
+    }
+    if us == 0 {
+        return;
+    }
+    // SAFETY: plain syscalls on the calling thread (pid 0) with a fully initialised,
+    // correctly sized sched_attr (SCHED_ATTR_SIZE_VER1) that outlives the call.
+    unsafe {
+        let nice = libc::getpriority(libc::PRIO_PROCESS, 0);
+        let attr = SchedAttr {
+            size: std::mem::size_of::<SchedAttr>() as u32,
+            policy: libc::SCHED_OTHER as u32,
+            flags: 0,
+            nice,
+            priority: 0,
+            runtime: us.saturating_mul(1000),
+            deadline: 0,
+            period: 0,
+            util_min: 0,
+            util_max: 0,
+        };
+        let _ = libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0u32);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_slice(_us: u64) {}
+
 struct Worker {
     name: Arc<str>,
     hash: u32,
@@ -418,6 +462,7 @@ impl Worker {
     }
 
     fn run(mut self, rx: Receiver<Msg>) {
+        request_slice(crate::config::LANE_SLICE_US.get());
         while let Some(msg) = Self::next(&rx) {
             match msg {
                 Msg::Job(job) => {
