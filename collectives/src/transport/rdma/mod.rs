@@ -5,8 +5,11 @@
 //! build; the verbs shim (`verbs`, feature `rdma`) only posts the writes the state machine
 //! hands out and feeds it the completions. The shim loads libibverbs at run time, so a binary
 //! built with the feature still starts where rdma-core is missing, and opening the transport
-//! there fails with a `DeviceUnavailable` setup error.
+//! there fails with a `DeviceUnavailable` setup error. What the shim computes rather than
+//! asks of verbs (slot addresses, the work request of each transmit, send-queue and staging
+//! room) lives in [`wr`], also compiled and tested on every build.
 
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod verbs;
+pub mod wr;

@@ -529,6 +529,9 @@ mod tests {
         Done { at: usize },
     }
 
+    /// Decides from a packet's number and content whether the network loses it.
+    type DropRule = Box<dyn FnMut(u64, &Transmit) -> bool>;
+
     /// Two link endpoints (side 0 and side 1) joined by a network with per-packet latency in
     /// `[lat_lo, lat_hi]` virtual microseconds (a wide range reorders packets), and a rule
     /// that drops chosen packets. Slot memory is simulated, and RDMA-1 is checked on every
@@ -543,12 +546,14 @@ mod tests {
         order: u64,
         rng: Rng,
         lat: (u64, u64),
-        drop: Box<dyn FnMut(u64, &Transmit) -> bool>,
+        drop: DropRule,
         packets: u64,
         max_in_flight: u32,
         received: [Vec<Vec<u8>>; 2],
     }
 
+    // The two sides are indexed by number throughout: side s talks to side 1 - s.
+    #[allow(clippy::needless_range_loop)]
     impl Sim {
         fn new(cfg: ProtoConfig, seed: u64, lat: (u64, u64)) -> Self {
             let mem = || vec![vec![0u8; cfg.slot_bytes()]; cfg.slots() as usize + 1];
