@@ -575,6 +575,7 @@ impl RankEngine {
 
         // ---- backward ----
         let mut pending: VecDeque<PendingReduce> = VecDeque::with_capacity(n_units);
+        let mut unit_sq = vec![0.0f64; n_units];
         for u in (0..n_units).rev() {
             let label = unit_label(&model, u);
             // Backward prefetch: the previous units' gathers go out before computing.
@@ -650,7 +651,8 @@ impl RankEngine {
             // what it is.
             while pending.front().is_some_and(PendingReduce::is_done) {
                 if let Some(p) = pending.pop_front() {
-                    self.finish_reduce(p, &mut clock)?;
+                    let done = self.finish_reduce(p, &mut clock)?;
+                    compute += self.unit_sq_norm(done, &mut unit_sq);
                 }
             }
         }
@@ -663,12 +665,16 @@ impl RankEngine {
 
         // ---- wait for the reductions ----
         self.fault_point(crate::fault::Phase::Reduce);
+        // Each unit's squared norm is taken as soon as its reduction is in, while the later
+        // ones are still in flight.
         for p in pending {
-            self.finish_reduce(p, &mut clock)?;
+            let done = self.finish_reduce(p, &mut clock)?;
+            compute += self.unit_sq_norm(done, &mut unit_sq);
         }
 
         // ---- loss and gradient norm: one small all-reduce ----
-        let sq: f64 = (0..n_units).map(|u| optim::sq_norm(self.own_grads(u))).sum();
+        // Summed in unit order whatever the order of completion (ENG-1).
+        let sq: f64 = unit_sq.iter().sum();
         let w = self.reduce.all_reduce(vec![local_loss, sq as f32], ReduceOp::Sum);
         let sums = self.wait(w, Row::Reduce, "loss+norm", &mut clock)?;
         let (loss, total_sq) = (sums[0], sums[1] as f64);
@@ -739,13 +745,22 @@ impl RankEngine {
         })
     }
 
+    /// The squared norm of unit `u`'s reduced own gradient slice into `out[u]`; returns the
+    /// time it took.
+    fn unit_sq_norm(&self, u: usize, out: &mut [f64]) -> Duration {
+        let t0 = Instant::now();
+        out[u] = optim::sq_norm(self.own_grads(u));
+        t0.elapsed()
+    }
+
     /// Waits for a unit's gradient reduction and stores the result where the optimizer
-    /// reads it.
-    fn finish_reduce(&mut self, p: PendingReduce, clock: &mut CommClock) -> Result<()> {
-        match p {
+    /// reads it; returns the unit.
+    fn finish_reduce(&mut self, p: PendingReduce, clock: &mut CommClock) -> Result<usize> {
+        let unit = match p {
             PendingReduce::AllReduce { unit, work } => {
                 let what = format!("all-reduce {}", unit_label(&self.model, unit));
                 self.grads[unit] = self.wait(work, Row::Reduce, &what, clock)?;
+                unit
             }
             PendingReduce::ReduceScatter { unit, work, alloc } => {
                 let what = format!("reduce-scatter {}", unit_label(&self.model, unit));
@@ -762,9 +777,10 @@ impl RankEngine {
                     self.comm.pool().give(full);
                 }
                 drop(alloc);
+                unit
             }
-        }
-        Ok(())
+        };
+        Ok(unit)
     }
 
     /// This rank's reduced gradient slice of unit `u` (what its optimizer steps on).
