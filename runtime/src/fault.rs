@@ -301,6 +301,29 @@ impl FaultPlan {
         Ok(())
     }
 
+    /// Checks the plan for a worker process of `shardline launch` in a world of `world`
+    /// ranks: rank faults are injected by the worker itself (LAUNCH-8 in the launch module),
+    /// partitions by the namespace harness that cuts the node's link; link faults need the
+    /// in-process transports of `shardline train` and are refused.
+    pub fn validate_launched(&self, world: usize) -> Result<()> {
+        for f in &self.faults {
+            let bad =
+                |m: String| Err(RuntimeError::config(format!("--fault {}: {m}", f.to_spec())));
+            match f {
+                FaultSpec::Kill { rank, .. } | FaultSpec::Stall { rank, .. } if *rank >= world => {
+                    return bad(format!("rank {rank} does not exist in a world of {world}"))
+                }
+                FaultSpec::Link(_) => {
+                    return bad(
+                        "link faults are injected by `shardline train` (one process) only".into()
+                    )
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     fn link_faults(&self) -> Vec<LinkFault> {
         self.faults
             .iter()

@@ -30,6 +30,7 @@
 use crate::checkpoint::{self, FileEntry, PendingCheckpoint};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
+use crate::fault::{FaultHook, FaultSpec, Phase};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
 use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
@@ -45,6 +46,16 @@ use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Writes one line to stderr in a single write, so that it never interleaves with the
+/// workers' lines.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($t)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }};
+}
 
 /// How long a worker waits for the store and for the other ranks to publish at start-up.
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(60);
@@ -72,6 +83,9 @@ pub struct WorkerEnv {
     pub host_store: bool,
     /// Which convention the variables followed: `shardline`, `torchrun` or `slurm`.
     pub source: &'static str,
+    /// Restart generation of the worker group (`SHARDLINE_GENERATION`, 0 for the first
+    /// start; LAUNCH-7).
+    pub generation: u64,
 }
 
 fn parse_var(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
@@ -150,7 +164,9 @@ impl WorkerEnv {
             return Err(RuntimeError::config(format!("rank {rank} out of world size {world}")));
         }
         let job = get("SHARDLINE_JOB").unwrap_or_else(|| "job".into());
+        let generation = parse_var(get, "SHARDLINE_GENERATION")?.unwrap_or(0) as u64;
         Ok(Some(WorkerEnv {
+            generation,
             rank,
             world,
             local_rank,
@@ -315,6 +331,10 @@ fn worker_loop(
         trace.clone(),
     )?;
     let control = joined.comm.lane("launch")?;
+    let hook = worker_fault_hook(opts, env);
+    if let Some(h) = &hook {
+        engine.set_fault_hook(Arc::clone(h));
+    }
     let sampler =
         DistributedSampler::new(plan.train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
             .map_err(RuntimeError::from_model)?;
@@ -366,6 +386,10 @@ fn worker_loop(
         let (x, y) = plan.train.batch(idx);
         let st = engine.train_step(x, &y, *global)?;
         done += 1;
+        if rank == 0 {
+            // LAUNCH-9: what the agents log a fault against; a lost update only blurs a log.
+            let _ = joined.store.set(&progress_key(&env.job), done.to_string().as_bytes());
+        }
         let t = st.step_time.as_secs_f64();
         if let Some(w) = log.as_mut() {
             let line = serde_json::json!({
@@ -390,7 +414,18 @@ fn worker_loop(
             if (every > 0 && done.is_multiple_of(every)) || last {
                 let position =
                     train::loader_position(plan.steps_per_epoch, epoch, index as u64 + 1, cfg.seed);
-                save(cfg, &plan, env, joined, &control, &engine, dir, done, position)?;
+                save(
+                    cfg,
+                    &plan,
+                    env,
+                    joined,
+                    &control,
+                    &engine,
+                    hook.as_ref(),
+                    dir,
+                    done,
+                    position,
+                )?;
             }
         }
     }
@@ -445,6 +480,67 @@ fn worker_loop(
     Ok(summary)
 }
 
+/// The store key where rank 0 of job `job` publishes the steps it finished.
+pub fn progress_key(job: &str) -> String {
+    format!("launch/{job}/progress")
+}
+
+/// Milliseconds since the Unix epoch: the clock that lines of different processes share.
+pub fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+/// LAUNCH-8: the plan's rank faults (kill, stall) of this rank in a worker process, in the
+/// first generation only, so that a restarted group replays the lost steps without meeting
+/// them again (FAULT-2). A kill ends the process with SIGKILL: no error report, no unwinding,
+/// exactly what a crashed or OOM-killed worker looks like to its peers and agent.
+fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
+    if env.generation > 0 {
+        return None;
+    }
+    let rank = env.rank;
+    let specs: Vec<FaultSpec> = opts
+        .faults
+        .as_ref()?
+        .plan()
+        .faults
+        .iter()
+        .filter(|f| {
+            matches!(f, FaultSpec::Kill { rank: r, .. } | FaultSpec::Stall { rank: r, .. } if *r == rank)
+        })
+        .cloned()
+        .collect();
+    if specs.is_empty() {
+        return None;
+    }
+    Some(Arc::new(move |r, step, phase| {
+        for f in &specs {
+            match *f {
+                FaultSpec::Kill { step: s, phase: p, .. } if s == step && p == phase => {
+                    say!(
+                        "shardline worker: fault injected: kill rank {r} at step {step} ({}) unix_ms={}",
+                        phase.name(),
+                        unix_ms()
+                    );
+                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+                    std::process::abort();
+                }
+                FaultSpec::Stall { step: s, secs, .. } if s == step && phase == Phase::Forward => {
+                    say!(
+                        "shardline worker: fault injected: stall rank {r} at step {step} for {secs} s unix_ms={}",
+                        unix_ms()
+                    );
+                    std::thread::sleep(Duration::from_secs_f64(secs));
+                }
+                _ => {}
+            }
+        }
+    }))
+}
+
 /// LAUNCH-4: rank 0 begins, every rank writes its shard and publishes its file entry, and
 /// rank 0 commits once the barrier says every rank is done.
 #[allow(clippy::too_many_arguments)]
@@ -455,6 +551,7 @@ fn save(
     joined: &Joined,
     control: &shardline_collectives::Lane,
     engine: &RankEngine,
+    hook: Option<&FaultHook>,
     dir: &std::path::Path,
     step: u64,
     position: checkpoint::DataLoaderState,
@@ -467,6 +564,9 @@ fn save(
         None => PendingCheckpoint::join(dir, step)?,
     };
     let entry = pending.write_shard(env.rank, &engine.shard_state())?;
+    if let Some(h) = hook {
+        h(env.rank, step, Phase::Checkpoint);
+    }
     let key = |r: usize| format!("launch/{}/ckpt/{step}/{r}", env.job);
     let text = serde_json::to_vec(&entry)
         .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
@@ -496,16 +596,6 @@ fn save(
     Ok(())
 }
 
-/// Writes one line to stderr in a single write, so that it never interleaves with the
-/// workers' lines.
-macro_rules! say {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let line = format!("{}\n", format_args!($($t)*));
-        let _ = std::io::stderr().write_all(line.as_bytes());
-    }};
-}
-
 /// What `shardline launch` is asked to run on this node.
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
@@ -523,6 +613,49 @@ pub struct LaunchOptions {
     pub worker_args: Vec<String>,
     /// How long the other workers may take to exit on their own after one died (LAUNCH-5).
     pub grace: Duration,
+    /// Fewest nodes the job may shrink to (`--nnodes MIN:MAX`, LAUNCH-10); `nnodes` is the
+    /// most. Equal to `nnodes` for a fixed-size job.
+    pub min_nodes: usize,
+    /// Restarts of the worker group after a failure (`--max-restarts`, LAUNCH-6).
+    pub max_restarts: u32,
+    /// Node 0's agent counts an agent whose heartbeat stayed still this long as lost.
+    pub heartbeat_timeout: Duration,
+}
+
+impl LaunchOptions {
+    /// Options for one node of a fixed-size job without restarts.
+    pub fn new(nproc_per_node: usize, worker_args: Vec<String>) -> Self {
+        LaunchOptions {
+            nproc_per_node,
+            nnodes: 1,
+            node_rank: 0,
+            rdzv: None,
+            token: None,
+            worker_args,
+            grace: Duration::from_secs(2),
+            min_nodes: 1,
+            max_restarts: 0,
+            heartbeat_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Parses `--nnodes`: `N` (fixed) or `MIN:MAX` (elastic); returns `(min, max)`.
+pub fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
+    let num = |t: &str| {
+        t.trim().parse::<usize>().map_err(|_| format!("--nnodes '{s}': expected N or MIN:MAX"))
+    };
+    let (min, max) = match s.split_once(':') {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => {
+            let n = num(s)?;
+            (n, n)
+        }
+    };
+    if min == 0 || min > max {
+        return Err(format!("--nnodes '{s}': need 1 <= MIN <= MAX"));
+    }
+    Ok((min, max))
 }
 
 /// Signal last received by the agent (0: none).
@@ -582,19 +715,701 @@ fn signal_all(workers: &[Worker], sig: nix::sys::signal::Signal) {
     }
 }
 
-/// Runs the agent of one node (LAUNCH-5): hosts the store on node 0, starts the workers,
-/// watches them. Returns the process exit code: 0 when every worker succeeded.
+/// How often an agent writes its heartbeat key.
+const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
+/// How often an agent reads the store (generation, reports, heartbeats, progress).
+const POLL_EVERY: Duration = Duration::from_millis(100);
+/// Bound of one store request of an agent (and of its reconnection attempts).
+const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// An agent that has not reached the store for this long gives up on its job.
+const STORE_LOST: Duration = Duration::from_secs(60);
+/// How long an elastic job's node 0 waits at start-up for the most nodes to join.
+const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
+/// How long node 0's agent keeps the store up after success for the other nodes' reports.
+const END_WAIT: Duration = Duration::from_secs(10);
+
+/// What node 0's agent decided for one generation of the worker group (LAUNCH-6).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Generation {
+    gen: u64,
+    /// Nodes whose workers make up this generation, ascending; their position numbers ranks.
+    nodes: Vec<usize>,
+    state: GenState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum GenState {
+    /// Workers of this generation run.
+    Run,
+    /// A failure was seen: every agent stops its workers and says so.
+    Stop,
+    /// Training finished.
+    Done,
+    /// The job failed for good.
+    Abort,
+}
+
+fn agent_key(job: &str, what: &str) -> String {
+    format!("agent/{job}/{what}")
+}
+
+/// Result of an agent's store read.
+enum Got {
+    Value(Vec<u8>),
+    Unset,
+    Unreachable,
+}
+
+/// An agent's connection to the store. After an I/O error it reconnects (a request that timed
+/// out may leave its late reply in the stream), and it remembers when it last got through.
+struct StoreLink {
+    addr: String,
+    token: String,
+    client: Option<TcpStoreClient>,
+    last_ok: Instant,
+}
+
+impl StoreLink {
+    fn client(&mut self) -> Option<&TcpStoreClient> {
+        if self.client.is_none() {
+            self.client =
+                TcpStoreClient::connect(self.addr.as_str(), &self.token, STORE_REQUEST_TIMEOUT)
+                    .ok();
+        }
+        self.client.as_ref()
+    }
+
+    fn set(&mut self, key: &str, value: &[u8]) -> bool {
+        let Some(c) = self.client() else { return false };
+        match c.set(key, value) {
+            Ok(()) => {
+                self.last_ok = Instant::now();
+                true
+            }
+            Err(_) => {
+                self.client = None;
+                false
+            }
+        }
+    }
+
+    fn get(&mut self, key: &str) -> Got {
+        let Some(c) = self.client() else { return Got::Unreachable };
+        match c.get(key, Duration::from_millis(1)) {
+            Ok(v) => {
+                self.last_ok = Instant::now();
+                Got::Value(v)
+            }
+            Err(shardline_collectives::StoreError::Timeout { .. }) => {
+                self.last_ok = Instant::now();
+                Got::Unset
+            }
+            Err(_) => {
+                self.client = None;
+                Got::Unreachable
+            }
+        }
+    }
+}
+
+/// When each node's heartbeat last moved, as node 0's agent sees it.
+struct Heartbeats {
+    last: Vec<Option<(Vec<u8>, Instant)>>,
+}
+
+impl Heartbeats {
+    fn new(nodes: usize) -> Self {
+        Heartbeats { last: vec![None; nodes] }
+    }
+
+    fn poll(&mut self, link: &mut StoreLink, job: &str) {
+        for n in 0..self.last.len() {
+            if let Got::Value(v) = link.get(&agent_key(job, &format!("hb/{n}"))) {
+                if self.last[n].as_ref().is_none_or(|(old, _)| *old != v) {
+                    self.last[n] = Some((v, Instant::now()));
+                }
+            }
+        }
+    }
+
+    /// How long node `n`'s heartbeat has been still, counting from `since` at most.
+    fn silent(&self, n: usize, since: Instant) -> Duration {
+        match self.last.get(n).and_then(|x| x.as_ref()) {
+            Some((_, t)) if *t > since => t.elapsed(),
+            _ => since.elapsed(),
+        }
+    }
+
+    fn fresh(&self, n: usize, timeout: Duration) -> bool {
+        self.last.get(n).and_then(|x| x.as_ref()).is_some_and(|(_, t)| t.elapsed() < timeout)
+    }
+}
+
+/// How one generation ended for node 0's agent.
+enum Outcome {
+    Done,
+    Failed(String),
+}
+
+/// One node's agent.
+struct Agent<'a> {
+    o: &'a LaunchOptions,
+    exe: std::path::PathBuf,
+    rdzv: String,
+    token: String,
+    job: String,
+    link: StoreLink,
+    t0: Instant,
+    beats: u64,
+    last_beat: Option<Instant>,
+    forwarded: i32,
+    /// Last step rank 0 reported, per generation's job.
+    progress: u64,
+}
+
+impl Agent<'_> {
+    /// LAUNCH-9: every fault and recovery line carries the time since start, the Unix time
+    /// (comparable with the workers' lines), the node and what is known of rank and step.
+    fn log(&self, msg: std::fmt::Arguments<'_>) {
+        say!(
+            "shardline launch: [node {} t={:.3}s unix_ms={}] {msg}",
+            self.o.node_rank,
+            self.t0.elapsed().as_secs_f64(),
+            unix_ms()
+        );
+    }
+
+    fn gen_job(&self, gen: u64) -> String {
+        format!("{}g{gen}", self.job)
+    }
+
+    fn heartbeat(&mut self) {
+        if self.last_beat.is_some_and(|t| t.elapsed() < HEARTBEAT_EVERY) {
+            return;
+        }
+        self.beats += 1;
+        let key = agent_key(&self.job, &format!("hb/{}", self.o.node_rank));
+        let v = self.beats.to_string();
+        self.link.set(&key, v.as_bytes());
+        self.last_beat = Some(Instant::now());
+    }
+
+    fn poll_progress(&mut self, gen: u64) {
+        if let Got::Value(v) = self.link.get(&progress_key(&self.gen_job(gen))) {
+            if let Some(s) = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()) {
+                self.progress = self.progress.max(s);
+            }
+        }
+    }
+
+    /// Forwards a newly received SIGINT/SIGTERM; true once one was received.
+    fn forward_signals(&mut self, workers: &[Worker]) -> bool {
+        let sig = RECEIVED.load(std::sync::atomic::Ordering::SeqCst);
+        if sig != 0 && sig != self.forwarded {
+            self.forwarded = sig;
+            if let Ok(s) = nix::sys::signal::Signal::try_from(sig) {
+                say!("shardline launch: forwarding {s} to the workers");
+                signal_all(workers, s);
+            }
+        }
+        sig != 0
+    }
+
+    fn spawn(&mut self, g: &Generation) -> Result<Vec<Worker>> {
+        use nix::sys::signal::Signal;
+        use std::os::unix::process::CommandExt;
+        let o = self.o;
+        let pos = g.nodes.iter().position(|&n| n == o.node_rank).ok_or_else(|| {
+            RuntimeError::config(format!("node {} is not in generation {}", o.node_rank, g.gen))
+        })?;
+        let world = g.nodes.len() * o.nproc_per_node;
+        let mut args = o.worker_args.clone();
+        // LAUNCH-6: a restarted group goes on from the last committed checkpoint.
+        if g.gen > 0 && !args.iter().any(|a| a == "--resume") {
+            args.push("--resume".into());
+        }
+        let job = self.gen_job(g.gen);
+        let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
+        for local in 0..o.nproc_per_node {
+            let rank = pos * o.nproc_per_node + local;
+            let mut cmd = std::process::Command::new(&self.exe);
+            cmd.args(&args)
+                .env("SHARDLINE_RANK", rank.to_string())
+                .env("SHARDLINE_WORLD_SIZE", world.to_string())
+                .env("SHARDLINE_LOCAL_RANK", local.to_string())
+                .env("SHARDLINE_LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+                .env("SHARDLINE_NODE_RANK", o.node_rank.to_string())
+                .env("SHARDLINE_RDZV", &self.rdzv)
+                .env("SHARDLINE_TOKEN", &self.token)
+                .env("SHARDLINE_JOB", &job)
+                .env("SHARDLINE_GENERATION", g.gen.to_string());
+            // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
+            unsafe {
+                cmd.pre_exec(|| {
+                    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+                });
+            }
+            match cmd.spawn() {
+                Ok(child) => workers.push(Worker { rank, child, status: None }),
+                Err(e) => {
+                    signal_all(&workers, Signal::SIGKILL);
+                    for w in &mut workers {
+                        let _ = w.child.wait();
+                    }
+                    return Err(RuntimeError::config(format!("starting rank {rank}: {e}")));
+                }
+            }
+        }
+        say!(
+            "shardline launch: node {}/{}: ranks {}..{} of {world} started (store {}, generation {})",
+            o.node_rank,
+            o.nnodes,
+            pos * o.nproc_per_node,
+            (pos + 1) * o.nproc_per_node - 1,
+            self.rdzv,
+            g.gen
+        );
+        Ok(workers)
+    }
+
+    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5).
+    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64) -> Vec<String> {
+        let mut bad: Vec<(usize, String)> = Vec::new();
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            match w.child.try_wait() {
+                Ok(Some(st)) => {
+                    w.status = Some(st);
+                    if !st.success() {
+                        bad.push((w.rank, format!("exited with {}", describe(st))));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => bad.push((w.rank, format!("cannot be waited for: {e}"))),
+            }
+        }
+        if bad.is_empty() {
+            return Vec::new();
+        }
+        // The step in the line is where rank 0 stood: read it now, not at the last poll.
+        self.poll_progress(gen);
+        let step = self.progress + 1;
+        let failed: Vec<String> = bad
+            .into_iter()
+            .map(|(rank, what)| format!("rank {rank} {what} during step {step} (generation {gen})"))
+            .collect();
+        for f in &failed {
+            self.log(format_args!("fault: {f}"));
+        }
+        failed
+    }
+
+    /// Gives the workers `grace` to exit on their own (and report their errors), then kills
+    /// the rest and reaps them all.
+    fn stop(&mut self, workers: &mut [Worker], gen: u64) {
+        let until = Instant::now() + self.o.grace;
+        while workers.iter().any(|w| w.status.is_none()) && Instant::now() < until {
+            self.heartbeat();
+            self.poll_workers(workers, gen);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left: Vec<usize> =
+            workers.iter().filter(|w| w.status.is_none()).map(|w| w.rank).collect();
+        if !left.is_empty() {
+            say!("shardline launch: stopping ranks {left:?}");
+            signal_all(workers, nix::sys::signal::Signal::SIGKILL);
+            for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+                w.status = w.child.wait().ok();
+            }
+        }
+    }
+
+    fn publish(&mut self, g: &Generation) -> Result<()> {
+        let text = serde_json::to_vec(g)
+            .map_err(|e| RuntimeError::config(format!("encoding generation: {e}")))?;
+        let key = agent_key(&self.job, "gen");
+        let deadline = Instant::now() + STORE_LOST;
+        while !self.link.set(&key, &text) {
+            if Instant::now() >= deadline {
+                return Err(RuntimeError::config("node 0's agent cannot reach its own store"));
+            }
+            std::thread::sleep(POLL_EVERY);
+        }
+        Ok(())
+    }
+
+    /// Node 0: which nodes start the job. A fixed-size job takes them all (its workers'
+    /// rendezvous waits for them); an elastic one waits a while for the most nodes and goes
+    /// with those whose agents showed up, if at least the fewest.
+    fn initial_nodes(&mut self, beats: &mut Heartbeats) -> Result<Vec<usize>> {
+        let o = self.o;
+        if o.min_nodes >= o.nnodes {
+            return Ok((0..o.nnodes).collect());
+        }
+        let start = Instant::now();
+        loop {
+            self.heartbeat();
+            beats.poll(&mut self.link, &self.job);
+            let up: Vec<usize> = (0..o.nnodes)
+                .filter(|&n| n == o.node_rank || beats.fresh(n, o.heartbeat_timeout))
+                .collect();
+            if up.len() == o.nnodes
+                || (start.elapsed() >= ELASTIC_JOIN_WAIT && up.len() >= o.min_nodes)
+            {
+                return Ok(up);
+            }
+            if start.elapsed() >= RENDEZVOUS_TIMEOUT {
+                return Err(RuntimeError::config(format!(
+                    "only node(s) {up:?} joined within {RENDEZVOUS_TIMEOUT:?}; --nnodes needs at least {}",
+                    o.min_nodes
+                )));
+            }
+            std::thread::sleep(POLL_EVERY);
+        }
+    }
+
+    /// Node 0's agent: decides every generation (LAUNCH-6, LAUNCH-10).
+    fn coordinate(&mut self) -> Result<i32> {
+        let o = self.o;
+        let me = o.node_rank;
+        let mut beats = Heartbeats::new(o.nnodes);
+        let nodes = self.initial_nodes(&mut beats)?;
+        let mut g = Generation { gen: 0, nodes, state: GenState::Run };
+        let mut restarts = 0u32;
+        // (step to pass, when the failure was detected)
+        let mut recovering: Option<(u64, Instant)> = None;
+        loop {
+            self.publish(&g)?;
+            self.progress = 0;
+            let mut workers = self.spawn(&g)?;
+            let started = Instant::now();
+            let mut last_poll: Option<Instant> = None;
+            let mut interrupted = false;
+            let outcome = loop {
+                self.heartbeat();
+                interrupted |= self.forward_signals(&workers);
+                let failed = self.poll_workers(&mut workers, g.gen);
+                if let Some(f) = failed.into_iter().next() {
+                    break Outcome::Failed(f);
+                }
+                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
+                    break Outcome::Done;
+                }
+                if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
+                    last_poll = Some(Instant::now());
+                    self.poll_progress(g.gen);
+                    if let Some((target, at)) = recovering {
+                        if self.progress >= target {
+                            self.log(format_args!(
+                                "recovered: generation {} passed step {target} again, {:.3} s after the failure was detected",
+                                g.gen,
+                                at.elapsed().as_secs_f64()
+                            ));
+                            recovering = None;
+                        }
+                    }
+                    beats.poll(&mut self.link, &self.job);
+                    let mut lost = None;
+                    for &n in g.nodes.iter().filter(|&&n| n != me) {
+                        let key = agent_key(&self.job, &format!("fail/{}/{n}", g.gen));
+                        if let Got::Value(v) = self.link.get(&key) {
+                            lost =
+                                Some(format!("node {n} reports: {}", String::from_utf8_lossy(&v)));
+                            break;
+                        }
+                        let quiet = beats.silent(n, started);
+                        if quiet >= o.heartbeat_timeout {
+                            lost = Some(format!(
+                                "node {n} lost: no heartbeat for {:.1} s during step {} (generation {})",
+                                quiet.as_secs_f64(),
+                                self.progress + 1,
+                                g.gen
+                            ));
+                            break;
+                        }
+                    }
+                    if let Some(why) = lost {
+                        self.log(format_args!("fault: {why}"));
+                        break Outcome::Failed(why);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let why = match outcome {
+                Outcome::Done => {
+                    g.state = GenState::Done;
+                    self.publish(&g)?;
+                    self.wait_for_ends(&g, &mut beats);
+                    if restarts > 0 {
+                        self.log(format_args!("finished after {restarts} restart(s)"));
+                    }
+                    return Ok(0);
+                }
+                Outcome::Failed(why) => why,
+            };
+            let detected = Instant::now();
+            let failed_step = self.progress + 1;
+            g.state = GenState::Stop;
+            self.publish(&g)?;
+            self.stop(&mut workers, g.gen);
+            let alive = self.wait_stopped(&g, &mut beats, started);
+            interrupted |= RECEIVED.load(std::sync::atomic::Ordering::SeqCst) != 0;
+            let give_up = |reason: String, agent: &mut Self, g: &mut Generation| -> Result<i32> {
+                g.state = GenState::Abort;
+                agent.publish(g)?;
+                agent.log(format_args!("giving up: {reason} (last failure: {why})"));
+                Ok(1)
+            };
+            if interrupted {
+                return give_up("interrupted".into(), self, &mut g);
+            }
+            if restarts >= o.max_restarts {
+                return give_up(
+                    format!("{restarts} restart(s) of --max-restarts {} used", o.max_restarts),
+                    self,
+                    &mut g,
+                );
+            }
+            let next: Vec<usize> = if o.min_nodes >= o.nnodes {
+                (0..o.nnodes).collect()
+            } else {
+                // LAUNCH-10: lost nodes leave; a node whose agent is back rejoins.
+                (0..o.nnodes)
+                    .filter(|&n| {
+                        n == me
+                            || alive.contains(&n)
+                            || (!g.nodes.contains(&n) && beats.fresh(n, o.heartbeat_timeout))
+                    })
+                    .collect()
+            };
+            // A fixed-size job needs every node back (a partition heals, an agent restarts):
+            // starting without them would only burn a restart.
+            let missing: Vec<usize> = next.iter().copied().filter(|n| !alive.contains(n)).collect();
+            if o.min_nodes >= o.nnodes && !missing.is_empty() {
+                self.log(format_args!("waiting for node(s) {missing:?} to come back"));
+                let until = Instant::now() + RENDEZVOUS_TIMEOUT;
+                while Instant::now() < until
+                    && !missing.iter().all(|&n| beats.fresh(n, o.heartbeat_timeout))
+                {
+                    self.heartbeat();
+                    beats.poll(&mut self.link, &self.job);
+                    std::thread::sleep(POLL_EVERY);
+                }
+            }
+            if next.len() < o.min_nodes {
+                return give_up(
+                    format!("{} node(s) left, --nnodes needs at least {}", next.len(), o.min_nodes),
+                    self,
+                    &mut g,
+                );
+            }
+            restarts += 1;
+            recovering = Some((failed_step, detected));
+            self.log(format_args!(
+                "restart {restarts}/{}: generation {} on node(s) {next:?} (world {}) resumes from the last checkpoint; the failure was at step {failed_step}",
+                o.max_restarts,
+                g.gen + 1,
+                next.len() * o.nproc_per_node
+            ));
+            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run };
+        }
+    }
+
+    /// Node 0, after publishing a stop: the nodes of `g` whose agents stopped their workers,
+    /// waiting at most the grace period plus the heartbeat timeout; a node whose heartbeat
+    /// stays still that long is lost.
+    fn wait_stopped(
+        &mut self,
+        g: &Generation,
+        beats: &mut Heartbeats,
+        started: Instant,
+    ) -> Vec<usize> {
+        let me = self.o.node_rank;
+        let until = Instant::now() + self.o.grace + self.o.heartbeat_timeout;
+        let mut alive = vec![me];
+        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        while !pending.is_empty() && Instant::now() < until {
+            self.heartbeat();
+            beats.poll(&mut self.link, &self.job);
+            let mut still = Vec::new();
+            for n in pending {
+                let key = agent_key(&self.job, &format!("stopped/{}/{n}", g.gen));
+                match self.link.get(&key) {
+                    Got::Value(_) => alive.push(n),
+                    _ if beats.silent(n, started) >= self.o.heartbeat_timeout => {
+                        self.log(format_args!("node {n} did not answer the stop: counted as lost"));
+                    }
+                    _ => still.push(n),
+                }
+            }
+            pending = still;
+            std::thread::sleep(POLL_EVERY);
+        }
+        for n in pending {
+            self.log(format_args!("node {n} did not stop in time: counted as lost"));
+        }
+        alive.sort_unstable();
+        alive
+    }
+
+    /// Node 0 after success: keeps the store up until the other nodes' workers are done.
+    fn wait_for_ends(&mut self, g: &Generation, beats: &mut Heartbeats) {
+        let me = self.o.node_rank;
+        let since = Instant::now();
+        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        while !pending.is_empty() && since.elapsed() < END_WAIT {
+            beats.poll(&mut self.link, &self.job);
+            let job = self.job.clone();
+            pending.retain(|&n| {
+                let key = agent_key(&job, &format!("end/{}/{n}", g.gen));
+                !matches!(self.link.get(&key), Got::Value(_))
+                    && beats.silent(n, since) < self.o.heartbeat_timeout
+            });
+            std::thread::sleep(POLL_EVERY);
+        }
+    }
+
+    /// Any other node's agent: runs the generations node 0 decides (LAUNCH-6).
+    fn follow(&mut self) -> Result<i32> {
+        let me = self.o.node_rank;
+        let mut cur: Option<Generation> = None;
+        let mut workers: Vec<Worker> = Vec::new();
+        let mut reported = false;
+        let mut stopped_sent = false;
+        let mut last_poll: Option<Instant> = None;
+        let start = Instant::now();
+        loop {
+            self.heartbeat();
+            if self.forward_signals(&workers) {
+                let gen = cur.as_ref().map_or(0, |g| g.gen);
+                self.stop(&mut workers, gen);
+                return Ok(1);
+            }
+            let gen = cur.as_ref().map_or(0, |g| g.gen);
+            let failed = self.poll_workers(&mut workers, gen);
+            if !failed.is_empty() && !reported {
+                let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
+                reported = self.link.set(&key, failed.join("; ").as_bytes());
+            }
+            let all_exited = !workers.is_empty() && workers.iter().all(|w| w.status.is_some());
+            if all_exited {
+                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
+                    let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
+                    self.link.set(&key, b"ok");
+                    return Ok(0);
+                }
+                if !reported {
+                    let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
+                    reported = self.link.set(&key, b"workers stopped");
+                }
+                if !stopped_sent {
+                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
+                    stopped_sent = self.link.set(&key, b"stopped");
+                }
+            }
+            if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
+                last_poll = Some(Instant::now());
+                match self.link.get(&agent_key(&self.job, "gen")) {
+                    Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
+                        self.log(format_args!(
+                            "the store at {} is unreachable for {:?}: giving up",
+                            self.rdzv, STORE_LOST
+                        ));
+                        self.stop(&mut workers, gen);
+                        return Ok(1);
+                    }
+                    Got::Unset if start.elapsed() >= RENDEZVOUS_TIMEOUT => {
+                        return Err(RuntimeError::config(format!(
+                            "node 0's agent published no generation within {RENDEZVOUS_TIMEOUT:?}"
+                        )));
+                    }
+                    Got::Value(v) => {
+                        let g: Generation = serde_json::from_slice(&v).map_err(|e| {
+                            RuntimeError::config(format!("node 0 published a bad generation: {e}"))
+                        })?;
+                        if !workers.is_empty() {
+                            self.poll_progress(gen);
+                        }
+                        let newer = cur.as_ref().is_none_or(|c| g.gen > c.gen);
+                        match g.state {
+                            GenState::Abort => {
+                                self.log(format_args!("node 0 ended the job after a failure"));
+                                self.stop(&mut workers, gen);
+                                return Ok(1);
+                            }
+                            GenState::Done if workers.is_empty() || all_exited => return Ok(0),
+                            GenState::Run if newer => {
+                                if workers.iter().any(|w| w.status.is_none()) {
+                                    self.stop(&mut workers, gen);
+                                }
+                                workers.clear();
+                                reported = false;
+                                stopped_sent = false;
+                                self.progress = 0;
+                                if g.nodes.contains(&me) {
+                                    if g.gen > 0 {
+                                        self.log(format_args!(
+                                            "restarting with generation {} on node(s) {:?}",
+                                            g.gen, g.nodes
+                                        ));
+                                    }
+                                    workers = self.spawn(&g)?;
+                                } else {
+                                    self.log(format_args!(
+                                        "not in generation {} (node(s) {:?}): waiting to rejoin",
+                                        g.gen, g.nodes
+                                    ));
+                                }
+                                cur = Some(g);
+                            }
+                            GenState::Stop if cur.as_ref().is_some_and(|c| c.gen == g.gen) => {
+                                if workers.iter().any(|w| w.status.is_none()) {
+                                    self.stop(&mut workers, gen);
+                                }
+                                if !stopped_sent {
+                                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
+                                    stopped_sent = self.link.set(&key, b"stopped");
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Runs the agent of one node (LAUNCH-5, LAUNCH-6): hosts the store on node 0, starts the
+/// workers of each generation, watches them and the other agents. Returns the process exit
+/// code: 0 when training finished.
 pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
-    use nix::sys::signal::Signal;
-    use std::os::unix::process::CommandExt;
     if o.nproc_per_node == 0 || o.nnodes == 0 || o.node_rank >= o.nnodes {
         return Err(RuntimeError::config(format!(
             "--nproc-per-node {} --nnodes {} --node-rank {}: need at least one process and node, and node rank < nodes",
             o.nproc_per_node, o.nnodes, o.node_rank
         )));
     }
+    if o.min_nodes == 0 || o.min_nodes > o.nnodes {
+        return Err(RuntimeError::config(format!(
+            "--nnodes {}:{}: need 1 <= MIN <= MAX",
+            o.min_nodes, o.nnodes
+        )));
+    }
     if o.worker_args.first().map(String::as_str) != Some("train") {
         return Err(RuntimeError::config("launch runs `train ...` after `--`"));
+    }
+    if (o.max_restarts > 0 || o.min_nodes < o.nnodes)
+        && !o
+            .worker_args
+            .iter()
+            .any(|a| a == "--checkpoint-dir" || a.starts_with("--checkpoint-dir="))
+    {
+        return Err(RuntimeError::config(
+            "--max-restarts and elastic --nnodes restart from checkpoints: give --checkpoint-dir to train",
+        ));
     }
     let token = match o.token.clone().or_else(|| std::env::var("SHARDLINE_TOKEN").ok()) {
         Some(t) if !t.is_empty() => t,
@@ -632,91 +1447,29 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     install_forwarding()?;
     let exe = std::env::current_exe()
         .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
-    let world = o.nnodes * o.nproc_per_node;
-    let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
-    for local in 0..o.nproc_per_node {
-        let rank = o.node_rank * o.nproc_per_node + local;
-        let mut cmd = std::process::Command::new(&exe);
-        cmd.args(&o.worker_args)
-            .env("SHARDLINE_RANK", rank.to_string())
-            .env("SHARDLINE_WORLD_SIZE", world.to_string())
-            .env("SHARDLINE_LOCAL_RANK", local.to_string())
-            .env("SHARDLINE_LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
-            .env("SHARDLINE_NODE_RANK", o.node_rank.to_string())
-            .env("SHARDLINE_RDZV", &rdzv)
-            .env("SHARDLINE_TOKEN", &token)
-            .env("SHARDLINE_JOB", &job);
-        // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
-        unsafe {
-            cmd.pre_exec(|| {
-                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
-            });
-        }
-        let child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                signal_all(&workers, Signal::SIGKILL);
-                return Err(RuntimeError::config(format!("starting rank {rank}: {e}")));
-            }
-        };
-        workers.push(Worker { rank, child, status: None });
-    }
-    eprintln!(
-        "shardline launch: node {}/{}: ranks {}..{} of {world} started (store {rdzv})",
-        o.node_rank,
-        o.nnodes,
-        o.node_rank * o.nproc_per_node,
-        (o.node_rank + 1) * o.nproc_per_node - 1
-    );
-    let mut failed: Option<Instant> = None;
-    let mut killed = false;
-    let mut forwarded = 0;
-    loop {
-        let sig = RECEIVED.load(std::sync::atomic::Ordering::SeqCst);
-        if sig != 0 && sig != forwarded {
-            forwarded = sig;
-            if let Ok(s) = Signal::try_from(sig) {
-                say!("shardline launch: forwarding {s} to the workers");
-                signal_all(&workers, s);
-            }
-        }
-        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-            match w.child.try_wait() {
-                Ok(Some(st)) => {
-                    w.status = Some(st);
-                    if !st.success() {
-                        say!("shardline launch: rank {} exited with {}", w.rank, describe(st));
-                        failed.get_or_insert_with(Instant::now);
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    say!("shardline launch: cannot wait for rank {}: {e}", w.rank);
-                    failed.get_or_insert_with(Instant::now);
-                }
-            }
-        }
-        if workers.iter().all(|w| w.status.is_some()) {
-            break;
-        }
-        if let Some(t) = failed {
-            if !killed && t.elapsed() >= o.grace {
-                let left: Vec<usize> =
-                    workers.iter().filter(|w| w.status.is_none()).map(|w| w.rank).collect();
-                say!("shardline launch: stopping ranks {left:?}");
-                signal_all(&workers, Signal::SIGKILL);
-                killed = true;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let link = StoreLink {
+        addr: rdzv.clone(),
+        token: token.clone(),
+        client: None,
+        last_ok: Instant::now(),
+    };
+    let mut agent = Agent {
+        o,
+        exe,
+        rdzv,
+        token,
+        job,
+        link,
+        t0: Instant::now(),
+        beats: 0,
+        last_beat: None,
+        forwarded: 0,
+        progress: 0,
+    };
+    let code = if o.node_rank == 0 { agent.coordinate()? } else { agent.follow()? };
     drop(server);
-    let bad: Vec<usize> =
-        workers.iter().filter(|w| !w.status.is_some_and(|s| s.success())).map(|w| w.rank).collect();
-    if bad.is_empty() {
-        Ok(0)
-    } else {
-        say!("shardline launch: failed ranks {bad:?}");
-        Ok(1)
+    if code != 0 {
+        say!("shardline launch: node {} failed", o.node_rank);
     }
+    Ok(code)
 }

@@ -10,6 +10,8 @@
 //! - MP-2: a rank checks its results against a naive reference computed from deterministic
 //!   inputs that every rank regenerates, never against another rank's output.
 
+pub mod netns;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

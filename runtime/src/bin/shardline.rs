@@ -51,9 +51,10 @@ struct LaunchArgs {
     /// Worker processes on this node.
     #[arg(long)]
     nproc_per_node: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Nodes in the job: N, or MIN:MAX for an elastic job (a lost node shrinks the world
+    /// down to MIN nodes; the checkpoint reshards on load).
+    #[arg(long, default_value = "1", value_parser = shardline_runtime::launch::parse_nnodes)]
+    nnodes: (usize, usize),
     /// This node's index (0 hosts the rendezvous store).
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
@@ -66,6 +67,14 @@ struct LaunchArgs {
     /// Seconds the other workers get to exit on their own after one died.
     #[arg(long, default_value_t = 2.0)]
     grace_s: f64,
+    /// Restart the worker group (on every node) from the last committed checkpoint up to N
+    /// times after a worker dies or a node is lost; needs --checkpoint-dir in the train
+    /// arguments.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// Seconds without a heartbeat after which node 0's agent counts a node as lost.
+    #[arg(long, default_value_t = 3.0)]
+    heartbeat_timeout_s: f64,
     /// The worker command: `train ...`.
     #[arg(last = true, required = true)]
     worker: Vec<String>,
@@ -389,10 +398,23 @@ fn main() {
                     std::process::exit(2);
                 }
             }
+            let launched = match shardline_runtime::launch::WorkerEnv::from_env() {
+                Ok(env) => env,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::exit(2);
+                }
+            };
             let plan = match shardline_runtime::fault::FaultPlan::parse(&a.faults, a.fault_seed)
                 .map_err(|e| e.to_string())
-                .and_then(|p| p.validate(cfg.world).map(|_| p).map_err(|e| e.to_string()))
-            {
+                .and_then(|p| {
+                    match &launched {
+                        Some(env) => p.validate_launched(env.world),
+                        None => p.validate(cfg.world),
+                    }
+                    .map(|_| p)
+                    .map_err(|e| e.to_string())
+                }) {
                 Ok(p) => p,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -401,7 +423,7 @@ fn main() {
             };
             let injector = (!plan.faults.is_empty())
                 .then(|| shardline_runtime::fault::FaultInjector::new(plan));
-            let opts = RunOptions {
+            let mut opts = RunOptions {
                 checkpoint_dir: a.checkpoint_dir.clone(),
                 checkpoint_every: a.checkpoint_every,
                 resume: a.resume,
@@ -413,8 +435,11 @@ fn main() {
                 faults: None,
                 dump_on_failure: a.dump_on_failure.clone(),
             };
-            if let Some(code) = worker_mode(&a, &cfg, &opts) {
-                std::process::exit(code);
+            if let Some(env) = launched {
+                // The worker's rank faults fire in the process itself (LAUNCH-8); restarts
+                // are the agent's (`launch --max-restarts`).
+                opts.faults = injector;
+                std::process::exit(worker_mode(&a, &cfg, &opts, env));
             }
             let sup =
                 shardline_runtime::supervise::run_supervised(cfg, opts, injector, a.max_restarts);
@@ -497,17 +522,14 @@ fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
 }
 
 /// `shardline train` as one rank of a multi-process job, when a launch environment is set
-/// (`shardline launch`, torchrun or Slurm variables); `None` otherwise.
-fn worker_mode(a: &TrainArgs, cfg: &TrainConfig, opts: &RunOptions) -> Option<i32> {
-    use shardline_runtime::launch::{run_worker, WorkerEnv};
-    let env = match WorkerEnv::from_env() {
-        Ok(Some(env)) => env,
-        Ok(None) => return None,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Some(2);
-        }
-    };
+/// (`shardline launch`, torchrun or Slurm variables); returns the exit code.
+fn worker_mode(
+    a: &TrainArgs,
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    env: shardline_runtime::launch::WorkerEnv,
+) -> i32 {
+    use shardline_runtime::launch::run_worker;
     let mut opts = opts.clone();
     opts.progress = opts.progress && env.rank == 0;
     match run_worker(cfg.clone(), opts, &env) {
@@ -516,17 +538,17 @@ fn worker_mode(a: &TrainArgs, cfg: &TrainConfig, opts: &RunOptions) -> Option<i3
                 let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
                 if let Err(e) = std::fs::write(p, text) {
                     eprintln!("error: writing {}: {e}", p.display());
-                    return Some(1);
+                    return 1;
                 }
             }
-            Some(0)
+            0
         }
         Err(e) => {
             // One write, so that the lines of ranks sharing a terminal never interleave.
             use std::io::Write;
             let line = format!("error: rank {}: {e}\n", env.rank);
             let _ = std::io::stderr().write_all(line.as_bytes());
-            Some(exit_for(&e))
+            exit_for(&e)
         }
     }
 }
@@ -534,12 +556,17 @@ fn worker_mode(a: &TrainArgs, cfg: &TrainConfig, opts: &RunOptions) -> Option<i3
 fn launch_cmd(l: LaunchArgs) -> i32 {
     let o = shardline_runtime::launch::LaunchOptions {
         nproc_per_node: l.nproc_per_node,
-        nnodes: l.nnodes,
+        nnodes: l.nnodes.1,
         node_rank: l.node_rank,
         rdzv: l.rdzv,
         token: l.token,
         worker_args: l.worker,
         grace: std::time::Duration::from_secs_f64(l.grace_s.clamp(0.0, 3600.0)),
+        min_nodes: l.nnodes.0,
+        max_restarts: l.max_restarts,
+        heartbeat_timeout: std::time::Duration::from_secs_f64(
+            l.heartbeat_timeout_s.clamp(0.2, 3600.0),
+        ),
     };
     match shardline_runtime::launch::run_agent(&o) {
         Ok(code) => code,

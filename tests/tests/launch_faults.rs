@@ -1,0 +1,256 @@
+//! Fault tolerance of `shardline launch` (LAUNCH-6 to LAUNCH-10 in the runtime's launch
+//! module): a killed worker restarts the group from the last checkpoint, a lost node shrinks
+//! an elastic job, a partitioned node is detected and the job recovers once the link is back.
+//! Every process carries a deadline (NET-1): a bug fails the test instead of hanging it.
+
+use shardline_runtime::checkpoint::Checkpoint;
+use shardline_runtime::fault::FaultSpec;
+use shardline_tests::netns::{kill_group, shardline, spawn, wait_output, Net};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn train_args(steps: u64, every: u64, dir: &Path, tag: &str) -> Vec<String> {
+    let ck = dir.join(format!("ck-{tag}"));
+    let log = dir.join(format!("{tag}.jsonl"));
+    [
+        "train",
+        "--model",
+        "mlp-bn",
+        "--dataset",
+        "digits",
+        "--batch-size",
+        "48",
+        "--steps",
+        &steps.to_string(),
+        "--sync-bn",
+        "on",
+        "--no-progress",
+        "--timeout",
+        "20",
+        "--checkpoint-every",
+        &every.to_string(),
+        "--checkpoint-dir",
+        &ck.to_string_lossy(),
+        "--log-json",
+        &log.to_string_lossy(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn run(mut args: Vec<String>, what: &str) -> Output {
+    let mut cmd = Command::new(shardline());
+    cmd.args(args.drain(..));
+    wait_output(spawn(cmd), Instant::now() + DEADLINE, what)
+}
+
+fn text(o: &Output) -> String {
+    format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn latest(root: &Path) -> Checkpoint {
+    let dir = shardline_runtime::checkpoint::latest(root)
+        .expect("list checkpoints")
+        .unwrap_or_else(|| panic!("no checkpoint in {}", root.display()));
+    let ck = Checkpoint::open(dir).expect("open checkpoint");
+    ck.verify().expect("checkpoint verifies");
+    ck
+}
+
+/// Final parameters of two checkpoint roots: bitwise equal (`tol` 0) or within `tol`
+/// relative.
+fn assert_same_params(a: &Path, b: &Path, tol: f32) {
+    let (c1, c2) = (latest(a), latest(b));
+    assert_eq!(c1.manifest().step, c2.manifest().step, "final steps differ");
+    let (u1, u2) = (c1.consolidate().expect("consolidate"), c2.consolidate().expect("consolidate"));
+    assert_eq!(u1.len(), u2.len());
+    for (k, (x, y)) in u1.iter().zip(&u2).enumerate() {
+        assert_eq!(x.params.len(), y.params.len());
+        for (i, (p, q)) in x.params.iter().zip(&y.params).enumerate() {
+            if tol == 0.0 {
+                assert_eq!(p.to_bits(), q.to_bits(), "unit {k} param {i}: {p} vs {q}");
+            } else {
+                assert!((p - q).abs() <= tol * p.abs().max(1.0), "unit {k} param {i}: {p} vs {q}");
+            }
+        }
+    }
+}
+
+/// The `unix_ms=` value of the first line containing `needle`.
+fn unix_ms_of(log: &str, needle: &str) -> Option<u128> {
+    let line = log.lines().find(|l| l.contains(needle))?;
+    let v = line.split("unix_ms=").nth(1)?;
+    v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The last step in a `--log-json` file (0 while there is none).
+fn logged_step(path: &Path) -> u64 {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+/// LAUNCH-6, LAUNCH-8, LAUNCH-9: a worker SIGKILLed at step 5 (first generation only) is
+/// detected by its agent, the group restarts from the checkpoint of step 4 and ends where a
+/// clean launch ends, bitwise (same world).
+#[test]
+fn killed_worker_restarts_and_ends_like_a_clean_launch() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let launch = |extra: &[&str], tag: &str, faults: &[&str]| {
+        let mut args: Vec<String> =
+            ["launch", "--nproc-per-node", "2"].iter().map(|s| s.to_string()).collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.push("--".into());
+        args.extend(train_args(12, 2, dir, tag));
+        for f in faults {
+            args.extend(["--fault".to_string(), f.to_string()]);
+        }
+        run(args, tag)
+    };
+    let clean = launch(&[], "clean", &[]);
+    assert!(clean.status.success(), "clean launch failed:\n{}", text(&clean));
+    let out = launch(&["--max-restarts", "1"], "fault", &["kill:rank=1:step=5"]);
+    let log = text(&out);
+    assert!(out.status.success(), "launch with a restart failed:\n{log}");
+    assert!(log.contains("rank 1 exited with signal 9 (SIGKILL)"), "no detection:\n{log}");
+    assert!(log.contains("restart 1/1: generation 1"), "no restart:\n{log}");
+    assert!(log.contains("resumed from") && log.contains("(step 4)"), "resume point:\n{log}");
+    assert!(log.contains("recovered: generation 1"), "no recovery line:\n{log}");
+    let killed = unix_ms_of(&log, "fault injected: kill rank 1").expect("kill line");
+    let seen = unix_ms_of(&log, "rank 1 exited with signal 9").expect("detection line");
+    let took = seen.saturating_sub(killed);
+    println!("killed worker detected {took} ms after the kill (collective timeout 20 s)");
+    // A deadline, not a timing claim: detection must not wait for the collective timeout.
+    assert!(seen >= killed && took < 20_000, "detected after {took} ms");
+    assert_same_params(&dir.join("ck-clean"), &dir.join("ck-fault"), 0.0);
+}
+
+/// SUP-2 under launch: without restarts the same fault fails the launch, naming the rank.
+#[test]
+fn killed_worker_without_restarts_fails_the_launch() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut args: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--"].iter().map(|s| s.to_string()).collect();
+    args.extend(train_args(8, 2, tmp.path(), "f"));
+    args.extend(["--fault".to_string(), "kill:rank=0:step=3".to_string()]);
+    let out = run(args, "launch");
+    let log = text(&out);
+    assert!(!out.status.success(), "should fail:\n{log}");
+    assert!(log.contains("rank 0 exited with signal 9 (SIGKILL)"), "{log}");
+    assert!(log.contains("giving up"), "{log}");
+}
+
+/// LAUNCH-10: `--nnodes 1:2` on two namespace nodes; node 1's agent and workers are
+/// SIGKILLed mid-run; node 0's agent restarts with its own workers only (world 2 -> 1), the
+/// world-2 checkpoint reshards on load, and training finishes. The result equals a clean
+/// run that made the same world change at the same step (`train --world 2 --stop-after K`,
+/// then `train --world 1 --resume`), within float tolerance (the tcp sums of world 2 may
+/// differ from the one-process run's in order).
+#[test]
+fn elastic_job_shrinks_when_a_node_is_lost() {
+    let test = "elastic_job_shrinks_when_a_node_is_lost";
+    let Some(net) = Net::or_skip(2, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 300;
+    let args = train_args(steps, 10, dir, "el");
+    let flags = ["--nnodes", "1:2", "--max-restarts", "1", "--heartbeat-timeout-s", "1"];
+    let flags = [&flags[..], &["--grace-s", "0.5"]].concat();
+    let node0 = net.launch(0, 1, 29_611, &flags, &args);
+    let node1 = net.launch(1, 1, 29_611, &flags, &args);
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("el.jsonl")) < 40 {
+        assert!(Instant::now() < deadline, "training never reached step 40");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    kill_group(&node1);
+    let out1 = wait_output(node1, deadline, "node 1");
+    assert!(!out1.status.success());
+    let out = wait_output(node0, deadline, "node 0");
+    let log = text(&out);
+    assert!(out.status.success(), "node 0 failed:\n{log}");
+    assert!(log.contains("restart 1/1: generation 1 on node(s) [0] (world 1)"), "{log}");
+    let resumed: u64 = log
+        .split("(step ")
+        .nth(1)
+        .and_then(|t| t.split(')').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no resume step:\n{log}"));
+    assert!(resumed >= 40 && resumed % 10 == 0, "resumed from step {resumed}");
+    let ck = latest(&dir.join("ck-el"));
+    assert_eq!(ck.manifest().step, steps);
+    assert_eq!(ck.manifest().world, 1);
+    // The clean run with the same world change.
+    let mut a = train_args(steps, 10, dir, "ref");
+    a.extend(["--world", "2", "--stop-after", &resumed.to_string()].map(String::from));
+    let o = run(a, "reference, world 2");
+    assert!(o.status.success(), "{}", text(&o));
+    let mut b = train_args(steps, 10, dir, "ref");
+    b.extend(["--world", "1", "--resume"].map(String::from));
+    let o = run(b, "reference, world 1");
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_params(&dir.join("ck-ref"), &dir.join("ck-el"), 1e-4);
+}
+
+/// FAULT plan `partition:node=N:step=S:secs=T` on namespace nodes: the harness takes node
+/// N's link down when rank 0 has logged step S and up again T seconds later. The ranks detect
+/// it (an error naming the peer, no hang), and with `--max-restarts` the job recovers once
+/// the link is back and ends like the one-process run (within float tolerance).
+#[test]
+fn partitioned_node_is_detected_and_the_job_recovers() {
+    let test = "partitioned_node_is_detected_and_the_job_recovers";
+    let Some(net) = Net::or_skip(2, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let spec = "partition:node=1:step=30:secs=4";
+    let Ok(FaultSpec::Partition { node, step, secs }) = FaultSpec::parse(spec) else {
+        panic!("{spec} does not parse as a partition");
+    };
+    let mut args = train_args(steps, 10, dir, "part");
+    let t = args.iter().position(|a| a == "--timeout").expect("timeout flag");
+    args[t + 1] = "2".into();
+    args.extend(["--fault".to_string(), spec.to_string()]);
+    let flags = ["--max-restarts", "1", "--heartbeat-timeout-s", "1", "--grace-s", "0.5"];
+    let children: Vec<_> = (0..2).map(|k| net.launch(k, 1, 29_612, &flags, &args)).collect();
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("part.jsonl")) < step {
+        assert!(Instant::now() < deadline, "training never reached step {step}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let link = net.link_down(node).expect("link down");
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    link.up();
+    let mut log = String::new();
+    for (k, c) in children.into_iter().enumerate() {
+        let out = wait_output(c, deadline, &format!("node {k}"));
+        let t = text(&out);
+        assert!(out.status.success(), "node {k} failed:\n{t}");
+        log.push_str(&t);
+    }
+    // Detected and named: a rank's collective error names its peer across the cut (Timeout
+    // or PeerLost), or node 0's agent names the silent node, whichever comes first.
+    let named = log.lines().any(|l| {
+        (l.starts_with("error: rank 0: ") && l.contains("rank 1"))
+            || (l.starts_with("error: rank 1: ") && l.contains("rank 0"))
+    });
+    assert!(named, "no rank error names the peer across the partition:\n{log}");
+    assert!(log.contains("fault: node 1 lost") || log.contains("fault: rank"), "{log}");
+    assert!(log.contains("restart 1/1: generation 1 on node(s) [0, 1] (world 2)"), "{log}");
+    let ck = latest(&dir.join("ck-part"));
+    assert_eq!(ck.manifest().world, 2);
+    let mut r = train_args(steps, 10, dir, "ref");
+    r.extend(["--world", "2"].map(String::from));
+    let o = run(r, "reference");
+    assert!(o.status.success(), "{}", text(&o));
+    assert_same_params(&dir.join("ck-ref"), &dir.join("ck-part"), 1e-4);
+}
