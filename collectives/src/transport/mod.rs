@@ -25,6 +25,7 @@ pub mod faulty;
 pub mod hybrid;
 pub mod local;
 pub mod rdma;
+pub mod select;
 pub mod shm;
 pub mod tcp;
 
