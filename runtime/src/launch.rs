@@ -18,7 +18,9 @@
 //!   its configuration in the store, and a rank whose hash differs from rank 0's fails the
 //!   start-up on every rank, naming it.
 //! - LAUNCH-2: ranks that publish the same node id share a node (shared memory between them);
-//!   ranks of different nodes talk over TCP ([`HybridTransport`]).
+//!   ranks of different nodes talk over RDMA when every rank opens a device, else TCP
+//!   (`--transport auto`, see `shardline_collectives::transport::select`; rank 0 says once
+//!   why RDMA was not used). `--transport tcp|rdma|shm` carries every pair over one transport.
 //! - LAUNCH-3: ranks run the same steps on the same data order in lockstep; rank 0 alone
 //!   prints progress, the per-step log and the summary.
 //! - LAUNCH-4: a checkpoint is committed by rank 0 only after every rank wrote its shard
@@ -26,6 +28,22 @@
 //! - LAUNCH-5: the agent reports a worker that dies (rank, exit code or signal), stops the
 //!   others after a short grace period in which they may report their own errors, and exits
 //!   non-zero; SIGINT and SIGTERM are forwarded to the workers.
+//! - LAUNCH-6: with `--max-restarts N` a failure (a worker's exit or signal, a node's report,
+//!   a node's silence) does not end the job: node 0's agent decides a new generation in the
+//!   store (`agent/JOB/gen`: number, nodes, state), every agent stops its workers and starts
+//!   the new generation's, which resume from the last committed checkpoint (`--resume`), up
+//!   to N times. Only node 0's agent writes the generation, so the agents cannot disagree.
+//! - LAUNCH-7: a generation's workers use the job name `JOBgN`: fresh store keys and shm
+//!   segment names, so nothing of a dead generation is read by the next.
+//! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
+//!   `kill` is a SIGKILL of the worker itself.
+//! - LAUNCH-9: every fault, restart and recovery is logged by the agents with the time since
+//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps).
+//! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
+//!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
+//!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
+//!   nodes; a node whose agent is back (fresh heartbeat) rejoins at the next restart. A
+//!   fixed-size job instead waits for the missing node to come back before restarting.
 
 use crate::checkpoint::{self, FileEntry, PendingCheckpoint};
 use crate::engine::RankEngine;
@@ -34,7 +52,7 @@ use crate::fault::{FaultHook, FaultSpec, Phase};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
 use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
-use shardline_collectives::transport::hybrid::HybridTransport;
+use shardline_collectives::transport::select::{open_for_job, Selection, TransportChoice};
 use shardline_collectives::transport::tcp::TcpOptions;
 use shardline_collectives::transport::Transport;
 use shardline_collectives::{
@@ -221,6 +239,8 @@ struct Joined {
     store: Arc<dyn Store>,
     topology: Topology,
     comm: Communicator,
+    /// The transports chosen (LAUNCH-2).
+    selection: Selection,
 }
 
 fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
@@ -272,15 +292,27 @@ fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     let mut tcp = TcpOptions::default();
     tcp.bind(SocketAddr::from(([0, 0, 0, 0], 0)))
         .advertise(local_ip_towards(&env.rdzv)?.to_string());
-    let transport = HybridTransport::new(env.rank, &topology, Arc::clone(&store), &env.job, tcp)
-        .map_err(|e| {
-            RuntimeError::config(format!("rank {}: transport setup failed: {e}", env.rank))
-        })?;
+    let choice = TransportChoice::from_env()
+        .map_err(|e| RuntimeError::config(format!("SHARDLINE_TRANSPORT: {e}")))?;
+    let (transport, selection) = open_for_job(
+        choice,
+        env.rank,
+        &topology,
+        Arc::clone(&store),
+        &env.job,
+        tcp,
+        RENDEZVOUS_TIMEOUT,
+    )
+    .map_err(|e| RuntimeError::config(format!("rank {}: transport setup failed: {e}", env.rank)))?;
+    if env.rank == 0 {
+        for note in &selection.notes {
+            say!("shardline: {note}");
+        }
+    }
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
-    let comm =
-        Communicator::new(Arc::new(transport) as Arc<dyn Transport>, topology.clone(), copts)?;
-    Ok(Joined { _server: server, store, topology, comm })
+    let comm = Communicator::new(transport as Arc<dyn Transport>, topology.clone(), copts)?;
+    Ok(Joined { _server: server, store, topology, comm, selection })
 }
 
 /// Runs this process as rank `env.rank` of a multi-process job (LAUNCH-3). `cfg.world` is
@@ -296,10 +328,11 @@ pub fn run_worker(mut cfg: TrainConfig, opts: RunOptions, env: &WorkerEnv) -> Re
     if lead {
         train::print_header(&cfg, &plan);
         println!(
-            "  processes: {} on {} node(s) ({}), hybrid transport (shm inside a node, tcp across)",
+            "  processes: {} on {} node(s) ({}), transport: {}",
             env.world,
             joined.topology.nodes(),
-            env.source
+            env.source,
+            joined.selection.describe()
         );
     }
     let comm = joined.comm.clone();
@@ -620,6 +653,8 @@ pub struct LaunchOptions {
     pub max_restarts: u32,
     /// Node 0's agent counts an agent whose heartbeat stayed still this long as lost.
     pub heartbeat_timeout: Duration,
+    /// Transport of the workers (`--transport`, passed as `SHARDLINE_TRANSPORT`).
+    pub transport: TransportChoice,
 }
 
 impl LaunchOptions {
@@ -636,6 +671,7 @@ impl LaunchOptions {
             min_nodes: 1,
             max_restarts: 0,
             heartbeat_timeout: Duration::from_secs(3),
+            transport: TransportChoice::Auto,
         }
     }
 }
@@ -943,7 +979,8 @@ impl Agent<'_> {
                 .env("SHARDLINE_RDZV", &self.rdzv)
                 .env("SHARDLINE_TOKEN", &self.token)
                 .env("SHARDLINE_JOB", &job)
-                .env("SHARDLINE_GENERATION", g.gen.to_string());
+                .env("SHARDLINE_GENERATION", g.gen.to_string())
+                .env("SHARDLINE_TRANSPORT", o.transport.to_string());
             // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
             unsafe {
                 cmd.pre_exec(|| {

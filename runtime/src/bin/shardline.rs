@@ -75,6 +75,10 @@ struct LaunchArgs {
     /// Seconds without a heartbeat after which node 0's agent counts a node as lost.
     #[arg(long, default_value_t = 3.0)]
     heartbeat_timeout_s: f64,
+    /// Transport between the workers: auto (shm inside a node; rdma across nodes when every
+    /// rank opens an RDMA device, else tcp), or tcp, rdma, shm for every pair of ranks.
+    #[arg(long, default_value = "auto")]
+    transport: shardline_collectives::transport::select::TransportChoice,
     /// The worker command: `train ...`.
     #[arg(last = true, required = true)]
     worker: Vec<String>,
@@ -245,9 +249,13 @@ struct TrainArgs {
     /// corrupt:link=A-B:p=P (partition:node=N:step=S:secs=T needs `shardline launch`).
     #[arg(long = "fault", value_name = "SPEC")]
     faults: Vec<String>,
-    /// Seed of every random fault decision.
-    #[arg(long, default_value_t = 0)]
-    fault_seed: u64,
+    /// Seed of every random fault decision (default: the config file's, else 0).
+    #[arg(long)]
+    fault_seed: Option<u64>,
+    /// TOML config file; its `[faults]` table (`specs = [...]`, `seed = N`) gives the fault
+    /// plan, and --fault / --fault-seed override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Restart the rank group from the last checkpoint up to N times after a failure.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
@@ -405,16 +413,24 @@ fn main() {
                     std::process::exit(2);
                 }
             };
-            let plan = match shardline_runtime::fault::FaultPlan::parse(&a.faults, a.fault_seed)
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    match &launched {
-                        Some(env) => p.validate_launched(env.world),
-                        None => p.validate(cfg.world),
+            let file = match &a.config {
+                Some(path) => match shardline_runtime::fault::FaultsConfig::load(path) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        std::process::exit(2);
                     }
-                    .map(|_| p)
-                    .map_err(|e| e.to_string())
-                }) {
+                },
+                None => shardline_runtime::fault::FaultsConfig::default(),
+            };
+            let plan = match file.plan(&a.faults, a.fault_seed).and_then(|p| {
+                match &launched {
+                    Some(env) => p.validate_launched(env.world),
+                    None => p.validate(cfg.world),
+                }
+                .map(|_| p)
+                .map_err(|e| e.to_string())
+            }) {
                 Ok(p) => p,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -567,6 +583,7 @@ fn launch_cmd(l: LaunchArgs) -> i32 {
         heartbeat_timeout: std::time::Duration::from_secs_f64(
             l.heartbeat_timeout_s.clamp(0.2, 3600.0),
         ),
+        transport: l.transport,
     };
     match shardline_runtime::launch::run_agent(&o) {
         Ok(code) => code,
