@@ -67,6 +67,11 @@ pub struct EngineConfig {
     /// Most bytes of gathered parameters in flight or held at once (stage 3); the current
     /// unit is always allowed.
     pub prefetch_budget_bytes: u64,
+    /// Stages 2 and 3: most bytes of full, not yet reduced unit gradients in flight at once
+    /// (the unit just computed always counts). When backward outruns the reductions, the
+    /// oldest is waited for, so peak memory stays model state + gathered units + this budget
+    /// (ENG-7). Two units' worth lets one reduction overlap the next unit's backward.
+    pub reduce_budget_bytes: u64,
     /// Treat every BatchNorm as SyncBatchNorm.
     pub sync_bn: bool,
     /// Optimizer.
@@ -643,6 +648,18 @@ impl RankEngine {
                 }
             };
             pending.push_back(p);
+            // ENG-7: bound the unreduced gradients in flight (stages 2 and 3 hold them in
+            // transient buffers); wait for the oldest when over the budget.
+            if matches!(stage, Stage::Zero2 | Stage::Zero3) {
+                while pending.len() > 1
+                    && self.unreduced_bytes(&pending) > self.cfg.reduce_budget_bytes
+                {
+                    if let Some(p) = pending.pop_front() {
+                        let done = self.finish_reduce(p, &mut clock)?;
+                        compute += self.unit_sq_norm(done, &mut unit_sq);
+                    }
+                }
+            }
             if u + 1 == n_units {
                 self.fault_point(crate::fault::Phase::Backward);
             }
@@ -755,6 +772,17 @@ impl RankEngine {
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer
     /// reads it; returns the unit.
+    /// Bytes of the transient full gradients of the pending reductions.
+    fn unreduced_bytes(&self, pending: &VecDeque<PendingReduce>) -> u64 {
+        pending
+            .iter()
+            .map(|p| match p {
+                PendingReduce::ReduceScatter { alloc: Some(a), .. } => a.bytes(),
+                _ => 0,
+            })
+            .sum()
+    }
+
     fn finish_reduce(&mut self, p: PendingReduce, clock: &mut CommClock) -> Result<usize> {
         let unit = match p {
             PendingReduce::AllReduce { unit, work } => {
@@ -1104,6 +1132,7 @@ mod tests {
                 stage: Stage::Zero3,
                 prefetch,
                 prefetch_budget_bytes: 1 << 20,
+                reduce_budget_bytes: 1 << 20,
                 sync_bn: false,
                 optimizer: Optimizer::Sgd(SgdConfig::default()),
                 lr: LrSchedule::constant(0.1),

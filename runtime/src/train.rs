@@ -277,6 +277,12 @@ pub fn load_data(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
     }
 }
 
+/// The default bound on unreduced gradients in flight (stages 2 and 3): two of the largest
+/// unit, so that one reduction overlaps the next unit's backward (ENG-7).
+pub fn reduce_budget(layout: &ShardedModelLayout) -> u64 {
+    layout.max_unit_padded_numel() as u64 * 4 * 2
+}
+
 /// Validates what clap cannot.
 pub fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.world == 0 {
@@ -501,6 +507,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         stage,
         prefetch: cfg.prefetch,
         prefetch_budget_bytes: budget,
+        reduce_budget_bytes: reduce_budget(&layout),
         sync_bn: sync,
         optimizer,
         lr,
