@@ -10,7 +10,12 @@ use std::path::PathBuf;
 /// Sharded data-parallel training (ZeRO 0-3 / FSDP) with SyncBatchNorm, on threads, processes
 /// or nodes.
 #[derive(Parser, Debug)]
-#[command(name = "shardline", version, about, long_about = None)]
+#[command(
+    name = "shardline",
+    version,
+    about = "Sharded data-parallel training (ZeRO 0-3 / FSDP) with SyncBatchNorm, on threads, processes or nodes",
+    long_about = None
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -28,6 +33,7 @@ enum Cmd {
     ///   shardline train --stage auto --device-memory 64M --model wide-mlp --params 20M --dataset synthetic --steps 5
     ///   shardline train --model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --world 2 --steps 20
     ///   shardline train --checkpoint-dir ckpt --checkpoint-every 20 --resume
+    #[command(verbatim_doc_comment)]
     Train(Box<TrainArgs>),
     /// Inspect or export checkpoints.
     #[command(subcommand)]
