@@ -1174,6 +1174,14 @@ impl Agent<'_> {
             };
             let why = match outcome {
                 Outcome::Done => {
+                    if let Some((target, at)) = recovering {
+                        // Finished before the next poll: the group passed the step all the same.
+                        self.log(format_args!(
+                            "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
+                            g.gen,
+                            at.elapsed().as_secs_f64()
+                        ));
+                    }
                     g.state = GenState::Done;
                     self.publish(&g)?;
                     self.wait_for_ends(&g, &mut beats);
