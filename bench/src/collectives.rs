@@ -8,11 +8,20 @@
 //!
 //! For `shm` and `tcp` the benchmark starts W worker processes itself (the same binary with a
 //! hidden `collectives-worker` subcommand) around a TCP rendezvous store with a fresh token.
+//!
+//! `--nodes N` (root) measures across N network-namespace nodes instead ([`crate::netns`]):
+//! `--nproc-per-node` workers per node, shared memory inside a node and TCP across (the
+//! hybrid transport, hierarchical algorithms), each node's link shaped to `--link-rate`.
+//! Rank 0 hosts the store on node 0's address. Besides busbw, each row gives the inter-node
+//! busbw (algbw times the op's factor over the N nodes: what one node link carries per
+//! second, equal to busbw with one process per node) and its fraction of the link rate
+//! (`of-limit`).
 
 use crate::limits::{self, MemLimits};
 use crate::report::{self, human_bytes, Series};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use shardline_collectives::transport::hybrid::HybridTransport;
 use shardline_collectives::transport::shm::ShmTransport;
 use shardline_collectives::transport::tcp::{TcpOptions, TcpTransport};
 use shardline_collectives::{
@@ -131,6 +140,17 @@ pub struct Args {
     /// Skip measuring the machine's memory and socket limits.
     #[arg(long)]
     pub no_limits: bool,
+    /// Measure across this many network-namespace nodes (needs root; ignores --transport and
+    /// --world).
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Worker processes per node with --nodes.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Shape every node's link to this rate with --nodes (e.g. 1gbit, 500mbit); default
+    /// unshaped veth.
+    #[arg(long, value_parser = shardline_collectives::config::parse_rate)]
+    pub link_rate: Option<u64>,
 }
 
 /// A set of ops parsed from `--op`.
@@ -386,6 +406,13 @@ pub struct WorkerArgs {
     /// The benchmark's options, as JSON.
     #[arg(long)]
     pub spec: String,
+    /// Node of every rank, comma-separated (namespace nodes: hybrid transport, this rank
+    /// listening on --advertise).
+    #[arg(long, value_delimiter = ',')]
+    pub node_of: Option<Vec<usize>>,
+    /// This rank's address as the other nodes reach it.
+    #[arg(long)]
+    pub advertise: Option<String>,
 }
 
 /// Runs one worker process: builds the transport, measures, prints its results as one JSON line.
@@ -393,9 +420,28 @@ pub fn worker(wa: WorkerArgs) -> anyhow::Result<()> {
     let token = std::env::var("SHARDLINE_TOKEN").context("SHARDLINE_TOKEN not set")?;
     let (args, ops, sizes): (Args, Vec<Op>, Vec<u64>) = serde_json::from_str(&wa.spec)?;
     let addr: std::net::SocketAddr = wa.store.parse().context("bad --store address")?;
+    // On namespace nodes rank 0 hosts the store: the launching process is outside them.
+    let _server = match (&wa.node_of, wa.rank) {
+        (Some(_), 0) => Some(TcpStoreServer::bind(addr, &token)?),
+        _ => None,
+    };
     let store: Arc<dyn Store> =
         Arc::new(TcpStoreClient::connect(addr, &token, Duration::from_secs(30))?);
+    let mut topology = Topology::single_node(wa.world);
     let transport: Arc<dyn shardline_collectives::transport::Transport> = match wa.transport {
+        _ if wa.node_of.is_some() => {
+            let node_of = wa.node_of.clone().unwrap_or_default();
+            if node_of.len() != wa.world {
+                bail!("--node-of names {} ranks, the world is {}", node_of.len(), wa.world);
+            }
+            topology = Topology::from_nodes(node_of);
+            let mut tcp = TcpOptions::default();
+            tcp.bind(std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
+            if let Some(a) = &wa.advertise {
+                tcp.advertise(a.clone());
+            }
+            Arc::new(HybridTransport::new(wa.rank, &topology, store, "benchnodes", tcp)?)
+        }
         TransportKind::Shm => {
             Arc::new(ShmTransport::new(wa.rank, wa.world, store, &format!("bench{}", addr.port()))?)
         }
@@ -404,8 +450,9 @@ pub fn worker(wa: WorkerArgs) -> anyhow::Result<()> {
         }
         TransportKind::Local => bail!("the local transport runs in one process"),
     };
-    let comm =
-        Communicator::new(transport, Topology::single_node(wa.world), CommOptions::default())?;
+    let mut copts = CommOptions::new();
+    copts.timeout(Duration::from_secs(args.timeout_s));
+    let comm = Communicator::new(transport, topology, copts)?;
     let res = run_rank(&comm, &ops, &sizes, &args)?;
     println!("RESULT {}", serde_json::to_string(&res)?);
     Ok(())
@@ -474,6 +521,129 @@ fn run_processes(
     Ok(combine(kind, w, &per_rank))
 }
 
+/// Measures `ops` at `sizes` across the nodes of `net`, `nproc` worker processes per node
+/// (the same binary's `collectives-worker` inside each namespace). Rows are labelled
+/// `nodes NxP`; `frac_of_limit` is the inter-node busbw over the link rate when shaped.
+pub fn run_on_net(
+    net: &crate::netns::Net,
+    nproc: usize,
+    ops: &[Op],
+    sizes: &[u64],
+    args: &Args,
+) -> anyhow::Result<Vec<Row>> {
+    let (n, w) = (net.nodes(), net.nodes() * nproc);
+    if nproc == 0 {
+        bail!("--nproc-per-node must be at least 1");
+    }
+    let token = format!("{:016x}", std::process::id() as u64 ^ 0x6e6f_6465_7331 ^ w as u64);
+    // Namespaces are fresh, so any port is free on node 0's address.
+    let store = format!("{}:29650", net.addr(0));
+    let node_of: Vec<String> = (0..w).map(|r| (r / nproc).to_string()).collect();
+    let spec = serde_json::to_string(&(args, ops, sizes))?;
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for r in 0..w {
+        let mut cmd = net.command(r / nproc, &exe);
+        cmd.args(["collectives-worker", "--rank", &r.to_string(), "--world", &w.to_string()])
+            .args(["--store", &store, "--transport", "tcp", "--spec", &spec])
+            .args(["--node-of", &node_of.join(","), "--advertise", &net.addr(r / nproc)])
+            .env("SHARDLINE_TOKEN", &token);
+        children.push(crate::netns::Child::spawn(cmd, &format!("collectives worker {r}"))?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s * 4 + 600);
+    let outs = crate::netns::wait_all(children, deadline)?;
+    let mut per_rank = Vec::new();
+    for (r, out) in outs.iter().enumerate() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let json = text
+            .lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .ok_or_else(|| anyhow::anyhow!("rank {r} printed no result"))?;
+        per_rank.push(serde_json::from_str::<Vec<RankResult>>(json)?);
+    }
+    let mut rows = combine(TransportKind::Tcp, w, &per_rank);
+    for row in &mut rows {
+        row.transport = format!("nodes {n}x{nproc}");
+        let op = Op::ALL.into_iter().find(|o| o.name() == row.op).unwrap_or(Op::AllReduce);
+        let inter = row.algbw_gbps * op.busbw_factor(n);
+        row.frac_of_limit = net.rate().map(|rate| inter * 1e9 / rate as f64);
+    }
+    Ok(rows)
+}
+
+impl Args {
+    /// The options `overlap --nodes` measures busbw with: all-reduce, reduce-scatter and
+    /// all-gather, checked, `iters` timed iterations.
+    pub fn for_nodes(nodes: usize, nproc: usize, rate: u64, iters: usize) -> Args {
+        Args {
+            op: OpSet(vec![Op::AllReduce, Op::ReduceScatter, Op::AllGather]),
+            transport: vec![TransportKind::Tcp],
+            world: vec![nodes * nproc],
+            min_bytes: 4,
+            max_bytes: 4,
+            iters: Some(iters),
+            check: true,
+            timeout_s: 120,
+            json: None,
+            plot: None,
+            no_limits: true,
+            nodes: Some(nodes),
+            nproc_per_node: nproc,
+            link_rate: Some(rate),
+        }
+    }
+}
+
+/// Prints rows as the table of [`run`].
+pub fn print_table(rows: &[Row]) {
+    print_header();
+    rows.iter().for_each(print_row);
+}
+
+fn print_header() {
+    println!(
+        "{:>15} {:>12} {:>11} {:>10} {:>10} {:>10} {:>7} {:>8}",
+        "op", "bytes", "count", "time(us)", "algbw", "busbw", "#wrong", "of-limit"
+    );
+}
+
+fn print_row(row: &Row) {
+    println!(
+        "{:>15} {:>12} {:>11} {:>10.1} {:>10.3} {:>10.3} {:>7} {:>8}",
+        row.op,
+        row.bytes,
+        row.count,
+        row.time_us,
+        row.algbw_gbps,
+        row.busbw_gbps,
+        row.wrong,
+        row.frac_of_limit.map(|f| format!("{f:.2}")).unwrap_or_else(|| "-".into())
+    );
+}
+
+/// The `--nodes` mode of [`run`]: builds the namespaces, measures, checks.
+fn run_nodes(args: &Args, nodes: usize) -> anyhow::Result<Vec<Row>> {
+    let ops = args.op.0.clone();
+    let w = (nodes * args.nproc_per_node).max(1) as u64;
+    let sz: Vec<u64> = sizes(args).iter().map(|&b| (b / (4 * w)).max(1) * 4 * w).collect();
+    let net = crate::netns::Net::new(nodes, args.link_rate)?;
+    println!(
+        "\n# {nodes} namespace nodes x {} processes, link {}",
+        args.nproc_per_node,
+        args.link_rate
+            .map(|r| format!(
+                "{}/s ({:.3} GB/s; of-limit = inter-node busbw / link)",
+                human_bytes(r as f64),
+                r as f64 / 1e9
+            ))
+            .unwrap_or_else(|| "unshaped veth".into())
+    );
+    print_header();
+    let rows = run_on_net(&net, args.nproc_per_node, &ops, &sz, args)?;
+    rows.iter().for_each(print_row);
+    Ok(rows)
+}
+
 /// Runs the benchmark, prints the table, writes JSON/SVG.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.world.contains(&0) {
@@ -483,6 +653,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("--min-bytes ({}) is larger than --max-bytes ({})", args.min_bytes, args.max_bytes);
     }
     let ops = args.op.0.clone();
+    if let Some(nodes) = args.nodes {
+        let rows = run_nodes(&args, nodes)?;
+        return finish(&args, &ops, &rows, None, None);
+    }
     let all_sizes = sizes(&args);
     let mem: Option<MemLimits> = (!args.no_limits).then(limits::measure_mem);
     let tcp_limit = if !args.no_limits && args.transport.contains(&TransportKind::Tcp) {
@@ -506,10 +680,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let sz: Vec<u64> =
                 all_sizes.iter().map(|&b| (b / (4 * w as u64)).max(1) * 4 * w as u64).collect();
             println!("\n# transport {} world {w}", kind.name());
-            println!(
-                "{:>15} {:>12} {:>11} {:>10} {:>10} {:>10} {:>7} {:>8}",
-                "op", "bytes", "count", "time(us)", "algbw", "busbw", "#wrong", "of-limit"
-            );
+            print_header();
             let mut part = match kind {
                 TransportKind::Local => run_local(w, &ops, &sz, &args)?,
                 _ => run_processes(kind, w, &ops, &sz, &args)?,
@@ -530,51 +701,63 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     }
                     _ => None,
                 };
-                println!(
-                    "{:>15} {:>12} {:>11} {:>10.1} {:>10.3} {:>10.3} {:>7} {:>8}",
-                    row.op,
-                    row.bytes,
-                    row.count,
-                    row.time_us,
-                    row.algbw_gbps,
-                    row.busbw_gbps,
-                    row.wrong,
-                    row.frac_of_limit.map(|f| format!("{f:.2}")).unwrap_or_else(|| "-".into())
-                );
+                print_row(row);
             }
             rows.extend(part);
         }
     }
+    finish(&args, &ops, &rows, mem.as_ref(), tcp_limit)
+}
+
+/// JSON, plot and the reference check of a finished run.
+fn finish(
+    args: &Args,
+    ops: &[Op],
+    rows: &[Row],
+    mem: Option<&MemLimits>,
+    tcp_limit: Option<f64>,
+) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         #[derive(Serialize)]
         struct Out<'a> {
             machine: Option<&'a MemLimits>,
             tcp_loopback_gbps: Option<f64>,
+            link_rate: Option<u64>,
             rows: &'a [Row],
         }
         report::write_json(
             path,
-            &Out { machine: mem.as_ref(), tcp_loopback_gbps: tcp_limit, rows: &rows },
+            &Out { machine: mem, tcp_loopback_gbps: tcp_limit, link_rate: args.link_rate, rows },
         )?;
         println!("\nwrote {}", path.display());
     }
     if let Some(path) = &args.plot {
         let mut series = Vec::new();
-        for &kind in &args.transport {
-            for &w in &args.world {
-                for &op in &ops {
-                    let pts: Vec<(f64, f64)> = rows
-                        .iter()
-                        .filter(|r| r.transport == kind.name() && r.world == w && r.op == op.name())
-                        .map(|r| (r.bytes as f64, r.busbw_gbps))
-                        .collect();
-                    if !pts.is_empty() {
-                        series.push(Series {
-                            label: format!("{} {} W={w}", kind.name(), op.name()),
-                            points: pts,
-                        });
-                    }
+        let mut groups: Vec<(String, usize)> = Vec::new();
+        for r in rows {
+            if !groups.iter().any(|(t, w)| *t == r.transport && *w == r.world) {
+                groups.push((r.transport.clone(), r.world));
+            }
+        }
+        for (t, w) in &groups {
+            for &op in ops {
+                let pts: Vec<(f64, f64)> = rows
+                    .iter()
+                    .filter(|r| r.transport == *t && r.world == *w && r.op == op.name())
+                    .map(|r| (r.bytes as f64, r.busbw_gbps))
+                    .collect();
+                if !pts.is_empty() {
+                    series.push(Series { label: format!("{t} {} W={w}", op.name()), points: pts });
                 }
+            }
+        }
+        if let Some(rate) = args.link_rate.filter(|_| args.nodes.is_some()) {
+            let (lo, hi) = rows.iter().fold((f64::MAX, 0.0f64), |(a, b), r| {
+                (a.min(r.bytes as f64), b.max(r.bytes as f64))
+            });
+            if hi > 0.0 {
+                let l = rate as f64 / 1e9;
+                series.push(Series { label: "link rate".into(), points: vec![(lo, l), (hi, l)] });
             }
         }
         report::plot_lines(path, "busbw vs size", "bytes", "busbw (GB/s)", &series, true)?;

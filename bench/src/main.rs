@@ -8,6 +8,7 @@ mod collectives;
 mod faults;
 mod limits;
 mod memory;
+mod netns;
 mod overlap;
 mod report;
 mod syncbn;

@@ -11,6 +11,18 @@
 //! where communication time <= compute time; prefetch 0 is printed beside it. `--timeline
 //! FILE.svg` draws one step per rank (rows compute, gather, reduce, stats) from the run's
 //! trace.
+//!
+//! `--nodes N --link-rate R` (root) measures over a real network instead: N network-namespace
+//! nodes ([`crate::netns`]) whose links are shaped to R by `tc ... tbf`, `shardline launch`
+//! in each with `--nproc-per-node` workers (shm inside a node, TCP across), one job per
+//! prefetch depth with `--log-json` and `--trace`. Per rank and step the figures come from
+//! the workers' traces (OVL-1): the step is the span between two optimizer ends, compute the
+//! forward, backward and optimizer spans in it, exposed the blocked waits, communication the
+//! union of the collectives' spans clipped to the step; per step the slowest rank's step time
+//! and the mean over ranks of the rest; medians over the steps after the warmup. The check:
+//! prefetch 1's step time within 1.15x max(compute, communication) where the two are
+//! comparable (ratio within [0.5, 2]). Then busbw of all-reduce, reduce-scatter and
+//! all-gather over the same shaped links (`collectives --nodes`), against the link rate.
 
 use crate::report;
 use anyhow::Context;
@@ -71,6 +83,23 @@ pub struct Args {
     /// Which prefetch depth's run the timeline shows.
     #[arg(long, default_value_t = 1)]
     pub timeline_prefetch: usize,
+    /// Run across this many network-namespace nodes with `shardline launch`, links shaped to
+    /// --link-rate (needs root; --world is then nodes x --nproc-per-node).
+    #[arg(long)]
+    pub nodes: Option<usize>,
+    /// Worker processes per node with --nodes.
+    #[arg(long, default_value_t = 1)]
+    pub nproc_per_node: usize,
+    /// Buffer sizes of the busbw measurement with --nodes (empty: skip it).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M",
+          value_parser = report::parse_bytes)]
+    pub busbw_sizes: Vec<u64>,
+    /// Timed iterations per busbw size.
+    #[arg(long, default_value_t = 3)]
+    pub busbw_iters: usize,
+    /// Keep the workers' logs and traces in this directory (default: a temporary one).
+    #[arg(long)]
+    pub keep_dir: Option<PathBuf>,
 }
 
 /// One prefetch depth's figures (medians over the counted steps, milliseconds; means over
@@ -93,6 +122,13 @@ pub struct Row {
     pub comm_over_compute: f64,
     /// Steps counted.
     pub steps: usize,
+    /// With --nodes: rank 0's own median step time from its `--log-json`, ms (a cross-check
+    /// of the trace-derived figures).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank0_log_step_ms: Option<f64>,
+    /// With --nodes: rank 0's median exposed communication from its `--log-json`, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank0_log_exposed_ms: Option<f64>,
 }
 
 /// The whole report.
@@ -227,6 +263,8 @@ fn run_one(
             exposed_pct,
             comm_over_compute: comm_ms / compute_ms.max(1e-9),
             steps: counted.len(),
+            rank0_log_step_ms: None,
+            rank0_log_exposed_ms: None,
         },
         trace,
     })
@@ -239,6 +277,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if a.prefetch.is_empty() {
         anyhow::bail!("--prefetch needs at least one depth");
+    }
+    if let Some(nodes) = a.nodes {
+        return run_nodes(&a, nodes);
     }
     let dir = std::env::temp_dir().join(format!("shardline-overlap-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -370,6 +411,439 @@ fn run_in(a: &Args, dir: &Path) -> anyhow::Result<()> {
                 calibration_compute_ms: calib_ms,
                 rows,
                 goal,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// Per-step figures of one rank from its trace (OVL-1): `[step, compute, comm, exposed]` in
+/// ms for every step after the first (whose start the trace does not mark).
+fn rank_steps(events: &[Ev], rank: usize) -> Vec<[f64; 4]> {
+    let mine: Vec<&Ev> = events.iter().filter(|e| e.rank == rank).collect();
+    let mut ends: Vec<f64> =
+        mine.iter().filter(|e| e.row == 0 && e.name == "optimizer").map(|e| e.end).collect();
+    ends.sort_by(|a, b| a.total_cmp(b));
+    let clip = |e: &Ev, lo: f64, hi: f64| (e.start.max(lo), e.end.min(hi));
+    ends.windows(2)
+        .map(|w| {
+            let (lo, hi) = (w[0], w[1]);
+            let (mut compute, mut exposed) = (0.0, 0.0);
+            let mut spans = Vec::new();
+            for e in mine.iter().filter(|e| e.end > lo && e.start < hi) {
+                let (a, b) = clip(e, lo, hi);
+                match e.row {
+                    0 if e.name.starts_with("wait") => exposed += b - a,
+                    0 => compute += b - a,
+                    _ => spans.push((a, b)),
+                }
+            }
+            spans.sort_by(|x, y| x.0.total_cmp(&y.0));
+            let (mut comm, mut cur) = (0.0, None::<(f64, f64)>);
+            for (a, b) in spans {
+                cur = match cur {
+                    Some((s, e)) if a <= e => Some((s, e.max(b))),
+                    Some((s, e)) => {
+                        comm += e - s;
+                        Some((a, b))
+                    }
+                    None => Some((a, b)),
+                };
+            }
+            if let Some((s, e)) = cur {
+                comm += e - s;
+            }
+            [(hi - lo) / 1e3, compute / 1e3, comm / 1e3, exposed / 1e3]
+        })
+        .collect()
+}
+
+/// One prefetch depth's row from every rank's per-step figures (OVL-1): per step the slowest
+/// rank's step time and the ranks' mean of the rest; medians over the steps after `warmup`
+/// (step k of the list is training step k + 2).
+fn combine_ranks(prefetch: usize, per_rank: &[Vec<[f64; 4]>], warmup: u64) -> anyhow::Result<Row> {
+    let n = per_rank.iter().map(Vec::len).min().unwrap_or(0);
+    let skip = (warmup as usize).saturating_sub(1);
+    if n <= skip || per_rank.is_empty() {
+        anyhow::bail!("no steps left after {warmup} warmup steps (use --steps)");
+    }
+    let ranks = per_rank.len() as f64;
+    let steps: Vec<[f64; 4]> = (skip..n)
+        .map(|k| {
+            let mean = |i: usize| per_rank.iter().map(|r| r[k][i]).sum::<f64>() / ranks;
+            [per_rank.iter().map(|r| r[k][0]).fold(0.0, f64::max), mean(1), mean(2), mean(3)]
+        })
+        .collect();
+    let col = |i: usize| median(steps.iter().map(|s| s[i]).collect());
+    let (step_ms, compute_ms, comm_ms, exposed_ms) = (col(0), col(1), col(2), col(3));
+    Ok(Row {
+        prefetch,
+        compute_ms,
+        comm_ms,
+        step_ms,
+        exposed_ms,
+        exposed_pct: median(steps.iter().map(|s| 100.0 * s[3] / s[0].max(1e-12)).collect()),
+        comm_over_compute: comm_ms / compute_ms.max(1e-9),
+        steps: steps.len(),
+        rank0_log_step_ms: None,
+        rank0_log_exposed_ms: None,
+    })
+}
+
+/// The check on prefetch 1 over a shaped network.
+#[derive(Serialize, Debug, Clone)]
+pub struct NetGoal {
+    /// Step time over max(compute, communication).
+    pub step_over_max: f64,
+    /// Communication over compute.
+    pub comm_over_compute: f64,
+    /// Whether the two are comparable (ratio within [0.5, 2]), the check's premise.
+    pub comparable: bool,
+    /// step_over_max <= 1.15.
+    pub met: bool,
+}
+
+fn net_goal(r: &Row) -> NetGoal {
+    let step_over_max = r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9);
+    NetGoal {
+        step_over_max,
+        comm_over_compute: r.comm_over_compute,
+        comparable: (0.5..=2.0).contains(&r.comm_over_compute),
+        met: step_over_max <= 1.15,
+    }
+}
+
+/// The report of `--nodes`.
+#[derive(Serialize, Debug)]
+pub struct NetReport {
+    /// Nodes (namespaces).
+    pub nodes: usize,
+    /// Worker processes per node.
+    pub nproc_per_node: usize,
+    /// Model description.
+    pub model: String,
+    /// Global batch.
+    pub batch_size: usize,
+    /// tc tbf rate of every node link (each direction), bytes/s.
+    pub link_rate: u64,
+    /// Bytes each rank sends per step at stage 3 (ring: two gathers and one reduce-scatter
+    /// of every unit).
+    pub bytes_per_rank_per_step: u64,
+    /// Per prefetch depth.
+    pub rows: Vec<Row>,
+    /// The check on prefetch 1.
+    pub goal: Option<NetGoal>,
+    /// busbw rows over the shaped links (`frac_of_limit`: inter-node busbw / link rate).
+    pub busbw: Vec<crate::collectives::Row>,
+}
+
+/// Rank 0's median step and exposed times (ms) from its `--log-json`.
+fn rank0_log(path: &Path, warmup: u64) -> anyhow::Result<(f64, f64)> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut steps = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let f = |k: &str| v[k].as_f64().ok_or_else(|| anyhow::anyhow!("log line without {k}: {v}"));
+        steps.push((f("step_time_s")? * 1e3, f("comm_exposed_s")? * 1e3));
+    }
+    let counted: Vec<_> = steps.into_iter().skip(warmup as usize).collect();
+    Ok((
+        median(counted.iter().map(|s| s.0).collect()),
+        median(counted.iter().map(|s| s.1).collect()),
+    ))
+}
+
+/// The `shardline` binary: `SHARDLINE_BIN`, else the one beside this executable.
+fn shardline_bin() -> anyhow::Result<PathBuf> {
+    if let Ok(p) = std::env::var("SHARDLINE_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let bin = exe.with_file_name("shardline");
+    if !bin.exists() {
+        anyhow::bail!(
+            "{} is missing: build it (cargo build --release -p shardline-runtime) or set \
+             SHARDLINE_BIN",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn train_args(a: &Args, prefetch: usize, dir: &Path) -> Vec<String> {
+    let d = |f: String| dir.join(f).to_string_lossy().into_owned();
+    let mut v: Vec<String> = [
+        "train",
+        "--model",
+        "mlp-bn",
+        "--dataset",
+        "synthetic",
+        "--stage",
+        "3",
+        "--lr",
+        "0.01",
+        "--no-progress",
+        "--timeout",
+        "120",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let samples = (a.batch_size * a.steps as usize).max(a.batch_size);
+    for (k, x) in [
+        ("--hidden", a.hidden.to_string()),
+        ("--depth", a.depth.to_string()),
+        ("--input-dim", a.input_dim.to_string()),
+        ("--classes", a.classes.to_string()),
+        ("--samples", samples.to_string()),
+        ("--batch-size", a.batch_size.to_string()),
+        ("--steps", a.steps.to_string()),
+        ("--prefetch", prefetch.to_string()),
+        ("--threads", a.threads.to_string()),
+        ("--log-json", d(format!("p{prefetch}.jsonl"))),
+        ("--trace", d(format!("p{prefetch}.json"))),
+    ] {
+        v.push(k.to_string());
+        v.push(x);
+    }
+    v
+}
+
+/// Every rank's trace of one launched job (`--trace p{P}.json` becomes `p{P}.rank{R}.json`).
+fn load_rank_traces(dir: &Path, prefetch: usize, world: usize) -> anyhow::Result<Vec<Ev>> {
+    let mut all = Vec::new();
+    for r in 0..world {
+        let evs = load_trace(&dir.join(format!("p{prefetch}.rank{r}.json")))?;
+        all.extend(evs.into_iter().map(|mut e| {
+            e.rank = r;
+            e
+        }));
+    }
+    Ok(all)
+}
+
+/// Shifts each rank's events so that its step `step` begins at 0: the processes' clocks
+/// have separate origins.
+fn align_ranks(events: &mut [Ev], step: usize) {
+    let ranks = events.iter().map(|e| e.rank).max().map_or(0, |r| r + 1);
+    for r in 0..ranks {
+        let mut ends: Vec<f64> = events
+            .iter()
+            .filter(|e| e.rank == r && e.row == 0 && e.name == "optimizer")
+            .map(|e| e.end)
+            .collect();
+        ends.sort_by(|a, b| a.total_cmp(b));
+        let Some(&t0) = ends.get(step.saturating_sub(2)) else { continue };
+        for e in events.iter_mut().filter(|e| e.rank == r) {
+            e.start -= t0;
+            e.end -= t0;
+        }
+    }
+}
+
+fn run_nodes(a: &Args, nodes: usize) -> anyhow::Result<()> {
+    let rate = a.link_rate.ok_or_else(|| {
+        anyhow::anyhow!("--nodes needs --link-rate (the tc rate of every node link, e.g. 1gbit)")
+    })?;
+    if nodes < 2 || a.nproc_per_node == 0 {
+        anyhow::bail!("--nodes needs at least 2 nodes and --nproc-per-node at least 1");
+    }
+    if a.warmup == 0 {
+        anyhow::bail!(
+            "--warmup must be at least 1 with --nodes (the first step has no start mark)"
+        );
+    }
+    let world = nodes * a.nproc_per_node;
+    let bin = shardline_bin()?;
+    let tmp = std::env::temp_dir().join(format!("shardline-overlap-nodes-{}", std::process::id()));
+    let dir = a.keep_dir.clone().unwrap_or_else(|| tmp.clone());
+    std::fs::create_dir_all(&dir)?;
+    let res = run_nodes_in(a, nodes, world, rate, &bin, &dir);
+    if a.keep_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    res
+}
+
+fn run_nodes_in(
+    a: &Args,
+    nodes: usize,
+    world: usize,
+    rate: u64,
+    bin: &Path,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let mut cfg0 = config(a, 0, None, 1);
+    cfg0.world = world;
+    let (train_set, _) = load_data(&cfg0, false)?;
+    let model = build_model(&cfg0, &train_set.sample_shape, train_set.classes)?;
+    let layout = ShardedModelLayout::new(&model.spec(), world)?;
+    let w = world as u64;
+    let per_rank = 3 * (w - 1) * layout.padded_numel() as u64 * 4 / w;
+    let model_desc = format!(
+        "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params)",
+        a.input_dim,
+        a.depth,
+        a.hidden,
+        a.classes,
+        layout.units().len(),
+        layout.padded_numel() as f64 / 1e6
+    );
+    println!(
+        "overlap over {nodes} namespace nodes x {} processes, links shaped to {}/s ({} Mbit/s) \
+         each way: {model_desc}, global batch {}, stage 3",
+        a.nproc_per_node,
+        report::human_bytes(rate as f64),
+        rate * 8 / 1_000_000,
+        a.batch_size
+    );
+    let net = crate::netns::Net::new(nodes, Some(rate))?;
+    let token = format!("overlap-{:x}", std::process::id());
+    let mut rows = Vec::new();
+    let mut timeline_events = None;
+    for (i, &p) in a.prefetch.iter().enumerate() {
+        // A fresh port per job: the previous job's store may still be in TIME_WAIT.
+        let rdzv = format!("{}:{}", net.addr(0), 29700 + i);
+        let mut agents = Vec::new();
+        for k in 0..nodes {
+            let mut cmd = net.command(k, bin);
+            cmd.args(["launch", "--nproc-per-node", &a.nproc_per_node.to_string()])
+                .args(["--nnodes", &nodes.to_string(), "--node-rank", &k.to_string()])
+                .args(["--rdzv", &rdzv, "--token", &token, "--"])
+                .args(train_args(a, p, dir));
+            agents.push(crate::netns::Child::spawn(cmd, &format!("launch on node {k}"))?);
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        crate::netns::wait_all(agents, deadline)
+            .with_context(|| format!("the prefetch {p} job"))?;
+        let events = load_rank_traces(dir, p, world)?;
+        let per: Vec<Vec<[f64; 4]>> = (0..world).map(|r| rank_steps(&events, r)).collect();
+        let mut row = combine_ranks(p, &per, a.warmup)?;
+        let (s0, e0) = rank0_log(&dir.join(format!("p{p}.jsonl")), a.warmup)?;
+        row.rank0_log_step_ms = Some(s0);
+        row.rank0_log_exposed_ms = Some(e0);
+        if p == a.timeline_prefetch {
+            timeline_events = Some(events);
+        }
+        println!(
+            "  prefetch {p}: step {:.1} ms, compute {:.1} ms, comm {:.1} ms, exposed {:.1} ms",
+            row.step_ms, row.compute_ms, row.comm_ms, row.exposed_ms
+        );
+        rows.push(row);
+    }
+    println!(
+        "{} sent per rank per step; medians over {} steps after {} warmup; step: slowest rank, \
+         the rest: mean over ranks (from the workers' traces)",
+        report::human_bytes(per_rank as f64),
+        rows.first().map_or(0, |r| r.steps),
+        a.warmup
+    );
+    println!(
+        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13}",
+        "prefetch",
+        "compute_ms",
+        "comm_ms",
+        "step_ms",
+        "exposed_ms",
+        "exposed_%",
+        "comm/compute",
+        "step/max(c,c)"
+    );
+    for r in &rows {
+        println!(
+            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2}",
+            r.prefetch,
+            r.compute_ms,
+            r.comm_ms,
+            r.step_ms,
+            r.exposed_ms,
+            r.exposed_pct,
+            r.comm_over_compute,
+            r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9)
+        );
+    }
+    let goal = rows.iter().find(|r| r.prefetch == 1).map(net_goal);
+    if let Some(g) = &goal {
+        println!(
+            "check (prefetch 1: step <= 1.15 x max(compute, comm) where comm/compute is within \
+             [0.5, 2]): {:.2}x -> {}{}",
+            g.step_over_max,
+            if g.met { "met" } else { "NOT met" },
+            if g.comparable {
+                String::new()
+            } else {
+                format!(" (comm/compute {:.2}: outside the check's premise)", g.comm_over_compute)
+            }
+        );
+    }
+
+    let mut busbw = Vec::new();
+    if !a.busbw_sizes.is_empty() {
+        let ops = [
+            crate::collectives::Op::AllReduce,
+            crate::collectives::Op::ReduceScatter,
+            crate::collectives::Op::AllGather,
+        ];
+        let sizes: Vec<u64> = a.busbw_sizes.iter().map(|&b| (b / (4 * w)).max(1) * 4 * w).collect();
+        let cargs =
+            crate::collectives::Args::for_nodes(nodes, a.nproc_per_node, rate, a.busbw_iters);
+        println!(
+            "\nbusbw over the shaped links ({} per link = {:.3} GB/s; of-limit = inter-node \
+             busbw / link rate)",
+            report::human_bytes(rate as f64),
+            rate as f64 / 1e9
+        );
+        busbw = crate::collectives::run_on_net(&net, a.nproc_per_node, &ops, &sizes, &cargs)?;
+        crate::collectives::print_table(&busbw);
+        let wrong: i64 = busbw.iter().map(|r| r.wrong.max(0)).sum();
+        if wrong > 0 {
+            anyhow::bail!("{wrong} wrong elements against the reference over the shaped links");
+        }
+        if let Some(r) = busbw
+            .iter()
+            .filter(|r| r.op == "all-reduce")
+            .max_by_key(|r| r.bytes)
+            .and_then(|r| r.frac_of_limit.map(|f| (r.bytes, f)))
+        {
+            println!(
+                "check (inter-node all-reduce busbw >= 0.9 of the link rate at the largest size, {}): {:.2} -> {}",
+                report::human_bytes(r.0 as f64),
+                r.1,
+                if r.1 >= 0.9 { "met" } else { "NOT met" }
+            );
+        }
+    }
+    drop(net);
+
+    if let Some(svg) = &a.timeline {
+        let mut events = timeline_events.ok_or_else(|| {
+            anyhow::anyhow!("--timeline-prefetch {} was not among --prefetch", a.timeline_prefetch)
+        })?;
+        let step = a.steps.saturating_sub(2).max(2) as usize;
+        align_ranks(&mut events, step);
+        let title = format!(
+            "stage 3, prefetch {}, {nodes} nodes x {}, step {step}: {model_desc}, link {}/s (tbf)",
+            a.timeline_prefetch,
+            a.nproc_per_node,
+            report::human_bytes(rate as f64)
+        );
+        draw_timeline(svg, &title, &events, step)?;
+        println!("timeline: {}", svg.display());
+    }
+    if let Some(p) = &a.json {
+        report::write_json(
+            p,
+            &NetReport {
+                nodes,
+                nproc_per_node: a.nproc_per_node,
+                model: model_desc,
+                batch_size: a.batch_size,
+                link_rate: rate,
+                bytes_per_rank_per_step: per_rank,
+                rows,
+                goal,
+                busbw,
             },
         )?;
     }
@@ -542,6 +1016,59 @@ mod tests {
         assert_eq!(step_window(&evs, 2).unwrap(), (100.0, 210.0));
         assert_eq!(step_window(&evs, 1).unwrap(), (0.0, 105.0));
         assert!(step_window(&evs, 3).is_err());
+    }
+
+    /// OVL-1: per-step figures from a trace against values worked out by hand.
+    #[test]
+    fn rank_steps_split_a_trace_into_steps() {
+        let evs = vec![
+            ev(0, 0, "optimizer", 0.0, 1000.0),
+            ev(0, 1, "all-gather u0", 500.0, 3000.0), // prefetched by the previous step
+            ev(0, 0, "wait all-gather u0", 1000.0, 3000.0),
+            ev(0, 0, "forward u0", 3000.0, 5000.0),
+            ev(0, 2, "reduce-scatter u0", 4000.0, 7000.0),
+            ev(0, 1, "all-gather u1", 6000.0, 8000.0),
+            ev(0, 0, "backward u0", 5000.0, 9000.0),
+            ev(0, 0, "optimizer", 9000.0, 10_000.0),
+            ev(1, 0, "optimizer", 0.0, 50.0),
+            ev(1, 0, "optimizer", 50.0, 100.0),
+        ];
+        let s = rank_steps(&evs, 0);
+        assert_eq!(s.len(), 1);
+        // step 9 ms; compute 2+4+1; comm union [1,3]+[4,8] ms; exposed 2 ms
+        assert_eq!(s[0], [9.0, 7.0, 6.0, 2.0]);
+        assert_eq!(rank_steps(&evs, 1), vec![[0.05, 0.05, 0.0, 0.0]]);
+    }
+
+    /// OVL-1: the slowest rank's step, the ranks' mean of the rest, medians after warmup.
+    #[test]
+    fn combine_ranks_takes_the_slowest_step_and_mean_figures() {
+        let r0 = vec![[100.0, 1.0, 1.0, 1.0], [10.0, 4.0, 2.0, 1.0], [20.0, 6.0, 4.0, 3.0]];
+        let r1 = vec![[1.0, 1.0, 1.0, 1.0], [12.0, 2.0, 4.0, 3.0], [11.0, 2.0, 2.0, 1.0]];
+        // warmup 2: list entries 1.. (training steps 3, 4) are counted.
+        let row = combine_ranks(1, &[r0, r1], 2).unwrap();
+        assert_eq!(row.steps, 2);
+        assert_eq!(row.step_ms, 16.0); // median of 12, 20
+        assert_eq!(row.compute_ms, 3.5); // median of 3, 4
+        assert_eq!(row.comm_ms, 3.0);
+        assert_eq!(row.exposed_ms, 2.0);
+        assert!(combine_ranks(1, &[vec![[1.0; 4]]], 3).is_err());
+        let g = net_goal(&row);
+        assert!((g.step_over_max - 16.0 / 3.5).abs() < 1e-12 && !g.met && g.comparable);
+    }
+
+    #[test]
+    fn align_ranks_starts_every_rank_at_its_own_step() {
+        let mut evs = vec![
+            ev(0, 0, "optimizer", 0.0, 10.0),
+            ev(0, 0, "optimizer", 30.0, 40.0),
+            ev(1, 0, "optimizer", 1000.0, 1010.0),
+            ev(1, 0, "forward u0", 1020.0, 1030.0),
+            ev(1, 0, "optimizer", 1030.0, 1045.0),
+        ];
+        align_ranks(&mut evs, 2);
+        assert_eq!(step_window(&evs, 2).unwrap(), (0.0, 35.0));
+        assert_eq!((evs[3].start, evs[3].end), (10.0, 20.0));
     }
 
     #[test]
