@@ -1199,20 +1199,27 @@ impl Agent<'_> {
             self.stop(&mut workers, g.gen);
             let alive = self.wait_stopped(&g, &mut beats, started);
             interrupted |= RECEIVED.load(std::sync::atomic::Ordering::SeqCst) != 0;
-            let give_up = |reason: String, agent: &mut Self, g: &mut Generation| -> Result<i32> {
+            let give_up = |reason: String,
+                           agent: &mut Self,
+                           g: &mut Generation,
+                           beats: &mut Heartbeats|
+             -> Result<i32> {
                 g.state = GenState::Abort;
                 agent.publish(g)?;
                 agent.log(format_args!("giving up: {reason} (last failure: {why})"));
+                // The others learn of the end through this store: keep it up until they did.
+                agent.wait_for_ends(g, beats);
                 Ok(1)
             };
             if interrupted {
-                return give_up("interrupted".into(), self, &mut g);
+                return give_up("interrupted".into(), self, &mut g, &mut beats);
             }
             if restarts >= o.max_restarts {
                 return give_up(
                     format!("{restarts} restart(s) of --max-restarts {} used", o.max_restarts),
                     self,
                     &mut g,
+                    &mut beats,
                 );
             }
             let next: Vec<usize> = if o.min_nodes >= o.nnodes {
@@ -1246,6 +1253,7 @@ impl Agent<'_> {
                     format!("{} node(s) left, --nnodes needs at least {}", next.len(), o.min_nodes),
                     self,
                     &mut g,
+                    &mut beats,
                 );
             }
             restarts += 1;
@@ -1380,6 +1388,8 @@ impl Agent<'_> {
                             GenState::Abort => {
                                 self.log(format_args!("node 0 ended the job after a failure"));
                                 self.stop(&mut workers, gen);
+                                let key = agent_key(&self.job, &format!("end/{}/{me}", g.gen));
+                                self.link.set(&key, b"aborted");
                                 return Ok(1);
                             }
                             GenState::Done if workers.is_empty() || all_exited => return Ok(0),
