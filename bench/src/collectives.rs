@@ -484,30 +484,54 @@ fn run_processes(
             .context("spawning a worker")?;
         children.push(child);
     }
+    // Each worker's stdout is drained by its own thread while it runs: a result larger than
+    // the pipe's buffer would otherwise block the worker and never let it exit.
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let out = c.stdout.take();
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                if let Some(mut o) = out {
+                    let _ = std::io::Read::read_to_string(&mut o, &mut text);
+                }
+                text
+            })
+        })
+        .collect();
     // Deadline for the whole run: generous, but never forever.
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s * 4 + 600);
     let mut per_rank = Vec::new();
     let mut failure = None;
+    let mut statuses = Vec::with_capacity(w);
     for (r, child) in children.iter_mut().enumerate() {
         loop {
             match child.try_wait()? {
-                Some(_) => break,
+                Some(st) => {
+                    statuses.push(Some(st));
+                    break;
+                }
                 None if Instant::now() > deadline => {
                     let _ = child.kill();
+                    let _ = child.wait();
                     failure.get_or_insert_with(|| format!("rank {r} did not finish in time"));
+                    statuses.push(None);
                     break;
                 }
                 None => std::thread::sleep(Duration::from_millis(20)),
             }
         }
     }
-    for (r, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            failure.get_or_insert_with(|| format!("rank {r} exited with {}", out.status));
-            continue;
+    for (r, (st, reader)) in statuses.into_iter().zip(readers).enumerate() {
+        let text = reader.join().unwrap_or_default();
+        match st {
+            Some(st) if st.success() => {}
+            Some(st) => {
+                failure.get_or_insert_with(|| format!("rank {r} exited with {st}"));
+                continue;
+            }
+            None => continue,
         }
-        let text = String::from_utf8_lossy(&out.stdout);
         match text.lines().find_map(|l| l.strip_prefix("RESULT ")) {
             Some(json) => per_rank.push(serde_json::from_str::<Vec<RankResult>>(json)?),
             None => {
