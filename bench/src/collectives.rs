@@ -9,7 +9,7 @@
 //! For `shm` and `tcp` the benchmark starts W worker processes itself (the same binary with a
 //! hidden `collectives-worker` subcommand) around a TCP rendezvous store with a fresh token.
 //!
-//! `--nodes N` (root) measures across N network-namespace nodes instead ([`crate::netns`]):
+//! `--nodes N` (root) measures across N network-namespace nodes instead ([`netns`]):
 //! `--nproc-per-node` workers per node, shared memory inside a node and TCP across (the
 //! hybrid transport, hierarchical algorithms), each node's link shaped to `--link-rate`.
 //! Rank 0 hosts the store on node 0's address. Besides busbw, each row gives the inter-node
@@ -28,6 +28,7 @@ use shardline_collectives::{
     local_group, CommOptions, Communicator, ReduceOp, Store, TcpStoreClient, TcpStoreServer,
     Topology,
 };
+use shardline_runtime::netns;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -549,7 +550,7 @@ fn run_processes(
 /// (the same binary's `collectives-worker` inside each namespace). Rows are labelled
 /// `nodes NxP`; `frac_of_limit` is the inter-node busbw over the link rate when shaped.
 pub fn run_on_net(
-    net: &crate::netns::Net,
+    net: &netns::Net,
     nproc: usize,
     ops: &[Op],
     sizes: &[u64],
@@ -572,10 +573,10 @@ pub fn run_on_net(
             .args(["--store", &store, "--transport", "tcp", "--spec", &spec])
             .args(["--node-of", &node_of.join(","), "--advertise", &net.addr(r / nproc)])
             .env("SHARDLINE_TOKEN", &token);
-        children.push(crate::netns::Child::spawn(cmd, &format!("collectives worker {r}"))?);
+        children.push(netns::Child::spawn(cmd, &format!("collectives worker {r}"))?);
     }
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s * 4 + 600);
-    let outs = crate::netns::wait_all(children, deadline)?;
+    let outs = netns::wait_all(children, deadline)?;
     let mut per_rank = Vec::new();
     for (r, out) in outs.iter().enumerate() {
         let text = String::from_utf8_lossy(&out.stdout);
@@ -650,7 +651,7 @@ fn run_nodes(args: &Args, nodes: usize) -> anyhow::Result<Vec<Row>> {
     let ops = args.op.0.clone();
     let w = (nodes * args.nproc_per_node).max(1) as u64;
     let sz: Vec<u64> = sizes(args).iter().map(|&b| (b / (4 * w)).max(1) * 4 * w).collect();
-    let net = crate::netns::Net::new(nodes, args.link_rate)?;
+    let net = netns::Net::new("b", nodes, args.link_rate).context(crate::NODES_NEED)?;
     println!(
         "\n# {nodes} namespace nodes x {} processes, link {}",
         args.nproc_per_node,

@@ -8,10 +8,14 @@ mod collectives;
 mod faults;
 mod limits;
 mod memory;
-mod netns;
 mod overlap;
 mod report;
 mod syncbn;
+
+/// Why `--nodes` can fail to start: it builds one network namespace per node.
+const NODES_NEED: &str = "--nodes builds one network namespace per node (ip netns, veth, \
+    bridge, tc) and needs root: run it as root, or leave out --nodes for the one-process \
+    benchmark";
 
 /// Shardline benchmarks.
 #[derive(Parser, Debug)]

@@ -13,7 +13,7 @@
 //! trace.
 //!
 //! `--nodes N --link-rate R` (root) measures over a real network instead: N network-namespace
-//! nodes ([`crate::netns`]) whose links are shaped to R by `tc ... tbf`, `shardline launch`
+//! nodes ([`netns`]) whose links are shaped to R by `tc ... tbf`, `shardline launch`
 //! in each with `--nproc-per-node` workers (shm inside a node, TCP across), one job per
 //! prefetch depth with `--log-json` and `--trace`. Per rank and step the figures come from
 //! the workers' traces (OVL-1): the step is the span between two optimizer ends, compute the
@@ -28,6 +28,7 @@ use crate::report;
 use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
+use shardline_runtime::netns;
 use shardline_runtime::shard::{ShardedModelLayout, Stage};
 use shardline_runtime::train::{
     self, build_model, load_data, RunOptions, StageChoice, SyncBnMode, TrainConfig,
@@ -698,7 +699,7 @@ fn run_nodes_in(
         rate * 8 / 1_000_000,
         a.batch_size
     );
-    let net = crate::netns::Net::new(nodes, Some(rate))?;
+    let net = netns::Net::new("b", nodes, Some(rate)).context(crate::NODES_NEED)?;
     let token = format!("overlap-{:x}", std::process::id());
     let mut rows = Vec::new();
     let mut timeline_events = None;
@@ -712,11 +713,10 @@ fn run_nodes_in(
                 .args(["--nnodes", &nodes.to_string(), "--node-rank", &k.to_string()])
                 .args(["--rdzv", &rdzv, "--token", &token, "--"])
                 .args(train_args(a, p, dir));
-            agents.push(crate::netns::Child::spawn(cmd, &format!("launch on node {k}"))?);
+            agents.push(netns::Child::spawn(cmd, &format!("launch on node {k}"))?);
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
-        crate::netns::wait_all(agents, deadline)
-            .with_context(|| format!("the prefetch {p} job"))?;
+        netns::wait_all(agents, deadline).with_context(|| format!("the prefetch {p} job"))?;
         let events = load_rank_traces(dir, p, world)?;
         let per: Vec<Vec<[f64; 4]>> = (0..world).map(|r| rank_steps(&events, r)).collect();
         let mut row = combine_ranks(p, &per, a.warmup)?;

@@ -1,7 +1,7 @@
 //! Fault tolerance of `shardline launch` (LAUNCH-6 to LAUNCH-10 in the runtime's launch
 //! module): a killed worker restarts the group from the last checkpoint, a lost node shrinks
 //! an elastic job, a partitioned node is detected and the job recovers once the link is back.
-//! Every process carries a deadline (NET-1): a bug fails the test instead of hanging it.
+//! Every process carries a deadline (NETNS-3): a bug fails the test instead of hanging it.
 
 use shardline_runtime::checkpoint::Checkpoint;
 use shardline_runtime::fault::FaultSpec;

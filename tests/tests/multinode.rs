@@ -6,55 +6,15 @@
 //!
 //! The tests run the `shardline` binary of this workspace's target directory (built by
 //! `cargo build -p shardline-runtime`, or `cargo test --workspace`). Every process carries a
-//! deadline and is killed when it passes.
+//! deadline and is killed with its process group when it passes (NETNS-3).
 
 use shardline_runtime::checkpoint::Checkpoint;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use shardline_tests::netns::{shardline, spawn, wait_output, Child, Net};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(120);
-
-fn shardline() -> PathBuf {
-    if let Ok(p) = std::env::var("SHARDLINE_BIN") {
-        return PathBuf::from(p);
-    }
-    // target/<profile>/deps/multinode-HASH -> target/<profile>/shardline
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe.parent().and_then(Path::parent).expect("target directory");
-    let bin = dir.join("shardline");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build -p shardline-runtime` first (or set SHARDLINE_BIN)",
-        bin.display()
-    );
-    bin
-}
-
-/// Waits for `child` until `deadline`, killing it (SIGKILL) when the deadline passes.
-fn wait_output(mut child: Child, deadline: Instant, what: &str) -> Output {
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let out = child.wait_with_output().expect("collect output");
-                panic!(
-                    "{what} did not finish in time; stderr:\n{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("{what}: wait failed: {e}"),
-        }
-    }
-    child.wait_with_output().expect("collect output")
-}
-
-fn spawn(mut cmd: Command) -> Child {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
-}
 
 fn summary(path: &Path) -> serde_json::Value {
     let text =
@@ -184,114 +144,10 @@ fn mismatched_configs_fail_at_start_up() {
 // Network namespaces
 // ---------------------------------------------------------------------------------------------
 
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-    }
-}
-
-/// Nodes as namespaces on one bridge; removed on drop.
-struct Net {
-    bridge: String,
-    namespaces: Vec<String>,
-    subnet: String,
-}
-
-impl Net {
-    /// `nodes` namespaces `10.<a>.<b>.1..` on a bridge; `Err` says why it cannot be built.
-    fn new(nodes: usize, rate: Option<&str>) -> Result<Net, String> {
-        static N: AtomicU32 = AtomicU32::new(0);
-        if !is_root() {
-            return Err("not root".into());
-        }
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let id = (std::process::id() % 10_000) * 16 + n;
-        let mut net = Net {
-            bridge: format!("slb{id}"),
-            namespaces: Vec::new(),
-            subnet: format!("10.{}.{}", 100 + (id / 250) % 150, id % 250),
-        };
-        ip(&["link", "add", &net.bridge, "type", "bridge"])?;
-        ip(&["link", "set", &net.bridge, "up"])?;
-        for i in 0..nodes {
-            let ns = format!("sln{id}-{i}");
-            ip(&["netns", "add", &ns])?;
-            net.namespaces.push(ns.clone());
-            let (host, inner) = (format!("slh{id}-{i}"), format!("sli{id}-{i}"));
-            ip(&["link", "add", &host, "type", "veth", "peer", "name", &inner])?;
-            ip(&["link", "set", &inner, "netns", &ns])?;
-            ip(&["link", "set", &host, "master", &net.bridge, "up"])?;
-            let addr = format!("{}.{}/24", net.subnet, i + 1);
-            ip(&["-n", &ns, "addr", "add", &addr, "dev", &inner])?;
-            ip(&["-n", &ns, "link", "set", &inner, "up"])?;
-            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-            if let Some(rate) = rate {
-                let out = Command::new("ip")
-                    .args(["netns", "exec", &ns, "tc", "qdisc", "add", "dev", &inner, "root"])
-                    .args(["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"])
-                    .output()
-                    .map_err(|e| format!("tc: {e}"))?;
-                if !out.status.success() {
-                    return Err(format!("tc: {}", String::from_utf8_lossy(&out.stderr)));
-                }
-            }
-        }
-        Ok(net)
-    }
-
-    fn addr(&self, node: usize) -> String {
-        format!("{}.{}", self.subnet, node + 1)
-    }
-
-    /// `shardline launch` for `node` inside its namespace.
-    fn launch(&self, node: usize, nproc: usize, port: u16, args: &[String]) -> Child {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.namespaces[node]])
-            .arg(shardline())
-            .args(["launch", "--nproc-per-node", &nproc.to_string()])
-            .args(["--nnodes", &self.namespaces.len().to_string()])
-            .args(["--node-rank", &node.to_string()])
-            .args(["--rdzv", &format!("{}:{port}", self.addr(0))])
-            .args(["--token", "multinode-test", "--"])
-            .args(args);
-        spawn(cmd)
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in &self.namespaces {
-            // Deleting a namespace removes its end of the veth pair, and with it the other.
-            let _ = ip(&["netns", "del", ns]);
-        }
-        let _ = ip(&["link", "del", &self.bridge]);
-    }
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
+/// Unshaped namespace nodes of this file (tag `m`, NETNS-2), or `None` with the reason the
+/// test `test` is skipped printed.
 fn net_or_skip(nodes: usize, test: &str) -> Option<Net> {
-    match Net::new(nodes, None) {
-        Ok(n) => Some(n),
-        Err(why) => {
-            println!("SKIPPED {test}: cannot build network namespaces ({why})");
-            eprintln!("SKIPPED {test}: cannot build network namespaces ({why})");
-            None
-        }
-    }
+    Net::or_skip_as("m", "multinode-test", nodes, test)
 }
 
 /// Runs `nodes x nproc` ranks over namespaces and checks them against `train --world W`.
@@ -302,7 +158,7 @@ fn multinode_matches(nodes: usize, nproc: usize, test: &str) {
     reference(nodes * nproc, 10, dir);
     let args = train_args(10, dir, "multi");
     let port = 29_500;
-    let children: Vec<Child> = (0..nodes).map(|k| net.launch(k, nproc, port, &args)).collect();
+    let children: Vec<Child> = (0..nodes).map(|k| net.launch(k, nproc, port, &[], &args)).collect();
     let deadline = Instant::now() + DEADLINE;
     for (k, c) in children.into_iter().enumerate() {
         let out = wait_output(c, deadline, &format!("launch on node {k}"));
@@ -364,10 +220,10 @@ fn killed_worker_stops_every_rank_naming_it() {
     args.retain(|a| a != "--no-progress");
     let t = args.iter().position(|a| a == "--timeout").expect("timeout flag");
     args[t + 1] = "30".into();
-    let children: Vec<Child> = (0..2).map(|k| net.launch(k, 2, 29_501, &args)).collect();
+    let children: Vec<Child> = (0..2).map(|k| net.launch(k, 2, 29_501, &[], &args)).collect();
     let victim_rank = 3;
     let deadline = Instant::now() + DEADLINE;
-    let agent1 = children[1].id();
+    let agent1 = children[1].id().expect("node 1 agent pid");
     let victim = loop {
         assert!(Instant::now() < deadline, "workers of node 1 never appeared");
         let found = children_of(agent1).into_iter().find(|&p| rank_of(p) == Some(victim_rank));

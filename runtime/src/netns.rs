@@ -1,0 +1,501 @@
+//! Nodes as network namespaces, for the tests and benchmarks that run `shardline launch` (or
+//! any other process) across "nodes" over a real, optionally shaped, network on one machine.
+//!
+//! Each node is a namespace of its own with one veth pair to a bridge created for the net;
+//! addresses are `10.a.b.k/24` on the namespace ends only (the bridge and this machine's own
+//! namespace get none, so nothing outside the net's namespaces is ever addressed). With a link
+//! rate, both directions of every node's link go through a token bucket (`tc qdisc ... tbf`):
+//! the namespace end shapes what the node sends, the bridge end what it receives. Building a
+//! net needs root and iproute2 (`ip`, and `tc` for a rate); [`Net::new`] says why it cannot be
+//! built otherwise, so callers can skip with a reason.
+//!
+//! Processes run through [`Child`]: a process group of its own, output pipes drained while it
+//! runs, every wait bounded by a deadline.
+//!
+//! - NETNS-1: everything [`Net::new`] creates is removed when the [`Net`] drops, also when
+//!   building it failed half-way or its user errors out or panics (the host ends of the veth
+//!   pairs first, then the namespaces, the bridge last); a [`Child`] dropped before it was
+//!   waited for is killed with its whole process group, so no agent or worker stays behind.
+//! - NETNS-2: names start with `sl` and the caller's tag (one lowercase letter per user of
+//!   this module), then this process's id and a per-process counter, so concurrent nets of one
+//!   or several processes and users never collide; every interface name stays within the
+//!   kernel's 15 characters. The subnet's second octet is the tag's letter, so the users'
+//!   address ranges differ too (addresses never leave a net's own bridge in any case).
+//! - NETNS-3: every wait on a [`Child`] has a deadline; past it the child's process group is
+//!   killed and the wait fails with the tail of its stderr, so a bug never hangs the caller.
+//!   The pipes are read while waiting, so a chatty child never blocks on a full pipe.
+//! - NETNS-4: a node cut off by [`Net::link_down`] gets its link back when the [`Link`] guard
+//!   drops, which the borrow on the [`Net`] makes happen before the namespaces go.
+
+use std::ffi::OsStr;
+use std::io::Read;
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, RuntimeError};
+
+/// The kernel's limit on interface names (`IFNAMSIZ` less the terminating zero).
+const IFNAME_MAX: usize = 15;
+
+/// How much of a failed child's stderr its error carries.
+const STDERR_TAIL: usize = 4000;
+
+fn run(prog: &str, args: &[&str]) -> Result<()> {
+    let what = format!("{prog} {}", args.join(" "));
+    let out = Command::new(prog)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| RuntimeError::process(&what, e.to_string()))?;
+    if !out.status.success() {
+        return Err(RuntimeError::process(&what, String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(())
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    run("ip", args)
+}
+
+/// Whether this process runs with effective uid 0 (from `/proc/self/status`).
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2).map(|euid| euid == "0").unwrap_or(false))
+        })
+        .unwrap_or(false)
+}
+
+/// The `tbf` token bucket for `rate` bytes/s: the bucket holds 2 ms of traffic (at least
+/// 32 KiB, so that a full-size GSO burst still fits at low rates) and the queue 25 ms.
+pub fn tbf_args(rate: u64) -> Vec<String> {
+    let burst = (rate / 500).max(32 << 10);
+    ["root", "tbf", "rate", &format!("{}bit", rate * 8), "burst", &burst.to_string()]
+        .into_iter()
+        .map(String::from)
+        .chain(["latency".to_string(), "25ms".to_string()])
+        .collect()
+}
+
+/// Nodes as namespaces on one bridge, removed on drop (NETNS-1).
+pub struct Net {
+    bridge: String,
+    namespaces: Vec<String>,
+    hosts: Vec<String>,
+    subnet: String,
+    rate: Option<u64>,
+}
+
+impl Net {
+    /// Builds `nodes` namespaces named after `tag` (one lowercase ASCII letter, NETNS-2), node
+    /// `k` at [`Net::addr`]`(k)`, each link shaped to `rate` bytes/s in both directions when
+    /// given. Needs root and iproute2 (`ip`, and `tc` with a rate); the error says which is
+    /// missing.
+    pub fn new(tag: &str, nodes: usize, rate: Option<u64>) -> Result<Net> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let letter = match tag.as_bytes() {
+            [c] if c.is_ascii_lowercase() => *c,
+            _ => {
+                return Err(RuntimeError::config(format!(
+                    "network namespace tag {tag:?} is not one lowercase letter"
+                )))
+            }
+        };
+        if !(1..=99).contains(&nodes) {
+            return Err(RuntimeError::config(format!(
+                "{nodes} namespace nodes: between 1 and 99 are supported"
+            )));
+        }
+        if !is_root() {
+            return Err(RuntimeError::process(
+                "building network namespaces",
+                "needs root (ip netns, veth, bridge, tc)",
+            ));
+        }
+        let progs: &[&str] = if rate.is_some() { &["ip", "tc"] } else { &["ip"] };
+        for prog in progs {
+            Command::new(prog)
+                .arg("-V")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .map_err(|e| {
+                    RuntimeError::process(format!("iproute2's `{prog}`"), e.to_string())
+                })?;
+        }
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        // At most 8 digits: pids stay below 2^22.
+        let id = std::process::id() as u64 * 16 + u64::from(n % 16);
+        let name = |kind: char, k: Option<usize>| match k {
+            Some(k) => format!("sl{tag}{kind}{id}-{k}"),
+            None => format!("sl{tag}{kind}{id}"),
+        };
+        let longest = name('h', Some(nodes - 1));
+        if longest.len() > IFNAME_MAX {
+            return Err(RuntimeError::config(format!(
+                "interface name {longest} is longer than {IFNAME_MAX} characters"
+            )));
+        }
+        let mut net = Net {
+            bridge: name('b', None),
+            namespaces: Vec::new(),
+            hosts: Vec::new(),
+            subnet: format!("10.{letter}.{}", id % 250),
+            rate,
+        };
+        // From here on a failure drops `net`, which removes what was already built.
+        ip(&["link", "add", &net.bridge, "type", "bridge"])?;
+        ip(&["link", "set", &net.bridge, "up"])?;
+        for k in 0..nodes {
+            let ns = name('n', Some(k));
+            ip(&["netns", "add", &ns])?;
+            net.namespaces.push(ns.clone());
+            let (host, inner) = (name('h', Some(k)), name('i', Some(k)));
+            ip(&["link", "add", &host, "type", "veth", "peer", "name", &inner])?;
+            net.hosts.push(host.clone());
+            ip(&["link", "set", &inner, "netns", &ns])?;
+            ip(&["link", "set", &host, "master", &net.bridge, "up"])?;
+            ip(&["-n", &ns, "addr", "add", &format!("{}/24", net.addr(k)), "dev", &inner])?;
+            ip(&["-n", &ns, "link", "set", &inner, "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            if let Some(r) = rate {
+                let tbf = tbf_args(r);
+                let tbf: Vec<&str> = tbf.iter().map(String::as_str).collect();
+                let mut inside = vec!["-n", &ns, "qdisc", "add", "dev", &inner];
+                inside.extend(&tbf);
+                run("tc", &inside)?;
+                let mut outside = vec!["qdisc", "add", "dev", &host];
+                outside.extend(&tbf);
+                run("tc", &outside)?;
+            }
+        }
+        Ok(net)
+    }
+
+    /// Number of nodes.
+    pub fn nodes(&self) -> usize {
+        self.namespaces.len()
+    }
+
+    /// The link rate, bytes/s, if shaped.
+    pub fn rate(&self) -> Option<u64> {
+        self.rate
+    }
+
+    /// Node `k`'s address.
+    pub fn addr(&self, k: usize) -> String {
+        format!("{}.{}", self.subnet, k + 1)
+    }
+
+    /// Node `k`'s namespace name.
+    pub fn namespace(&self, k: usize) -> &str {
+        &self.namespaces[k]
+    }
+
+    /// A command that runs `prog` inside node `k`'s namespace.
+    pub fn command(&self, k: usize, prog: impl AsRef<OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.namespaces[k]]).arg(prog);
+        cmd
+    }
+
+    /// Cuts node `k` off: its link goes down on the bridge side until the guard drops
+    /// (NETNS-4).
+    pub fn link_down(&self, k: usize) -> Result<Link<'_>> {
+        ip(&["link", "set", &self.hosts[k], "down"])?;
+        Ok(Link { net: self, node: k })
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // A namespace's veth goes with it only once the kernel's asynchronous cleanup has
+        // run; deleting the pair from this end removes it now.
+        for host in &self.hosts {
+            let _ = ip(&["link", "del", host]);
+        }
+        for ns in &self.namespaces {
+            let _ = ip(&["netns", "del", ns]);
+        }
+        let _ = ip(&["link", "del", &self.bridge]);
+    }
+}
+
+/// A node's link cut by [`Net::link_down`], set up again on drop (NETNS-4).
+pub struct Link<'a> {
+    net: &'a Net,
+    node: usize,
+}
+
+impl Link<'_> {
+    /// Sets the link up again now.
+    pub fn up(self) {}
+}
+
+impl Drop for Link<'_> {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "set", &self.net.hosts[self.node], "up"]);
+    }
+}
+
+/// A child process in a process group of its own, killed with its whole group when dropped
+/// before it was waited for (NETNS-1); waits have deadlines (NETNS-3).
+pub struct Child {
+    child: Option<std::process::Child>,
+    what: String,
+}
+
+impl Child {
+    /// Spawns `cmd` with stdin closed and stdout and stderr piped, as the leader of a new
+    /// process group; `what` names it in errors.
+    pub fn spawn(mut cmd: Command, what: &str) -> Result<Child> {
+        use std::os::unix::process::CommandExt;
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        let child = cmd
+            .spawn()
+            .map_err(|e| RuntimeError::process(format!("spawning {what}"), e.to_string()))?;
+        Ok(Child { child: Some(child), what: what.to_string() })
+    }
+
+    /// The process id (also the process group's id), while it was not waited for.
+    pub fn id(&self) -> Option<u32> {
+        self.child.as_ref().map(std::process::Child::id)
+    }
+
+    /// SIGKILL to the child's whole process group, e.g. a node's agent with its workers.
+    pub fn kill_group(&self) {
+        if let Some(c) = &self.child {
+            kill_group(c.id());
+        }
+    }
+
+    /// Waits until `deadline` and returns the output, whatever the exit status; past the
+    /// deadline kills the group and fails with the tail of stderr (NETNS-3).
+    pub fn wait_output(mut self, deadline: Instant) -> Result<Output> {
+        let what = std::mem::take(&mut self.what);
+        let Some(mut child) = self.child.take() else {
+            return Err(RuntimeError::process(what, "already waited for"));
+        };
+        let out_t = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let err_t = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break s,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                waited => {
+                    kill_group(child.id());
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let err = err_t.join().unwrap_or_default();
+                    let why = match waited {
+                        Err(e) => format!("waiting failed: {e}"),
+                        _ => "did not finish in time".to_string(),
+                    };
+                    return Err(RuntimeError::process(
+                        what,
+                        format!("{why}; stderr tail:\n{}", tail(&String::from_utf8_lossy(&err))),
+                    ));
+                }
+            }
+        };
+        let stdout = out_t.join().unwrap_or_default();
+        let stderr = err_t.join().unwrap_or_default();
+        Ok(Output { status, stdout, stderr })
+    }
+
+    /// [`Child::wait_output`], and a non-zero exit is an error too, with the tail of stderr.
+    pub fn wait(self, deadline: Instant) -> Result<Output> {
+        let what = self.what.clone();
+        let out = self.wait_output(deadline)?;
+        if !out.status.success() {
+            return Err(exit_error(&what, out.status, &out.stderr));
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            kill_group(c.id());
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn exit_error(what: &str, status: ExitStatus, stderr: &[u8]) -> RuntimeError {
+    RuntimeError::process(
+        what,
+        format!("exited with {status}; stderr tail:\n{}", tail(&String::from_utf8_lossy(stderr))),
+    )
+}
+
+/// Reads `pipe` to its end on a thread of its own.
+fn drain(pipe: Option<Box<dyn Read + Send>>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut p) = pipe {
+            let _ = p.read_to_end(&mut buf);
+        }
+        buf
+    })
+}
+
+fn kill_group(pid: u32) {
+    use nix::sys::signal::{killpg, Signal};
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = killpg(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
+/// The last [`STDERR_TAIL`] bytes of `s`, cut at a character boundary.
+fn tail(s: &str) -> &str {
+    tail_n(s, STDERR_TAIL)
+}
+
+fn tail_n(s: &str, n: usize) -> &str {
+    let mut start = s.len().saturating_sub(n);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    &s[start..]
+}
+
+/// Waits for every child until `deadline` ([`Child::wait`]); the first failure is returned
+/// after the others were killed (dropping them), so one dead node never leaves the rest
+/// waiting.
+pub fn wait_all(children: Vec<Child>, deadline: Instant) -> Result<Vec<Output>> {
+    let mut outs = Vec::new();
+    for c in children {
+        outs.push(c.wait(deadline)?);
+    }
+    Ok(outs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tbf_bucket_scales_with_the_rate_and_has_a_floor() {
+        let a = tbf_args(125_000_000);
+        assert_eq!(&a[..4], ["root", "tbf", "rate", "1000000000bit"]);
+        assert_eq!(a[5], "250000");
+        let b = tbf_args(1_000_000);
+        assert_eq!(b[5], (32 << 10).to_string());
+        assert_eq!(&b[6..], ["latency", "25ms"]);
+    }
+
+    #[test]
+    fn tail_respects_char_boundaries() {
+        assert_eq!(tail_n("abcdef", 3), "def");
+        assert_eq!(tail_n("aé", 1), "");
+        assert_eq!(tail_n("ab", 10), "ab");
+    }
+
+    /// NETNS-2: tags other than one lowercase letter are refused before anything is built.
+    #[test]
+    fn bad_tags_are_refused() {
+        for tag in ["", "ab", "B", "-"] {
+            assert!(matches!(Net::new(tag, 1, None), Err(RuntimeError::Config(_))), "{tag:?}");
+        }
+    }
+
+    fn alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+            .unwrap_or(false)
+    }
+
+    /// NETNS-3: past the deadline the whole group goes (the grandchild too) and the error
+    /// carries stderr.
+    #[test]
+    fn a_child_past_its_deadline_is_killed_with_its_group() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 30 & echo $! ; echo waiting >&2 ; wait"]);
+        let child = Child::spawn(cmd, "sleeper").expect("spawn sh");
+        // The grandchild's pid is on stdout; read it through /proc instead of the pipe,
+        // which the wait owns.
+        let pid = child.id().expect("pid");
+        let start = Instant::now();
+        let grandchild = loop {
+            let kids = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            if let Some(p) = kids.split_whitespace().find_map(|s| s.parse::<u32>().ok()) {
+                break p;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "sh started no child");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let err = child.wait_output(Instant::now() + Duration::from_millis(300)).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("sleeper") && text.contains("did not finish in time"), "{text}");
+        assert!(text.contains("waiting"), "stderr tail missing: {text}");
+        let gone = Instant::now() + Duration::from_secs(10);
+        while alive(grandchild) {
+            assert!(Instant::now() < gone, "grandchild {grandchild} survived the group kill");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// NETNS-3: output larger than a pipe's buffer does not block the child; a non-zero exit
+    /// is an error for `wait` but not for `wait_output`.
+    #[test]
+    fn large_output_is_drained_and_exit_status_reported() {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "head -c 1000000 /dev/zero; echo bad >&2; exit 3"]);
+        let out = Child::spawn(cmd, "big").expect("spawn").wait_output(deadline).expect("output");
+        assert_eq!(out.stdout.len(), 1_000_000);
+        assert_eq!(out.status.code(), Some(3));
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo bad >&2; exit 3"]);
+        let err = Child::spawn(cmd, "failing").expect("spawn").wait(deadline).unwrap_err();
+        assert!(err.to_string().contains("exit status: 3") && err.to_string().contains("bad"));
+    }
+
+    /// NETNS-1, NETNS-4: a built net is shaped both ways, a cut link comes back with the
+    /// guard, and nothing is left after drop (needs root; skipped with a printed reason).
+    #[test]
+    fn namespaces_are_removed_on_drop() {
+        let net = match Net::new("u", 2, Some(125_000_000)) {
+            Ok(n) => n,
+            Err(e) => {
+                println!("SKIPPED namespaces_are_removed_on_drop: {e}");
+                return;
+            }
+        };
+        let (names, hosts) = (net.namespaces.clone(), net.hosts.clone());
+        let show = |args: &[&str]| {
+            let o = Command::new(args[0]).args(&args[1..]).output().expect("iproute2");
+            String::from_utf8_lossy(&o.stdout).into_owned()
+        };
+        let inside = show(&["tc", "-n", &names[1], "qdisc", "show"]);
+        let outside = show(&["tc", "qdisc", "show", "dev", &hosts[1]]);
+        for q in [&inside, &outside] {
+            assert!(q.contains("tbf") && q.contains("rate 1Gbit"), "{q}");
+        }
+        let link = net.link_down(1).expect("link down");
+        let down = show(&["ip", "-o", "link", "show", &hosts[1]]);
+        drop(link);
+        let up = show(&["ip", "-o", "link", "show", &hosts[1]]);
+        assert!(!down.contains("<BROADCAST,MULTICAST,UP"), "{down}");
+        assert!(up.contains(",UP"), "{up}");
+        drop(net);
+        let listed = show(&["ip", "netns", "list"]);
+        let links = show(&["ip", "link", "show"]);
+        for n in names {
+            assert!(!listed.contains(&n), "{n} left behind");
+        }
+        for h in hosts {
+            assert!(!links.contains(&format!("{h}@")), "{h} left behind");
+        }
+    }
+}
