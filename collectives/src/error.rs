@@ -3,6 +3,19 @@
 
 use crate::transport::TransportError;
 
+/// The `peer` of a [`CollectiveError::Timeout`] that names no rank: a local wait expired
+/// before the op's own deadline could say who is late. Its text never shows the number.
+pub const NO_PEER: usize = usize::MAX;
+
+/// The text of a timeout after its lane and sequence number.
+fn timeout_detail(peer: usize, timeout_ms: u64) -> String {
+    if peer == NO_PEER {
+        format!("no rank named: the local wait expired after {timeout_ms} ms")
+    } else {
+        format!("rank {peer} did not arrive within {timeout_ms} ms")
+    }
+}
+
 /// Errors of collective operations. Each names the lane and the op's sequence number.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 #[non_exhaustive]
@@ -24,15 +37,14 @@ pub enum CollectiveError {
         theirs: String,
     },
     /// A wait passed its deadline.
-    #[error(
-        "timeout on lane '{lane}' seq {seq}: rank {peer} did not arrive within {timeout_ms} ms"
-    )]
+    #[error("timeout on lane '{lane}' seq {seq}: {}", timeout_detail(*peer, *timeout_ms))]
     Timeout {
         /// Lane name.
         lane: String,
         /// Sequence number.
         seq: u64,
-        /// The peer that did not arrive.
+        /// The peer that did not arrive; [`NO_PEER`] when a local wait expired first
+        /// (`Work::wait_timeout`) and no rank is known to be late.
         peer: usize,
         /// The deadline that passed, in milliseconds.
         timeout_ms: u64,

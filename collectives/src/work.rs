@@ -139,8 +139,10 @@ impl<T> Work<T> {
     }
 
     /// Like [`Work::wait`] but gives up after `d` with `CollectiveError::Timeout`, whose
-    /// `peer` is `usize::MAX` (a local wait does not know which peer is late). The op keeps
-    /// running; its buffers are dropped when it completes.
+    /// `peer` is [`crate::error::NO_PEER`] (a local wait does not know which peer is late; its
+    /// text says "no rank named"). The op keeps running; its buffers are dropped when it
+    /// completes. To learn which rank is late, give the op that deadline instead
+    /// (`CallOptions::timeout`) and [`Work::wait`].
     pub fn wait_timeout(self, d: Duration) -> Result<T, CollectiveError> {
         let end = crate::config::deadline_after(d);
         self.poll_briefly();
@@ -154,7 +156,7 @@ impl<T> Work<T> {
                 return Err(CollectiveError::Timeout {
                     lane: self.lane.to_string(),
                     seq: self.seq,
-                    peer: usize::MAX,
+                    peer: crate::error::NO_PEER,
                     timeout_ms: d.as_millis() as u64,
                 });
             }
@@ -260,6 +262,50 @@ mod tests {
             w.wait_timeout(Duration::from_secs(10)),
             Err(CollectiveError::Aborted { .. })
         ));
+    }
+
+    /// A local wait that expires names no rank, and its text never shows `usize::MAX`.
+    #[test]
+    fn expired_local_wait_names_no_rank() {
+        let (w, _c) = pair::<u32>("l".into(), 4);
+        let e = w.wait_timeout(Duration::from_millis(1)).expect_err("nothing completes it");
+        assert!(matches!(e, CollectiveError::Timeout { peer: crate::error::NO_PEER, .. }));
+        let text = e.to_string();
+        assert!(text.contains("no rank named: the local wait expired"), "{text}");
+        assert!(!text.contains(&usize::MAX.to_string()), "{text}");
+    }
+
+    /// A barrier given the deadline itself (`CallOptions::timeout`) and waited for with
+    /// `wait` reports the rank that did not arrive, by number and in its text.
+    #[test]
+    fn barrier_with_its_own_deadline_names_the_missing_rank() {
+        let mut o = crate::CommOptions::new();
+        o.timeout(Duration::from_secs(30));
+        let comms =
+            crate::local_group_with_topology(crate::Topology::single_node(3), o).expect("group");
+        let errs = crate::testing::run_ranks(comms, Duration::from_secs(30), |comm| {
+            let lane = comm.lane("bar").expect("lane");
+            if comm.rank() == 2 {
+                // Alive but silent past the others' deadline.
+                std::thread::sleep(Duration::from_millis(1200));
+                return None;
+            }
+            let mut call = crate::CallOptions::new();
+            call.timeout(Duration::from_millis(300));
+            Some(lane.barrier_opts(&call).wait().expect_err("rank 2 never arrives"))
+        });
+        for (r, e) in errs.iter().enumerate().take(2) {
+            let Some(e) = e else { panic!("rank {r} returned no error") };
+            assert!(!e.to_string().contains(&usize::MAX.to_string()), "rank {r}: {e}");
+            if let CollectiveError::Timeout { peer, .. } = e {
+                assert_ne!(*peer, crate::error::NO_PEER, "rank {r}: {e}");
+                assert!(e.to_string().contains(&format!("rank {peer} did not arrive")), "{e}");
+            }
+        }
+        // Whoever waits on whom, some rank's error names the silent rank 2.
+        let named =
+            errs.iter().flatten().any(|e| matches!(e, CollectiveError::Timeout { peer: 2, .. }));
+        assert!(named, "no error names rank 2: {errs:?}");
     }
 
     /// WORK-1: the span runs from `start` to completion, whoever waits and however late.

@@ -590,8 +590,12 @@ fn save(
     position: checkpoint::DataLoaderState,
 ) -> Result<()> {
     let wait = Duration::from_secs(cfg.timeout_s);
+    // The barrier's own deadline, not a local wait's: its timeout then names the rank that
+    // did not arrive.
+    let mut barrier = shardline_collectives::CallOptions::new();
+    barrier.timeout(wait);
     let pending = if env.rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
-    control.barrier().wait_timeout(wait)?;
+    control.barrier_opts(&barrier).wait()?;
     let pending = match pending {
         Some(p) => p,
         None => PendingCheckpoint::join(dir, step)?,
@@ -604,7 +608,7 @@ fn save(
     let text = serde_json::to_vec(&entry)
         .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
     joined.store.set(&key(env.rank), &text).map_err(store_err("publishing a shard"))?;
-    control.barrier().wait_timeout(wait)?;
+    control.barrier_opts(&barrier).wait()?;
     if env.rank == 0 {
         let mut files = Vec::with_capacity(cfg.world);
         for r in 0..cfg.world {
@@ -625,7 +629,7 @@ fn save(
         pending.commit(meta, files, engine.buffers())?;
     }
     // Nobody begins the next checkpoint (or reads this one) before it is committed.
-    control.barrier().wait_timeout(wait)?;
+    control.barrier_opts(&barrier).wait()?;
     Ok(())
 }
 

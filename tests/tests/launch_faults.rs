@@ -237,9 +237,10 @@ fn partitioned_node_is_detected_and_the_job_recovers() {
         assert!(out.status.success(), "node {k} failed:\n{t}");
         log.push_str(&t);
     }
-    // Detected, no hang: the rank cut off fails its collective with a timeout or a lost peer
-    // (a barrier's timeout does not say which rank it waited for), and node 0's agent names
-    // the silent node, or a rank's error names its peer.
+    // Detected, no hang: the rank cut off fails its collective with a timeout or a lost peer,
+    // and node 0's agent names the silent node, or a rank's error names its peer. A timeout
+    // never reports the placeholder usize::MAX as a rank.
+    assert!(!log.contains(&usize::MAX.to_string()), "a timeout names no real rank:\n{log}");
     let failed = log
         .lines()
         .any(|l| l.starts_with("error: rank 1: ") && (l.contains("timeout") || l.contains("lost")));
