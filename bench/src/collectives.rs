@@ -234,6 +234,8 @@ fn run_rank(
     args: &Args,
 ) -> anyhow::Result<Vec<RankResult>> {
     let lane = comm.lane("bench")?;
+    let mut blocking = shardline_collectives::CallOptions::new();
+    blocking.blocking(true);
     let timeout = Duration::from_secs(args.timeout_s);
     let w = comm.world();
     let r = comm.rank();
@@ -266,23 +268,28 @@ fn run_rank(
                         b.resize(shard * w, 0.0);
                     }
                 }
-                lane.barrier().wait_timeout(timeout)?;
+                lane.barrier_opts(&blocking).wait_timeout(timeout)?;
                 let t0 = Instant::now();
+                // Each op is waited for at once (as nccl-tests and MPI measure): issued with
+                // `blocking`, a small op on the idle lane runs on this thread (LANE-6).
                 match op {
                     Op::AllReduce => {
                         a = lane
-                            .all_reduce(std::mem::take(&mut a), ReduceOp::Sum)
+                            .all_reduce_opts(std::mem::take(&mut a), ReduceOp::Sum, &blocking)
                             .wait_timeout(timeout)?;
                     }
                     Op::Broadcast => {
-                        a = lane.broadcast(std::mem::take(&mut a), 0).wait_timeout(timeout)?;
+                        a = lane
+                            .broadcast_opts(std::mem::take(&mut a), 0, &blocking)
+                            .wait_timeout(timeout)?;
                     }
                     Op::ReduceScatter => {
                         let (x, y) = lane
-                            .reduce_scatter(
+                            .reduce_scatter_opts(
                                 std::mem::take(&mut a),
                                 std::mem::take(&mut b),
                                 ReduceOp::Sum,
+                                &blocking,
                             )
                             .wait_timeout(timeout)?;
                         a = x;
@@ -290,7 +297,11 @@ fn run_rank(
                     }
                     Op::AllGather => {
                         let (x, y) = lane
-                            .all_gather(std::mem::take(&mut a), std::mem::take(&mut b))
+                            .all_gather_opts(
+                                std::mem::take(&mut a),
+                                std::mem::take(&mut b),
+                                &blocking,
+                            )
                             .wait_timeout(timeout)?;
                         a = x;
                         b = y;

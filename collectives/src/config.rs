@@ -43,6 +43,16 @@ pub const SMALL_BYTES: Tunable = Tunable {
     doc: "Auto: direct at or below (bytes)",
 };
 
+/// Ops issued with `CallOptions::blocking` whose payload is at most this many bytes run on the
+/// issuing thread when their lane is idle (nothing queued or running), instead of being handed to the lane's progress thread:
+/// a latency-bound op then pays no thread hand-off on issue nor on completion (LANE-6).
+/// 0 disables it. Such an op's `issue` call returns once the op is complete.
+pub const INLINE_BYTES: Tunable = Tunable {
+    env: "SHARDLINE_INLINE_BYTES",
+    default: 64 * 1024,
+    doc: "run ops up to this size on the caller when the lane is idle (bytes), 0 = never",
+};
+
 /// Piece size of the pipelined broadcast chain, in bytes.
 pub const PIPELINE_BYTES: Tunable = Tunable {
     env: "SHARDLINE_PIPELINE_BYTES",

@@ -9,6 +9,9 @@
 //! - LANE-4: each op's deadline is its issue time plus its timeout.
 //! - LANE-5: dropping the last handle of a lane closes its queue; the thread finishes the
 //!   queued ops, exits and is joined.
+//! - LANE-6: a small op issued with `CallOptions::blocking` while its lane is idle (no op
+//!   queued or running) runs on the issuing thread; `pending` counts ops from issue to completion, and an op runs inline
+//!   only when it moves `pending` from 0 to 1, so issue order is still execution order.
 
 use crate::algo::{self, Algorithm, Schedule};
 use crate::communicator::Shared;
@@ -20,7 +23,7 @@ use crate::transport::{LaneLinks, Poison, Tag, TransportError};
 use crate::work::{self, Completer, Work};
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -33,6 +36,7 @@ const POLL_BEFORE_BLOCK: Duration = Duration::from_micros(30);
 pub struct CallOptions {
     timeout: Option<Duration>,
     algorithm: Algorithm,
+    blocking: bool,
 }
 
 impl CallOptions {
@@ -56,6 +60,22 @@ impl CallOptions {
     /// Algorithm to use (default `Auto`). Every rank must pass the same one.
     pub fn algorithm(&mut self, a: Algorithm) -> &mut Self {
         self.algorithm = a;
+        self
+    }
+
+    /// The caller waits for this op right away (default `false`). A small op (at most
+    /// `SHARDLINE_INLINE_BYTES`) issued with this flag on an idle lane then runs on the calling
+    /// thread and the issuing call returns only once it is complete, saving the two thread
+    /// hand-offs of the progress thread (LANE-6). Use it only where the next thing the caller
+    /// does is wait for the op: the call blocks until every peer has issued it.
+    ///
+    /// ```
+    /// use shardline_collectives::CallOptions;
+    /// let mut o = CallOptions::new();
+    /// o.blocking(true);
+    /// ```
+    pub fn blocking(&mut self, b: bool) -> &mut Self {
+        self.blocking = b;
         self
     }
 }
@@ -139,6 +159,12 @@ struct LaneInner {
     next_seq: Mutex<u64>,
     tx: Option<Sender<Msg>>,
     thread: Option<JoinHandle<()>>,
+    /// The lane's state; the progress thread and inline issuers take turns (LANE-6).
+    worker: Arc<Mutex<Worker>>,
+    /// Ops issued and not yet completed (LANE-6).
+    pending: Arc<AtomicUsize>,
+    /// Largest payload run inline.
+    inline_bytes: usize,
 }
 
 impl Drop for LaneInner {
@@ -171,9 +197,12 @@ impl Lane {
             next_seq: 0,
             schedules: HashMap::new(),
         };
+        let worker = Arc::new(Mutex::new(worker));
+        let pending = Arc::new(AtomicUsize::new(0));
+        let (w2, p2) = (Arc::clone(&worker), Arc::clone(&pending));
         let thread = std::thread::Builder::new()
             .name(format!("lane-{name}-r{}", shared.rank))
-            .spawn(move || worker.run(rx))
+            .spawn(move || Worker::run(w2, p2, rx))
             .map_err(|e| CollectiveError::Transport {
                 lane: name.to_string(),
                 source: TransportError::Setup(format!("cannot spawn the lane thread: {e}")),
@@ -185,6 +214,9 @@ impl Lane {
                 next_seq: Mutex::new(0),
                 tx: Some(tx),
                 thread: Some(thread),
+                worker,
+                pending,
+                inline_bytes: crate::config::INLINE_BYTES.get() as usize,
             }),
         })
     }
@@ -212,6 +244,7 @@ impl Lane {
     fn issue<T>(
         &self,
         opts: &CallOptions,
+        bytes: usize,
         check: Result<(), String>,
         make: impl FnOnce(Completer<T>) -> Body,
     ) -> Work<T> {
@@ -238,6 +271,21 @@ impl Lane {
             algo: opts.algorithm,
             body: make(done),
         };
+        // LANE-6: a small op on an idle lane runs here, under the issue lock (so later issuers
+        // on this lane queue behind it), without a hand-off to the progress thread.
+        let inner = &self.inner;
+        if opts.blocking
+            && bytes <= inner.inline_bytes
+            && inner.pending.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        {
+            let mut w = inner.worker.lock().unwrap_or_else(|e| e.into_inner());
+            w.next_seq = job.seq + 1;
+            w.handle(job);
+            drop(w);
+            inner.pending.fetch_sub(1, Ordering::AcqRel);
+            return work;
+        }
+        inner.pending.fetch_add(1, Ordering::AcqRel);
         if let Some(tx) = &self.inner.tx {
             if let Err(e) = tx.send(Msg::Job(job)) {
                 // The thread is gone (it panicked): completing through the dropped job's
@@ -260,7 +308,8 @@ impl Lane {
         op: ReduceOp,
         opts: &CallOptions,
     ) -> Work<Vec<f32>> {
-        self.issue(opts, Ok(()), |done| Body::AllReduce { buf, op, done })
+        let bytes = buf.len() * 4;
+        self.issue(opts, bytes, Ok(()), |done| Body::AllReduce { buf, op, done })
     }
 
     /// `input.len() == world * output.len()`; rank r gets the reduction of slice r of every
@@ -292,7 +341,8 @@ impl Lane {
                 output.len()
             ))
         };
-        self.issue(opts, check, |done| Body::ReduceScatter { input, output, op, done })
+        let bytes = input.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::ReduceScatter { input, output, op, done })
     }
 
     /// `output.len() == world * input.len()`; slice r of output is rank r's input.
@@ -317,7 +367,8 @@ impl Lane {
                 input.len()
             ))
         };
-        self.issue(opts, check, |done| Body::AllGather { input, output, done })
+        let bytes = output.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::AllGather { input, output, done })
     }
 
     /// Copies `root`'s buffer into every rank's buffer.
@@ -333,7 +384,8 @@ impl Lane {
         } else {
             Err(format!("broadcast: root {root} outside world {w}"))
         };
-        self.issue(opts, check, |done| Body::Broadcast { buf, root, done })
+        let bytes = buf.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::Broadcast { buf, root, done })
     }
 
     /// Completes once every rank has reached it.
@@ -343,7 +395,7 @@ impl Lane {
 
     /// [`Lane::barrier`] with options (the algorithm is ignored).
     pub fn barrier_opts(&self, opts: &CallOptions) -> Work<()> {
-        self.issue(opts, Ok(()), |done| Body::Barrier { done })
+        self.issue(opts, 0, Ok(()), |done| Body::Barrier { done })
     }
 
     /// Latency path with a user combine over records of `record_len` elements: the result
@@ -375,7 +427,8 @@ impl Lane {
                 buf.len()
             ))
         };
-        self.issue(opts, check, |done| Body::Records { buf, record_len, combine, done })
+        let bytes = buf.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::Records { buf, record_len, combine, done })
     }
 }
 
@@ -461,25 +514,27 @@ impl Worker {
         rx.recv().ok()
     }
 
-    fn run(mut self, rx: Receiver<Msg>) {
+    fn run(worker: Arc<Mutex<Worker>>, pending: Arc<AtomicUsize>, rx: Receiver<Msg>) {
         request_slice(crate::config::LANE_SLICE_US.get());
         while let Some(msg) = Self::next(&rx) {
+            let mut guard = worker.lock().unwrap_or_else(|e| e.into_inner());
+            let this = &mut *guard;
             match msg {
                 Msg::Job(job) => {
-                    self.next_seq = job.seq + 1;
-                    self.handle(job);
+                    this.next_seq = job.seq + 1;
+                    this.handle(job);
+                    drop(guard);
+                    pending.fetch_sub(1, Ordering::AcqRel);
                 }
                 Msg::Abort => {
-                    if self.failed.is_none() {
+                    if this.failed.is_none() {
                         let e = CollectiveError::Aborted {
-                            lane: self.name.to_string(),
-                            seq: self.next_seq,
-                            reason: self.shared.abort_reason(),
+                            lane: this.name.to_string(),
+                            seq: this.next_seq,
+                            reason: this.shared.abort_reason(),
                         };
-                        self.fail(
-                            e,
-                            Some(Reason::Other(format!("aborted: {}", self.shared.abort_reason()))),
-                        );
+                        let reason = format!("aborted: {}", this.shared.abort_reason());
+                        this.fail(e, Some(Reason::Other(reason)));
                     }
                 }
             }

@@ -272,3 +272,26 @@ fn unbounded_timeout_is_accepted() {
         assert_eq!(got.expect("op"), vec![2.0; 3]);
     });
 }
+
+/// LANE-6: a blocking small op runs on the caller when the lane is idle, and queues behind a
+/// pending op otherwise; either way results and issue order are those of the queued path.
+#[test]
+fn blocking_small_ops_keep_issue_order_and_results() {
+    let comms = local_group(3).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let lane = comm.lane("inline").expect("lane");
+        let mut now = CallOptions::new();
+        now.blocking(true);
+        let r = comm.rank() as f32;
+        // Idle lane: runs inline, completes before the call returns.
+        let w = lane.all_reduce_opts(vec![r; 16], ReduceOp::Sum, &now);
+        assert!(w.is_done(), "a blocking small op on an idle lane is complete on return");
+        assert_eq!(w.wait_timeout(WAIT).expect("inline"), vec![3.0; 16]);
+        // Busy lane: a large op is queued first; the blocking one must queue behind it.
+        let big = lane.all_reduce(vec![1.0; 1 << 18], ReduceOp::Sum);
+        let small = lane.all_reduce_opts(vec![r + 1.0; 4], ReduceOp::Max, &now);
+        assert_eq!(small.wait_timeout(WAIT).expect("small"), vec![3.0; 4]);
+        assert!(big.is_done(), "the earlier op completed first (issue order)");
+        assert_eq!(big.wait_timeout(WAIT).expect("big"), vec![3.0; 1 << 18]);
+    });
+}

@@ -1,6 +1,6 @@
 //! [`StatsReducer`] over a collectives lane (the `stats` lane of a communicator).
 
-use shardline_collectives::{Communicator, Lane, ReduceOp};
+use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
 
 use crate::batchnorm::StatsReducer;
 use crate::error::ModelError;
@@ -41,15 +41,22 @@ impl StatsReducer for LaneReducer {
         record_len: usize,
         combine: fn(&mut [f32], &[f32]),
     ) -> Result<Vec<f32>, ModelError> {
+        // The statistics are needed at once: a blocking call skips the lane thread hand-off.
         self.lane
-            .all_reduce_records(buf, record_len, combine)
+            .all_reduce_records_opts(buf, record_len, combine, &blocking())
             .wait()
             .map_err(|e| ModelError::Reduce(e.to_string()))
     }
     fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, ModelError> {
         self.lane
-            .all_reduce(buf, ReduceOp::Sum)
+            .all_reduce_opts(buf, ReduceOp::Sum, &blocking())
             .wait()
             .map_err(|e| ModelError::Reduce(e.to_string()))
     }
+}
+
+fn blocking() -> CallOptions {
+    let mut o = CallOptions::new();
+    o.blocking(true);
+    o
 }

@@ -692,7 +692,10 @@ impl RankEngine {
         // ---- loss and gradient norm: one small all-reduce ----
         // Summed in unit order whatever the order of completion (ENG-1).
         let sq: f64 = unit_sq.iter().sum();
-        let w = self.reduce.all_reduce(vec![local_loss, sq as f32], ReduceOp::Sum);
+        // Waited for at once: a blocking call runs on this thread when the lane is idle.
+        let mut now = shardline_collectives::CallOptions::new();
+        now.blocking(true);
+        let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32], ReduceOp::Sum, &now);
         let sums = self.wait(w, Row::Reduce, "loss+norm", &mut clock)?;
         let (loss, total_sq) = (sums[0], sums[1] as f64);
         let coef = match self.cfg.clip_grad_norm {
