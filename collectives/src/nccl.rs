@@ -169,7 +169,9 @@ impl NcclCommunicator {
             .name(format!("nccl-init-{name}"))
             .spawn(move || {
                 let _ = tx.send(
-                    Comm::from_rank(st, rank, world, id).map(SendComm).map_err(|e| format!("{e:?}")),
+                    Comm::from_rank(st, rank, world, id)
+                        .map(SendComm)
+                        .map_err(|e| format!("{e:?}")),
                 );
             })
             .map_err(|e| lane_err(format!("spawn: {e}")))?;
