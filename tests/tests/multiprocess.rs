@@ -78,13 +78,27 @@ fn grid_multiprocess_w8() {
     grid_worlds("tcp", &[8]);
 }
 
-/// Every rank but `victim` ends with `PeerLost` naming the victim, well inside the op
-/// timeout (a `Timeout` would mean the loss went unnoticed).
+/// Every rank but `victim` ends with `PeerLost`, well inside the op timeout (a `Timeout`
+/// would mean the loss went unnoticed), naming the victim, or naming a survivor that itself
+/// failed for the victim and exited: over tcp a poison that cannot be written at a frame
+/// boundary becomes a shutdown, so a neighbour may see that survivor's exit first. At least
+/// one survivor names the victim.
 fn assert_lost(out: &std::collections::HashMap<usize, Outcome>, victim: usize, what: &str) {
     for (r, o) in out {
         assert_eq!(o.error_kind.as_deref(), Some("PeerLost"), "{what}: rank {r}: {o:?}");
-        assert_eq!(o.error_rank, Some(victim), "{what}: rank {r}: {o:?}");
+        let named = o.error_rank == Some(victim)
+            || o.error_rank
+                .and_then(|s| out.get(&s))
+                .is_some_and(|so| so.error_rank == Some(victim));
+        assert!(
+            named,
+            "{what}: rank {r} names neither rank {victim} nor a survivor that lost it: {o:?}"
+        );
     }
+    assert!(
+        out.values().any(|o| o.error_rank == Some(victim)),
+        "{what}: no survivor names rank {victim}: {out:?}"
+    );
 }
 
 /// TR-4: SIGKILL one rank while all are looping over all-reduces.
