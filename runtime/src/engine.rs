@@ -111,6 +111,14 @@ pub struct StepStats {
 }
 
 impl PendingReduce {
+    fn unit(&self) -> usize {
+        match self {
+            PendingReduce::AllReduce { unit, .. } | PendingReduce::ReduceScatter { unit, .. } => {
+                *unit
+            }
+        }
+    }
+
     fn is_done(&self) -> bool {
         match self {
             PendingReduce::AllReduce { work, .. } => work.is_done(),
@@ -682,11 +690,29 @@ impl RankEngine {
 
         // ---- wait for the reductions ----
         self.fault_point(crate::fault::Phase::Reduce);
+        // ENG-8: without clipping no unit's update depends on the global norm, so each unit
+        // is stepped as soon as its reduction is in, overlapping the reductions still in
+        // flight. Per-unit updates are independent: the result does not depend on the order.
+        let early = self.cfg.clip_grad_norm.is_none();
+        // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
+        // count is 1-based (OPT-3).
+        let lr = self.cfg.lr.lr_at(self.step);
+        let mut opt_spans: Vec<(Instant, Instant)> = Vec::new();
+        if early {
+            self.step += 1;
+            let waiting: Vec<usize> = pending.iter().map(PendingReduce::unit).collect();
+            for u in (0..n_units).rev().filter(|u| !waiting.contains(u)) {
+                opt_spans.push(self.step_unit(u, lr, 1.0)?);
+            }
+        }
         // Each unit's squared norm is taken as soon as its reduction is in, while the later
         // ones are still in flight.
         for p in pending {
             let done = self.finish_reduce(p, &mut clock)?;
             compute += self.unit_sq_norm(done, &mut unit_sq);
+            if early {
+                opt_spans.push(self.step_unit(done, lr, 1.0)?);
+            }
         }
 
         // ---- loss and gradient norm: one small all-reduce ----
@@ -698,28 +724,22 @@ impl RankEngine {
         let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32], ReduceOp::Sum, &now);
         let sums = self.wait(w, Row::Reduce, "loss+norm", &mut clock)?;
         let (loss, total_sq) = (sums[0], sums[1] as f64);
-        let coef = match self.cfg.clip_grad_norm {
-            Some(max) => optim::clip_coef(total_sq, max),
-            None => 1.0,
-        };
 
-        // ---- optimizer on the own slices ----
-        // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
-        // count is 1-based (OPT-3).
-        let lr = self.cfg.lr.lr_at(self.step);
-        self.step += 1;
-        let t0 = Instant::now();
-        for u in 0..n_units {
-            self.optimizer_step_unit(u, lr, coef)?;
-            // ENG-6: the next pass starts with unit 0; its gather overlaps the rest of the
-            // optimizer and whatever the caller does between steps.
-            if u == 0 && stage.gathers_params_per_unit() && self.cfg.prefetch > 0 {
-                self.prefetched = Some(self.issue_gather(0)?);
+        // ---- optimizer on the own slices (with clipping: after the global norm) ----
+        if !early {
+            let coef = match self.cfg.clip_grad_norm {
+                Some(max) => optim::clip_coef(total_sq, max),
+                None => 1.0,
+            };
+            self.step += 1;
+            for u in 0..n_units {
+                opt_spans.push(self.step_unit(u, lr, coef)?);
             }
         }
-        let t1 = Instant::now();
-        compute += t1 - t0;
-        self.trace.record(self.rank, Row::Compute, "optimizer", t0, t1);
+        for (t0, t1) in opt_spans {
+            compute += t1 - t0;
+            self.trace.record(self.rank, Row::Compute, "optimizer", t0, t1);
+        }
 
         // ---- stages 1 and 2: all-gather the updated parameters ----
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
@@ -775,6 +795,18 @@ impl RankEngine {
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer
     /// reads it; returns the unit.
+    /// Steps unit `u`'s own slice; returns the span it took. ENG-6: the next pass starts with
+    /// unit 0, so its gather leaves right after unit 0 is updated and overlaps the rest of the
+    /// step and whatever the caller does between steps.
+    fn step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<(Instant, Instant)> {
+        let t0 = Instant::now();
+        self.optimizer_step_unit(u, lr, coef)?;
+        if u == 0 && self.cfg.stage.gathers_params_per_unit() && self.cfg.prefetch > 0 {
+            self.prefetched = Some(self.issue_gather(0)?);
+        }
+        Ok((t0, Instant::now()))
+    }
+
     /// Bytes of the transient full gradients of the pending reductions.
     fn unreduced_bytes(&self, pending: &VecDeque<PendingReduce>) -> u64 {
         pending
