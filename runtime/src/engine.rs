@@ -736,9 +736,16 @@ impl RankEngine {
                 opt_spans.push(self.step_unit(u, lr, coef)?);
             }
         }
+        // Each unit's update is its own span; one `optimizer` mark at the end of the last
+        // closes the step on the trace (tools split a rank's trace into steps at it).
+        let mut last = None::<Instant>;
         for (t0, t1) in opt_spans {
             compute += t1 - t0;
-            self.trace.record(self.rank, Row::Compute, "optimizer", t0, t1);
+            self.trace.record(self.rank, Row::Compute, "optimizer step", t0, t1);
+            last = Some(last.map_or(t1, |l: Instant| l.max(t1)));
+        }
+        if let Some(end) = last {
+            self.trace.record(self.rank, Row::Compute, "optimizer", end, end);
         }
 
         // ---- stages 1 and 2: all-gather the updated parameters ----
