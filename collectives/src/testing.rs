@@ -7,6 +7,23 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// `w` communicators (single node, 60 s timeout) over transports built by `make(rank,
+/// store)` sharing one in-memory rendezvous store: ranks as threads over any transport.
+pub fn group_over(
+    w: usize,
+    make: &dyn Fn(usize, Arc<dyn crate::Store>) -> Arc<dyn crate::transport::Transport>,
+) -> Vec<Communicator> {
+    let store: Arc<dyn crate::Store> = Arc::new(crate::MemStore::new());
+    let mut o = crate::CommOptions::new();
+    o.timeout(Duration::from_secs(60));
+    (0..w)
+        .map(|r| {
+            Communicator::new(make(r, store.clone()), crate::Topology::single_node(w), o.clone())
+                .expect("communicator")
+        })
+        .collect()
+}
+
 /// Runs `f(comm)` on one thread per rank. Returns the results in rank order, or an error
 /// naming the ranks that panicked or had not finished by `deadline` (their threads are left
 /// behind; the test fails instead of hanging).

@@ -1223,18 +1223,9 @@ mod tests {
         assert!(!pid_alive(pid));
     }
     fn group(w: usize) -> Vec<crate::Communicator> {
-        let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
-        let mut o = crate::CommOptions::new();
-        o.timeout(Duration::from_secs(60));
-        (0..w)
-            .map(|r| {
-                let t: Arc<dyn Transport> = Arc::new(
-                    ShmTransport::new(r, w, store.clone(), "grid").expect("shm transport"),
-                );
-                crate::Communicator::new(t, crate::Topology::single_node(w), o.clone())
-                    .expect("communicator")
-            })
-            .collect()
+        crate::testing::group_over(w, &|r, store| {
+            Arc::new(ShmTransport::new(r, w, store, "grid").expect("shm transport"))
+        })
     }
 
     /// The core's conformance grid, ranks as threads over shm.

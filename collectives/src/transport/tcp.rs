@@ -1151,19 +1151,9 @@ mod tests {
         assert!(matches!(decode_header(&bad, 1), Err(TransportError::Corrupt { peer: 1, .. })));
     }
     fn group(w: usize) -> Vec<crate::Communicator> {
-        let store: Arc<dyn Store> = Arc::new(crate::store::MemStore::new());
-        let mut o = crate::CommOptions::new();
-        o.timeout(Duration::from_secs(60));
-        (0..w)
-            .map(|r| {
-                let t: Arc<dyn Transport> = Arc::new(
-                    TcpTransport::new(r, w, store.clone(), TcpOptions::default())
-                        .expect("tcp transport"),
-                );
-                crate::Communicator::new(t, crate::Topology::single_node(w), o.clone())
-                    .expect("communicator")
-            })
-            .collect()
+        crate::testing::group_over(w, &|r, store| {
+            Arc::new(TcpTransport::new(r, w, store, TcpOptions::default()).expect("tcp transport"))
+        })
     }
 
     /// The core's conformance grid, ranks as threads over tcp.
