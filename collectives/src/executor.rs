@@ -9,7 +9,7 @@
 
 use crate::algo::{Action, LocalOp, Schedule};
 use crate::reduce::Combine;
-use crate::transport::{as_f32, LaneLinks, RecvOp, SendOp, Tag, TransportError};
+use crate::transport::{as_f32, LaneLinks, RecvOp, SendOp, Sink, Tag, TransportError};
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -113,26 +113,51 @@ impl Executor {
                         let (p, n) = mem.at(&s.range);
                         // SAFETY: sends only read; no receive range overlaps them (EXEC-1).
                         let data = unsafe { std::slice::from_raw_parts(p as *const f32, n) };
-                        SendOp { peer: s.peer, data: bytemuck::cast_slice(data) }
+                        SendOp {
+                            peer: s.peer,
+                            data: bytemuck::cast_slice(data),
+                            copied: s.action == Action::Copy,
+                        }
                     })
                     .collect();
-                let mut targets: Vec<SinkTarget> = step
+                // Plain copies get their destination bytes (a transport may write them in
+                // place, TR-6); reductions go through a sink that combines each piece.
+                let mut targets: Vec<Option<SinkTarget>> = step
                     .recvs
                     .iter()
                     .map(|r| {
                         let (ptr, len) = mem.at(&r.range);
-                        SinkTarget { ptr, len, action: r.action, combine }
+                        (r.action == Action::Reduce).then_some(SinkTarget {
+                            ptr,
+                            len,
+                            action: r.action,
+                            combine,
+                        })
                     })
                     .collect();
                 let mut sinks: Vec<_> = targets
                     .iter_mut()
-                    .map(|t| move |off: usize, piece: &[u8]| t.put(off, piece))
+                    .map(|t| t.as_mut().map(|t| move |off: usize, piece: &[u8]| t.put(off, piece)))
                     .collect();
                 let mut recvs: Vec<RecvOp<'_>> = step
                     .recvs
                     .iter()
                     .zip(sinks.iter_mut())
-                    .map(|(r, s)| RecvOp { peer: r.peer, len: r.range.len() * 4, sink: s })
+                    .map(|(r, s)| {
+                        let sink = match s {
+                            Some(f) => Sink::Fn(f),
+                            None => {
+                                let (p, n) = mem.at(&r.range);
+                                // SAFETY: the range lies inside the array (Mem::at) and is
+                                // disjoint from every other receive and every send of this
+                                // step (EXEC-1), so this is the only live view of it.
+                                Sink::Copy(unsafe {
+                                    std::slice::from_raw_parts_mut(p as *mut u8, n * 4)
+                                })
+                            }
+                        };
+                        RecvOp { peer: r.peer, len: r.range.len() * 4, sink }
+                    })
                     .collect();
                 let t = Tag { step: i as u32, ..tag };
                 links.exchange(t, &sends, &mut recvs, deadline, cancel)?;
@@ -200,8 +225,8 @@ mod tests {
             let bytes: &[u8] = bytemuck::cast_slice(&self.0);
             for r in recvs.iter_mut() {
                 let half = (r.len / 8) * 4;
-                (r.sink)(0, &bytes[..half]);
-                (r.sink)(half, &bytes[half..r.len]);
+                r.sink.put(0, &bytes[..half]);
+                r.sink.put(half, &bytes[half..r.len]);
             }
             Ok(())
         }
@@ -211,7 +236,7 @@ mod tests {
 
     fn step(send: std::ops::Range<usize>, recv: std::ops::Range<usize>, action: Action) -> Step {
         Step {
-            sends: vec![SendStep { peer: 1, range: send }],
+            sends: vec![SendStep { peer: 1, range: send, action }],
             recvs: vec![RecvStep { peer: 1, range: recv, action }],
             local: Vec::new(),
         }

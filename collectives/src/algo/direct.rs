@@ -29,7 +29,10 @@ pub fn direct_all_reduce(rank: usize, world: usize, count: usize) -> Schedule {
     let peers = (0..world).filter(|&p| p != rank);
     let base = count;
     s.push(Step {
-        sends: peers.clone().map(|p| SendStep { peer: p, range: 0..count }).collect(),
+        sends: peers
+            .clone()
+            .map(|p| SendStep { peer: p, range: 0..count, action: Action::Copy })
+            .collect(),
         recvs: peers
             .map(|p| RecvStep {
                 peer: p,
@@ -52,7 +55,10 @@ pub fn direct_reduce_scatter(rank: usize, world: usize, n: usize) -> Schedule {
     }
     let peers = (0..world).filter(|&p| p != rank);
     s.push(Step {
-        sends: peers.clone().map(|p| SendStep { peer: p, range: p * n..(p + 1) * n }).collect(),
+        sends: peers
+            .clone()
+            .map(|p| SendStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
+            .collect(),
         recvs: peers
             .map(|p| RecvStep {
                 peer: p,
@@ -75,7 +81,7 @@ pub fn direct_all_gather(rank: usize, world: usize, n: usize) -> Schedule {
     s.push(Step {
         sends: peers
             .clone()
-            .map(|p| SendStep { peer: p, range: rank * n..(rank + 1) * n })
+            .map(|p| SendStep { peer: p, range: rank * n..(rank + 1) * n, action: Action::Copy })
             .collect(),
         recvs: peers
             .map(|p| RecvStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
@@ -95,7 +101,7 @@ pub fn direct_broadcast(rank: usize, world: usize, root: usize, count: usize) ->
     if rank == root {
         step.sends = (0..world)
             .filter(|&p| p != root)
-            .map(|p| SendStep { peer: p, range: 0..count })
+            .map(|p| SendStep { peer: p, range: 0..count, action: Action::Copy })
             .collect();
     } else {
         step.recvs.push(RecvStep { peer: root, range: 0..count, action: Action::Copy });

@@ -92,6 +92,9 @@ pub struct SendStep {
     pub peer: usize,
     /// Elements sent (virtual array).
     pub range: Range<usize>,
+    /// What the receiver does with them (its matching [`RecvStep::action`]; ALGO-1). A
+    /// transport may move a copied message differently from a reduced one.
+    pub action: Action,
 }
 
 /// One incoming message.

@@ -30,7 +30,11 @@ pub(crate) fn rs_steps(s: &mut Schedule, ring: &[usize], pos: usize, chunks: &[R
         let send = (pos + 2 * m - step - 1) % m;
         let recv = (pos + 2 * m - step - 2) % m;
         s.push(Step {
-            sends: vec![SendStep { peer: right, range: chunks[send].clone() }],
+            sends: vec![SendStep {
+                peer: right,
+                range: chunks[send].clone(),
+                action: Action::Reduce,
+            }],
             recvs: vec![RecvStep {
                 peer: left,
                 range: chunks[recv].clone(),
@@ -51,7 +55,11 @@ pub(crate) fn ag_steps(s: &mut Schedule, ring: &[usize], pos: usize, chunks: &[R
         let send = (pos + m - step) % m;
         let recv = (pos + 2 * m - step - 1) % m;
         s.push(Step {
-            sends: vec![SendStep { peer: right, range: chunks[send].clone() }],
+            sends: vec![SendStep {
+                peer: right,
+                range: chunks[send].clone(),
+                action: Action::Copy,
+            }],
             recvs: vec![RecvStep { peer: left, range: chunks[recv].clone(), action: Action::Copy }],
             local: Vec::new(),
         });
@@ -109,7 +117,11 @@ pub fn chain_broadcast(
     for t in 0..k + world - 2 {
         let mut step = Step::default();
         if pos + 1 < world && t >= pos && t - pos < k {
-            step.sends.push(SendStep { peer: next, range: chunks[t - pos].clone() });
+            step.sends.push(SendStep {
+                peer: next,
+                range: chunks[t - pos].clone(),
+                action: Action::Copy,
+            });
         }
         if pos >= 1 && t + 1 >= pos && t + 1 - pos < k {
             step.recvs.push(RecvStep {

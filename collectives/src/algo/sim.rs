@@ -43,6 +43,12 @@ pub(crate) fn simulate(
                 if snd.range.len() != rv.range.len() {
                     return Err(format!("step {i}: length mismatch {p}->{r}"));
                 }
+                if snd.action != rv.action {
+                    return Err(format!(
+                        "step {i}: {p}->{r} sent for {:?}, received for {:?}",
+                        snd.action, rv.action
+                    ));
+                }
                 let src = &before[p][snd.range.clone()];
                 let dst = &mut mem[r][rv.range.clone()];
                 match rv.action {

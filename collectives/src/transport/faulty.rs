@@ -20,7 +20,7 @@
 //!   to no other pair.
 //! - FAULTY-4: with no fault on a link, the wrapper delivers exactly the bytes sent.
 
-use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
+use super::{LaneLinks, Poison, RecvOp, SendOp, Sink, Tag, Transport, TransportError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -328,8 +328,11 @@ impl LaneLinks for FaultyLinks {
                 f
             })
             .collect();
-        let wrapped: Vec<SendOp<'_>> =
-            sends.iter().zip(&frames).map(|(s, f)| SendOp { peer: s.peer, data: f }).collect();
+        let wrapped: Vec<SendOp<'_>> = sends
+            .iter()
+            .zip(&frames)
+            .map(|(s, f)| SendOp { peer: s.peer, data: f, copied: false })
+            .collect();
         // Receive into 4-byte-aligned words so that the caller's sink sees aligned pieces (TR-2).
         let mut bufs: Vec<Vec<u32>> = recvs.iter().map(|r| vec![0u32; r.len / 4 + 1]).collect();
         {
@@ -347,7 +350,7 @@ impl LaneLinks for FaultyLinks {
             let mut inner_recvs: Vec<RecvOp<'_>> = recvs
                 .iter()
                 .zip(sinks.iter_mut())
-                .map(|(r, s)| RecvOp { peer: r.peer, len: r.len + 4, sink: &mut **s })
+                .map(|(r, s)| RecvOp { peer: r.peer, len: r.len + 4, sink: Sink::Fn(&mut **s) })
                 .collect();
             self.inner.exchange(tag, &wrapped, &mut inner_recvs, deadline, cancel)?;
         }
@@ -375,7 +378,7 @@ impl LaneLinks for FaultyLinks {
         for (r, b) in recvs.iter_mut().zip(&bufs) {
             let bytes: &[u8] = bytemuck::cast_slice(b.as_slice());
             if r.len > 0 {
-                (r.sink)(0, &bytes[..r.len]);
+                r.sink.put(0, &bytes[..r.len]);
             }
         }
         Ok(())
@@ -424,13 +427,19 @@ mod tests {
         let (r0, r1) = std::thread::scope(|s| {
             let c = &cancel;
             let h = s.spawn(move || {
-                l0[0].exchange(tag, &[SendOp { peer: 1, data: msg }], &mut [], deadline, c)
+                l0[0].exchange(
+                    tag,
+                    &[SendOp { peer: 1, data: msg, copied: false }],
+                    &mut [],
+                    deadline,
+                    c,
+                )
             });
             let mut sink = |off: usize, p: &[u8]| got[off..off + p.len()].copy_from_slice(p);
             let r1 = l1[0].exchange(
                 tag,
                 &[],
-                &mut [RecvOp { peer: 0, len: msg.len(), sink: &mut sink }],
+                &mut [RecvOp { peer: 0, len: msg.len(), sink: Sink::Fn(&mut sink) }],
                 deadline,
                 c,
             );
@@ -501,7 +510,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(20);
         let r = l[0].exchange(
             Tag::default(),
-            &[SendOp { peer: 1, data: &[0; 4] }],
+            &[SendOp { peer: 1, data: &[0; 4], copied: false }],
             &mut [],
             deadline,
             &AtomicBool::new(false),

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::shm::ShmTransport;
 use super::tcp::{TcpOptions, TcpTransport};
-use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
+use super::{LaneLinks, Poison, RecvOp, SendOp, Sink, Tag, Transport, TransportError};
 use crate::store::Store;
 use crate::topology::Topology;
 
@@ -222,6 +222,10 @@ fn no_part(peer: usize) -> TransportError {
     TransportError::Setup(format!("no link to rank {peer}"))
 }
 
+/// One receive from another node in a mixed step: (peer, len, its destination when it is
+/// a plain copy, else a staging buffer).
+type InterPart<'a> = (usize, usize, Option<&'a mut [u8]>, Vec<u32>);
+
 impl LaneLinks for HybridLinks {
     fn exchange(
         &mut self,
@@ -236,8 +240,12 @@ impl LaneLinks for HybridLinks {
         let mut inter_sends = Vec::new();
         for s in sends {
             match route(s.peer)? {
-                Route::Intra(i) => intra_sends.push(SendOp { peer: i, data: s.data }),
-                Route::Inter => inter_sends.push(SendOp { peer: s.peer, data: s.data }),
+                Route::Intra(i) => {
+                    intra_sends.push(SendOp { peer: i, data: s.data, copied: s.copied })
+                }
+                Route::Inter => {
+                    inter_sends.push(SendOp { peer: s.peer, data: s.data, copied: s.copied })
+                }
             }
         }
         let mut intra_recvs = Vec::new();
@@ -245,7 +253,7 @@ impl LaneLinks for HybridLinks {
         for r in recvs.iter_mut() {
             match route(r.peer)? {
                 Route::Intra(i) => {
-                    intra_recvs.push(RecvOp { peer: i, len: r.len, sink: &mut *r.sink })
+                    intra_recvs.push(RecvOp { peer: i, len: r.len, sink: r.sink.reborrow() })
                 }
                 Route::Inter => inter_recvs.push(r),
             }
@@ -271,7 +279,7 @@ impl LaneLinks for HybridLinks {
             let links = self.inter.as_mut().ok_or_else(|| no_part(first_remote))?;
             let mut rs: Vec<RecvOp<'_>> = inter_recvs
                 .into_iter()
-                .map(|r| RecvOp { peer: r.peer, len: r.len, sink: &mut *r.sink })
+                .map(|r| RecvOp { peer: r.peer, len: r.len, sink: r.sink.reborrow() })
                 .collect();
             return links.exchange(tag, &inter_sends, &mut rs, deadline, cancel);
         }
@@ -279,8 +287,19 @@ impl LaneLinks for HybridLinks {
         // (the caller's sinks need not be Send); the intra part runs here with the real sinks.
         let intra = self.intra.as_mut().ok_or_else(|| no_part(node_ranks[0]))?;
         let inter = self.inter.as_mut().ok_or_else(|| no_part(first_remote))?;
-        let mut staging: Vec<(usize, usize, Vec<u32>)> =
-            inter_recvs.iter().map(|r| (r.peer, r.len, vec![0u32; r.len.div_ceil(4)])).collect();
+        // Copy receives from other nodes land in their destination straight from the inter
+        // transport (TR-6); reductions are staged here and handed to their sinks at the end.
+        let mut inter_parts: Vec<InterPart<'_>> = Vec::new();
+        let mut staged_sinks = Vec::new();
+        for r in inter_recvs {
+            match std::mem::replace(&mut r.sink, Sink::Copy(&mut [])) {
+                Sink::Copy(dst) => inter_parts.push((r.peer, r.len, Some(dst), Vec::new())),
+                Sink::Fn(f) => {
+                    inter_parts.push((r.peer, r.len, None, vec![0u32; r.len.div_ceil(4)]));
+                    staged_sinks.push(f);
+                }
+            }
+        }
         let stop = AtomicBool::new(false);
         let finished = AtomicBool::new(false);
         let (intra_res, inter_res) = std::thread::scope(|s| {
@@ -294,26 +313,21 @@ impl LaneLinks for HybridLinks {
                     std::thread::park_timeout(CANCEL_POLL);
                 }
             });
-            let staging = &mut staging;
+            let inter_parts = &mut inter_parts;
             let inter_sends = &inter_sends;
             let remote = s.spawn(move || {
-                let mut sinks: Vec<_> = staging
+                let mut rs: Vec<RecvOp<'_>> = inter_parts
                     .iter_mut()
-                    .map(|(peer, len, buf)| {
-                        let sink = move |off: usize, piece: &[u8]| {
-                            let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf.as_mut_slice());
-                            // TR-2 keeps pieces inside the message; one outside is dropped
-                            // rather than written out of bounds.
-                            if let Some(dst) = bytes.get_mut(off..off + piece.len()) {
-                                dst.copy_from_slice(piece);
-                            }
+                    .map(|(peer, len, dst, buf)| {
+                        let sink = match dst {
+                            Some(d) => Sink::Copy(d),
+                            None => Sink::Copy(
+                                &mut bytemuck::cast_slice_mut::<u32, u8>(buf.as_mut_slice())
+                                    [..*len],
+                            ),
                         };
-                        (*peer, *len, sink)
+                        RecvOp { peer: *peer, len: *len, sink }
                     })
-                    .collect();
-                let mut rs: Vec<RecvOp<'_>> = sinks
-                    .iter_mut()
-                    .map(|(peer, len, sink)| RecvOp { peer: *peer, len: *len, sink })
                     .collect();
                 let r = inter.exchange(tag, inter_sends, &mut rs, deadline, stop);
                 if r.is_err() {
@@ -339,9 +353,10 @@ impl LaneLinks for HybridLinks {
             return Err(TransportError::Cancelled);
         }
         first_failure(intra_res, inter_res)?;
-        for (r, (_, len, buf)) in inter_recvs.into_iter().zip(&staging) {
+        let staged = inter_parts.iter().filter(|(_, _, dst, _)| dst.is_none());
+        for (f, (_, len, _, buf)) in staged_sinks.into_iter().zip(staged) {
             let bytes: &[u8] = bytemuck::cast_slice(buf.as_slice());
-            (r.sink)(0, &bytes[..*len]);
+            f(0, &bytes[..*len]);
         }
         Ok(())
     }

@@ -331,7 +331,7 @@ impl LocalLinks {
             // exchange holding `d.len` readable bytes at `d.ptr`, and cannot revoke them
             // before we release the lock. The sender's buffer is aligned for f32 (TR-2).
             let piece = unsafe { std::slice::from_raw_parts(d.ptr, d.len) };
-            (r.sink)(0, piece);
+            r.sink.put(0, piece);
         }
         *slot = None;
         mb.full.store(false, Ordering::Release);
@@ -479,6 +479,7 @@ impl LaneLinks for LocalLinks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::Sink;
 
     fn tag(step: u32) -> Tag {
         Tag { lane: 1, seq: 0, kind: 1, count: 2, root: u32::MAX, step }
@@ -495,21 +496,40 @@ mod tests {
         let h = std::thread::spawn(move || {
             let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
             let never = AtomicBool::new(false);
-            l1.exchange(tag(0), &[SendOp { peer: 0, data: &data }], &mut [], dl, &never).unwrap();
-            let r = l1.exchange(tag(1), &[SendOp { peer: 0, data: &data }], &mut [], dl, &never);
+            l1.exchange(
+                tag(0),
+                &[SendOp { peer: 0, data: &data, copied: false }],
+                &mut [],
+                dl,
+                &never,
+            )
+            .unwrap();
+            let r = l1.exchange(
+                tag(1),
+                &[SendOp { peer: 0, data: &data, copied: false }],
+                &mut [],
+                dl,
+                &never,
+            );
             (l1, r)
         });
         let mut got = Vec::new();
         let mut sink = |_off: usize, p: &[u8]| got.extend_from_slice(p);
         let never = AtomicBool::new(false);
-        l0.exchange(tag(0), &[], &mut [RecvOp { peer: 1, len: 8, sink: &mut sink }], dl, &never)
-            .unwrap();
+        l0.exchange(
+            tag(0),
+            &[],
+            &mut [RecvOp { peer: 1, len: 8, sink: Sink::Fn(&mut sink) }],
+            dl,
+            &never,
+        )
+        .unwrap();
         assert_eq!(got, vec![1, 2, 3, 4, 5, 6, 7, 8]);
         let mut sink2 = |_off: usize, _p: &[u8]| {};
         let e = l0.exchange(
             tag(2),
             &[],
-            &mut [RecvOp { peer: 1, len: 8, sink: &mut sink2 }],
+            &mut [RecvOp { peer: 1, len: 8, sink: Sink::Fn(&mut sink2) }],
             dl,
             &never,
         );
@@ -523,7 +543,7 @@ mod tests {
         let e = l1.exchange(
             tag(3),
             &[],
-            &mut [RecvOp { peer: 0, len: 0, sink: &mut sink3 }],
+            &mut [RecvOp { peer: 0, len: 0, sink: Sink::Fn(&mut sink3) }],
             dl,
             &never,
         );
@@ -547,7 +567,14 @@ mod tests {
             threads.push(std::thread::spawn(move || {
                 let data: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
                 let never = AtomicBool::new(false);
-                tx.exchange(tag(0), &[SendOp { peer: 0, data: &data }], &mut [], dl, &never).is_ok()
+                tx.exchange(
+                    tag(0),
+                    &[SendOp { peer: 0, data: &data, copied: false }],
+                    &mut [],
+                    dl,
+                    &never,
+                )
+                .is_ok()
             }));
             threads.push(std::thread::spawn(move || {
                 let mut got = Vec::with_capacity(bytes);
@@ -556,7 +583,7 @@ mod tests {
                 let r = rx.exchange(
                     tag(0),
                     &[],
-                    &mut [RecvOp { peer: 1, len: bytes, sink: &mut sink }],
+                    &mut [RecvOp { peer: 1, len: bytes, sink: Sink::Fn(&mut sink) }],
                     dl,
                     &never,
                 );

@@ -17,6 +17,8 @@
 //! - TR-4: a peer that exits, is killed, or drops its endpoint is reported as
 //!   `PeerLost { peer }` within the deadline, never as a hang.
 //! - TR-5: a send buffer may be reused as soon as `exchange` returns.
+//! - TR-6: a receive whose sink is [`Sink::Copy`] ends with exactly its `len` bytes in the
+//!   sink's buffer, whether the transport wrote them there itself or through [`Sink::put`].
 
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -87,10 +89,52 @@ pub struct SendOp<'a> {
     pub peer: usize,
     /// Payload; length is a multiple of 4.
     pub data: &'a [u8],
+    /// The receiver copies this message (its sink is [`Sink::Copy`]) rather than reducing
+    /// it: a hint that lets a transport hand over the data in place (TR-6).
+    pub copied: bool,
 }
 
-/// Consumer of received bytes: called with `(offset, piece)` (see TR-2).
-pub type Sink<'a> = &'a mut dyn FnMut(usize, &[u8]);
+/// Where the bytes of one receive go.
+pub enum Sink<'a> {
+    /// Copied to this buffer at their offset (its length is the receive's `len`). A
+    /// transport that can place bytes itself (a read from the peer's memory, a socket read)
+    /// writes them here directly instead of staging them (TR-6).
+    Copy(&'a mut [u8]),
+    /// Handed to the closure as `(offset, piece)` (see TR-2), to be copied or reduced.
+    Fn(&'a mut dyn FnMut(usize, &[u8])),
+}
+
+impl Sink<'_> {
+    /// Delivers one piece at `offset` (TR-2).
+    pub fn put(&mut self, offset: usize, piece: &[u8]) {
+        match self {
+            Sink::Copy(dst) => {
+                // A correct transport keeps pieces inside the receive (TR-2); a broken one
+                // must not write out of bounds, hence the checked index.
+                let end = offset + piece.len();
+                assert!(end <= dst.len(), "transport delivered a piece out of range");
+                dst[offset..end].copy_from_slice(piece);
+            }
+            Sink::Fn(f) => f(offset, piece),
+        }
+    }
+
+    /// The same sink, borrowed for a shorter time (to hand to an inner transport).
+    pub fn reborrow(&mut self) -> Sink<'_> {
+        match self {
+            Sink::Copy(dst) => Sink::Copy(dst),
+            Sink::Fn(f) => Sink::Fn(&mut **f),
+        }
+    }
+
+    /// The destination buffer, when the receive is a plain copy.
+    pub fn copy_target(&mut self) -> Option<&mut [u8]> {
+        match self {
+            Sink::Copy(dst) => Some(dst),
+            Sink::Fn(_) => None,
+        }
+    }
+}
 
 /// One message to receive in an exchange.
 pub struct RecvOp<'a> {

@@ -321,6 +321,7 @@ pub fn open_for_job(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::Sink;
     use crate::transport::{RecvOp, SendOp, Tag};
     use crate::MemStore;
     use std::sync::atomic::AtomicBool;
@@ -440,8 +441,8 @@ mod tests {
                     let tag = Tag { lane: 1, seq: 0, kind: 0, count: 16, root: u32::MAX, step: 0 };
                     links.exchange(
                         tag,
-                        &[SendOp { peer: 1 - rank, data: &data }],
-                        &mut [RecvOp { peer: 1 - rank, len: 64, sink: &mut sink }],
+                        &[SendOp { peer: 1 - rank, data: &data, copied: false }],
+                        &mut [RecvOp { peer: 1 - rank, len: 64, sink: Sink::Fn(&mut sink) }],
                         deadline,
                         &AtomicBool::new(false),
                     )?;

@@ -24,13 +24,16 @@
 //! - SHM-3: a waiting rank checks, every [`LIVENESS_PERIOD`], the closed flags of the peers it
 //!   waits on and whether their processes are alive, and reports `PeerLost` — but only once no
 //!   data that the peer published before leaving remains to be read.
-//! - SHM-4: a message of at least `cma_min` bytes to a receiver that proved it can read the
-//!   sender's memory (cross-memory attach, `process_vm_readv`, probed on open) travels as a
-//!   descriptor (address and length) in one slot: the receiver copies straight from the
-//!   sender's buffer into a cache-sized scratch and hands it to the sink, then releases the
-//!   slot. The sender's exchange completes only once that slot is released, so the buffer
-//!   is never read after `exchange` returns (TR-5). Smaller messages, or receivers without
-//!   the permission, go inline through the slots.
+//! - SHM-4: a message to a receiver that proved it can read the sender's memory
+//!   (cross-memory attach, `process_vm_readv`, probed on open) travels as a descriptor
+//!   (address and length) in one slot when it is at least `cma_copy_min` bytes and the
+//!   receiver copies it ([`SendOp::copied`]), or at least `cma_min` bytes whatever the
+//!   receiver does with it. A receiver whose sink is [`Sink::Copy`](super::Sink::Copy) reads straight from the
+//!   sender's buffer into its destination: one copy instead of two (TR-6); any other sink
+//!   gets the bytes through a cache-sized scratch. It then releases the slot. The sender's
+//!   exchange completes only once that slot is released, so the buffer is never read after
+//!   `exchange` returns (TR-5). Smaller messages, or receivers without the permission, go
+//!   inline through the slots.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -56,11 +59,19 @@ pub const LIVENESS_PERIOD: Duration = Duration::from_millis(2);
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// How long it yields before it starts sleeping.
 const YIELD: Duration = Duration::from_micros(300);
-/// Default smallest message sent by descriptor (SHM-4); env `SHARDLINE_SHM_CMA_MIN_BYTES`.
-/// 0 (the default) disables the descriptor path: measured on 2 cores, streaming through
-/// the slots, where the sender's copy overlaps the receiver's reduction, was as fast or
-/// faster than the receiver copying everything alone.
+/// Default smallest message sent by descriptor whatever the receiver does with it (SHM-4);
+/// env `SHARDLINE_SHM_CMA_MIN_BYTES`. 0 (the default) keeps reduced messages inline:
+/// measured on 2 cores, streaming them through the slots, where the sender's copy overlaps
+/// the receiver's reduction, was as fast or faster than the receiver reading everything
+/// alone.
 pub const DEFAULT_CMA_MIN_BYTES: usize = 0;
+/// Default smallest copied message sent by descriptor (SHM-4); env
+/// `SHARDLINE_SHM_CMA_COPY_MIN_BYTES`, 0 disables. The receiver then reads the sender's
+/// buffer straight into its destination, one copy instead of the two of the slot ring.
+pub const DEFAULT_CMA_COPY_MIN_BYTES: usize = 256 << 10;
+/// Bytes a receiver copies per `process_vm_readv` straight into its destination (bounded so
+/// that a lost sender is noticed between two reads).
+const CMA_DIRECT_CHUNK_BYTES: usize = 8 << 20;
 /// Bytes a receiver copies per `process_vm_readv` (kept cache-sized: the sink reads them
 /// right after).
 const CMA_CHUNK_BYTES: usize = 256 << 10;
@@ -316,6 +327,7 @@ pub struct ShmTransport {
     slot_bytes: usize,
     spin: Duration,
     cma_min: usize,
+    cma_copy_min: usize,
 }
 
 impl ShmTransport {
@@ -352,6 +364,7 @@ impl ShmTransport {
                 DEFAULT_SPIN.as_micros() as usize,
             ) as u64),
             cma_min: env_usize("SHARDLINE_SHM_CMA_MIN_BYTES", DEFAULT_CMA_MIN_BYTES),
+            cma_copy_min: env_usize("SHARDLINE_SHM_CMA_COPY_MIN_BYTES", DEFAULT_CMA_COPY_MIN_BYTES),
         })
     }
 
@@ -359,6 +372,14 @@ impl ShmTransport {
     /// lanes opened afterwards. Default [`DEFAULT_CMA_MIN_BYTES`].
     pub fn set_cma_min_bytes(&mut self, bytes: usize) -> &mut Self {
         self.cma_min = bytes;
+        self
+    }
+
+    /// Smallest copied message sent by descriptor (SHM-4); 0 sends copied messages inline
+    /// (unless `cma_min` says otherwise). Applies to lanes opened afterwards. Default
+    /// [`DEFAULT_CMA_COPY_MIN_BYTES`].
+    pub fn set_cma_copy_min_bytes(&mut self, bytes: usize) -> &mut Self {
+        self.cma_copy_min = bytes;
         self
     }
 
@@ -455,7 +476,7 @@ impl Transport for ShmTransport {
             // SHM-4: tell the sender whether this rank may read its memory.
             let probe = inn.u64_at(OFF_PROBE_ADDR).load(Ordering::Relaxed);
             let mut word = [0u8; 8];
-            if self.cma_min > 0
+            if (self.cma_min > 0 || self.cma_copy_min > 0)
                 && cma_read(pid, probe, &mut word).ok() == Some(8)
                 && u64::from_le_bytes(word) == PROBE_WORD
             {
@@ -468,6 +489,7 @@ impl Transport for ShmTransport {
             peers,
             spin: self.spin,
             cma_min: if self.cma_min == 0 { usize::MAX } else { self.cma_min },
+            cma_copy_min: if self.cma_copy_min == 0 { usize::MAX } else { self.cma_copy_min },
             scratch: vec![0u32; CMA_CHUNK_BYTES / 4],
         }))
     }
@@ -494,6 +516,8 @@ struct ShmLinks {
     spin: Duration,
     /// Smallest message sent by descriptor (usize::MAX: never).
     cma_min: usize,
+    /// Smallest copied message sent by descriptor (usize::MAX: never).
+    cma_copy_min: usize,
     /// Where descriptor messages are copied before the sink sees them; u32-backed so that
     /// pieces are 4-byte aligned (TR-2).
     scratch: Vec<u32>,
@@ -527,7 +551,15 @@ impl ShmLinks {
     }
 
     /// Pushes as much of `data` as the ring takes; returns whether anything moved.
-    fn push(peer: &mut Peer, tag: &Tag, data: &[u8], st: &mut Progress, cma_min: usize) -> bool {
+    /// `by_descriptor`: the message is big enough to go by descriptor (SHM-4) if the
+    /// receiver may read this process's memory.
+    fn push(
+        peer: &mut Peer,
+        tag: &Tag,
+        data: &[u8],
+        st: &mut Progress,
+        by_descriptor: bool,
+    ) -> bool {
         let seg = &peer.out;
         let mut moved = false;
         if st.ack_at != 0 {
@@ -542,7 +574,7 @@ impl ShmLinks {
             }
             let slot = (peer.out_head % seg.slots as u64) as usize;
             if st.done_bytes == 0
-                && data.len() >= cma_min
+                && by_descriptor
                 && seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) != 0
             {
                 let mut h = [0u8; SLOT_HEADER_BYTES];
@@ -672,7 +704,7 @@ impl ShmLinks {
                 // the sender does not touch until we publish the new tail (SHM-1); the
                 // payload is page aligned, so the piece is 4-byte aligned (TR-2).
                 let piece = unsafe { std::slice::from_raw_parts(seg.payload_ptr(slot), n) };
-                (op.sink)(offset, piece);
+                op.sink.put(offset, piece);
             }
             peer.in_tail += 1;
             seg.tail().store(peer.in_tail, Ordering::Release);
@@ -691,11 +723,8 @@ impl ShmLinks {
         op: &mut RecvOp<'_>,
         scratch: &mut [u32],
     ) -> Result<(), TransportError> {
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
-        let mut done = 0;
-        while done < op.len {
-            let n = (op.len - done).min(bytes.len());
-            let got = cma_read(pid, addr + done as u64, &mut bytes[..n]).map_err(|e| {
+        let read = |at: usize, into: &mut [u8]| {
+            let got = cma_read(pid, addr + at as u64, into).map_err(|e| {
                 if e.raw_os_error() == Some(libc::ESRCH) {
                     TransportError::PeerLost { peer: peer_rank, detail: "process is gone".into() }
                 } else {
@@ -703,13 +732,31 @@ impl ShmLinks {
                 }
             })?;
             // A short read means the range is not (or no longer) mapped in the sender.
-            if got != n {
+            if got != into.len() {
                 return Err(TransportError::Corrupt {
                     peer: peer_rank,
-                    detail: format!("descriptor range unreadable at byte {}", done + got),
+                    detail: format!("descriptor range unreadable at byte {}", at + got),
                 });
             }
-            (op.sink)(done, &bytes[..n]);
+            Ok(())
+        };
+        let len = op.len;
+        if let Some(dst) = op.sink.copy_target() {
+            // TR-6: straight into the destination, one copy.
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(CMA_DIRECT_CHUNK_BYTES);
+                read(done, &mut dst[done..done + n])?;
+                done += n;
+            }
+            return Ok(());
+        }
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(bytes.len());
+            read(done, &mut bytes[..n])?;
+            op.sink.put(done, &bytes[..n]);
             done += n;
         }
         Ok(())
@@ -783,7 +830,9 @@ impl LaneLinks for ShmLinks {
                 }
                 busy[op.peer] = true;
                 let peer = self.peers[op.peer].as_mut().ok_or_else(|| setup("no link"))?;
-                moved |= Self::push(peer, &tag, op.data, st, self.cma_min);
+                let min =
+                    if op.copied { self.cma_copy_min.min(self.cma_min) } else { self.cma_min };
+                moved |= Self::push(peer, &tag, op.data, st, op.data.len() >= min);
                 pending |= !st.done;
             }
             busy.iter_mut().for_each(|b| *b = false);
@@ -873,6 +922,7 @@ pub(crate) mod suite {
 
     use super::*;
     use crate::store::MemStore;
+    use crate::transport::Sink;
     use std::sync::mpsc;
 
     pub(crate) const T: Duration = Duration::from_secs(20);
@@ -927,7 +977,7 @@ pub(crate) mod suite {
                 let data: Vec<Vec<u8>> = (0..world).map(|_| payload(rank, step, len)).collect();
                 let sends: Vec<SendOp<'_>> = (0..world)
                     .filter(|&p| p != rank)
-                    .map(|p| SendOp { peer: p, data: &data[p] })
+                    .map(|p| SendOp { peer: p, data: &data[p], copied: false })
                     .collect();
                 let mut got: Vec<Vec<u8>> = vec![Vec::new(); world];
                 let bad_piece = std::cell::Cell::new(false);
@@ -953,7 +1003,7 @@ pub(crate) mod suite {
                         .iter_mut()
                         .enumerate()
                         .filter(|(p, _)| *p != rank)
-                        .map(|(p, s)| RecvOp { peer: p, len, sink: s })
+                        .map(|(p, s)| RecvOp { peer: p, len, sink: Sink::Fn(s) })
                         .collect();
                     links
                         .exchange(
@@ -969,6 +1019,40 @@ pub(crate) mod suite {
                 for (p, g) in got.iter().enumerate() {
                     if p != rank {
                         assert!(*g == payload(p, step, len), "rank {rank} from {p}, len {len}");
+                    }
+                }
+            }
+            // TR-6: copied messages into copy sinks (a transport may place them itself).
+            for (i, &len) in sizes.iter().enumerate() {
+                let step = sizes.len() + i;
+                let data: Vec<Vec<u8>> = (0..world).map(|_| payload(rank, step, len)).collect();
+                let sends: Vec<SendOp<'_>> = (0..world)
+                    .filter(|&p| p != rank)
+                    .map(|p| SendOp { peer: p, data: &data[p], copied: true })
+                    .collect();
+                let mut got: Vec<Vec<u8>> = vec![vec![0xAA; len]; world];
+                let mut recvs: Vec<RecvOp<'_>> = got
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(p, _)| *p != rank)
+                    .map(|(p, g)| RecvOp { peer: p, len, sink: Sink::Copy(g) })
+                    .collect();
+                links
+                    .exchange(
+                        tag(step as u32),
+                        &sends,
+                        &mut recvs,
+                        Instant::now() + T,
+                        &AtomicBool::new(false),
+                    )
+                    .unwrap();
+                drop(recvs);
+                for (p, g) in got.iter().enumerate() {
+                    if p != rank {
+                        assert!(
+                            *g == payload(p, step, len),
+                            "copy: rank {rank} from {p}, len {len}"
+                        );
                     }
                 }
             }
@@ -988,9 +1072,11 @@ pub(crate) mod suite {
         let mut got = Vec::new();
         let mut sink = |_: usize, p: &[u8]| got.extend_from_slice(p);
         let sends: Vec<SendOp<'_>> =
-            to.map(|(peer, data)| SendOp { peer, data }).into_iter().collect();
-        let mut recvs: Vec<RecvOp<'_>> =
-            from.map(|(peer, len)| RecvOp { peer, len, sink: &mut sink }).into_iter().collect();
+            to.map(|(peer, data)| SendOp { peer, data, copied: false }).into_iter().collect();
+        let mut recvs: Vec<RecvOp<'_>> = from
+            .map(|(peer, len)| RecvOp { peer, len, sink: Sink::Fn(&mut sink) })
+            .into_iter()
+            .collect();
         links.exchange(t, &sends, &mut recvs, Instant::now() + deadline, cancel)?;
         drop(recvs);
         Ok(got)
@@ -1004,8 +1090,9 @@ pub(crate) mod suite {
                 let mut sum = 0u64;
                 let mut go = || {
                     let mut sink = |_: usize, p: &[u8]| sum += p.len() as u64;
-                    let sends = [SendOp { peer: 1 - rank, data: &data }];
-                    let mut recvs = [RecvOp { peer: 1 - rank, len: bytes, sink: &mut sink }];
+                    let sends = [SendOp { peer: 1 - rank, data: &data, copied: false }];
+                    let mut recvs =
+                        [RecvOp { peer: 1 - rank, len: bytes, sink: Sink::Fn(&mut sink) }];
                     links
                         .exchange(
                             tag(0),

@@ -830,7 +830,7 @@ impl TcpLinks {
                         let whole = have & !3;
                         let start = off + st.got - c;
                         if whole > 0 {
-                            (op.sink)(start, &bytes[..whole]);
+                            op.sink.put(start, &bytes[..whole]);
                         }
                         st.carry_len = have - whole;
                         st.carry[..st.carry_len].copy_from_slice(&bytes[whole..have]);

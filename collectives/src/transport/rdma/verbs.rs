@@ -659,7 +659,7 @@ impl RdmaLinks {
                         d.range.len(),
                     )
                 };
-                (recvs[idx].sink)(d.offset, piece);
+                recvs[idx].sink.put(d.offset, piece);
             }
             if d.done {
                 pending.pop_front();
