@@ -816,7 +816,20 @@ impl TcpLinks {
                 st.got = 0;
             }
             let (off, n) = chunk_range(op.len, st.chunk);
-            if st.got < n {
+            if st.got < n && op.sink.copy_target().is_some() {
+                // TR-6: a plain copy is read from the socket straight into its destination.
+                let dst = op.sink.copy_target().expect("checked above");
+                let room = &mut dst[off + st.got..off + n];
+                match recv_some(fd, room, 0).map_err(|e| link_err(peer, e))? {
+                    None => return Ok(moved),
+                    Some(0) => return Err(lost_eof(peer)),
+                    Some(k) => {
+                        moved = true;
+                        st.got += k;
+                        budget = budget.saturating_sub(k);
+                    }
+                }
+            } else if st.got < n {
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
                 let c = st.carry_len;
                 bytes[..c].copy_from_slice(&st.carry[..c]);
