@@ -41,21 +41,43 @@ fn add_pass(a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
     (a.len() * 12) as f64 / t.elapsed().as_secs_f64()
 }
 
+/// Last-level cache size in bytes from sysfs (0 when unknown).
+fn llc_bytes() -> usize {
+    let mut best = 0;
+    for i in 0..8 {
+        let base = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+        let Ok(size) = std::fs::read_to_string(format!("{base}/size")) else { break };
+        let size = size.trim();
+        let (num, mult) = match size.strip_suffix('K') {
+            Some(n) => (n, 1 << 10),
+            None => match size.strip_suffix('M') {
+                Some(n) => (n, 1 << 20),
+                None => (size, 1),
+            },
+        };
+        best = best.max(num.parse::<usize>().unwrap_or(0) * mult);
+    }
+    best
+}
+
+/// Each of `threads` threads runs `passes` passes over its own buffers of `elems` f32s. The
+/// threads rotate through enough buffer sets that all of them together hold more than twice
+/// the last-level cache, so that every pass reads and writes memory, not cache (a machine
+/// with a large shared cache would otherwise report cache bandwidth as its limit).
 fn run_threads(threads: usize, elems: usize, passes: usize, add: bool) -> f64 {
+    let set_bytes = elems * 4 * 3;
+    let sets = (2 * llc_bytes()).div_ceil(set_bytes * threads).clamp(1, 8);
     let results: Vec<f64> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(move || {
-                    let a = vec![1.0f32; elems];
-                    let b = vec![2.0f32; elems];
-                    let mut c = vec![0.0f32; elems];
+                    let mut bufs: Vec<[Vec<f32>; 3]> = (0..sets)
+                        .map(|_| [vec![1.0f32; elems], vec![2.0f32; elems], vec![0.0f32; elems]])
+                        .collect();
                     let mut rates = Vec::with_capacity(passes);
-                    for _ in 0..passes {
-                        rates.push(if add {
-                            add_pass(&a, &b, &mut c)
-                        } else {
-                            memcpy_pass(&a, &mut c)
-                        });
+                    for p in 0..passes {
+                        let [a, b, c] = &mut bufs[p % sets];
+                        rates.push(if add { add_pass(a, b, c) } else { memcpy_pass(a, c) });
                     }
                     median(rates)
                 })
@@ -66,11 +88,12 @@ fn run_threads(threads: usize, elems: usize, passes: usize, add: bool) -> f64 {
     results.iter().sum::<f64>() / 1e9
 }
 
-/// Measures memcpy and a+b->c bandwidth with buffers far larger than cache (64 MiB each).
+/// Measures memcpy and a+b->c bandwidth with buffers far larger than cache (64 MiB each,
+/// rotated through more than twice the last-level cache; see `run_threads`).
 pub fn measure_mem() -> MemLimits {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let elems = 16 << 20; // 64 MiB of f32 per buffer
-    let passes = 5;
+    let passes = 7;
     MemLimits {
         memcpy_1t_gbps: run_threads(1, elems, passes, false),
         memcpy_all_gbps: run_threads(threads, elems, passes, false),
