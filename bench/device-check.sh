@@ -4,7 +4,9 @@
 #   2. runs the CUDA-vs-CPU kernel tests and the NCCL world-1 tests (they print
 #      "skipped: <reason>" where no GPU is found, so the log says which ran),
 #   3. reports cuBLAS sgemm TFLOP/s (the gemm_throughput_is_reported test),
-#   4. times 100 mlp-bn steps at world 1 on the CPU backend and tries `--device cuda`.
+#   4. trains mlp-bn for 100 steps at world 1 on the CPU backend and on the GPU
+#      (`--device cuda`: cuBLAS and NVRTC kernels, host-resident shards), and checks that
+#      a short GPU run follows the CPU run (runtime test `device`).
 # Cargo needs the crates: on a host without network access, run it with the registry
 # (~/.cargo) or a `cargo vendor` directory in place and SHARDLINE_OFFLINE=1.
 # Usage: bash bench/device-check.sh   (output: a log on stdout, summary at the end)
@@ -39,16 +41,17 @@ fi
 command -v cargo >/dev/null || { echo "cargo not found"; exit 2; }
 
 step "build (features cuda)" 240 cargo build "${offline[@]}" --release -p shardline-runtime --features cuda \
-    && step "build tests (features cuda)" 150 cargo test "${offline[@]}" --no-run -p shardline-models -p shardline-collectives --features cuda
+    && step "build tests (features cuda)" 150 cargo test "${offline[@]}" --no-run -p shardline-models -p shardline-collectives -p shardline-runtime --features cuda
 
 step "cuda kernel tests vs cpu" 90 cargo test "${offline[@]}" -p shardline-models --features cuda --lib cuda -- --nocapture --test-threads=1 2>&1 | tee /tmp/device-check-cuda.log
 grep -E "TFLOP/s|skipped:|test result" /tmp/device-check-cuda.log | sed 's/^/   /'
 step "nccl world-1 tests" 60 cargo test "${offline[@]}" -p shardline-collectives --features cuda --lib nccl -- --nocapture --test-threads=1
+step "cuda training follows cpu (runtime test)" 90 cargo test "${offline[@]}" -p shardline-runtime --features cuda --test device -- --nocapture
 
 bin=target/release/shardline
 if [ -x "$bin" ]; then
     step "mlp-bn 100 steps, world 1, cpu" 90 "$bin" train --device cpu --model mlp-bn --world 1 --steps 100 --no-progress
-    step "shardline train --device cuda" 30 "$bin" train --device cuda --model mlp-bn --world 1 --steps 100 --no-progress
+    step "mlp-bn 100 steps, world 1, cuda" 90 "$bin" train --device cuda --model mlp-bn --world 1 --steps 100 --no-progress
 fi
 
 echo "== summary ($(( $(date +%s) - start ))s)"

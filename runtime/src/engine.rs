@@ -45,8 +45,8 @@ use crate::shard::{ShardedModelLayout, Stage};
 use crate::telemetry::{Row, Trace};
 use shardline_collectives::{Communicator, Lane, ReduceOp, Work};
 use shardline_models::{
-    softmax_cross_entropy, CountingReducer, Cpu, Ctx, LaneReducer, Model, StatsReducer, Tensor,
-    UnitSaved,
+    softmax_cross_entropy, Backend, CountingReducer, Cpu, Ctx, LaneReducer, Model, StatsReducer,
+    Tensor, UnitSaved,
 };
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -82,8 +82,55 @@ pub struct EngineConfig {
     pub clip_grad_norm: Option<f64>,
     /// Parameter-init seed.
     pub seed: u64,
-    /// Threads per rank for compute kernels.
+    /// Threads per rank for compute kernels (CPU backend).
     pub threads: usize,
+    /// Where the kernels run.
+    pub device: Device,
+}
+
+/// Where a rank's kernels run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Device {
+    /// The CPU backend (`gemm`).
+    #[default]
+    Cpu,
+    /// The CUDA backend on this GPU ordinal (feature `cuda`): cuBLAS matrix multiplies and
+    /// NVRTC kernels, operands staged from the host buffers the engine keeps (the shards,
+    /// the optimizer and the collectives stay on the host).
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Opens the compute backend of `device`: a GPU that is absent (or a build without the
+/// `cuda` feature) is [`RuntimeError::DeviceUnavailable`], never a panic.
+pub fn open_backend(device: Device, threads: usize) -> Result<Box<dyn Backend>> {
+    match device {
+        Device::Cpu => {
+            Ok(Box::new(if threads > 1 { Cpu::with_threads(threads) } else { Cpu::new() }))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => shardline_models::cuda::Cuda::open(ordinal)
+            .map(|c| Box::new(c) as Box<dyn Backend>)
+            .map_err(|e| match e {
+                shardline_models::ModelError::DeviceUnavailable(what) => {
+                    RuntimeError::DeviceUnavailable(what)
+                }
+                other => RuntimeError::DeviceUnavailable(other.to_string()),
+            }),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(RuntimeError::DeviceUnavailable(
+            "this build has no CUDA backend (cargo build -p shardline-runtime --features cuda)"
+                .into(),
+        )),
+    }
 }
 
 /// Figures of one step on one rank.
@@ -244,7 +291,7 @@ pub struct RankEngine {
     reduce: Lane,
     /// Shared so that a step can hold it while the engine's other state changes.
     stats: Arc<LaneReducer>,
-    backend: Cpu,
+    backend: Box<dyn Backend>,
     mem: MemoryTracker,
     trace: Trace,
     /// Stage 0-2: full padded flat parameters per unit; stage 3: this rank's shard.
@@ -317,7 +364,7 @@ impl RankEngine {
             optim_state.push(vec![0.0; slen]);
             buffers.push(b);
         }
-        let backend = if cfg.threads > 1 { Cpu::with_threads(cfg.threads) } else { Cpu::new() };
+        let backend = open_backend(cfg.device, cfg.threads)?;
         Ok(RankEngine {
             rank,
             world,
@@ -562,7 +609,7 @@ impl RankEngine {
                 sync_bn: self.cfg.sync_bn,
                 reducer,
                 global_batch,
-                backend: &self.backend,
+                backend: &*self.backend,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
@@ -620,7 +667,7 @@ impl RankEngine {
                 sync_bn: self.cfg.sync_bn,
                 reducer,
                 global_batch,
-                backend: &self.backend,
+                backend: &*self.backend,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
@@ -931,7 +978,7 @@ impl RankEngine {
                 sync_bn: false,
                 reducer: None,
                 global_batch: global_n.max(1),
-                backend: &self.backend,
+                backend: &*self.backend,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
@@ -1181,6 +1228,7 @@ mod tests {
                 clip_grad_norm: None,
                 seed: 1,
                 threads: 1,
+                device: Device::Cpu,
             };
             let mem = MemoryTracker::new(0, None);
             let mut e =

@@ -48,6 +48,10 @@ pub enum RuntimeError {
     /// A collective operation failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// The compute device asked for cannot be used here (no GPU, no driver, or a build
+    /// without the feature); the text names what is missing.
+    #[error("device unavailable: {0}")]
+    DeviceUnavailable(String),
     /// A model computation failed (shapes, BatchNorm on a single value, statistics reduction).
     #[error("model: {0}")]
     Model(String),

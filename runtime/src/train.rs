@@ -106,6 +106,9 @@ pub struct TrainConfig {
     pub wrap_params: usize,
     /// Compute threads per rank.
     pub threads: usize,
+    /// Where the kernels run (`--device`).
+    #[serde(default)]
+    pub device: crate::engine::Device,
     /// Collective timeout.
     pub timeout_s: u64,
     /// Artificial bandwidth of each link between ranks in bytes per second (local
@@ -170,6 +173,7 @@ impl Default for TrainConfig {
             params: 50_000_000,
             wrap_params: 0,
             threads: 1,
+            device: crate::engine::Device::Cpu,
             timeout_s: 60,
             link_rate: None,
         }
@@ -514,6 +518,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         clip_grad_norm: cfg.clip_grad_norm,
         seed: cfg.seed,
         threads: cfg.threads,
+        device: cfg.device,
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -546,6 +551,13 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         cfg.batch_size,
         p.total_steps
     );
+    if cfg.device != crate::engine::Device::Cpu {
+        println!(
+            "  device: {} (matrix multiplies and elementwise kernels on the GPU; shards, \
+             optimizer and collectives on the host)",
+            cfg.device
+        );
+    }
     for l in &p.stage_lines {
         println!("{l}");
     }

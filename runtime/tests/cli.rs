@@ -125,6 +125,17 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
     assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
 }
 
+/// Without the `cuda` feature, `--device cuda` is refused before anything starts.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_cuda_without_the_feature_exits_2() {
+    let o = run_small(&["--device", "cuda"]);
+    assert_eq!(o.code, Some(2), "stderr: {}", o.stderr);
+    assert!(o.stderr.contains("device unavailable"), "{}", o.stderr);
+    assert!(o.stderr.contains("--features cuda"), "{}", o.stderr);
+    assert!(!o.stderr.contains("panicked"), "{}", o.stderr);
+}
+
 #[test]
 fn device_memory_too_small_is_out_of_memory_naming_the_allocation() {
     let o = run_small(&["--device-memory", "16K", "--world", "2", "--stage", "3"]);
