@@ -638,7 +638,13 @@ impl Worker {
             }
             Body::AllGather { input, mut output, done } => {
                 let n = input.len();
-                let algo = self.resolve(job.algo, output.len() * 4);
+                let mut algo = self.resolve(job.algo, output.len() * 4);
+                if job.algo == Algorithm::Auto
+                    && algo == Algorithm::Ring
+                    && self.links.prefers_direct_gather()
+                {
+                    algo = Algorithm::Direct;
+                }
                 let sched = self.schedule((OpKind::AllGather, algo, n, 0), || match algo {
                     Algorithm::Direct => algo::direct_all_gather(rank, world, n),
                     Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),

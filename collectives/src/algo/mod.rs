@@ -33,7 +33,8 @@ use std::ops::Range;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Direct below the communicator's `small_bytes`, else Hierarchical on a multi-node
-    /// uniform topology, else Ring.
+    /// uniform topology, else Ring; an all-gather whose transport prefers it
+    /// (`LaneLinks::prefers_direct_gather`: shared memory) is Direct at every size.
     #[default]
     Auto,
     /// Bandwidth-optimal ring (reduce-scatter then all-gather); pipelined chain for broadcast.

@@ -261,6 +261,13 @@ pub trait LaneLinks: Send {
     /// pending and later exchanges fail with `Poisoned` instead of waiting. Never blocks
     /// for long.
     fn poison(&mut self, poison: &Poison);
+
+    /// Whether `Algorithm::Auto` should gather directly (every rank sends its shard to every
+    /// other in one step) rather than around a ring. Must depend only on the transport's
+    /// kind, never on this rank's state, so that every rank of a group decides alike.
+    fn prefers_direct_gather(&self) -> bool {
+        false
+    }
 }
 
 /// Splits a 4-byte-aligned byte slice into f32s (TR-2 makes this always valid for sinks).
