@@ -105,6 +105,33 @@ impl TransportKind {
     }
 }
 
+/// Algorithm to force (`--algo`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum AlgoArg {
+    /// The communicator's choice by size, topology and transport.
+    #[default]
+    Auto,
+    /// Pipelined ring (chain for broadcast).
+    Ring,
+    /// Every rank to every rank in one step.
+    Direct,
+    /// Intra-node, then inter-node, then intra-node (several nodes).
+    Hierarchical,
+}
+
+impl AlgoArg {
+    fn algorithm(self) -> shardline_collectives::Algorithm {
+        use shardline_collectives::Algorithm;
+        match self {
+            AlgoArg::Auto => Algorithm::Auto,
+            AlgoArg::Ring => Algorithm::Ring,
+            AlgoArg::Direct => Algorithm::Direct,
+            AlgoArg::Hierarchical => Algorithm::Hierarchical,
+        }
+    }
+}
+
 /// Options of `shardline-bench collectives`.
 #[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
 pub struct Args {
@@ -117,6 +144,11 @@ pub struct Args {
     /// Number of ranks (comma-separated list allowed: --world 2,4).
     #[arg(long, value_delimiter = ',', default_value = "2")]
     pub world: Vec<usize>,
+    /// Algorithm for every op: auto (by size, topology and transport), ring, direct, or
+    /// hierarchical (with --nodes).
+    #[arg(long, value_enum, default_value = "auto")]
+    #[serde(default)]
+    pub algo: AlgoArg,
     /// Smallest buffer size (nccl-tests `bytes`), e.g. 4K.
     #[arg(long, default_value = "4K", value_parser = report::parse_bytes)]
     pub min_bytes: u64,
@@ -235,7 +267,7 @@ fn run_rank(
 ) -> anyhow::Result<Vec<RankResult>> {
     let lane = comm.lane("bench")?;
     let mut blocking = shardline_collectives::CallOptions::new();
-    blocking.blocking(true);
+    blocking.blocking(true).algorithm(args.algo.algorithm());
     let timeout = Duration::from_secs(args.timeout_s);
     let w = comm.world();
     let r = comm.rank();
@@ -615,6 +647,7 @@ impl Args {
             op: OpSet(vec![Op::AllReduce, Op::ReduceScatter, Op::AllGather]),
             transport: vec![TransportKind::Tcp],
             world: vec![nodes * nproc],
+            algo: AlgoArg::Auto,
             min_bytes: 4,
             max_bytes: 4,
             iters: Some(iters),
@@ -715,7 +748,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // Buffers must split evenly for reduce-scatter / all-gather: round sizes to W*4 bytes.
             let sz: Vec<u64> =
                 all_sizes.iter().map(|&b| (b / (4 * w as u64)).max(1) * 4 * w as u64).collect();
-            println!("\n# transport {} world {w}", kind.name());
+            match args.algo {
+                AlgoArg::Auto => println!("\n# transport {} world {w}", kind.name()),
+                a => println!("\n# transport {} world {w} algorithm {a:?}", kind.name()),
+            }
             print_header();
             let mut part = match kind {
                 TransportKind::Local => run_local(w, &ops, &sz, &args)?,
