@@ -583,9 +583,16 @@ impl Worker {
             Body::AllReduce { mut buf, op, done } => {
                 let n = buf.len();
                 let algo = self.resolve(job.algo, n * 4);
-                let sched = self.schedule((OpKind::AllReduce, algo, n, 0), || match algo {
+                // The ring's all-gather half goes direct where the transport prefers it
+                // (the same rule as for all-gather; every rank decides alike).
+                let direct_gather = job.algo == Algorithm::Auto
+                    && algo == Algorithm::Ring
+                    && self.links.prefers_direct_gather();
+                let key = (OpKind::AllReduce, algo, n, usize::from(direct_gather));
+                let sched = self.schedule(key, || match algo {
                     Algorithm::Direct => algo::direct_all_reduce(rank, world, n),
                     Algorithm::Hierarchical => algo::hier_all_reduce(rank, topo, n),
+                    _ if direct_gather => algo::ring_all_reduce_direct_gather(rank, world, n),
                     _ => algo::ring_all_reduce(rank, world, n),
                 });
                 let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);

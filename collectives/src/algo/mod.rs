@@ -25,7 +25,10 @@ mod ring;
 
 pub use direct::{direct_all_gather, direct_all_reduce, direct_broadcast, direct_reduce_scatter};
 pub use hier::{hier_all_gather, hier_all_reduce, hier_reduce_scatter};
-pub use ring::{chain_broadcast, ring_all_gather, ring_all_reduce, ring_reduce_scatter, split};
+pub use ring::{
+    chain_broadcast, ring_all_gather, ring_all_reduce, ring_all_reduce_direct_gather,
+    ring_reduce_scatter, split,
+};
 
 use std::ops::Range;
 

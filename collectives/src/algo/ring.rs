@@ -76,6 +76,31 @@ pub fn ring_all_reduce(rank: usize, world: usize, count: usize) -> Schedule {
     s
 }
 
+/// Ring reduce-scatter, then one direct all-gather step: rank r sends its reduced chunk to
+/// every peer at once. The same result as [`ring_all_reduce`] (the reduction is the ring's);
+/// for transports where W-1 ring hand-offs cost more than one step with W-1 messages
+/// (processes on shared cores).
+pub fn ring_all_reduce_direct_gather(rank: usize, world: usize, count: usize) -> Schedule {
+    let ring: Vec<usize> = (0..world).collect();
+    let chunks = split(0..count, world);
+    let mut s = Schedule { buf_len: count, ..Schedule::default() };
+    rs_steps(&mut s, &ring, rank, &chunks);
+    if world > 1 {
+        let peers = (0..world).filter(|&p| p != rank);
+        s.push(Step {
+            sends: peers
+                .clone()
+                .map(|p| SendStep { peer: p, range: chunks[rank].clone(), action: Action::Copy })
+                .collect(),
+            recvs: peers
+                .map(|p| RecvStep { peer: p, range: chunks[p].clone(), action: Action::Copy })
+                .collect(),
+            local: Vec::new(),
+        });
+    }
+    s
+}
+
 /// Ring reduce-scatter of a work buffer of `world * n` elements: rank r ends with slot r
 /// (`[r*n, (r+1)*n)`) reduced (ALGO-4).
 pub fn ring_reduce_scatter(rank: usize, world: usize, n: usize) -> Schedule {

@@ -119,8 +119,9 @@ mod tests {
     fn check_all_reduce(world: usize, count: usize, topo: &Topology, op: ReduceOp) {
         let ins = inputs(world, count, 17);
         let want = naive(&ins, op);
-        let algos: [(&str, Builder); 3] = [
+        let algos: [(&str, Builder); 4] = [
             ("ring", |r, w, c, _| ring_all_reduce(r, w, c)),
+            ("ring+direct gather", |r, w, c, _| ring_all_reduce_direct_gather(r, w, c)),
             ("direct", |r, w, c, _| direct_all_reduce(r, w, c)),
             ("hier", |r, _, c, t| hier_all_reduce(r, t, c)),
         ];
