@@ -739,8 +739,12 @@ fn run_nodes_in(
         rows.first().map_or(0, |r| r.steps),
         a.warmup
     );
+    // The wire time: what the bytes a rank sends per step take at the link rate alone. The
+    // `comm` column (collectives in flight) can read lower, since a sender's op ends once
+    // the kernel holds its last bytes, before they have crossed the shaped link.
+    let wire_ms = per_rank as f64 / rate as f64 * 1e3;
     println!(
-        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13}",
+        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13} {:>8} {:>16}",
         "prefetch",
         "compute_ms",
         "comm_ms",
@@ -748,11 +752,13 @@ fn run_nodes_in(
         "exposed_ms",
         "exposed_%",
         "comm/compute",
-        "step/max(c,c)"
+        "step/max(c,c)",
+        "wire_ms",
+        "step/max(c,wire)"
     );
     for r in &rows {
         println!(
-            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2}",
+            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2} {:>8.1} {:>16.2}",
             r.prefetch,
             r.compute_ms,
             r.comm_ms,
@@ -760,7 +766,9 @@ fn run_nodes_in(
             r.exposed_ms,
             r.exposed_pct,
             r.comm_over_compute,
-            r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9)
+            r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9),
+            wire_ms,
+            r.step_ms / r.compute_ms.max(wire_ms).max(1e-9)
         );
     }
     let goal = rows.iter().find(|r| r.prefetch == 1).map(net_goal);
