@@ -1023,6 +1023,18 @@ pub(crate) mod suite {
         (0..len).map(|i| (i.wrapping_mul(31) ^ (src * 7 + step * 13)) as u8).collect()
     }
 
+    /// One exchange of step `step` that must succeed within `T`.
+    fn exchange_now(
+        links: &mut dyn LaneLinks,
+        step: usize,
+        sends: &[SendOp<'_>],
+        recvs: &mut [RecvOp<'_>],
+    ) {
+        links
+            .exchange(tag(step as u32), sends, recvs, Instant::now() + T, &AtomicBool::new(false))
+            .unwrap();
+    }
+
     /// TR-1, TR-2, TR-5: every rank sends to every other rank at once, for sizes around the
     /// slot/chunk boundaries; bytes arrive complete, in order, in aligned pieces.
     pub(crate) fn all_to_all(make: &'static Factory, world: usize) {
@@ -1060,15 +1072,7 @@ pub(crate) mod suite {
                         .filter(|(p, _)| *p != rank)
                         .map(|(p, s)| RecvOp { peer: p, len, sink: Sink::Fn(s) })
                         .collect();
-                    links
-                        .exchange(
-                            tag(step as u32),
-                            &sends,
-                            &mut recvs,
-                            Instant::now() + T,
-                            &AtomicBool::new(false),
-                        )
-                        .unwrap();
+                    exchange_now(links, step, &sends, &mut recvs);
                 }
                 assert!(!bad_piece.get(), "TR-2 violated at len {len}");
                 for (p, g) in got.iter().enumerate() {
@@ -1092,15 +1096,7 @@ pub(crate) mod suite {
                     .filter(|(p, _)| *p != rank)
                     .map(|(p, g)| RecvOp { peer: p, len, sink: Sink::Copy(g) })
                     .collect();
-                links
-                    .exchange(
-                        tag(step as u32),
-                        &sends,
-                        &mut recvs,
-                        Instant::now() + T,
-                        &AtomicBool::new(false),
-                    )
-                    .unwrap();
+                exchange_now(links, step, &sends, &mut recvs);
                 drop(recvs);
                 for (p, g) in got.iter().enumerate() {
                     if p != rank {
