@@ -12,6 +12,11 @@ mod overlap;
 mod report;
 mod syncbn;
 
+/// Large buffers come from a shared-memory arena, so that shm peers read them in place
+/// (`shardline_collectives::arena`).
+#[global_allocator]
+static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
+
 /// Why `--nodes` can fail to start: it builds one network namespace per node.
 const NODES_NEED: &str = "--nodes builds one network namespace per node (ip netns, veth, \
     bridge, tc) and needs root: run it as root, or leave out --nodes for the one-process \

@@ -30,6 +30,7 @@
 #![deny(missing_docs)]
 
 pub mod algo;
+pub mod arena;
 pub mod communicator;
 pub mod config;
 pub mod error;

@@ -34,6 +34,12 @@
 //!   exchange completes only once that slot is released, so the buffer is never read after
 //!   `exchange` returns (TR-5). Smaller messages, or receivers without the permission, go
 //!   inline through the slots.
+//! - SHM-6: where both processes allocate through [`crate::arena::SharedArena`], a receiver
+//!   maps the sender's arena (read-only, opened through `/proc/<pid>/fd`) and tells it so in
+//!   the segment. A message of at least `arena_min` bytes that lies in the sender's arena then
+//!   goes by descriptor whether it is copied or reduced, and the receiver reads it where it
+//!   lies: a reduction adds the sender's bytes in one pass, a copy is one memcpy. The same
+//!   release and withdrawal rules as SHM-4 and SHM-5 apply.
 //! - SHM-5: a sender whose exchange fails (deadline, cancel, a lost peer) while a descriptor
 //!   it offered is not yet released revokes it (`revoked`, SeqCst) before returning, after
 //!   which its buffer may be freed or reused. A receiver checks `revoked` after copying a
@@ -75,6 +81,11 @@ pub const DEFAULT_CMA_MIN_BYTES: usize = 0;
 /// `SHARDLINE_SHM_CMA_COPY_MIN_BYTES`, 0 disables. The receiver then reads the sender's
 /// buffer straight into its destination, one copy instead of the two of the slot ring.
 pub const DEFAULT_CMA_COPY_MIN_BYTES: usize = 256 << 10;
+/// Default smallest message read in place from the sender's arena (SHM-6); env
+/// `SHARDLINE_SHM_ARENA_MIN_BYTES`, 0 disables.
+pub const DEFAULT_ARENA_MIN_BYTES: usize = 256 << 10;
+/// Messages read in place from a peer's arena (SHM-6), for tests and diagnostics.
+pub static ARENA_READS: AtomicU64 = AtomicU64::new(0);
 /// Bytes a receiver copies per `process_vm_readv` straight into its destination (bounded so
 /// that a lost sender is noticed between two reads).
 const CMA_DIRECT_CHUNK_BYTES: usize = 8 << 20;
@@ -100,6 +111,8 @@ const OFF_POISON_ORIGIN: usize = 76;
 const OFF_POISON_LEN: usize = 80;
 const OFF_PROBE_ADDR: usize = 88;
 const OFF_CMA_OK: usize = 96;
+/// Set by the receiver once it mapped the sender's arena (SHM-6).
+const OFF_ARENA_OK: usize = 100;
 /// Highest descriptor (its `head` count) the sender withdrew (SHM-5).
 const OFF_REVOKED: usize = 104;
 const OFF_POISON_REASON: usize = 128;
@@ -336,6 +349,63 @@ pub struct ShmTransport {
     spin: Duration,
     cma_min: usize,
     cma_copy_min: usize,
+    arena_min: usize,
+    /// This process's arena, when the shared allocator is installed (SHM-6).
+    own_arena: Option<crate::arena::Region>,
+    /// Peers' arenas mapped here, by rank (mapped once, shared by every lane).
+    peer_arenas: Mutex<Vec<Option<Arc<PeerArena>>>>,
+}
+
+/// A peer's arena mapped read-only into this process (SHM-6).
+struct PeerArena {
+    /// Start of the mapping here.
+    ptr: *const u8,
+    /// Where the arena starts in the peer's address space.
+    base: usize,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only here and lives until the PeerArena is dropped; reads of
+// it follow the transport's protocol (SHM-4, SHM-6), whichever thread makes them.
+unsafe impl Send for PeerArena {}
+// SAFETY: as above; nothing in it is mutated after creation.
+unsafe impl Sync for PeerArena {}
+
+impl PeerArena {
+    /// Maps the arena that process `pid` published as `fd`, `base`, `len`.
+    fn map(pid: i32, fd: i32, base: usize, len: usize) -> Option<Self> {
+        let f = File::open(format!("/proc/{pid}/fd/{fd}")).ok()?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh read-only shared mapping of a file we opened; checked for failure.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        (p != libc::MAP_FAILED).then_some(PeerArena { ptr: p as *const u8, base, len })
+    }
+
+    /// The local address of the peer's `[addr, addr + len)`, when the arena holds it.
+    fn local(&self, addr: u64, len: usize) -> Option<*const u8> {
+        let a = usize::try_from(addr).ok()?;
+        let off = a.checked_sub(self.base)?;
+        (off.checked_add(len)? <= self.len).then(|| self.ptr.wrapping_add(off))
+    }
+}
+
+impl Drop for PeerArena {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `map`; no slice of it outlives an
+        // exchange, and exchanges hold an Arc to this.
+        unsafe {
+            libc::munmap(self.ptr as *mut libc::c_void, self.len);
+        }
+    }
 }
 
 impl ShmTransport {
@@ -358,6 +428,21 @@ impl ShmTransport {
         store
             .set(&format!("shm/{job}/pid/{rank}"), std::process::id().to_string().as_bytes())
             .map_err(|e| setup(format!("publishing pid: {e}")))?;
+        // SHM-6: publish the arena when the shared allocator serves this process (a large
+        // allocation then lands in it).
+        let own_arena = {
+            let probe: Vec<u8> = Vec::with_capacity(crate::arena::MIN_BLOCK);
+            crate::arena::contains(probe.as_ptr(), crate::arena::MIN_BLOCK)
+                .then(crate::arena::region)
+                .flatten()
+        };
+        let arena_value = match own_arena {
+            Some(r) => format!("{} {} {}", r.fd, r.base, r.len),
+            None => "none".to_owned(),
+        };
+        store
+            .set(&format!("shm/{job}/arena/{rank}"), arena_value.as_bytes())
+            .map_err(|e| setup(format!("publishing the arena: {e}")))?;
         Ok(ShmTransport {
             rank,
             world,
@@ -373,6 +458,9 @@ impl ShmTransport {
             ) as u64),
             cma_min: env_usize("SHARDLINE_SHM_CMA_MIN_BYTES", DEFAULT_CMA_MIN_BYTES),
             cma_copy_min: env_usize("SHARDLINE_SHM_CMA_COPY_MIN_BYTES", DEFAULT_CMA_COPY_MIN_BYTES),
+            arena_min: env_usize("SHARDLINE_SHM_ARENA_MIN_BYTES", DEFAULT_ARENA_MIN_BYTES),
+            own_arena,
+            peer_arenas: Mutex::new(vec![None; world]),
         })
     }
 
@@ -389,6 +477,38 @@ impl ShmTransport {
     pub fn set_cma_copy_min_bytes(&mut self, bytes: usize) -> &mut Self {
         self.cma_copy_min = bytes;
         self
+    }
+
+    /// The peer's arena mapped here (SHM-6), mapping it on first use; `None` when the peer
+    /// has none or it cannot be mapped (the transport then works without it).
+    fn peer_arena(
+        &self,
+        peer: usize,
+        pid: i32,
+        deadline: Instant,
+    ) -> Result<Option<Arc<PeerArena>>, TransportError> {
+        if self.arena_min == 0 {
+            return Ok(None);
+        }
+        if let Some(a) = &self.peer_arenas.lock().unwrap_or_else(|e| e.into_inner())[peer] {
+            return Ok(Some(Arc::clone(a)));
+        }
+        let key = format!("shm/{}/arena/{peer}", self.job);
+        let v = self.store.get(&key, deadline.saturating_duration_since(Instant::now())).map_err(
+            |e| match e {
+                crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer },
+                e => setup(e),
+            },
+        )?;
+        let text = String::from_utf8_lossy(&v);
+        let nums: Vec<usize> = text.split(' ').filter_map(|x| x.parse().ok()).collect();
+        let &[fd, base, len] = nums.as_slice() else { return Ok(None) };
+        let Ok(fd) = i32::try_from(fd) else { return Ok(None) };
+        let Some(a) = PeerArena::map(pid, fd, base, len).map(Arc::new) else {
+            return Ok(None);
+        };
+        self.peer_arenas.lock().unwrap_or_else(|e| e.into_inner())[peer] = Some(Arc::clone(&a));
+        Ok(Some(a))
     }
 
     fn peer_pid(&self, peer: usize, deadline: Instant) -> Result<i32, TransportError> {
@@ -490,7 +610,11 @@ impl Transport for ShmTransport {
             {
                 inn.u32_at(OFF_CMA_OK).store(1, Ordering::Release);
             }
-            peers.push(Some(Peer { out, inn, pid, out_head: 0, in_tail: 0 }));
+            let arena = self.peer_arena(p, pid, deadline)?;
+            if arena.is_some() {
+                inn.u32_at(OFF_ARENA_OK).store(1, Ordering::Release);
+            }
+            peers.push(Some(Peer { out, inn, pid, out_head: 0, in_tail: 0, arena }));
         }
         Ok(Box::new(ShmLinks {
             rank: me,
@@ -498,6 +622,8 @@ impl Transport for ShmTransport {
             spin: self.spin,
             cma_min: if self.cma_min == 0 { usize::MAX } else { self.cma_min },
             cma_copy_min: if self.cma_copy_min == 0 { usize::MAX } else { self.cma_copy_min },
+            arena_min: if self.arena_min == 0 { usize::MAX } else { self.arena_min },
+            own_arena: self.own_arena.is_some(),
             scratch: vec![0u32; CMA_CHUNK_BYTES / 4],
         }))
     }
@@ -510,6 +636,8 @@ struct Peer {
     /// peer -> me (created by the peer; read here).
     inn: Segment,
     pid: i32,
+    /// The peer's arena mapped here (SHM-6).
+    arena: Option<Arc<PeerArena>>,
     /// Local copy of `out.head` (only this side writes it).
     out_head: u64,
     /// Local copy of `inn.tail` (only this side writes it).
@@ -526,6 +654,10 @@ struct ShmLinks {
     cma_min: usize,
     /// Smallest copied message sent by descriptor (usize::MAX: never).
     cma_copy_min: usize,
+    /// Smallest message in this process's arena sent by descriptor (SHM-6).
+    arena_min: usize,
+    /// Whether this process allocates from the shared arena.
+    own_arena: bool,
     /// Where descriptor messages are copied before the sink sees them; u32-backed so that
     /// pieces are 4-byte aligned (TR-2).
     scratch: Vec<u32>,
@@ -561,12 +693,14 @@ impl ShmLinks {
     /// Pushes as much of `data` as the ring takes; returns whether anything moved.
     /// `by_descriptor`: the message is big enough to go by descriptor (SHM-4) if the
     /// receiver may read this process's memory.
+    /// `by_arena`: it lies in this process's arena and is big enough for SHM-6.
     fn push(
         peer: &mut Peer,
         tag: &Tag,
         data: &[u8],
         st: &mut Progress,
         by_descriptor: bool,
+        by_arena: bool,
     ) -> bool {
         let seg = &peer.out;
         let mut moved = false;
@@ -582,8 +716,8 @@ impl ShmLinks {
             }
             let slot = (peer.out_head % seg.slots as u64) as usize;
             if st.done_bytes == 0
-                && by_descriptor
-                && seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) != 0
+                && ((by_arena && seg.u32_at(OFF_ARENA_OK).load(Ordering::Acquire) != 0)
+                    || (by_descriptor && seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) != 0))
             {
                 let mut h = [0u8; SLOT_HEADER_BYTES];
                 h[0..32].copy_from_slice(&tag.encode());
@@ -682,7 +816,14 @@ impl ShmLinks {
             }
             let kind = u32::from_le_bytes([h[52], h[53], h[54], h[55]]);
             if kind == SLOT_DESCRIPTOR && st.done_bytes == 0 {
-                let copied = Self::pull_descriptor(peer.pid, peer_rank, u64_at(56), op, scratch);
+                let addr = u64_at(56);
+                let copied = match peer.arena.as_ref().and_then(|a| a.local(addr, op.len)) {
+                    Some(at) => {
+                        Self::pull_in_place(at, op);
+                        Ok(())
+                    }
+                    None => Self::pull_descriptor(peer.pid, peer_rank, addr, op, scratch),
+                };
                 // SHM-5: bytes read after the sender withdrew its buffer are not data.
                 std::sync::atomic::fence(Ordering::SeqCst);
                 if seg.u64_at(OFF_REVOKED).load(Ordering::SeqCst) > peer.in_tail {
@@ -733,6 +874,21 @@ impl ShmLinks {
             moved = true;
         }
         Ok(moved)
+    }
+
+    /// SHM-6: hands a descriptor message to its sink where it lies in the sender's arena.
+    fn pull_in_place(at: *const u8, op: &mut RecvOp<'_>) {
+        ARENA_READS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `at..at + len` lies inside the peer's arena mapping (`PeerArena::local`
+        // checked it), which stays mapped while `peer` (and its Arc) lives. The sender does
+        // not write the range until we release the slot (SHM-4); if it withdrew the message
+        // meanwhile, what we read is discarded by the caller (SHM-5). The address is the
+        // sender's f32 buffer, so 4-byte aligned (TR-2).
+        let src = unsafe { std::slice::from_raw_parts(at, op.len) };
+        match op.sink.copy_target() {
+            Some(dst) => dst.copy_from_slice(src),
+            None => op.sink.put(0, src),
+        }
     }
 
     /// SHM-4: copies a descriptor message out of the sender's memory, chunk by chunk.
@@ -893,7 +1049,10 @@ impl ShmLinks {
                 let peer = self.peers[op.peer].as_mut().ok_or_else(|| setup("no link"))?;
                 let min =
                     if op.copied { self.cma_copy_min.min(self.cma_min) } else { self.cma_min };
-                moved |= Self::push(peer, &tag, op.data, st, op.data.len() >= min);
+                let by_arena = self.own_arena
+                    && op.data.len() >= self.arena_min
+                    && crate::arena::contains(op.data.as_ptr(), op.data.len());
+                moved |= Self::push(peer, &tag, op.data, st, op.data.len() >= min, by_arena);
                 pending |= !st.done;
             }
             busy.iter_mut().for_each(|b| *b = false);

@@ -8,6 +8,11 @@ use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig}
 use shardline_runtime::RuntimeError;
 use std::path::PathBuf;
 
+/// Large buffers come from a shared-memory arena, so that shm peers read them in place
+/// (`shardline_collectives::arena`).
+#[global_allocator]
+static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
+
 /// Sharded data-parallel training (ZeRO 0-3 / FSDP) with SyncBatchNorm, on threads, processes
 /// or nodes.
 #[derive(Parser, Debug)]

@@ -23,6 +23,11 @@ use shardline_collectives::transport::Transport;
 use shardline_collectives::{CommOptions, Communicator, ReduceOp, Store, TcpStoreClient, Topology};
 use shardline_tests::{run_grid, Outcome, RankConfig};
 
+/// Large buffers come from a shared-memory arena, so that shm peers read them in place
+/// (`shardline_collectives::arena`).
+#[global_allocator]
+static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
+
 fn emit(o: &Outcome) {
     // One line per outcome; the launcher parses them as they come.
     match serde_json::to_string(o) {
