@@ -14,9 +14,10 @@
 //! reductions possible without changing the buffer type; no crate offers one.
 //!
 //! The arena reserves [`ARENA_BYTES`] of address space and file size; pages exist only once
-//! touched. Blocks are powers of two; freed blocks are kept per size class for reuse (their
-//! pages stay, as a pool's buffers would), and when a class's list is full the block's pages
-//! are given back to the system (`MADV_REMOVE`).
+//! touched. Blocks are powers of two; freed blocks are kept per size class for reuse, with
+//! their pages while fewer than [`RETAIN_MAX`] bytes are kept that way (as a pool's buffers
+//! would be), else with their pages given back to the system (`MADV_REMOVE`). Only when a
+//! class's list is full is a block's address range left unused.
 //!
 //! Invariants:
 //! - ARENA-1: a block handed out lies inside `[base, base + ARENA_BYTES)`, is page aligned,
@@ -37,6 +38,9 @@ pub const MIN_BLOCK: usize = 1 << 20;
 const MIN_SHIFT: u32 = 20;
 const CLASSES: usize = 37 - MIN_SHIFT as usize; // up to 64 GiB blocks
 const KEEP_PER_CLASS: usize = 32;
+/// Most bytes of freed blocks whose pages are kept for reuse; past it a freed block's pages
+/// go back to the system (its address range stays on the list and is reused).
+pub const RETAIN_MAX: usize = 512 << 20;
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -49,12 +53,19 @@ static FD: AtomicI32 = AtomicI32::new(-1);
 
 struct Free {
     bump: usize,
-    lists: [[usize; KEEP_PER_CLASS]; CLASSES],
+    /// Bytes of listed blocks that still hold their pages.
+    retained: usize,
+    /// Per class: (offset, pages kept) of freed blocks.
+    lists: [[(usize, bool); KEEP_PER_CLASS]; CLASSES],
     lens: [usize; CLASSES],
 }
 
-static FREE: Mutex<Free> =
-    Mutex::new(Free { bump: 0, lists: [[0; KEEP_PER_CLASS]; CLASSES], lens: [0; CLASSES] });
+static FREE: Mutex<Free> = Mutex::new(Free {
+    bump: 0,
+    retained: 0,
+    lists: [[(0, false); KEEP_PER_CLASS]; CLASSES],
+    lens: [0; CLASSES],
+});
 
 /// The process's arena: its memfd, base address and size, once set up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,8 +164,12 @@ fn take(class: usize) -> Option<(*mut u8, bool)> {
     let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
     if f.lens[class] > 0 {
         f.lens[class] -= 1;
-        let off = f.lists[class][f.lens[class]];
-        return Some(((base + off) as *mut u8, false));
+        let (off, kept) = f.lists[class][f.lens[class]];
+        if kept {
+            f.retained -= bytes;
+        }
+        // A block whose pages were given back reads as zeros, like a fresh one.
+        return Some(((base + off) as *mut u8, !kept));
     }
     let off = f.bump;
     if off + bytes > ARENA_BYTES {
@@ -166,20 +181,27 @@ fn take(class: usize) -> Option<(*mut u8, bool)> {
 
 fn give_back(ptr: *mut u8, class: usize) {
     let base = BASE.load(Ordering::Relaxed);
+    let bytes = MIN_BLOCK << class;
     let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
-    if f.lens[class] < KEEP_PER_CLASS {
+    let listed = f.lens[class] < KEEP_PER_CLASS;
+    let keep_pages = listed && f.retained + bytes <= RETAIN_MAX;
+    if listed {
         let n = f.lens[class];
-        f.lists[class][n] = ptr as usize - base;
+        f.lists[class][n] = (ptr as usize - base, keep_pages);
         f.lens[class] += 1;
+    }
+    if keep_pages {
+        f.retained += bytes;
         return;
     }
-    drop(f);
-    // The list is full: give the pages back; the address range is not reused (the arena's
-    // address space is far larger than any run needs).
+    // Give the pages back. A listed block is zero when handed out again; an unlisted one
+    // (its class's list is full) leaves its address range unused, which the arena's address
+    // space affords.
     // SAFETY: the block lies inside our own shared mapping (ARENA-1) and nobody uses it any
-    // more (it was just freed).
+    // more (it was just freed); the lock keeps `take` from handing it out before the pages
+    // are gone.
     unsafe {
-        libc::madvise(ptr.cast(), MIN_BLOCK << class, libc::MADV_REMOVE);
+        libc::madvise(ptr.cast(), bytes, libc::MADV_REMOVE);
     }
 }
 
