@@ -636,7 +636,7 @@ impl Worker {
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
                 let r = self.execute(&ctx, &sched, &mut input, Combine::Op(op));
                 if r.is_ok() {
-                    output.copy_from_slice(&input[rank * n..(rank + 1) * n]);
+                    crate::memcopy::copy(&mut output, &input[rank * n..(rank + 1) * n]);
                     if op == ReduceOp::Avg {
                         scale_avg(&mut output, world);
                     }
@@ -657,7 +657,7 @@ impl Worker {
                     Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
                     _ => algo::ring_all_gather(rank, world, n),
                 });
-                output[rank * n..(rank + 1) * n].copy_from_slice(&input);
+                crate::memcopy::copy(&mut output[rank * n..(rank + 1) * n], &input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
                 let r = self.execute(&ctx, &sched, &mut output, Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| (input, output)));

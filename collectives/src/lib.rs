@@ -37,6 +37,7 @@ pub mod error;
 pub mod executor;
 pub mod fingerprint;
 pub mod lane;
+pub mod memcopy;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod pool;

@@ -886,7 +886,7 @@ impl ShmLinks {
         // sender's f32 buffer, so 4-byte aligned (TR-2).
         let src = unsafe { std::slice::from_raw_parts(at, op.len) };
         match op.sink.copy_target() {
-            Some(dst) => dst.copy_from_slice(src),
+            Some(dst) => crate::memcopy::copy(dst, src),
             None => op.sink.put(0, src),
         }
     }
