@@ -724,7 +724,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let ops = args.op.0.clone();
     if let Some(nodes) = args.nodes {
         let rows = run_nodes(&args, nodes)?;
-        return finish(&args, &ops, &rows, None, None);
+        return finish(&args, &ops, &rows, None, None, None);
     }
     let all_sizes = sizes(&args);
     let mem: Option<MemLimits> = (!args.no_limits).then(limits::measure_mem);
@@ -739,8 +739,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             m.memcpy_1t_gbps, m.memcpy_all_gbps, m.threads, m.add_1t_gbps, m.add_all_gbps
         );
     }
-    if let Some(t) = tcp_limit {
-        println!("# machine: loopback TCP {t:.2} GB/s (one stream)");
+    let tcp_both = if tcp_limit.is_some() {
+        limits::measure_tcp_loopback_both_ways().ok()
+    } else {
+        None
+    };
+    match (tcp_limit, tcp_both) {
+        (Some(t), Some(b)) => println!(
+            "# machine: loopback TCP {t:.2} GB/s (one stream), {b:.2} GB/s each way (both ends \
+             sending at once)"
+        ),
+        (Some(t), None) => println!("# machine: loopback TCP {t:.2} GB/s (one stream)"),
+        _ => {}
     }
     let mut rows = Vec::new();
     for &kind in &args.transport {
@@ -778,7 +788,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             rows.extend(part);
         }
     }
-    finish(&args, &ops, &rows, mem.as_ref(), tcp_limit)
+    finish(&args, &ops, &rows, mem.as_ref(), tcp_limit, tcp_both)
 }
 
 /// JSON, plot and the reference check of a finished run.
@@ -788,18 +798,26 @@ fn finish(
     rows: &[Row],
     mem: Option<&MemLimits>,
     tcp_limit: Option<f64>,
+    tcp_both: Option<f64>,
 ) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         #[derive(Serialize)]
         struct Out<'a> {
             machine: Option<&'a MemLimits>,
             tcp_loopback_gbps: Option<f64>,
+            tcp_loopback_both_ways_gbps: Option<f64>,
             link_rate: Option<u64>,
             rows: &'a [Row],
         }
         report::write_json(
             path,
-            &Out { machine: mem, tcp_loopback_gbps: tcp_limit, link_rate: args.link_rate, rows },
+            &Out {
+                machine: mem,
+                tcp_loopback_gbps: tcp_limit,
+                tcp_loopback_both_ways_gbps: tcp_both,
+                link_rate: args.link_rate,
+                rows,
+            },
         )?;
         println!("\nwrote {}", path.display());
     }

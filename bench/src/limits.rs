@@ -137,3 +137,45 @@ pub fn measure_tcp_loopback() -> std::io::Result<f64> {
     reader.join().map_err(|_| std::io::Error::other("reader thread panicked"))??;
     Ok(total as f64 / secs / 1e9)
 }
+
+/// Loopback TCP throughput in each direction, in GB/s, when both ends of one connection
+/// send 128 MiB at once (1 MiB writes) while reading what the other sends: what one pair of
+/// ranks exchanging at the same time (a W=2 step) can get from the kernel on this machine.
+pub fn measure_tcp_loopback_both_ways() -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    let total: usize = 128 << 20;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    // Each end: a writer thread sends `total` bytes while this thread reads `total`.
+    fn both_ways(s: std::net::TcpStream, total: usize) -> std::io::Result<()> {
+        s.set_nodelay(true)?;
+        let mut w = s.try_clone()?;
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            let buf = vec![7u8; 1 << 20];
+            for _ in 0..(total >> 20) {
+                w.write_all(&buf)?;
+            }
+            Ok(())
+        });
+        let mut r = s;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0;
+        while got < total {
+            let n = r.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        writer.join().map_err(|_| std::io::Error::other("writer thread panicked"))??;
+        Ok(())
+    }
+    let t = Instant::now();
+    let other = std::thread::spawn(move || -> std::io::Result<()> {
+        let (s, _) = listener.accept()?;
+        both_ways(s, total)
+    });
+    both_ways(std::net::TcpStream::connect(addr)?, total)?;
+    other.join().map_err(|_| std::io::Error::other("peer thread panicked"))??;
+    Ok(total as f64 / t.elapsed().as_secs_f64() / 1e9)
+}
