@@ -739,11 +739,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             m.memcpy_1t_gbps, m.memcpy_all_gbps, m.threads, m.add_1t_gbps, m.add_all_gbps
         );
     }
-    let tcp_both = if tcp_limit.is_some() {
-        limits::measure_tcp_loopback_both_ways().ok()
-    } else {
-        None
-    };
+    let tcp_both =
+        if tcp_limit.is_some() { limits::measure_tcp_loopback_both_ways().ok() } else { None };
     match (tcp_limit, tcp_both) {
         (Some(t), Some(b)) => println!(
             "# machine: loopback TCP {t:.2} GB/s (one stream), {b:.2} GB/s each way (both ends \

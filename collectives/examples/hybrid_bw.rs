@@ -16,6 +16,10 @@ use shardline_collectives::{
     CommOptions, Communicator, ReduceOp, Store, TcpStoreClient, TcpStoreServer, Topology,
 };
 use std::net::{SocketAddr, UdpSocket};
+
+/// Large buffers in the shared arena, as in the `shardline` binary (shm peers read in place).
+#[global_allocator]
+static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -759,6 +759,9 @@ fn signal_all(workers: &[Worker], sig: nix::sys::signal::Signal) {
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
 /// How often an agent reads the store (generation, reports, heartbeats, progress).
 const POLL_EVERY: Duration = Duration::from_millis(100);
+/// How often an agent polls the store once a failure is under way (stop, abort, restart):
+/// every hand-off of that path waits at most this long.
+const FAST_POLL: Duration = Duration::from_millis(20);
 /// Bound of one store request of an agent (and of its reconnection attempts).
 const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 /// An agent that has not reached the store for this long gives up on its job.
@@ -1300,7 +1303,9 @@ impl Agent<'_> {
                 }
             }
             pending = still;
-            std::thread::sleep(POLL_EVERY);
+            if !pending.is_empty() {
+                std::thread::sleep(FAST_POLL);
+            }
         }
         for n in pending {
             self.log(format_args!("node {n} did not stop in time: counted as lost"));
@@ -1322,7 +1327,9 @@ impl Agent<'_> {
                 !matches!(self.link.get(&key), Got::Value(_))
                     && beats.silent(n, since) < self.o.heartbeat_timeout
             });
-            std::thread::sleep(POLL_EVERY);
+            if !pending.is_empty() {
+                std::thread::sleep(FAST_POLL);
+            }
         }
     }
 
@@ -1364,7 +1371,10 @@ impl Agent<'_> {
                     stopped_sent = self.link.set(&key, b"stopped");
                 }
             }
-            if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
+            // Once this node's workers failed or stopped, node 0's next decision is awaited
+            // closely.
+            let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
+            if last_poll.is_none_or(|t| t.elapsed() >= every) {
                 last_poll = Some(Instant::now());
                 match self.link.get(&agent_key(&self.job, "gen")) {
                     Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
