@@ -86,7 +86,11 @@ impl Default for TcpOptions {
         TcpOptions {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
-            sockets_per_peer: 1,
+            // Env `SHARDLINE_TCP_SOCKETS_PER_PEER` (1-16), default 1.
+            sockets_per_peer: std::env::var("SHARDLINE_TCP_SOCKETS_PER_PEER")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .map_or(1, |n| n.clamp(1, 16)),
             connect_timeout: Duration::from_secs(10),
             job: "default".into(),
         }
