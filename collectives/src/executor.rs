@@ -6,6 +6,8 @@
 //!   virtual array; the raw-pointer views below rely on that check, not on trust.
 //! - EXEC-2: scratch is owned by the executor and reused across ops (grow-only), so steady
 //!   state allocates no data buffers.
+//! - EXEC-3: the op's input region (after the scratch) is only read: a receive or a local
+//!   destination there is refused before any I/O.
 
 use crate::algo::{Action, LocalOp, Schedule};
 use crate::reduce::Combine;
@@ -20,13 +22,16 @@ pub struct Executor {
     scratch: Vec<f32>,
 }
 
-/// Base pointers of the virtual array: `[0, buf_len)` in the work buffer, the rest in scratch.
+/// Base pointers of the virtual array: `[0, buf_len)` in the work buffer, then scratch, then
+/// the op's read-only input.
 #[derive(Clone, Copy)]
 struct Mem {
     buf: *mut f32,
     buf_len: usize,
     scratch: *mut f32,
     scratch_len: usize,
+    input: *const f32,
+    input_len: usize,
 }
 
 impl Mem {
@@ -37,13 +42,17 @@ impl Mem {
         if r.end <= self.buf_len {
             // SAFETY: r.start <= buf_len, so the offset stays inside (or one past) the buffer.
             (unsafe { self.buf.add(r.start) }, r.len())
-        } else {
-            assert!(
-                r.start >= self.buf_len && r.end <= self.buf_len + self.scratch_len,
-                "range {r:?} out of bounds"
-            );
+        } else if r.end <= self.buf_len + self.scratch_len {
+            assert!(r.start >= self.buf_len, "range {r:?} straddles buffer and scratch");
             // SAFETY: checked just above to lie inside scratch.
             (unsafe { self.scratch.add(r.start - self.buf_len) }, r.len())
+        } else {
+            let base = self.buf_len + self.scratch_len;
+            assert!(r.start >= base && r.end <= base + self.input_len, "range {r:?} out of bounds");
+            // SAFETY: checked just above to lie inside the input. The pointer is only ever
+            // read through: `run` refuses receives and local destinations past the writable
+            // part (EXEC-3) before using them.
+            (unsafe { self.input.add(r.start - base) } as *mut f32, r.len())
         }
     }
 }
@@ -86,12 +95,14 @@ impl Executor {
         links: &mut dyn LaneLinks,
         sched: &Schedule,
         buf: &mut [f32],
+        input: &[f32],
         combine: Combine,
         tag: Tag,
         deadline: Instant,
         cancel: &AtomicBool,
     ) -> Result<(), TransportError> {
         assert_eq!(buf.len(), sched.buf_len, "work buffer does not match its schedule");
+        assert_eq!(input.len(), sched.input_len, "input does not match its schedule");
         if self.scratch.len() < sched.scratch_len {
             self.scratch.resize(sched.scratch_len, 0.0);
         }
@@ -100,11 +111,13 @@ impl Executor {
             buf_len: buf.len(),
             scratch: self.scratch.as_mut_ptr(),
             scratch_len: sched.scratch_len,
+            input: input.as_ptr(),
+            input_len: sched.input_len,
         };
         for (i, step) in sched.steps.iter().enumerate() {
             if !step.is_local() {
                 // EXEC-1: the full per-step check (rank-independent parts).
-                sched_step_check(step)
+                sched_step_check(step, sched.buf_len + sched.scratch_len)
                     .map_err(|e| TransportError::Setup(format!("invalid schedule: {e}")))?;
                 let sends: Vec<SendOp<'_>> = step
                     .sends
@@ -165,7 +178,9 @@ impl Executor {
             for l in &step.local {
                 let (LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst }) = l;
                 assert!(
-                    src.len() == dst.len() && (src.end <= dst.start || dst.end <= src.start),
+                    src.len() == dst.len()
+                        && (src.end <= dst.start || dst.end <= src.start)
+                        && dst.end <= sched.buf_len + sched.scratch_len,
                     "bad local op {l:?}"
                 );
                 let (sp, n) = mem.at(src);
@@ -178,7 +193,7 @@ impl Executor {
                     )
                 };
                 match l {
-                    LocalOp::Copy { .. } => d.copy_from_slice(s),
+                    LocalOp::Copy { .. } => crate::memcopy::copy(d, s),
                     LocalOp::Reduce { .. } => combine.apply(d, s),
                 }
             }
@@ -188,12 +203,15 @@ impl Executor {
 }
 
 /// Rank-independent part of ALGO-2 for one step: receive ranges disjoint from each other and
-/// from send ranges.
-fn sched_step_check(step: &crate::algo::Step) -> Result<(), String> {
+/// from send ranges, and inside the writable part of the virtual array (EXEC-3).
+fn sched_step_check(step: &crate::algo::Step, writable_end: usize) -> Result<(), String> {
     let overlap = |a: &Range<usize>, b: &Range<usize>| {
         !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
     };
     for (i, r) in step.recvs.iter().enumerate() {
+        if r.range.end > writable_end {
+            return Err(format!("receive range {:?} lies in the read-only input", r.range));
+        }
         if step.recvs[i + 1..].iter().any(|x| overlap(&x.range, &r.range))
             || step.sends.iter().any(|x| overlap(&x.range, &r.range))
         {
@@ -244,8 +262,11 @@ mod tests {
 
     #[test]
     fn sinks_reduce_pieces_into_their_range() {
-        let sched =
-            Schedule { buf_len: 6, scratch_len: 0, steps: vec![step(0..2, 2..6, Action::Reduce)] };
+        let sched = Schedule {
+            buf_len: 6,
+            steps: vec![step(0..2, 2..6, Action::Reduce)],
+            ..Schedule::default()
+        };
         let mut buf = vec![1.0, 1.0, 1.0, 2.0, 3.0, 4.0];
         let never = AtomicBool::new(false);
         let far = Instant::now() + std::time::Duration::from_secs(10);
@@ -254,6 +275,7 @@ mod tests {
                 &mut Canned(vec![10.0, 20.0, 30.0, 40.0]),
                 &sched,
                 &mut buf,
+                &[],
                 Combine::Op(ReduceOp::Sum),
                 Tag::default(),
                 far,
@@ -263,11 +285,60 @@ mod tests {
         assert_eq!(buf, vec![1.0, 1.0, 11.0, 22.0, 33.0, 44.0]);
     }
 
+    /// EXEC-3: a receive into the read-only input region is refused before any I/O, and a
+    /// send from it reads the input.
+    #[test]
+    fn input_region_is_read_only_exec_3() {
+        let never = AtomicBool::new(false);
+        let far = Instant::now() + std::time::Duration::from_secs(10);
+        let bad = Schedule {
+            buf_len: 2,
+            input_len: 2,
+            steps: vec![step(0..2, 2..4, Action::Copy)],
+            ..Schedule::default()
+        };
+        let mut buf = vec![0.0; 2];
+        let r = Executor::default().run(
+            &mut Canned(vec![1.0, 2.0]),
+            &bad,
+            &mut buf,
+            &[5.0, 6.0],
+            Combine::Op(ReduceOp::Sum),
+            Tag::default(),
+            far,
+            &never,
+        );
+        assert!(matches!(r, Err(TransportError::Setup(_))), "{r:?}");
+        // Sending from the input and receiving into the buffer is fine.
+        let good = Schedule {
+            buf_len: 2,
+            input_len: 2,
+            steps: vec![step(2..4, 0..2, Action::Copy)],
+            ..Schedule::default()
+        };
+        Executor::default()
+            .run(
+                &mut Canned(vec![1.0, 2.0]),
+                &good,
+                &mut buf,
+                &[5.0, 6.0],
+                Combine::Op(ReduceOp::Sum),
+                Tag::default(),
+                far,
+                &never,
+            )
+            .unwrap();
+        assert_eq!(buf, vec![1.0, 2.0]);
+    }
+
     /// EXEC-1: overlapping send and receive ranges are refused before any I/O.
     #[test]
     fn overlapping_ranges_are_refused_exec_1() {
-        let sched =
-            Schedule { buf_len: 4, scratch_len: 0, steps: vec![step(0..3, 2..4, Action::Copy)] };
+        let sched = Schedule {
+            buf_len: 4,
+            steps: vec![step(0..3, 2..4, Action::Copy)],
+            ..Schedule::default()
+        };
         let mut buf = vec![0.0; 4];
         let never = AtomicBool::new(false);
         let far = Instant::now() + std::time::Duration::from_secs(10);
@@ -275,6 +346,7 @@ mod tests {
             &mut Canned(vec![1.0, 2.0]),
             &sched,
             &mut buf,
+            &[],
             Combine::Op(ReduceOp::Sum),
             Tag::default(),
             far,

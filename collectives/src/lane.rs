@@ -596,7 +596,7 @@ impl Worker {
                     _ => algo::ring_all_reduce(rank, world, n),
                 });
                 let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);
-                let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(op));
+                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut buf, world);
                 }
@@ -621,6 +621,7 @@ impl Worker {
                     &ctx,
                     &sched,
                     &mut buf,
+                    &[],
                     Combine::Records { len: record_len, f: combine },
                 );
                 done.complete(r.map(|_| buf));
@@ -634,7 +635,7 @@ impl Worker {
                     _ => algo::ring_reduce_scatter(rank, world, n),
                 });
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
-                let r = self.execute(&ctx, &sched, &mut input, Combine::Op(op));
+                let r = self.execute(&ctx, &sched, &mut input, &[], Combine::Op(op));
                 if r.is_ok() {
                     crate::memcopy::copy(&mut output, &input[rank * n..(rank + 1) * n]);
                     if op == ReduceOp::Avg {
@@ -652,14 +653,25 @@ impl Worker {
                 {
                     algo = Algorithm::Direct;
                 }
-                let sched = self.schedule((OpKind::AllGather, algo, n, 0), || match algo {
+                // Direct over a transport that prefers it: peers read the shard from the
+                // input where the caller left it, and the own copy comes last.
+                let from_input = algo == Algorithm::Direct && self.links.prefers_direct_gather();
+                let key = (OpKind::AllGather, algo, n, usize::from(from_input));
+                let sched = self.schedule(key, || match algo {
+                    Algorithm::Direct if from_input => {
+                        algo::direct_all_gather_from_input(rank, world, n)
+                    }
                     Algorithm::Direct => algo::direct_all_gather(rank, world, n),
                     Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
                     _ => algo::ring_all_gather(rank, world, n),
                 });
-                crate::memcopy::copy(&mut output[rank * n..(rank + 1) * n], &input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
-                let r = self.execute(&ctx, &sched, &mut output, Combine::Op(ReduceOp::Sum));
+                let r = if from_input {
+                    self.execute(&ctx, &sched, &mut output, &input, Combine::Op(ReduceOp::Sum))
+                } else {
+                    crate::memcopy::copy(&mut output[rank * n..(rank + 1) * n], &input);
+                    self.execute(&ctx, &sched, &mut output, &[], Combine::Op(ReduceOp::Sum))
+                };
                 done.complete(r.map(|_| (input, output)));
             }
             Body::Broadcast { mut buf, root, done } => {
@@ -678,7 +690,7 @@ impl Worker {
                     }
                 });
                 let ctx = mk(self, OpKind::Broadcast, None, algo, n, Some(root));
-                let r = self.execute(&ctx, &sched, &mut buf, Combine::Op(ReduceOp::Sum));
+                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Barrier { done } => {
@@ -686,7 +698,7 @@ impl Worker {
                     algo::direct_all_reduce(rank, world, 0)
                 });
                 let ctx = mk(self, OpKind::Barrier, None, Algorithm::Direct, 0, None);
-                let r = self.execute(&ctx, &sched, &mut [], Combine::Op(ReduceOp::Sum));
+                let r = self.execute(&ctx, &sched, &mut [], &[], Combine::Op(ReduceOp::Sum));
                 done.complete(r);
             }
         }
@@ -713,6 +725,7 @@ impl Worker {
         ctx: &OpCtx,
         sched: &Schedule,
         buf: &mut [f32],
+        input: &[f32],
         combine: Combine,
     ) -> Result<(), CollectiveError> {
         if let Some(e) = &self.failed {
@@ -734,6 +747,7 @@ impl Worker {
             &mut *self.links,
             sched,
             buf,
+            input,
             combine,
             ctx.tag,
             ctx.deadline,

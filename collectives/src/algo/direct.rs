@@ -21,7 +21,7 @@ fn fold(rank: usize, world: usize, own: Range<usize>, base: usize, n: usize) -> 
 
 /// Direct all-reduce of `count` elements (scratch: `world * count`).
 pub fn direct_all_reduce(rank: usize, world: usize, count: usize) -> Schedule {
-    let mut s = Schedule { buf_len: count, scratch_len: world * count, steps: Vec::new() };
+    let mut s = Schedule { buf_len: count, scratch_len: world * count, ..Schedule::default() };
     if world <= 1 {
         s.scratch_len = 0;
         return s;
@@ -48,7 +48,7 @@ pub fn direct_all_reduce(rank: usize, world: usize, count: usize) -> Schedule {
 /// Direct reduce-scatter of a `world * n` work buffer: rank r folds slot r of every rank.
 pub fn direct_reduce_scatter(rank: usize, world: usize, n: usize) -> Schedule {
     let len = world * n;
-    let mut s = Schedule { buf_len: len, scratch_len: len, steps: Vec::new() };
+    let mut s = Schedule { buf_len: len, scratch_len: len, ..Schedule::default() };
     if world <= 1 {
         s.scratch_len = 0;
         return s;
@@ -87,6 +87,26 @@ pub fn direct_all_gather(rank: usize, world: usize, n: usize) -> Schedule {
             .map(|p| RecvStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
             .collect(),
         local: Vec::new(),
+    });
+    s
+}
+
+/// Direct all-gather that sends from the op's input (the read-only region after the work
+/// buffer) instead of from the work buffer, and copies the input into its slot last: peers
+/// read the shard where the caller left it, and no step waits for the own copy.
+pub fn direct_all_gather_from_input(rank: usize, world: usize, n: usize) -> Schedule {
+    let mut s = Schedule { buf_len: world * n, input_len: n, ..Schedule::default() };
+    let input = world * n..(world + 1) * n;
+    let peers = (0..world).filter(|&p| p != rank);
+    s.push(Step {
+        sends: peers
+            .clone()
+            .map(|p| SendStep { peer: p, range: input.clone(), action: Action::Copy })
+            .collect(),
+        recvs: peers
+            .map(|p| RecvStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
+            .collect(),
+        local: vec![LocalOp::Copy { src: input, dst: rank * n..(rank + 1) * n }],
     });
     s
 }

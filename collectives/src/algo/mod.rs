@@ -2,8 +2,9 @@
 //! what the receiver does with it. No I/O here; [`crate::executor`] runs a schedule over a
 //! lane's links, and the tests below run it over in-memory buffers.
 //!
-//! A schedule addresses one virtual array: `[0, buf_len)` is the op's work buffer and
-//! `[buf_len, buf_len + scratch_len)` is executor scratch.
+//! A schedule addresses one virtual array: `[0, buf_len)` is the op's work buffer,
+//! `[buf_len, buf_len + scratch_len)` is executor scratch, and the `input_len` elements after
+//! that are the op's input buffer, read-only (sends and local sources only).
 //!
 //! Invariants (checked by [`Schedule::validate`] and the simulations in the tests):
 //! - ALGO-1: in every step a rank sends at most one message to and receives at most one
@@ -23,7 +24,10 @@ mod direct;
 mod hier;
 mod ring;
 
-pub use direct::{direct_all_gather, direct_all_reduce, direct_broadcast, direct_reduce_scatter};
+pub use direct::{
+    direct_all_gather, direct_all_gather_from_input, direct_all_reduce, direct_broadcast,
+    direct_reduce_scatter,
+};
 pub use hier::{hier_all_gather, hier_all_reduce, hier_reduce_scatter};
 pub use ring::{
     chain_broadcast, ring_all_gather, ring_all_reduce, ring_all_reduce_direct_gather,
@@ -156,6 +160,8 @@ pub struct Schedule {
     pub buf_len: usize,
     /// Scratch elements needed after the work buffer.
     pub scratch_len: usize,
+    /// Elements of the op's separate input, after the scratch (read-only; 0: none).
+    pub input_len: usize,
     /// Steps in order. Step numbers (message tags) are indexes into this list and agree
     /// across ranks.
     pub steps: Vec<Step>,
@@ -169,12 +175,14 @@ impl Schedule {
     /// Checks the per-rank parts of ALGO-1 and ALGO-2 and that every range lies inside the
     /// virtual array. Returns a description of the first violation.
     pub fn validate(&self, rank: usize, world: usize) -> Result<(), String> {
+        // Writable part, then the read-only input.
         let end = self.buf_len + self.scratch_len;
+        let read_end = end + self.input_len;
         for (i, s) in self.steps.iter().enumerate() {
             for x in &s.sends {
                 if x.peer >= world
                     || x.peer == rank
-                    || x.range.end > end
+                    || x.range.end > read_end
                     || x.range.start > x.range.end
                 {
                     return Err(format!("step {i}: bad send {x:?}"));
@@ -205,7 +213,11 @@ impl Schedule {
             }
             for l in &s.local {
                 let (LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst }) = l;
-                if src.len() != dst.len() || overlaps(src, dst) || src.end > end || dst.end > end {
+                if src.len() != dst.len()
+                    || overlaps(src, dst)
+                    || src.end > read_end
+                    || dst.end > end
+                {
                     return Err(format!("step {i}: bad local op {l:?}"));
                 }
             }

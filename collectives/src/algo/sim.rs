@@ -12,18 +12,30 @@ pub(crate) fn simulate(
     bufs: Vec<Vec<f32>>,
     combine: Combine,
 ) -> Result<Vec<Vec<f32>>, String> {
+    let inputs = vec![Vec::new(); bufs.len()];
+    simulate_with_inputs(scheds, bufs, inputs, combine)
+}
+
+/// [`simulate`] with each rank's separate input (`input_len` long) after its scratch.
+pub(crate) fn simulate_with_inputs(
+    scheds: &[Schedule],
+    bufs: Vec<Vec<f32>>,
+    inputs: Vec<Vec<f32>>,
+    combine: Combine,
+) -> Result<Vec<Vec<f32>>, String> {
     let world = scheds.len();
     let steps = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
     if scheds.iter().any(|s| s.steps.len() != steps) {
         return Err("ranks disagree on the number of steps".into());
     }
     let mut mem: Vec<Vec<f32>> = Vec::with_capacity(world);
-    for (r, (s, mut b)) in scheds.iter().zip(bufs).enumerate() {
+    for (r, ((s, mut b), input)) in scheds.iter().zip(bufs).zip(inputs).enumerate() {
         s.validate(r, world)?;
-        if b.len() != s.buf_len {
-            return Err(format!("rank {r}: buffer {} != buf_len {}", b.len(), s.buf_len));
+        if b.len() != s.buf_len || input.len() != s.input_len {
+            return Err(format!("rank {r}: buffer or input does not match the schedule"));
         }
         b.resize(s.buf_len + s.scratch_len, f32::NAN);
+        b.extend_from_slice(&input);
         mem.push(b);
     }
     for i in 0..steps {
@@ -156,6 +168,15 @@ mod tests {
         }
         let shards = inputs(world, n, 9);
         let full: Vec<f32> = shards.concat();
+        // From the input region: the work buffer starts empty (NaN).
+        let scheds: Vec<_> =
+            (0..world).map(|r| direct_all_gather_from_input(r, world, n)).collect();
+        let bufs = vec![vec![f32::NAN; world * n]; world];
+        let out = simulate_with_inputs(&scheds, bufs, shards.clone(), Combine::Op(ReduceOp::Sum))
+            .unwrap();
+        for o in &out {
+            assert_eq!(o, &full, "ag from input w={world} n={n}");
+        }
         let ag: [Builder; 3] = [
             |r, w, n, _| ring_all_gather(r, w, n),
             |r, w, n, _| direct_all_gather(r, w, n),
