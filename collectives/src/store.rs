@@ -497,6 +497,13 @@ impl TcpStoreClient {
         Ok(TcpStoreClient { conn: Mutex::new(s), timeout })
     }
 
+    /// Bounds every later request other than `get` (and a `get`'s slack beyond its own
+    /// wait) by `t`: a client that connected with a long rendezvous deadline need not wait
+    /// that long for a store it can no longer reach.
+    pub fn set_request_timeout(&mut self, t: Duration) {
+        self.timeout = t;
+    }
+
     fn request(
         &self,
         kind: Kind,
@@ -514,6 +521,7 @@ impl TcpStoreClient {
         let mut s = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         let io = |e: std::io::Error| StoreError::Io(e.to_string());
         s.set_read_timeout(Some(self.timeout.max(Duration::from_millis(1)) + wait)).map_err(io)?;
+        s.set_write_timeout(Some(self.timeout.max(Duration::from_millis(1)))).map_err(io)?;
         s.write_all(&encode_frame(kind, key.as_bytes(), value)).map_err(io)?;
         let reply = read_reply(&mut s)?;
         match reply.kind {

@@ -255,8 +255,12 @@ fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     } else {
         None
     };
-    let client = TcpStoreClient::connect(env.rdzv.as_str(), &env.token, RENDEZVOUS_TIMEOUT)
+    let mut client = TcpStoreClient::connect(env.rdzv.as_str(), &env.token, RENDEZVOUS_TIMEOUT)
         .map_err(store_err("connecting"))?;
+    // Once connected, a request the store does not answer fails within the collective
+    // timeout like a collective would (a partitioned rank then reports it instead of
+    // waiting out the rendezvous deadline in a checkpoint's store write).
+    client.set_request_timeout(Duration::from_secs(cfg.timeout_s.max(1)));
     let store: Arc<dyn Store> = Arc::new(client);
     let key = |r: usize| format!("launch/{}/hello/{r}", env.job);
     let mine = Hello { node: env.node.clone(), config_hash: checkpoint::config_hash(cfg)? };
