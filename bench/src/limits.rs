@@ -103,6 +103,29 @@ pub fn measure_mem() -> MemLimits {
     }
 }
 
+/// Writes `total` bytes (a multiple of 1 MiB) in 1 MiB writes.
+fn send_mib(s: &mut impl std::io::Write, total: usize) -> std::io::Result<()> {
+    let buf = vec![7u8; 1 << 20];
+    for _ in 0..(total >> 20) {
+        s.write_all(&buf)?;
+    }
+    Ok(())
+}
+
+/// Reads until `total` bytes came or the peer closed.
+fn drain(s: &mut impl std::io::Read, total: usize) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0;
+    while got < total {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    Ok(())
+}
+
 /// Loopback TCP throughput of one stream in GB/s (the limit for the tcp transport), measured
 /// with 64 MiB of 1 MiB writes.
 pub fn measure_tcp_loopback() -> std::io::Result<f64> {
@@ -112,25 +135,14 @@ pub fn measure_tcp_loopback() -> std::io::Result<f64> {
     let total: usize = 256 << 20;
     let reader = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut got = 0;
-        while got < total {
-            let n = s.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            got += n;
-        }
+        drain(&mut s, total)?;
         s.write_all(&[1])?;
         Ok(())
     });
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
-    let buf = vec![7u8; 1 << 20];
     let t = Instant::now();
-    for _ in 0..(total >> 20) {
-        s.write_all(&buf)?;
-    }
+    send_mib(&mut s, total)?;
     let mut ack = [0u8; 1];
     s.read_exact(&mut ack)?;
     let secs = t.elapsed().as_secs_f64();
@@ -142,7 +154,6 @@ pub fn measure_tcp_loopback() -> std::io::Result<f64> {
 /// send 128 MiB at once (1 MiB writes) while reading what the other sends: what one pair of
 /// ranks exchanging at the same time (a W=2 step) can get from the kernel on this machine.
 pub fn measure_tcp_loopback_both_ways() -> std::io::Result<f64> {
-    use std::io::{Read, Write};
     let total: usize = 128 << 20;
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
@@ -150,23 +161,9 @@ pub fn measure_tcp_loopback_both_ways() -> std::io::Result<f64> {
     fn both_ways(s: std::net::TcpStream, total: usize) -> std::io::Result<()> {
         s.set_nodelay(true)?;
         let mut w = s.try_clone()?;
-        let writer = std::thread::spawn(move || -> std::io::Result<()> {
-            let buf = vec![7u8; 1 << 20];
-            for _ in 0..(total >> 20) {
-                w.write_all(&buf)?;
-            }
-            Ok(())
-        });
+        let writer = std::thread::spawn(move || send_mib(&mut w, total));
         let mut r = s;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut got = 0;
-        while got < total {
-            let n = r.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            got += n;
-        }
+        drain(&mut r, total)?;
         writer.join().map_err(|_| std::io::Error::other("writer thread panicked"))??;
         Ok(())
     }

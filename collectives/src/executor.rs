@@ -268,29 +268,34 @@ mod tests {
             ..Schedule::default()
         };
         let mut buf = vec![1.0, 1.0, 1.0, 2.0, 3.0, 4.0];
-        let never = AtomicBool::new(false);
-        let far = Instant::now() + std::time::Duration::from_secs(10);
-        Executor::default()
-            .run(
-                &mut Canned(vec![10.0, 20.0, 30.0, 40.0]),
-                &sched,
-                &mut buf,
-                &[],
-                Combine::Op(ReduceOp::Sum),
-                Tag::default(),
-                far,
-                &never,
-            )
-            .unwrap();
+        run_canned(&sched, &mut buf, &[], vec![10.0, 20.0, 30.0, 40.0]).unwrap();
         assert_eq!(buf, vec![1.0, 1.0, 11.0, 22.0, 33.0, 44.0]);
+    }
+
+    /// Runs `sched` over `buf` and `input` with links that deliver `payload` to every
+    /// receive.
+    fn run_canned(
+        sched: &Schedule,
+        buf: &mut [f32],
+        input: &[f32],
+        payload: Vec<f32>,
+    ) -> Result<(), TransportError> {
+        Executor::default().run(
+            &mut Canned(payload),
+            sched,
+            buf,
+            input,
+            Combine::Op(ReduceOp::Sum),
+            Tag::default(),
+            Instant::now() + std::time::Duration::from_secs(10),
+            &AtomicBool::new(false),
+        )
     }
 
     /// EXEC-3: a receive into the read-only input region is refused before any I/O, and a
     /// send from it reads the input.
     #[test]
     fn input_region_is_read_only_exec_3() {
-        let never = AtomicBool::new(false);
-        let far = Instant::now() + std::time::Duration::from_secs(10);
         let bad = Schedule {
             buf_len: 2,
             input_len: 2,
@@ -298,16 +303,7 @@ mod tests {
             ..Schedule::default()
         };
         let mut buf = vec![0.0; 2];
-        let r = Executor::default().run(
-            &mut Canned(vec![1.0, 2.0]),
-            &bad,
-            &mut buf,
-            &[5.0, 6.0],
-            Combine::Op(ReduceOp::Sum),
-            Tag::default(),
-            far,
-            &never,
-        );
+        let r = run_canned(&bad, &mut buf, &[5.0, 6.0], vec![1.0, 2.0]);
         assert!(matches!(r, Err(TransportError::Setup(_))), "{r:?}");
         // Sending from the input and receiving into the buffer is fine.
         let good = Schedule {
@@ -316,18 +312,7 @@ mod tests {
             steps: vec![step(2..4, 0..2, Action::Copy)],
             ..Schedule::default()
         };
-        Executor::default()
-            .run(
-                &mut Canned(vec![1.0, 2.0]),
-                &good,
-                &mut buf,
-                &[5.0, 6.0],
-                Combine::Op(ReduceOp::Sum),
-                Tag::default(),
-                far,
-                &never,
-            )
-            .unwrap();
+        run_canned(&good, &mut buf, &[5.0, 6.0], vec![1.0, 2.0]).unwrap();
         assert_eq!(buf, vec![1.0, 2.0]);
     }
 
@@ -340,18 +325,7 @@ mod tests {
             ..Schedule::default()
         };
         let mut buf = vec![0.0; 4];
-        let never = AtomicBool::new(false);
-        let far = Instant::now() + std::time::Duration::from_secs(10);
-        let r = Executor::default().run(
-            &mut Canned(vec![1.0, 2.0]),
-            &sched,
-            &mut buf,
-            &[],
-            Combine::Op(ReduceOp::Sum),
-            Tag::default(),
-            far,
-            &never,
-        );
+        let r = run_canned(&sched, &mut buf, &[], vec![1.0, 2.0]);
         assert!(matches!(r, Err(TransportError::Setup(_))), "{r:?}");
         assert_eq!(buf, vec![0.0; 4]);
     }

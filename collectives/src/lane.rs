@@ -552,6 +552,14 @@ impl Worker {
         self.failed = Some(e);
     }
 
+    /// Whether `Auto`, resolved to a ring, gathers directly instead: where the transport
+    /// prefers it (`LaneLinks::prefers_direct_gather`, the same on every rank).
+    fn auto_gathers_direct(&self, asked: Algorithm, resolved: Algorithm) -> bool {
+        asked == Algorithm::Auto
+            && resolved == Algorithm::Ring
+            && self.links.prefers_direct_gather()
+    }
+
     fn resolve(&self, algo: Algorithm, bytes: usize) -> Algorithm {
         match algo {
             Algorithm::Auto => {
@@ -585,9 +593,7 @@ impl Worker {
                 let algo = self.resolve(job.algo, n * 4);
                 // The ring's all-gather half goes direct where the transport prefers it
                 // (the same rule as for all-gather; every rank decides alike).
-                let direct_gather = job.algo == Algorithm::Auto
-                    && algo == Algorithm::Ring
-                    && self.links.prefers_direct_gather();
+                let direct_gather = self.auto_gathers_direct(job.algo, algo);
                 let key = (OpKind::AllReduce, algo, n, usize::from(direct_gather));
                 let sched = self.schedule(key, || match algo {
                     Algorithm::Direct => algo::direct_all_reduce(rank, world, n),
@@ -647,10 +653,7 @@ impl Worker {
             Body::AllGather { input, mut output, done } => {
                 let n = input.len();
                 let mut algo = self.resolve(job.algo, output.len() * 4);
-                if job.algo == Algorithm::Auto
-                    && algo == Algorithm::Ring
-                    && self.links.prefers_direct_gather()
-                {
+                if self.auto_gathers_direct(job.algo, algo) {
                     algo = Algorithm::Direct;
                 }
                 // Direct over a transport that prefers it: peers read the shard from the

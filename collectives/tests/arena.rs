@@ -14,6 +14,17 @@ use shardline_collectives::Algorithm;
 #[global_allocator]
 static ALLOC: SharedArena = SharedArena;
 
+/// Whether this process's large buffers come from the arena (else the test says why it
+/// skips).
+fn arena_serves_large_buffers() -> bool {
+    let big: Vec<f32> = vec![0.0; 1 << 20];
+    let ok = arena::contains(big.as_ptr().cast(), big.len() * 4);
+    if !ok {
+        println!("skipped: the arena could not be set up here");
+    }
+    ok
+}
+
 fn group(w: usize) -> Vec<shardline_collectives::Communicator> {
     group_over(w, &|r, store| {
         Arc::new(ShmTransport::new(r, w, store, "arena-grid").expect("shm transport"))
@@ -24,12 +35,9 @@ fn group(w: usize) -> Vec<shardline_collectives::Communicator> {
 /// count, 4 MiB per buffer, goes through the arena path), and the path is really taken.
 #[test]
 fn arena_path_passes_the_conformance_grid_shm_6() {
-    let big: Vec<f32> = vec![0.0; 1 << 20];
-    if !arena::contains(big.as_ptr().cast(), big.len() * 4) {
-        println!("skipped: the arena could not be set up here");
+    if !arena_serves_large_buffers() {
         return;
     }
-    drop(big);
     let before = ARENA_READS.load(Ordering::Relaxed);
     let cfg = GridConfig {
         worlds: vec![2, 3, 4],
@@ -54,12 +62,9 @@ fn withdrawn_arena_message_is_never_delivered_shm_5() {
     use std::sync::atomic::AtomicBool;
     use std::time::Instant;
 
-    let probe: Vec<f32> = vec![0.0; 1 << 20];
-    if !arena::contains(probe.as_ptr().cast(), probe.len() * 4) {
-        println!("skipped: the arena could not be set up here");
+    if !arena_serves_large_buffers() {
         return;
     }
-    drop(probe);
     let store: Arc<dyn shardline_collectives::Store> = Arc::new(MemStore::new());
     let tag = Tag { lane: 1, seq: 1, kind: 1, count: 1, root: u32::MAX, step: 0 };
     let len = 1 << 20;

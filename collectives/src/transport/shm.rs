@@ -493,13 +493,7 @@ impl ShmTransport {
         if let Some(a) = &self.peer_arenas.lock().unwrap_or_else(|e| e.into_inner())[peer] {
             return Ok(Some(Arc::clone(a)));
         }
-        let key = format!("shm/{}/arena/{peer}", self.job);
-        let v = self.store.get(&key, deadline.saturating_duration_since(Instant::now())).map_err(
-            |e| match e {
-                crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer },
-                e => setup(e),
-            },
-        )?;
+        let v = self.get_from(peer, &format!("shm/{}/arena/{peer}", self.job), deadline)?;
         let text = String::from_utf8_lossy(&v);
         let nums: Vec<usize> = text.split(' ').filter_map(|x| x.parse().ok()).collect();
         let &[fd, base, len] = nums.as_slice() else { return Ok(None) };
@@ -511,17 +505,26 @@ impl ShmTransport {
         Ok(Some(a))
     }
 
+    /// What `peer` published under `key`, waiting until `deadline` (a late peer is a
+    /// `Timeout` naming it).
+    fn get_from(
+        &self,
+        peer: usize,
+        key: &str,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, TransportError> {
+        self.store.get(key, deadline.saturating_duration_since(Instant::now())).map_err(|e| match e
+        {
+            crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer },
+            e => setup(e),
+        })
+    }
+
     fn peer_pid(&self, peer: usize, deadline: Instant) -> Result<i32, TransportError> {
         if let Some(pid) = self.pids.lock().unwrap_or_else(|e| e.into_inner())[peer] {
             return Ok(pid);
         }
-        let key = format!("shm/{}/pid/{peer}", self.job);
-        let v = self.store.get(&key, deadline.saturating_duration_since(Instant::now())).map_err(
-            |e| match e {
-                crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer },
-                e => setup(e),
-            },
-        )?;
+        let v = self.get_from(peer, &format!("shm/{}/pid/{peer}", self.job), deadline)?;
         let pid = std::str::from_utf8(&v)
             .ok()
             .and_then(|s| s.parse::<i32>().ok())
@@ -592,13 +595,7 @@ impl Transport for ShmTransport {
                 continue;
             };
             let pid = self.peer_pid(p, deadline)?;
-            let name = self
-                .store
-                .get(&key(p, me), deadline.saturating_duration_since(Instant::now()))
-                .map_err(|e| match e {
-                    crate::store::StoreError::Timeout { .. } => TransportError::Timeout { peer: p },
-                    e => setup(e),
-                })?;
+            let name = self.get_from(p, &key(p, me), deadline)?;
             let name = String::from_utf8(name).map_err(|_| setup("bad segment name"))?;
             let inn = Segment::open(&name)?;
             // SHM-4: tell the sender whether this rank may read its memory.
@@ -670,6 +667,10 @@ struct Progress {
     ack_at: u64,
     /// A zero-length message still takes one slot.
     done: bool,
+    /// Sends: big enough to go by descriptor (SHM-4) if the receiver may read this process.
+    by_cma: bool,
+    /// Sends: lies in this process's arena and is big enough for SHM-6.
+    by_arena: bool,
 }
 
 impl ShmLinks {
@@ -691,17 +692,9 @@ impl ShmLinks {
     }
 
     /// Pushes as much of `data` as the ring takes; returns whether anything moved.
-    /// `by_descriptor`: the message is big enough to go by descriptor (SHM-4) if the
-    /// receiver may read this process's memory.
-    /// `by_arena`: it lies in this process's arena and is big enough for SHM-6.
-    fn push(
-        peer: &mut Peer,
-        tag: &Tag,
-        data: &[u8],
-        st: &mut Progress,
-        by_descriptor: bool,
-        by_arena: bool,
-    ) -> bool {
+    /// Whether it goes by descriptor was decided once per message (`Progress::by_cma`,
+    /// `Progress::by_arena`).
+    fn push(peer: &mut Peer, tag: &Tag, data: &[u8], st: &mut Progress) -> bool {
         let seg = &peer.out;
         let mut moved = false;
         if st.ack_at != 0 {
@@ -716,8 +709,8 @@ impl ShmLinks {
             }
             let slot = (peer.out_head % seg.slots as u64) as usize;
             if st.done_bytes == 0
-                && ((by_arena && seg.u32_at(OFF_ARENA_OK).load(Ordering::Acquire) != 0)
-                    || (by_descriptor && seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) != 0))
+                && ((st.by_arena && seg.u32_at(OFF_ARENA_OK).load(Ordering::Acquire) != 0)
+                    || (st.by_cma && seg.u32_at(OFF_CMA_OK).load(Ordering::Acquire) != 0))
             {
                 let mut h = [0u8; SLOT_HEADER_BYTES];
                 h[0..32].copy_from_slice(&tag.encode());
@@ -987,7 +980,21 @@ impl LaneLinks for ShmLinks {
         for r in recvs.iter() {
             self.peer(r.peer)?;
         }
-        let mut send_st = vec![Progress::default(); sends.len()];
+        let mut send_st: Vec<Progress> = sends
+            .iter()
+            .map(|op| {
+                let len = op.data.len();
+                let min =
+                    if op.copied { self.cma_copy_min.min(self.cma_min) } else { self.cma_min };
+                Progress {
+                    by_cma: len >= min,
+                    by_arena: self.own_arena
+                        && len >= self.arena_min
+                        && crate::arena::contains(op.data.as_ptr(), len),
+                    ..Progress::default()
+                }
+            })
+            .collect();
         let r = self.progress(tag, sends, recvs, deadline, cancel, &mut send_st);
         if r.is_err() {
             // SHM-5: withdraw every descriptor still offered before the caller may free
@@ -1047,12 +1054,7 @@ impl ShmLinks {
                 }
                 busy[op.peer] = true;
                 let peer = self.peers[op.peer].as_mut().ok_or_else(|| setup("no link"))?;
-                let min =
-                    if op.copied { self.cma_copy_min.min(self.cma_min) } else { self.cma_min };
-                let by_arena = self.own_arena
-                    && op.data.len() >= self.arena_min
-                    && crate::arena::contains(op.data.as_ptr(), op.data.len());
-                moved |= Self::push(peer, &tag, op.data, st, op.data.len() >= min, by_arena);
+                moved |= Self::push(peer, &tag, op.data, st);
                 pending |= !st.done;
             }
             busy.iter_mut().for_each(|b| *b = false);

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, Socket, Type};
 
-use super::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, TransportError};
+use super::{LaneLinks, Poison, RecvOp, SendOp, Sink, Tag, Transport, TransportError};
 use crate::store::{Store, StoreError};
 
 /// Largest chunk (frame payload) of a message; also the striping unit.
@@ -820,41 +820,37 @@ impl TcpLinks {
                 st.got = 0;
             }
             let (off, n) = chunk_range(op.len, st.chunk);
-            if st.got < n && op.sink.copy_target().is_some() {
-                // TR-6: a plain copy is read from the socket straight into its destination.
-                let dst = op.sink.copy_target().expect("checked above");
-                let room = &mut dst[off + st.got..off + n];
-                match recv_some(fd, room, 0).map_err(|e| link_err(peer, e))? {
-                    None => return Ok(moved),
-                    Some(0) => return Err(lost_eof(peer)),
-                    Some(k) => {
-                        moved = true;
-                        st.got += k;
-                        budget = budget.saturating_sub(k);
-                    }
-                }
-            } else if st.got < n {
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+            if st.got < n {
+                // TR-6: a plain copy is read from the socket straight into its destination;
+                // anything else through the scratch, handed on in whole f32s.
                 let c = st.carry_len;
-                bytes[..c].copy_from_slice(&st.carry[..c]);
-                let room = (n - st.got).min(bytes.len() - c);
-                match recv_some(fd, &mut bytes[c..c + room], 0).map_err(|e| link_err(peer, e))? {
+                let read = match &mut op.sink {
+                    Sink::Copy(dst) => recv_some(fd, &mut dst[off + st.got..off + n], 0),
+                    Sink::Fn(_) => {
+                        let bytes: &mut [u8] = bytemuck::cast_slice_mut(scratch);
+                        bytes[..c].copy_from_slice(&st.carry[..c]);
+                        let room = (n - st.got).min(bytes.len() - c);
+                        recv_some(fd, &mut bytes[c..c + room], 0)
+                    }
+                };
+                let k = match read.map_err(|e| link_err(peer, e))? {
                     None => return Ok(moved),
                     Some(0) => return Err(lost_eof(peer)),
-                    Some(k) => {
-                        moved = true;
-                        let have = c + k;
-                        let whole = have & !3;
-                        let start = off + st.got - c;
-                        if whole > 0 {
-                            op.sink.put(start, &bytes[..whole]);
-                        }
-                        st.carry_len = have - whole;
-                        st.carry[..st.carry_len].copy_from_slice(&bytes[whole..have]);
-                        st.got += k;
-                        budget = budget.saturating_sub(k);
+                    Some(k) => k,
+                };
+                moved = true;
+                if let Sink::Fn(_) = op.sink {
+                    let bytes: &[u8] = bytemuck::cast_slice(scratch);
+                    let have = c + k;
+                    let whole = have & !3;
+                    if whole > 0 {
+                        op.sink.put(off + st.got - c, &bytes[..whole]);
                     }
+                    st.carry_len = have - whole;
+                    st.carry[..st.carry_len].copy_from_slice(&bytes[whole..have]);
                 }
+                st.got += k;
+                budget = budget.saturating_sub(k);
             }
             if st.got == n {
                 st.chunk += 1;
