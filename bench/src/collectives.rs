@@ -164,6 +164,12 @@ pub struct Args {
     /// Per-op timeout in seconds.
     #[arg(long, default_value_t = 60)]
     pub timeout_s: u64,
+    /// Run reduce-scatter and all-gather in place (nccl-tests' in-place columns: the shard
+    /// lies in its slot of the whole buffer, so no separate input or output is copied).
+    /// All-reduce and broadcast are in place either way.
+    #[arg(long)]
+    #[serde(default)]
+    pub in_place: bool,
     /// Write the rows as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -234,6 +240,9 @@ pub struct Row {
     /// busbw as a fraction of what the op's minimal memory traffic allows at the bandwidth
     /// measured in the same run (local/shm) or of loopback TCP throughput (tcp).
     pub frac_of_limit: Option<f64>,
+    /// Reduce-scatter / all-gather run in place (`--in-place`).
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 fn sizes(args: &Args) -> Vec<u64> {
@@ -292,7 +301,16 @@ fn run_rank(
                     Op::ReduceScatter => {
                         a.clear();
                         a.extend((0..shard * w).map(|i| input_value(r, i)));
-                        b.resize(shard, 0.0);
+                        if !args.in_place {
+                            b.resize(shard, 0.0);
+                        }
+                    }
+                    Op::AllGather if args.in_place => {
+                        // The whole buffer, the own shard in its slot.
+                        a.resize(shard * w, 0.0);
+                        for (i, x) in a[r * shard..(r + 1) * shard].iter_mut().enumerate() {
+                            *x = input_value(r, i);
+                        }
                     }
                     Op::AllGather => {
                         a.clear();
@@ -313,6 +331,20 @@ fn run_rank(
                     Op::Broadcast => {
                         a = lane
                             .broadcast_opts(std::mem::take(&mut a), 0, &blocking)
+                            .wait_timeout(timeout)?;
+                    }
+                    Op::ReduceScatter if args.in_place => {
+                        a = lane
+                            .reduce_scatter_in_place_opts(
+                                std::mem::take(&mut a),
+                                ReduceOp::Sum,
+                                &blocking,
+                            )
+                            .wait_timeout(timeout)?;
+                    }
+                    Op::AllGather if args.in_place => {
+                        a = lane
+                            .all_gather_in_place_opts(std::mem::take(&mut a), &blocking)
                             .wait_timeout(timeout)?;
                     }
                     Op::ReduceScatter => {
@@ -344,7 +376,15 @@ fn run_rank(
                     times.push(dt);
                 }
                 if args.check && (it == n_warm || it + 1 == n_warm + n_iters) {
-                    wrong += count_wrong(op, r, w, total, shard, &a, &b);
+                    // The result: the whole buffer for all-reduce, broadcast and an in-place
+                    // all-gather; the own shard for reduce-scatter; the output otherwise.
+                    let out: &[f32] = match op {
+                        Op::ReduceScatter if args.in_place => &a[r * shard..(r + 1) * shard],
+                        Op::ReduceScatter => &b,
+                        Op::AllGather if !args.in_place => &b,
+                        _ => &a,
+                    };
+                    wrong += count_wrong(op, r, w, total, shard, out);
                 }
             }
             out.push(RankResult { op, bytes, times, wrong });
@@ -353,22 +393,14 @@ fn run_rank(
     Ok(out)
 }
 
-fn count_wrong(
-    op: Op,
-    r: usize,
-    w: usize,
-    total: usize,
-    shard: usize,
-    a: &[f32],
-    b: &[f32],
-) -> i64 {
+fn count_wrong(op: Op, r: usize, w: usize, total: usize, shard: usize, out: &[f32]) -> i64 {
     let sum_at = |i: usize| (0..w).map(|q| input_value(q, i)).sum::<f32>();
     let bad = match op {
-        Op::AllReduce => (0..total).filter(|&i| a[i] != sum_at(i)).count(),
-        Op::Broadcast => (0..total).filter(|&i| a[i] != input_value(0, i)).count(),
-        Op::ReduceScatter => (0..shard).filter(|&i| b[i] != sum_at(r * shard + i)).count(),
+        Op::AllReduce => (0..total).filter(|&i| out[i] != sum_at(i)).count(),
+        Op::Broadcast => (0..total).filter(|&i| out[i] != input_value(0, i)).count(),
+        Op::ReduceScatter => (0..shard).filter(|&i| out[i] != sum_at(r * shard + i)).count(),
         Op::AllGather => (0..shard * w)
-            .filter(|&i| b[i] != input_value(i / shard.max(1), i % shard.max(1)))
+            .filter(|&i| out[i] != input_value(i / shard.max(1), i % shard.max(1)))
             .count(),
     };
     bad as i64
@@ -393,7 +425,12 @@ fn median(v: &[f64]) -> f64 {
 }
 
 /// Combines every rank's results: per iteration the slowest rank's time.
-fn combine(transport: TransportKind, w: usize, per_rank: &[Vec<RankResult>]) -> Vec<Row> {
+fn combine(
+    transport: TransportKind,
+    w: usize,
+    per_rank: &[Vec<RankResult>],
+    in_place: bool,
+) -> Vec<Row> {
     let mut rows = Vec::new();
     for (k, first) in per_rank[0].iter().enumerate() {
         let n = first.times.len();
@@ -414,6 +451,7 @@ fn combine(transport: TransportKind, w: usize, per_rank: &[Vec<RankResult>]) -> 
             busbw_gbps: algbw * first.op.busbw_factor(w),
             wrong: per_rank.iter().map(|rr| rr[k].wrong).sum(),
             frac_of_limit: None,
+            in_place,
         });
     }
     rows
@@ -429,7 +467,7 @@ fn run_local(w: usize, ops: &[Op], sizes: &[u64], args: &Args) -> anyhow::Result
             .collect()
     });
     let per_rank: Vec<Vec<RankResult>> = results.into_iter().collect::<anyhow::Result<_>>()?;
-    Ok(combine(TransportKind::Local, w, &per_rank))
+    Ok(combine(TransportKind::Local, w, &per_rank, args.in_place))
 }
 
 /// Hidden worker entry: one rank of a multi-process run.
@@ -586,7 +624,7 @@ fn run_processes(
     if let Some(f) = failure {
         bail!("{} benchmark at world {w} failed: {f}", kind.name());
     }
-    Ok(combine(kind, w, &per_rank))
+    Ok(combine(kind, w, &per_rank, args.in_place))
 }
 
 /// Measures `ops` at `sizes` across the nodes of `net`, `nproc` worker processes per node
@@ -629,7 +667,7 @@ pub fn run_on_net(
             .ok_or_else(|| anyhow::anyhow!("rank {r} printed no result"))?;
         per_rank.push(serde_json::from_str::<Vec<RankResult>>(json)?);
     }
-    let mut rows = combine(TransportKind::Tcp, w, &per_rank);
+    let mut rows = combine(TransportKind::Tcp, w, &per_rank, args.in_place);
     for row in &mut rows {
         row.transport = format!("nodes {n}x{nproc}");
         let op = Op::ALL.into_iter().find(|o| o.name() == row.op).unwrap_or(Op::AllReduce);
@@ -653,6 +691,7 @@ impl Args {
             iters: Some(iters),
             check: true,
             timeout_s: 120,
+            in_place: false,
             json: None,
             plot: None,
             no_limits: true,
@@ -755,9 +794,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // Buffers must split evenly for reduce-scatter / all-gather: round sizes to W*4 bytes.
             let sz: Vec<u64> =
                 all_sizes.iter().map(|&b| (b / (4 * w as u64)).max(1) * 4 * w as u64).collect();
+            let place = if args.in_place { ", in place" } else { "" };
             match args.algo {
-                AlgoArg::Auto => println!("\n# transport {} world {w}", kind.name()),
-                a => println!("\n# transport {} world {w} algorithm {a:?}", kind.name()),
+                AlgoArg::Auto => println!("\n# transport {} world {w}{place}", kind.name()),
+                a => println!("\n# transport {} world {w} algorithm {a:?}{place}", kind.name()),
             }
             print_header();
             let mut part = match kind {

@@ -97,6 +97,17 @@ enum Body {
         output: Vec<f32>,
         done: Completer<(Vec<f32>, Vec<f32>)>,
     },
+    /// In place: slice `rank` of `buf` is the input; the result is all of `buf`.
+    AllGatherInPlace {
+        buf: Vec<f32>,
+        done: Completer<Vec<f32>>,
+    },
+    /// In place: `buf` is the input; the result is slice `rank` of it.
+    ReduceScatterInPlace {
+        buf: Vec<f32>,
+        op: ReduceOp,
+        done: Completer<Vec<f32>>,
+    },
     Broadcast {
         buf: Vec<f32>,
         root: usize,
@@ -119,6 +130,9 @@ impl Body {
         match self {
             Body::AllReduce { done, .. } | Body::Broadcast { done, .. } => done.start(at),
             Body::Records { done, .. } => done.start(at),
+            Body::AllGatherInPlace { done, .. } | Body::ReduceScatterInPlace { done, .. } => {
+                done.start(at)
+            }
             Body::ReduceScatter { done, .. } | Body::AllGather { done, .. } => done.start(at),
             Body::Barrier { done } => done.start(at),
         }
@@ -369,6 +383,50 @@ impl Lane {
         };
         let bytes = output.len() * 4;
         self.issue(opts, bytes, check, |done| Body::AllGather { input, output, done })
+    }
+
+    /// In-place all-gather (NCCL's `sendbuff == recvbuff + rank * count`): `buf` holds
+    /// `world` slices of equal length and slice `rank` is this rank's shard on entry; on
+    /// return every slice holds its rank's shard. Saves the copy of the own shard that
+    /// [`Lane::all_gather`] makes. Ranks may mix the two forms in one op.
+    pub fn all_gather_in_place(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
+        self.all_gather_in_place_opts(buf, &CallOptions::default())
+    }
+
+    /// [`Lane::all_gather_in_place`] with options.
+    pub fn all_gather_in_place_opts(&self, buf: Vec<f32>, opts: &CallOptions) -> Work<Vec<f32>> {
+        let check = self.check_world_multiple("all_gather_in_place", buf.len());
+        let bytes = buf.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::AllGatherInPlace { buf, done })
+    }
+
+    /// In-place reduce-scatter (NCCL's `recvbuff == sendbuff + rank * recvcount`): `buf`
+    /// holds `world` slices of equal length; on return slice `rank` holds the reduction of
+    /// slice `rank` of every rank's `buf`, and the other slices are scratch. Saves the copy
+    /// into a separate output that [`Lane::reduce_scatter`] makes.
+    pub fn reduce_scatter_in_place(&self, buf: Vec<f32>, op: ReduceOp) -> Work<Vec<f32>> {
+        self.reduce_scatter_in_place_opts(buf, op, &CallOptions::default())
+    }
+
+    /// [`Lane::reduce_scatter_in_place`] with options.
+    pub fn reduce_scatter_in_place_opts(
+        &self,
+        buf: Vec<f32>,
+        op: ReduceOp,
+        opts: &CallOptions,
+    ) -> Work<Vec<f32>> {
+        let check = self.check_world_multiple("reduce_scatter_in_place", buf.len());
+        let bytes = buf.len() * 4;
+        self.issue(opts, bytes, check, |done| Body::ReduceScatterInPlace { buf, op, done })
+    }
+
+    fn check_world_multiple(&self, what: &str, len: usize) -> Result<(), String> {
+        let w = self.inner.shared.world;
+        if len % w == 0 {
+            Ok(())
+        } else {
+            Err(format!("{what}: buffer has {len} elements, not a multiple of world {w}"))
+        }
     }
 
     /// Copies `root`'s buffer into every rank's buffer.
@@ -676,6 +734,41 @@ impl Worker {
                     self.execute(&ctx, &sched, &mut output, &[], Combine::Op(ReduceOp::Sum))
                 };
                 done.complete(r.map(|_| (input, output)));
+            }
+            Body::ReduceScatterInPlace { mut buf, op, done } => {
+                let n = buf.len() / world;
+                // The same schedule (and wire traffic) as the out-of-place form, whose work
+                // buffer is its input; only the final copy into a separate output is gone.
+                let algo = self.resolve(job.algo, buf.len() * 4);
+                let sched = self.schedule((OpKind::ReduceScatter, algo, n, 0), || match algo {
+                    Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
+                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, topo, n),
+                    _ => algo::ring_reduce_scatter(rank, world, n),
+                });
+                let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, buf.len(), None);
+                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(op));
+                if r.is_ok() && op == ReduceOp::Avg {
+                    scale_avg(&mut buf[rank * n..(rank + 1) * n], world);
+                }
+                done.complete(r.map(|_| buf));
+            }
+            Body::AllGatherInPlace { mut buf, done } => {
+                let n = buf.len() / world;
+                let mut algo = self.resolve(job.algo, buf.len() * 4);
+                if self.auto_gathers_direct(job.algo, algo) {
+                    algo = Algorithm::Direct;
+                }
+                // The shard already lies in its slot: the schedules that send from the work
+                // buffer need no own copy (the direct one is wire-identical to the form that
+                // sends from a separate input).
+                let sched = self.schedule((OpKind::AllGather, algo, n, 0), || match algo {
+                    Algorithm::Direct => algo::direct_all_gather(rank, world, n),
+                    Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
+                    _ => algo::ring_all_gather(rank, world, n),
+                });
+                let ctx = mk(self, OpKind::AllGather, None, algo, buf.len(), None);
+                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(ReduceOp::Sum));
+                done.complete(r.map(|_| buf));
             }
             Body::Broadcast { mut buf, root, done } => {
                 let n = buf.len();

@@ -231,6 +231,14 @@ fn grid_case(comm: &Communicator, count: usize, algo: Algorithm, large: bool, se
         check(&ctx(&format!("reduce_scatter {op:?}")), check_close(&got, mine, op, world));
         comm.pool().give(scratch);
         comm.pool().give(got);
+        // In place (NCCL's recvbuff == sendbuff + rank * recvcount): the same reduction in
+        // slice `rank` of the input.
+        let got = lane.reduce_scatter_in_place_opts(ins[rank].clone(), op, &o).wait_timeout(wait);
+        let got = got.unwrap_or_else(|e| panic!("{}: {e}", ctx("reduce_scatter_in_place")));
+        check(
+            &ctx(&format!("reduce_scatter_in_place {op:?}")),
+            check_close(&got[rank * n..(rank + 1) * n], mine, op, world),
+        );
     }
     let shards: Vec<Vec<f32>> = (0..world).map(|r| input(seed + 20, r, n)).collect();
     let out = comm.pool().take(world * n);
@@ -240,6 +248,26 @@ fn grid_case(comm: &Communicator, count: usize, algo: Algorithm, large: bool, se
         panic!("{}: wrong result", ctx("all_gather"));
     }
     comm.pool().give(got);
+    // In place, and the two forms mixed across ranks (odd ranks out of place): the wire
+    // traffic is the same.
+    for mixed in [false, true] {
+        let got = if mixed && rank % 2 == 1 {
+            let out = comm.pool().take(world * n);
+            let got = lane.all_gather_opts(shards[rank].clone(), out, &o).wait_timeout(wait);
+            got.map(|(_, full)| full)
+        } else {
+            let mut buf = vec![f32::NAN; world * n];
+            buf[rank * n..(rank + 1) * n].copy_from_slice(&shards[rank]);
+            lane.all_gather_in_place_opts(buf, &o).wait_timeout(wait)
+        };
+        let what = if mixed { "all_gather_in_place (mixed)" } else { "all_gather_in_place" };
+        let got = got.unwrap_or_else(|e| panic!("{}: {e}", ctx(what)));
+        let want = shards.concat();
+        if got.len() != want.len() || got.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            panic!("{}: wrong result", ctx(what));
+        }
+    }
     for root in [0, world - 1] {
         let src = input(seed + 30 + root as u64, root, count);
         let buf = if rank == root { src.clone() } else { vec![f32::NAN; count] };

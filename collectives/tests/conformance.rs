@@ -163,6 +163,10 @@ fn invalid_arguments_fail_before_io() {
         let lane = comm.lane("args").expect("lane");
         let e = lane.reduce_scatter(vec![0.0; 5], vec![0.0; 2], ReduceOp::Sum).wait_timeout(WAIT);
         assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
+        let e = lane.all_gather_in_place(vec![0.0; 5]).wait_timeout(WAIT);
+        assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
+        let e = lane.reduce_scatter_in_place(vec![0.0; 5], ReduceOp::Sum).wait_timeout(WAIT);
+        assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
         let e = lane.broadcast(vec![0.0; 5], 9).wait_timeout(WAIT);
         assert!(matches!(e, Err(shardline_collectives::CollectiveError::InvalidArgument(_))));
         // The lane still works afterwards.

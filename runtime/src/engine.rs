@@ -160,15 +160,16 @@ pub struct StepStats {
 impl PendingReduce {
     fn unit(&self) -> usize {
         match self {
-            PendingReduce::AllReduce { unit, .. } | PendingReduce::ReduceScatter { unit, .. } => {
-                *unit
-            }
+            PendingReduce::AllReduce { unit, .. }
+            | PendingReduce::ReduceScatterInPlace { unit, .. }
+            | PendingReduce::ReduceScatter { unit, .. } => *unit,
         }
     }
 
     fn is_done(&self) -> bool {
         match self {
-            PendingReduce::AllReduce { work, .. } => work.is_done(),
+            PendingReduce::AllReduce { work, .. }
+            | PendingReduce::ReduceScatterInPlace { work, .. } => work.is_done(),
             PendingReduce::ReduceScatter { work, .. } => work.is_done(),
         }
     }
@@ -224,15 +225,18 @@ impl GatherPlan {
 
 struct PendingGather {
     unit: usize,
-    work: Work<(Vec<f32>, Vec<f32>)>,
+    work: Work<Vec<f32>>,
     alloc: Allocation,
 }
 
 enum PendingReduce {
     /// Stage 0: all-reduce of the unit's full gradient (its persistent buffer).
     AllReduce { unit: usize, work: Work<Vec<f32>> },
-    /// Stages 1-3: reduce-scatter of the unit's full gradient into its shard. Stage 1 reduces
-    /// its persistent full buffer; stages 2 and 3 a transient one, counted by `alloc`.
+    /// Stage 1: reduce-scatter in place of the unit's persistent full gradient buffer; the
+    /// own slice holds the result.
+    ReduceScatterInPlace { unit: usize, work: Work<Vec<f32>> },
+    /// Stages 2 and 3: reduce-scatter of the unit's transient full gradient (counted by
+    /// `alloc`) into its shard.
     ReduceScatter { unit: usize, work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation> },
 }
 
@@ -455,13 +459,11 @@ impl RankEngine {
             l.padded_numel(),
             &unit_label(&self.model, unit),
         )?;
-        let pool = self.comm.pool();
-        let mut shard = pool.take(l.shard_len());
-        shard.clear();
-        shard.extend_from_slice(&self.params[unit]);
-        let mut full = pool.take(l.padded_numel());
-        full.resize(l.padded_numel(), 0.0);
-        let work = self.gather.all_gather(shard, full);
+        // In place: the own shard goes straight into its slot of the gathered buffer, with no
+        // separate input to copy from.
+        let mut full = self.comm.pool().take(l.padded_numel());
+        full[l.shard_range(self.rank)].copy_from_slice(&self.params[unit]);
+        let work = self.gather.all_gather_in_place(full);
         Ok(PendingGather { unit, work, alloc })
     }
 
@@ -559,8 +561,7 @@ impl RankEngine {
             None => self.issue_gather(unit)?,
         };
         let label = unit_label(&self.model, unit);
-        let (shard, full) = self.wait(p.work, Row::Gather, &format!("gather {label}"), clock)?;
-        self.comm.pool().give(shard);
+        let full = self.wait(p.work, Row::Gather, &format!("gather {label}"), clock)?;
         Ok(Gathered { full, _alloc: p.alloc })
     }
 
@@ -693,6 +694,11 @@ impl RankEngine {
                     unit: u,
                     work: self.reduce.all_reduce(gfull, ReduceOp::Sum),
                 }
+            } else if stage == Stage::Zero1 {
+                PendingReduce::ReduceScatterInPlace {
+                    unit: u,
+                    work: self.reduce.reduce_scatter_in_place(gfull, ReduceOp::Sum),
+                }
             } else {
                 let mut out = self.comm.pool().take(l.shard_len());
                 out.resize(l.shard_len(), 0.0);
@@ -797,25 +803,20 @@ impl RankEngine {
 
         // ---- stages 1 and 2: all-gather the updated parameters ----
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+            // In place: the updated own slice already lies in the full buffer.
             let mut works = Vec::with_capacity(n_units);
             for u in 0..n_units {
-                let l = self.layout.unit(u);
-                let r = l.shard_range(self.rank);
-                let mut shard = self.comm.pool().take(l.shard_len());
-                shard.clear();
-                shard.extend_from_slice(&self.params[u][r]);
                 let full = std::mem::take(&mut self.params[u]);
-                works.push((u, self.gather.all_gather(shard, full)));
+                works.push((u, self.gather.all_gather_in_place(full)));
             }
             for (u, work) in works {
-                let (shard, full) = self.wait(
+                let full = self.wait(
                     work,
                     Row::Gather,
                     &format!("all-gather {}", unit_label(&model, u)),
                     &mut clock,
                 )?;
                 self.params[u] = full;
-                self.comm.pool().give(shard);
             }
         }
         drop(act_allocs);
@@ -879,20 +880,18 @@ impl RankEngine {
                 self.grads[unit] = self.wait(work, Row::Reduce, &what, clock)?;
                 unit
             }
+            PendingReduce::ReduceScatterInPlace { unit, work } => {
+                let what = format!("reduce-scatter {}", unit_label(&self.model, unit));
+                // The persistent full buffer; its own slice holds the result.
+                self.grads[unit] = self.wait(work, Row::Reduce, &what, clock)?;
+                unit
+            }
             PendingReduce::ReduceScatter { unit, work, alloc } => {
                 let what = format!("reduce-scatter {}", unit_label(&self.model, unit));
                 let (full, shard) = self.wait(work, Row::Reduce, &what, clock)?;
-                if self.cfg.stage == Stage::Zero1 {
-                    // The persistent full buffer; its own slice holds the result.
-                    self.grads[unit] = full;
-                    let r = self.layout.unit(unit).shard_range(self.rank);
-                    self.grads[unit][r].copy_from_slice(&shard);
-                    self.comm.pool().give(shard);
-                } else {
-                    let old = std::mem::replace(&mut self.grads[unit], shard);
-                    self.comm.pool().give(old);
-                    self.comm.pool().give(full);
-                }
+                let old = std::mem::replace(&mut self.grads[unit], shard);
+                self.comm.pool().give(old);
+                self.comm.pool().give(full);
                 drop(alloc);
                 unit
             }

@@ -196,6 +196,18 @@ pub fn run_grid(comm: &Communicator, wait: Duration) -> Result<(usize, u64), Str
                 check_close(&got, &want[rank * count..(rank + 1) * count], op, world)
                     .map_err(|e| format!("{} {op:?}: {e}", ctx("reduce_scatter")))?;
                 cases += 1;
+                let got = lane
+                    .reduce_scatter_in_place_opts(ins[rank].clone(), op, &o)
+                    .wait_timeout(wait)
+                    .map_err(|e| format!("{}: {e}", ctx("reduce_scatter_in_place")))?;
+                check_close(
+                    &got[rank * count..(rank + 1) * count],
+                    &want[rank * count..(rank + 1) * count],
+                    op,
+                    world,
+                )
+                .map_err(|e| format!("{} {op:?}: {e}", ctx("reduce_scatter_in_place")))?;
+                cases += 1;
             }
             let shards: Vec<Vec<f32>> = (0..world).map(|r| input(seed + 20, r, count)).collect();
             let (_, got) = lane
@@ -206,6 +218,20 @@ pub fn run_grid(comm: &Communicator, wait: Duration) -> Result<(usize, u64), Str
                 return Err(format!("{}: wrong result", ctx("all_gather")));
             }
             sum = fnv(sum, &got);
+            cases += 1;
+            // In place, odd ranks out of place (the forms mix: same wire traffic).
+            let got = if rank % 2 == 1 {
+                let w = lane.all_gather_opts(shards[rank].clone(), vec![0.0; world * count], &o);
+                w.wait_timeout(wait).map(|(_, full)| full)
+            } else {
+                let mut buf = vec![f32::NAN; world * count];
+                buf[rank * count..(rank + 1) * count].copy_from_slice(&shards[rank]);
+                lane.all_gather_in_place_opts(buf, &o).wait_timeout(wait)
+            };
+            let got = got.map_err(|e| format!("{}: {e}", ctx("all_gather_in_place")))?;
+            if got.iter().map(|x| x.to_bits()).ne(shards.concat().iter().map(|x| x.to_bits())) {
+                return Err(format!("{}: wrong result", ctx("all_gather_in_place")));
+            }
             cases += 1;
             for root in [0, world - 1] {
                 let src = input(seed + 30 + root as u64, root, count);
