@@ -422,7 +422,7 @@ impl Lane {
 
     fn check_world_multiple(&self, what: &str, len: usize) -> Result<(), String> {
         let w = self.inner.shared.world;
-        if len % w == 0 {
+        if len.is_multiple_of(w) {
             Ok(())
         } else {
             Err(format!("{what}: buffer has {len} elements, not a multiple of world {w}"))
