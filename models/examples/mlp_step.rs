@@ -23,7 +23,7 @@ fn main() -> Result<(), shardline_models::ModelError> {
     )?;
     let y: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
     let be = Cpu::new();
-    let ctx = Ctx { training: true, sync_bn: false, reducer: None, global_batch: n, backend: &be };
+    let ctx = Ctx::new(&be, true, n);
     let mut times = Vec::new();
     for _ in 0..6 {
         let t = Instant::now();

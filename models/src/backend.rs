@@ -61,10 +61,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `grad *= (out > 0)` in place, where `out` is the ReLU's output.
     fn relu_backward(&self, out: &[f32], grad: &mut [f32]) {
         assert_eq!(out.len(), grad.len(), "relu_backward: lengths differ");
+        // A select, not a branch: the signs are random, and a branchy loop neither predicts
+        // nor vectorises. Same result (NaN outputs keep their gradient, as before).
         for (g, o) in grad.iter_mut().zip(out) {
-            if *o <= 0.0 {
-                *g = 0.0;
-            }
+            *g = if *o <= 0.0 { 0.0 } else { *g };
         }
     }
 }

@@ -7,7 +7,9 @@
 //! Invariants:
 //! - `LAYER-1`: `backward` ADDS its parameter gradients into `grads_out` (same layout as
 //!   `params`); callers zero the buffer once per step. This is what lets a unit hand one flat
-//!   gradient buffer to all its layers.
+//!   gradient buffer to all its layers. A model run with `Ctx::overwrite_grads` writes
+//!   instead (the linear layer through [`Linear::backward_into`], the others into a region
+//!   zeroed first), for a buffer that is fresh every step.
 //! - `LAYER-2`: every layer's `backward` is the exact derivative of its `forward` (checked by
 //!   a finite-difference test per layer).
 //! - `LAYER-3`: inputs are consumed by value: a layer that needs its input in backward keeps
@@ -103,13 +105,30 @@ impl Linear {
         grad_output: &Tensor,
         grads_out: &mut [f32],
     ) -> Result<Tensor, ModelError> {
+        self.backward_into(be, params, saved, grad_output, grads_out, true)
+    }
+
+    /// [`Linear::backward`], adding the parameter gradients into `grads_out` when
+    /// `accumulate`, else writing them (whatever `grads_out` held before).
+    pub fn backward_into(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        saved: &LinearSaved,
+        grad_output: &Tensor,
+        grads_out: &mut [f32],
+        accumulate: bool,
+    ) -> Result<Tensor, ModelError> {
         check_len("linear grads", grads_out.len(), self.num_params())?;
         let n = saved.input.shape[0];
         let (o, i) = (self.out_features, self.in_features);
         check_len("linear grad_output", grad_output.numel(), n * o)?;
         let w = &params[..o * i];
         let (gw, gb) = grads_out.split_at_mut(o * i);
-        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, true);
+        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, accumulate);
+        if !accumulate {
+            gb.fill(0.0);
+        }
         if self.bias {
             for row in grad_output.data.chunks_exact(o) {
                 for (g, d) in gb.iter_mut().zip(row) {

@@ -163,12 +163,23 @@ pub struct Ctx<'a> {
     pub global_batch: usize,
     /// Compute backend.
     pub backend: &'a dyn Backend,
+    /// Backward writes the unit's parameter gradients into `grads_out` instead of adding
+    /// them (LAYER-1), so the caller need not zero the buffer first: for a gradient buffer
+    /// that is fresh every step. Off: gradients are added.
+    pub overwrite_grads: bool,
 }
 
 impl<'a> Ctx<'a> {
-    /// A single-rank context (no reducer, `sync_bn` off).
+    /// A single-rank context (no reducer, `sync_bn` off, gradients added).
     pub fn new(backend: &'a dyn Backend, training: bool, global_batch: usize) -> Self {
-        Ctx { training, sync_bn: false, reducer: None, global_batch, backend }
+        Ctx {
+            training,
+            sync_bn: false,
+            reducer: None,
+            global_batch,
+            backend,
+            overwrite_grads: false,
+        }
     }
     /// With a statistics reducer across the data-parallel group.
     pub fn with_reducer(mut self, reducer: &'a dyn StatsReducer) -> Self {
@@ -178,6 +189,12 @@ impl<'a> Ctx<'a> {
     /// With every BatchNorm treated as SyncBatchNorm.
     pub fn with_sync_bn(mut self, sync_bn: bool) -> Self {
         self.sync_bn = sync_bn;
+        self
+    }
+    /// With backward writing parameter gradients instead of adding them
+    /// ([`Ctx::overwrite_grads`]).
+    pub fn with_overwrite_grads(mut self, overwrite: bool) -> Self {
+        self.overwrite_grads = overwrite;
         self
     }
 }
@@ -551,8 +568,15 @@ fn back_layer(
     ctx: &Ctx<'_>,
 ) -> Result<Tensor, ModelError> {
     let be = ctx.backend;
+    if ctx.overwrite_grads && !matches!(node.layer, Layer::Linear(_)) {
+        // Only the linear layer writes in place of adding (its weight gradient is one
+        // matrix multiply); for the others a zeroed region is the same thing.
+        grads.fill(0.0);
+    }
     match (&node.layer, saved) {
-        (Layer::Linear(l), LayerSaved::Linear(s)) => l.backward(be, p, s, &g, grads),
+        (Layer::Linear(l), LayerSaved::Linear(s)) => {
+            l.backward_into(be, p, s, &g, grads, !ctx.overwrite_grads)
+        }
         (Layer::Conv2d(c), LayerSaved::Conv(s)) => c.backward(be, p, s, &g, grads),
         (Layer::BatchNorm(bn), LayerSaved::Bn(s)) => {
             let bn = effective_bn(bn, ctx);
@@ -804,6 +828,10 @@ fn backward_block(
                 _ => return Err(ModelError::Config("fused BatchNorm state missing".into())),
             };
             let (ra, rb) = (off.params[ka].clone(), off.params[kb].clone());
+            if ctx.overwrite_grads {
+                grads[ra.clone()].fill(0.0);
+                grads[rb.clone()].fill(0.0);
+            }
             let (lo, hi) = grads.split_at_mut(rb.start);
             let mut out = batchnorm_backward_fused(
                 vec![
@@ -857,7 +885,14 @@ mod tests {
         reducer: Option<&'a dyn StatsReducer>,
         gb: usize,
     ) -> Ctx<'a> {
-        Ctx { training, sync_bn: false, reducer, global_batch: gb, backend: be }
+        Ctx {
+            training,
+            sync_bn: false,
+            reducer,
+            global_batch: gb,
+            backend: be,
+            overwrite_grads: false,
+        }
     }
 
     fn init(m: &Model, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
@@ -903,6 +938,14 @@ mod tests {
             g = m.backward_unit(u, &params[u], &saved[u], g, &mut scratch[u], &c).unwrap();
         }
         assert_eq!(scratch, grads, "backward is deterministic");
+        // Ctx::overwrite_grads: written over whatever the buffer held (NaN here), the same.
+        let cw = ctx(&be, true, None, batch).with_overwrite_grads(true);
+        let mut g = softmax_cross_entropy(&logits, &labels, batch).unwrap().1;
+        let mut stale: Vec<Vec<f32>> = params.iter().map(|p| vec![f32::NAN; p.len()]).collect();
+        for u in (0..m.num_units()).rev() {
+            g = m.backward_unit(u, &params[u], &saved[u], g, &mut stale[u], &cw).unwrap();
+        }
+        assert_eq!(stale, grads, "overwriting backward differs from adding into zeros");
         let eps = 1e-3f32;
         let close = |num: f64, ana: f32, what: String| {
             assert!(

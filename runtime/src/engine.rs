@@ -611,6 +611,7 @@ impl RankEngine {
                 reducer,
                 global_batch,
                 backend: &*self.backend,
+                overwrite_grads: false,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
@@ -651,17 +652,15 @@ impl RankEngine {
             // collective reduces it in place of a second copy. Stages 2 and 3 hold a unit's
             // full gradient only until its reduce-scatter is done.
             let (galloc, mut gfull) = if stage.keeps_full_grads() {
-                let mut g = std::mem::take(&mut self.grads[u]);
-                g.fill(0.0);
-                (None, g)
+                (None, std::mem::take(&mut self.grads[u]))
             } else {
                 let a =
                     self.mem.alloc_f32(Category::Grads, padded, &format!("{label} (unreduced)"))?;
-                let mut g = self.comm.pool().take(padded);
-                g.clear();
-                g.resize(padded, 0.0);
-                (Some(a), g)
+                (Some(a), self.comm.pool().take(padded))
             };
+            // Backward writes the gradients (no zeroing pass over the buffer first); only the
+            // padding, which no layer writes, is cleared.
+            gfull[numel..].fill(0.0);
             let t0 = Instant::now();
             let ctx = Ctx {
                 training: true,
@@ -669,6 +668,7 @@ impl RankEngine {
                 reducer,
                 global_batch,
                 backend: &*self.backend,
+                overwrite_grads: true,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
@@ -978,6 +978,7 @@ impl RankEngine {
                 reducer: None,
                 global_batch: global_n.max(1),
                 backend: &*self.backend,
+                overwrite_grads: false,
             };
             let params: &[f32] = match &gathered {
                 Some(g) => &g.full[..numel],
