@@ -38,7 +38,8 @@
 //! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
 //!   `kill` is a SIGKILL of the worker itself.
 //! - LAUNCH-9: every fault, restart and recovery is logged by the agents with the time since
-//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps).
+//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps,
+//!   at most every 100 ms and at its last).
 //! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
 //!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
 //!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
@@ -413,6 +414,7 @@ fn worker_loop(
     let mut step_times = Vec::new();
     let mut exposed = Vec::new();
     let t_loop = Instant::now();
+    let mut published: Option<Instant> = None;
     for _ in 0..run_steps {
         let epoch = done / plan.steps_per_epoch;
         let index = (done % plan.steps_per_epoch) as usize;
@@ -423,9 +425,13 @@ fn worker_loop(
         let (x, y) = plan.train.batch(idx);
         let st = engine.train_step(x, &y, *global)?;
         done += 1;
-        if rank == 0 {
-            // LAUNCH-9: what the agents log a fault against; a lost update only blurs a log.
+        // LAUNCH-9: what the agents log a fault against; a lost update only blurs a log. At
+        // most every PROGRESS_EVERY (and at the last step): a store round trip per step would
+        // stall rank 0, and with it every rank, for the agent's reply.
+        let last = done - first == run_steps;
+        if rank == 0 && (last || published.is_none_or(|t: Instant| t.elapsed() >= PROGRESS_EVERY)) {
             let _ = joined.store.set(&progress_key(&env.job), done.to_string().as_bytes());
+            published = Some(Instant::now());
         }
         let t = st.step_time.as_secs_f64();
         if let Some(w) = log.as_mut() {
@@ -516,6 +522,9 @@ fn worker_loop(
     }
     Ok(summary)
 }
+
+/// How often rank 0 publishes its step for the agents' fault log (LAUNCH-9).
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
 
 /// The store key where rank 0 of job `job` publishes the steps it finished.
 pub fn progress_key(job: &str) -> String {
