@@ -1,7 +1,8 @@
 //! Nodes as network namespaces, for the tests and benchmarks that run `shardline launch` (or
 //! any other process) across "nodes" over a real, optionally shaped, network on one machine.
 //!
-//! Each node is a namespace of its own with one veth pair to a bridge created for the net;
+//! Each node is a namespace of its own with one veth pair (MTU [`LINK_MTU`]) to a bridge
+//! created for the net;
 //! addresses are `10.a.b.k/24` on the namespace ends only (the bridge and this machine's own
 //! namespace get none, so nothing outside the net's namespaces is ever addressed). With a link
 //! rate, both directions of every node's link go through a token bucket (`tc qdisc ... tbf`):
@@ -37,6 +38,11 @@ use crate::error::{Result, RuntimeError};
 
 /// The kernel's limit on interface names (`IFNAMSIZ` less the terminating zero).
 const IFNAME_MAX: usize = 15;
+
+/// The links' MTU: jumbo frames, as the Ethernet fabrics of training clusters run (RoCE runs
+/// 4 KiB). Six times fewer packets through the bridge and the token buckets than at 1500,
+/// and 0.5% of the shaped rate spent on headers instead of 3.5%.
+pub const LINK_MTU: u32 = 9000;
 
 /// How much of a failed child's stderr its error carries.
 const STDERR_TAIL: usize = 4000;
@@ -155,7 +161,9 @@ impl Net {
             ip(&["netns", "add", &ns])?;
             net.namespaces.push(ns.clone());
             let (host, inner) = (name('h', Some(k)), name('i', Some(k)));
-            ip(&["link", "add", &host, "type", "veth", "peer", "name", &inner])?;
+            let mtu = LINK_MTU.to_string();
+            ip(&["link", "add", &host, "mtu", &mtu, "type", "veth", "peer", "name", &inner])?;
+            ip(&["link", "set", &inner, "mtu", &mtu])?;
             net.hosts.push(host.clone());
             ip(&["link", "set", &inner, "netns", &ns])?;
             ip(&["link", "set", &host, "master", &net.bridge, "up"])?;
