@@ -693,11 +693,7 @@ impl Worker {
             Body::ReduceScatter { mut input, mut output, op, done } => {
                 let n = output.len();
                 let algo = self.resolve(job.algo, input.len() * 4);
-                let sched = self.schedule((OpKind::ReduceScatter, algo, n, 0), || match algo {
-                    Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, topo, n),
-                    _ => algo::ring_reduce_scatter(rank, world, n),
-                });
+                let sched = self.reduce_scatter_schedule(algo, n);
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
                 let r = self.execute(&ctx, &sched, &mut input, &[], Combine::Op(op));
                 if r.is_ok() {
@@ -710,22 +706,11 @@ impl Worker {
             }
             Body::AllGather { input, mut output, done } => {
                 let n = input.len();
-                let mut algo = self.resolve(job.algo, output.len() * 4);
-                if self.auto_gathers_direct(job.algo, algo) {
-                    algo = Algorithm::Direct;
-                }
+                let algo = self.all_gather_algorithm(job.algo, output.len() * 4);
                 // Direct over a transport that prefers it: peers read the shard from the
                 // input where the caller left it, and the own copy comes last.
                 let from_input = algo == Algorithm::Direct && self.links.prefers_direct_gather();
-                let key = (OpKind::AllGather, algo, n, usize::from(from_input));
-                let sched = self.schedule(key, || match algo {
-                    Algorithm::Direct if from_input => {
-                        algo::direct_all_gather_from_input(rank, world, n)
-                    }
-                    Algorithm::Direct => algo::direct_all_gather(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
-                    _ => algo::ring_all_gather(rank, world, n),
-                });
+                let sched = self.all_gather_schedule(algo, n, from_input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
                 let r = if from_input {
                     self.execute(&ctx, &sched, &mut output, &input, Combine::Op(ReduceOp::Sum))
@@ -740,11 +725,7 @@ impl Worker {
                 // The same schedule (and wire traffic) as the out-of-place form, whose work
                 // buffer is its input; only the final copy into a separate output is gone.
                 let algo = self.resolve(job.algo, buf.len() * 4);
-                let sched = self.schedule((OpKind::ReduceScatter, algo, n, 0), || match algo {
-                    Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, topo, n),
-                    _ => algo::ring_reduce_scatter(rank, world, n),
-                });
+                let sched = self.reduce_scatter_schedule(algo, n);
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, buf.len(), None);
                 let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
@@ -754,18 +735,11 @@ impl Worker {
             }
             Body::AllGatherInPlace { mut buf, done } => {
                 let n = buf.len() / world;
-                let mut algo = self.resolve(job.algo, buf.len() * 4);
-                if self.auto_gathers_direct(job.algo, algo) {
-                    algo = Algorithm::Direct;
-                }
+                let algo = self.all_gather_algorithm(job.algo, buf.len() * 4);
                 // The shard already lies in its slot: the schedules that send from the work
                 // buffer need no own copy (the direct one is wire-identical to the form that
                 // sends from a separate input).
-                let sched = self.schedule((OpKind::AllGather, algo, n, 0), || match algo {
-                    Algorithm::Direct => algo::direct_all_gather(rank, world, n),
-                    Algorithm::Hierarchical => algo::hier_all_gather(rank, topo, n),
-                    _ => algo::ring_all_gather(rank, world, n),
-                });
+                let sched = self.all_gather_schedule(algo, n, false);
                 let ctx = mk(self, OpKind::AllGather, None, algo, buf.len(), None);
                 let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
@@ -798,6 +772,44 @@ impl Worker {
                 done.complete(r);
             }
         }
+    }
+
+    /// Reduce-scatter's schedule for `n` elements per rank (both forms: the work buffer is
+    /// the whole input).
+    fn reduce_scatter_schedule(&mut self, algo: Algorithm, n: usize) -> Arc<Schedule> {
+        let (rank, world, shared) = (self.shared.rank, self.shared.world, self.shared.clone());
+        self.schedule((OpKind::ReduceScatter, algo, n, 0), || match algo {
+            Algorithm::Direct => algo::direct_reduce_scatter(rank, world, n),
+            Algorithm::Hierarchical => algo::hier_reduce_scatter(rank, &shared.topology, n),
+            _ => algo::ring_reduce_scatter(rank, world, n),
+        })
+    }
+
+    /// All-gather's algorithm: `Auto` resolved, and direct where the transport prefers it.
+    fn all_gather_algorithm(&self, requested: Algorithm, bytes: usize) -> Algorithm {
+        let algo = self.resolve(requested, bytes);
+        if self.auto_gathers_direct(requested, algo) {
+            Algorithm::Direct
+        } else {
+            algo
+        }
+    }
+
+    /// All-gather's schedule for `n` elements per rank; `from_input`: direct, sending from
+    /// the op's separate input.
+    fn all_gather_schedule(
+        &mut self,
+        algo: Algorithm,
+        n: usize,
+        from_input: bool,
+    ) -> Arc<Schedule> {
+        let (rank, world, shared) = (self.shared.rank, self.shared.world, self.shared.clone());
+        self.schedule((OpKind::AllGather, algo, n, usize::from(from_input)), || match algo {
+            Algorithm::Direct if from_input => algo::direct_all_gather_from_input(rank, world, n),
+            Algorithm::Direct => algo::direct_all_gather(rank, world, n),
+            Algorithm::Hierarchical => algo::hier_all_gather(rank, &shared.topology, n),
+            _ => algo::ring_all_gather(rank, world, n),
+        })
     }
 
     fn schedule(
