@@ -12,6 +12,8 @@
 //! - LANE-6: a small op issued with `CallOptions::blocking` while its lane is idle (no op
 //!   queued or running) runs on the issuing thread; `pending` counts ops from issue to completion, and an op runs inline
 //!   only when it moves `pending` from 0 to 1, so issue order is still execution order.
+//! - LANE-7: reduce-scatter and all-gather also run in place (NCCL's forms); an op's two
+//!   forms share kind, count, schedule and wire traffic, so ranks may mix them in one op.
 
 use crate::algo::{self, Algorithm, Schedule};
 use crate::communicator::Shared;
