@@ -19,7 +19,10 @@
 //! the workers' traces (OVL-1): the step is the span between two optimizer ends, compute the
 //! forward, backward and optimizer spans in it, exposed the blocked waits, communication the
 //! union of the collectives' spans clipped to the step; per step the slowest rank's step time
-//! and the mean over ranks of the rest; medians over the steps after the warmup. The check:
+//! and the mean over ranks of the rest; medians over the steps after the warmup. OVL-2: the
+//! `optimizer` marks carry the process's CPU time, so each rank's CPU per step is known too;
+//! the ranks' CPU per step together over the machine's cores is a floor under the step while
+//! they share those cores (the network stack's work included). The check:
 //! prefetch 1's step time within 1.15x max(compute, communication) where the two are
 //! comparable (ratio within [0.5, 2]). Then busbw of all-reduce, reduce-scatter and
 //! all-gather over the same shaped links (`collectives --nodes`), against the link rate.
@@ -130,6 +133,14 @@ pub struct Row {
     /// With --nodes: rank 0's median exposed communication from its `--log-json`, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank0_log_exposed_ms: Option<f64>,
+    /// With --nodes: CPU time per step of one rank's process (every thread, user + system;
+    /// mean over ranks), ms (OVL-2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
+    /// With --nodes: the ranks' CPU per step together over this machine's cores, ms: no step
+    /// can be shorter while the ranks share these cores (OVL-2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_floor_ms: Option<f64>,
 }
 
 /// The whole report.
@@ -266,6 +277,8 @@ fn run_one(
             steps: counted.len(),
             rank0_log_step_ms: None,
             rank0_log_exposed_ms: None,
+            cpu_ms: None,
+            cpu_floor_ms: None,
         },
         trace,
     })
@@ -459,6 +472,33 @@ fn rank_steps(events: &[Ev], rank: usize) -> Vec<[f64; 4]> {
         .collect()
 }
 
+/// CPU time of rank `rank`'s process per step (OVL-2): the difference between the process
+/// CPU times carried by consecutive `optimizer` marks, in ms, aligned with [`rank_steps`];
+/// empty when the trace carries none.
+fn rank_cpu_steps(events: &[Ev], rank: usize) -> Vec<f64> {
+    let mut marks: Vec<(f64, Option<f64>)> = events
+        .iter()
+        .filter(|e| e.rank == rank && e.row == 0 && e.name == "optimizer")
+        .map(|e| (e.end, e.cpu))
+        .collect();
+    marks.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let cpu: Option<Vec<f64>> = marks.iter().map(|m| m.1).collect();
+    cpu.map(|c| c.windows(2).map(|w| w[1] - w[0]).collect()).unwrap_or_default()
+}
+
+/// OVL-2: the CPU a step costs, from every rank's own process (one process per rank): the
+/// ranks' mean of the per-step medians after `warmup`, and the floor it puts under the step
+/// on `cores` cores (the ranks' CPU per step together, spread over every core); None when a
+/// trace carries no CPU times.
+fn cpu_per_step(per_rank: &[Vec<f64>], warmup: u64, cores: usize) -> Option<(f64, f64)> {
+    let skip = (warmup as usize).saturating_sub(1);
+    let medians: Option<Vec<f64>> =
+        per_rank.iter().map(|r| (r.len() > skip).then(|| median(r[skip..].to_vec()))).collect();
+    let m = medians.filter(|m| !m.is_empty())?;
+    let sum: f64 = m.iter().sum();
+    Some((sum / m.len() as f64, sum / cores.max(1) as f64))
+}
+
 /// One prefetch depth's row from every rank's per-step figures (OVL-1): per step the slowest
 /// rank's step time and the ranks' mean of the rest; medians over the steps after `warmup`
 /// (step k of the list is training step k + 2).
@@ -488,6 +528,8 @@ fn combine_ranks(prefetch: usize, per_rank: &[Vec<[f64; 4]>], warmup: u64) -> an
         steps: steps.len(),
         rank0_log_step_ms: None,
         rank0_log_exposed_ms: None,
+        cpu_ms: None,
+        cpu_floor_ms: None,
     })
 }
 
@@ -720,6 +762,12 @@ fn run_nodes_in(
         let events = load_rank_traces(dir, p, world)?;
         let per: Vec<Vec<[f64; 4]>> = (0..world).map(|r| rank_steps(&events, r)).collect();
         let mut row = combine_ranks(p, &per, a.warmup)?;
+        let cpu: Vec<Vec<f64>> = (0..world).map(|r| rank_cpu_steps(&events, r)).collect();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if let Some((per_rank_cpu, floor)) = cpu_per_step(&cpu, a.warmup, cores) {
+            row.cpu_ms = Some(per_rank_cpu);
+            row.cpu_floor_ms = Some(floor);
+        }
         let (s0, e0) = rank0_log(&dir.join(format!("p{p}.jsonl")), a.warmup)?;
         row.rank0_log_step_ms = Some(s0);
         row.rank0_log_exposed_ms = Some(e0);
@@ -744,7 +792,7 @@ fn run_nodes_in(
     // the kernel holds its last bytes, before they have crossed the shaped link.
     let wire_ms = per_rank as f64 / rate as f64 * 1e3;
     println!(
-        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13} {:>8} {:>16}",
+        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13} {:>8} {:>16} {:>9} {:>10}",
         "prefetch",
         "compute_ms",
         "comm_ms",
@@ -754,11 +802,14 @@ fn run_nodes_in(
         "comm/compute",
         "step/max(c,c)",
         "wire_ms",
-        "step/max(c,wire)"
+        "step/max(c,wire)",
+        "cpu_ms",
+        "floor_ms"
     );
+    let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |x| format!("{x:.1}"));
     for r in &rows {
         println!(
-            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2} {:>8.1} {:>16.2}",
+            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2} {:>8.1} {:>16.2} {:>9} {:>10}",
             r.prefetch,
             r.compute_ms,
             r.comm_ms,
@@ -768,9 +819,17 @@ fn run_nodes_in(
             r.comm_over_compute,
             r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9),
             wire_ms,
-            r.step_ms / r.compute_ms.max(wire_ms).max(1e-9)
+            r.step_ms / r.compute_ms.max(wire_ms).max(1e-9),
+            opt(r.cpu_ms),
+            opt(r.cpu_floor_ms)
         );
     }
+    println!(
+        "cpu_ms: CPU time per step of one rank's process (every thread, user + system); \
+         floor_ms: all ranks' CPU per step over this machine's {} cores, a lower bound on the \
+         step while they share them",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
     let goal = rows.iter().find(|r| r.prefetch == 1).map(net_goal);
     if let Some(g) = &goal {
         println!(
@@ -867,6 +926,8 @@ struct Ev {
     name: String,
     start: f64,
     end: f64,
+    /// The process's CPU time at the event, ms (on `optimizer` marks).
+    cpu: Option<f64>,
 }
 
 fn load_trace(path: &Path) -> anyhow::Result<Vec<Ev>> {
@@ -885,6 +946,7 @@ fn load_trace(path: &Path) -> anyhow::Result<Vec<Ev>> {
                 name: e["name"].as_str()?.to_string(),
                 start,
                 end: start + e["dur"].as_f64()?,
+                cpu: e["args"]["process_cpu_ms"].as_f64(),
             })
         })
         .collect())
@@ -1009,7 +1071,7 @@ mod tests {
     use super::*;
 
     fn ev(rank: usize, row: usize, name: &str, start: f64, end: f64) -> Ev {
-        Ev { rank, row, name: name.into(), start, end }
+        Ev { rank, row, name: name.into(), start, end, cpu: None }
     }
 
     #[test]
@@ -1049,6 +1111,43 @@ mod tests {
     }
 
     /// OVL-1: the slowest rank's step, the ranks' mean of the rest, medians after warmup.
+    /// OVL-2: CPU per step from the marks' process CPU times, against values by hand.
+    #[test]
+    fn cpu_per_step_comes_from_consecutive_marks() {
+        let mark = |rank, end: f64, cpu| Ev {
+            rank,
+            row: 0,
+            name: "optimizer".into(),
+            start: end,
+            end,
+            cpu: Some(cpu),
+        };
+        let evs = vec![
+            mark(0, 100.0, 10.0),
+            mark(0, 200.0, 18.0),
+            mark(0, 300.0, 30.0),
+            mark(0, 400.0, 41.0),
+            ev(0, 0, "forward u0", 110.0, 150.0),
+            mark(1, 100.0, 5.0),
+            mark(1, 200.0, 12.0),
+            mark(1, 300.0, 21.0),
+            mark(1, 400.0, 30.0),
+        ];
+        let r0 = rank_cpu_steps(&evs, 0);
+        assert_eq!(r0, vec![8.0, 12.0, 11.0]);
+        let r1 = rank_cpu_steps(&evs, 1);
+        assert_eq!(r1, vec![7.0, 9.0, 9.0]);
+        // warmup 2 skips the first step: medians 11.5 (12, 11) and 9 -> mean 10.25; on two
+        // cores the floor is (11.5 + 9) / 2.
+        let (mean, floor) = cpu_per_step(&[r0, r1], 2, 2).unwrap();
+        assert!((mean - 10.25).abs() < 1e-9 && (floor - 10.25).abs() < 1e-9, "{mean} {floor}");
+        let (_, floor1) = cpu_per_step(&[vec![4.0], vec![6.0]], 1, 1).unwrap();
+        assert!((floor1 - 10.0).abs() < 1e-9);
+        // A trace without CPU times gives none.
+        assert!(rank_cpu_steps(&[ev(0, 0, "optimizer", 1.0, 1.0)], 0).is_empty());
+        assert!(cpu_per_step(&[vec![], vec![1.0]], 1, 2).is_none());
+    }
+
     #[test]
     fn combine_ranks_takes_the_slowest_step_and_mean_figures() {
         let r0 = vec![[100.0, 1.0, 1.0, 1.0], [10.0, 4.0, 2.0, 1.0], [20.0, 6.0, 4.0, 3.0]];

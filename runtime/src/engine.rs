@@ -790,7 +790,8 @@ impl RankEngine {
             }
         }
         // Each unit's update is its own span; one `optimizer` mark at the end of the last
-        // closes the step on the trace (tools split a rank's trace into steps at it).
+        // closes the step on the trace (tools split a rank's trace into steps at it) and
+        // carries the process's CPU time (what a step cost the machine's cores).
         let mut last = None::<Instant>;
         for (t0, t1) in opt_spans {
             compute += t1 - t0;
@@ -798,7 +799,7 @@ impl RankEngine {
             last = Some(last.map_or(t1, |l: Instant| l.max(t1)));
         }
         if let Some(end) = last {
-            self.trace.record(self.rank, Row::Compute, "optimizer", end, end);
+            self.trace.mark_cpu(self.rank, Row::Compute, "optimizer", end);
         }
 
         // ---- stages 1 and 2: all-gather the updated parameters ----

@@ -46,6 +46,10 @@ pub struct Event {
     pub start_us: f64,
     /// Duration in microseconds.
     pub dur_us: f64,
+    /// This process's CPU time (every thread, user + system) when the event was recorded, in
+    /// ms; only on marks from [`Trace::mark_cpu`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub process_cpu_ms: Option<f64>,
 }
 
 /// A shared, append-only trace. Cheap to clone; recording is a mutex push.
@@ -87,7 +91,35 @@ impl Trace {
         let s = start.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
         let d = end.saturating_duration_since(start).as_secs_f64() * 1e6;
         if let Ok(mut ev) = self.events.lock() {
-            ev.push(Event { name: name.into(), rank, row, start_us: s, dur_us: d });
+            ev.push(Event {
+                name: name.into(),
+                rank,
+                row,
+                start_us: s,
+                dur_us: d,
+                process_cpu_ms: None,
+            });
+        }
+    }
+
+    /// Records an instant at `at` carrying this process's CPU time so far
+    /// ([`process_cpu_ms`]): the difference between two marks is the CPU the whole process
+    /// used in between, which tools set against the wall time and the machine's cores.
+    pub fn mark_cpu(&self, rank: usize, row: Row, name: impl Into<String>, at: Instant) {
+        if !self.enabled {
+            return;
+        }
+        let s = at.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
+        let cpu = process_cpu_ms();
+        if let Ok(mut ev) = self.events.lock() {
+            ev.push(Event {
+                name: name.into(),
+                rank,
+                row,
+                start_us: s,
+                dur_us: 0.0,
+                process_cpu_ms: cpu,
+            });
         }
     }
 
@@ -110,14 +142,24 @@ impl Trace {
             }
         }
         for e in &events {
-            out.push(serde_json::json!({
+            let mut v = serde_json::json!({
                 "ph": "X", "name": e.name, "cat": e.row.name(), "pid": e.rank, "tid": e.row as u32,
                 "ts": e.start_us, "dur": e.dur_us,
-            }));
+            });
+            if let Some(cpu) = e.process_cpu_ms {
+                v["args"] = serde_json::json!({ "process_cpu_ms": cpu });
+            }
+            out.push(v);
         }
         let doc = serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"});
         std::fs::write(path, serde_json::to_vec(&doc).map_err(std::io::Error::other)?)
     }
+}
+
+/// This process's CPU time so far (every thread, user + system), ms.
+pub fn process_cpu_ms() -> Option<f64> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_PROCESS_CPUTIME_ID).ok()?;
+    Some(t.tv_sec() as f64 * 1e3 + t.tv_nsec() as f64 / 1e6)
 }
 
 impl Default for Trace {
