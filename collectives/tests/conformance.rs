@@ -82,6 +82,13 @@ fn hierarchical_two_nodes_by_two_matches_naive() {
                     let want = naive_reduce(&rs, op);
                     check_close(&got, &want[rank * count..(rank + 1) * count], op, world)
                         .expect("reduce_scatter result");
+                    let got = lane
+                        .reduce_scatter_in_place_opts(rs[rank].clone(), op, &o)
+                        .wait_timeout(WAIT)
+                        .expect("reduce_scatter_in_place");
+                    let mine = rank * count..(rank + 1) * count;
+                    check_close(&got[mine.clone()], &want[mine], op, world)
+                        .expect("reduce_scatter_in_place result");
                 }
                 let shards: Vec<_> = (0..world).map(|r| input(9, r, count)).collect();
                 let (_, full) = lane
@@ -89,6 +96,13 @@ fn hierarchical_two_nodes_by_two_matches_naive() {
                     .wait_timeout(WAIT)
                     .expect("all_gather");
                 assert_eq!(full, shards.concat(), "all_gather follows global rank");
+                let mut buf = vec![f32::NAN; world * count];
+                buf[rank * count..(rank + 1) * count].copy_from_slice(&shards[rank]);
+                let full = lane
+                    .all_gather_in_place_opts(buf, &o)
+                    .wait_timeout(WAIT)
+                    .expect("all_gather_in_place");
+                assert_eq!(full, shards.concat(), "in-place all_gather follows global rank");
             }
             // Auto picks Hierarchical for large buffers on a multi-node topology.
             let ins: Vec<_> = (0..world).map(|r| input(77, r, 50_000)).collect();
