@@ -125,9 +125,11 @@ fn transpose_into(t: &[f32], m: usize, n: usize, c: &mut [f32], accumulate: bool
         for j0 in (0..n).step_by(B) {
             for i in i0..(i0 + B).min(m) {
                 let row = &mut c[i * n + j0..i * n + (j0 + B).min(n)];
-                for (jj, x) in row.iter_mut().enumerate() {
-                    let v = t[(j0 + jj) * m + i];
-                    *x = if accumulate { *x + v } else { v };
+                let col = t[j0 * m + i..].iter().step_by(m);
+                if accumulate {
+                    row.iter_mut().zip(col).for_each(|(x, v)| *x += v);
+                } else {
+                    row.iter_mut().zip(col).for_each(|(x, v)| *x = *v);
                 }
             }
         }
