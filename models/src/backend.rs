@@ -172,6 +172,37 @@ impl Backend for Cpu {
         } else {
             gemm::Parallelism::None
         };
+        // `op(a) op(b)` into `dst` (at least m * n values), row-major or column-major.
+        let multiply = |dst: &mut [f32], col_major: bool, read_dst: bool| {
+            assert!(dst.len() >= m * n, "gemm: destination has {} values", dst.len());
+            let (dst_rs, dst_cs) = if col_major { (1, m as isize) } else { (n as isize, 1) };
+            // SAFETY: the asserts guarantee that every index the strides can reach (row < m,
+            // col < n, inner < k) lies inside the slices; `dst` is borrowed mutably and does
+            // not alias `a` or `b`.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    dst.as_mut_ptr(),
+                    dst_cs,
+                    dst_rs,
+                    read_dst,
+                    a.as_ptr(),
+                    a_cs,
+                    a_rs,
+                    b.as_ptr(),
+                    b_cs,
+                    b_rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    par,
+                );
+            }
+        };
         if trans_b && !trans_a {
             // `a * b^T` (a linear layer's forward) into a row-major `c` runs at about 100
             // GFLOP/s here, into a column-major one at about 165 (`examples/gemm_shapes.rs`):
@@ -180,60 +211,11 @@ impl Backend for Cpu {
                 let mut t = cell.borrow_mut();
                 t.clear();
                 t.resize(m * n, 0.0);
-                // SAFETY: as below; `t` holds m * n values, column-major (row stride 1,
-                // column stride m), and does not alias `a` or `b`.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        n,
-                        k,
-                        t.as_mut_ptr(),
-                        m as isize,
-                        1,
-                        false,
-                        a.as_ptr(),
-                        a_cs,
-                        a_rs,
-                        b.as_ptr(),
-                        b_cs,
-                        b_rs,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        par,
-                    );
-                }
+                multiply(&mut t, true, false);
                 transpose_into(&t, m, n, &mut c[..m * n], accumulate);
             });
-            return;
-        }
-        // SAFETY: the asserts above guarantee that every index the strides can reach
-        // (row < m, col < n, inner < k) lies inside the slices; `c` is borrowed mutably
-        // and does not alias `a` or `b`.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                c.as_mut_ptr(),
-                1,
-                n as isize,
-                accumulate,
-                a.as_ptr(),
-                a_cs,
-                a_rs,
-                b.as_ptr(),
-                b_cs,
-                b_rs,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
+        } else {
+            multiply(c, false, accumulate);
         }
     }
 }

@@ -85,20 +85,8 @@ impl Trace {
         start: Instant,
         end: Instant,
     ) {
-        if !self.enabled {
-            return;
-        }
-        let s = start.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
-        let d = end.saturating_duration_since(start).as_secs_f64() * 1e6;
-        if let Ok(mut ev) = self.events.lock() {
-            ev.push(Event {
-                name: name.into(),
-                rank,
-                row,
-                start_us: s,
-                dur_us: d,
-                process_cpu_ms: None,
-            });
+        if self.enabled {
+            self.push(rank, row, name.into(), start, end, None);
         }
     }
 
@@ -106,20 +94,24 @@ impl Trace {
     /// ([`process_cpu_ms`]): the difference between two marks is the CPU the whole process
     /// used in between, which tools set against the wall time and the machine's cores.
     pub fn mark_cpu(&self, rank: usize, row: Row, name: impl Into<String>, at: Instant) {
-        if !self.enabled {
-            return;
+        if self.enabled {
+            self.push(rank, row, name.into(), at, at, process_cpu_ms());
         }
-        let s = at.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
-        let cpu = process_cpu_ms();
+    }
+
+    fn push(
+        &self,
+        rank: usize,
+        row: Row,
+        name: String,
+        start: Instant,
+        end: Instant,
+        process_cpu_ms: Option<f64>,
+    ) {
+        let start_us = start.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
+        let dur_us = end.saturating_duration_since(start).as_secs_f64() * 1e6;
         if let Ok(mut ev) = self.events.lock() {
-            ev.push(Event {
-                name: name.into(),
-                rank,
-                row,
-                start_us: s,
-                dur_us: 0.0,
-                process_cpu_ms: cpu,
-            });
+            ev.push(Event { name, rank, row, start_us, dur_us, process_cpu_ms });
         }
     }
 
