@@ -302,12 +302,16 @@ fn run_rank(
                         a.clear();
                         a.extend((0..shard * w).map(|i| input_value(r, i)));
                         if !args.in_place {
-                            b.resize(shard, 0.0);
+                            // Outputs start as NaN: the check never sees an old result.
+                            b.clear();
+                            b.resize(shard, f32::NAN);
                         }
                     }
                     Op::AllGather if args.in_place => {
-                        // The whole buffer, the own shard in its slot.
-                        a.resize(shard * w, 0.0);
+                        // The whole buffer, the own shard in its slot and NaN elsewhere, so
+                        // that the check cannot pass on the previous iteration's result.
+                        a.clear();
+                        a.resize(shard * w, f32::NAN);
                         for (i, x) in a[r * shard..(r + 1) * shard].iter_mut().enumerate() {
                             *x = input_value(r, i);
                         }
@@ -315,7 +319,8 @@ fn run_rank(
                     Op::AllGather => {
                         a.clear();
                         a.extend((0..shard).map(|i| input_value(r, i)));
-                        b.resize(shard * w, 0.0);
+                        b.clear();
+                        b.resize(shard * w, f32::NAN);
                     }
                 }
                 lane.barrier_opts(&blocking).wait_timeout(timeout)?;
