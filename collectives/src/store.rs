@@ -486,7 +486,7 @@ impl TcpStoreClient {
         s.set_nodelay(true).map_err(io)?;
         s.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).map_err(io)?;
         s.write_all(&encode_frame(Kind::Hello, b"", token.as_bytes())).map_err(io)?;
-        let reply = read_reply(&mut s)?;
+        let reply = read_reply(&mut s, timeout.max(Duration::from_millis(1)))?;
         match reply.kind {
             Kind::Ok => {}
             Kind::Refused => {
@@ -519,11 +519,21 @@ impl TcpStoreClient {
             )));
         }
         let mut s = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = self.timeout.max(Duration::from_millis(1));
         let io = |e: std::io::Error| StoreError::Io(e.to_string());
-        s.set_read_timeout(Some(self.timeout.max(Duration::from_millis(1)) + wait)).map_err(io)?;
-        s.set_write_timeout(Some(self.timeout.max(Duration::from_millis(1)))).map_err(io)?;
-        s.write_all(&encode_frame(kind, key.as_bytes(), value)).map_err(io)?;
-        let reply = read_reply(&mut s)?;
+        s.set_read_timeout(Some(limit + wait)).map_err(io)?;
+        s.set_write_timeout(Some(limit)).map_err(io)?;
+        let sent = s.write_all(&encode_frame(kind, key.as_bytes(), value)).map_err(|e| {
+            let why = timed_out(&e, limit).unwrap_or_else(|| e.to_string());
+            StoreError::Io(format!("sending a request: {why}"))
+        });
+        let reply = sent.and_then(|_| read_reply(&mut s, limit + wait));
+        if reply.is_err() {
+            // A request left half-way (a reply may still come) would pair the next request
+            // with this one's reply: the connection is closed, and later requests fail.
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let reply = reply?;
         match reply.kind {
             Kind::Ok | Kind::Timeout => Ok(reply),
             Kind::Refused => {
@@ -534,9 +544,19 @@ impl TcpStoreClient {
     }
 }
 
-fn read_reply(s: &mut TcpStream) -> Result<Frame, StoreError> {
+/// "timeout: no reply within `limit`" for a socket timeout (which the OS reports as
+/// `WouldBlock` or `TimedOut`), None for any other error.
+fn timed_out(e: &std::io::Error, limit: Duration) -> Option<String> {
+    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+        .then(|| format!("timeout: the store did not answer within {limit:?}"))
+}
+
+fn read_reply(s: &mut TcpStream, limit: Duration) -> Result<Frame, StoreError> {
     read_frame(s, None).map_err(|e| match e {
-        ReadErr::Io(e) => StoreError::Io(format!("reading reply: {e}")),
+        ReadErr::Io(e) => StoreError::Io(format!(
+            "reading reply: {}",
+            timed_out(&e, limit).unwrap_or_else(|| e.to_string())
+        )),
         ReadErr::Protocol(why) => StoreError::Io(format!("bad reply: {why}")),
         ReadErr::Shutdown => StoreError::Io("shut down".into()),
     })
@@ -628,6 +648,34 @@ mod tests {
     }
 
     /// STORE-1
+    /// A store that answers the hello, then nothing: a request fails within its timeout with
+    /// an error that says so, and the next one fails at once instead of reading a late
+    /// reply to the first.
+    #[test]
+    fn silent_store_times_out_and_the_connection_is_dropped() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let _ = read_frame(&mut c, None);
+            c.write_all(&encode_frame(Kind::Ok, b"", b"")).unwrap();
+            // Read and hold requests without answering until the client gives up.
+            let mut buf = [0u8; 1024];
+            while matches!(c.read(&mut buf), Ok(n) if n > 0) {}
+        });
+        let mut client = TcpStoreClient::connect(addr, "tok", T).unwrap();
+        client.set_request_timeout(Duration::from_millis(200));
+        let t0 = std::time::Instant::now();
+        let e = client.set("k", b"v").unwrap_err().to_string();
+        assert!(e.contains("timeout"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+        // Failed on the closed connection, not by waiting out another timeout.
+        let e2 = client.add("n", 1).unwrap_err().to_string();
+        assert!(!e2.contains("timeout"), "{e2}");
+        drop(client);
+        server.join().unwrap();
+    }
+
     #[test]
     fn bad_token_is_refused() {
         let server = TcpStoreServer::bind("127.0.0.1:0", "secret").unwrap();

@@ -38,8 +38,8 @@
 //! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
 //!   `kill` is a SIGKILL of the worker itself.
 //! - LAUNCH-9: every fault, restart and recovery is logged by the agents with the time since
-//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps,
-//!   at most every 100 ms and at its last).
+//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps from
+//!   a thread of its own, so the training thread never waits on the store for it).
 //! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
 //!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
 //!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
@@ -414,7 +414,7 @@ fn worker_loop(
     let mut step_times = Vec::new();
     let mut exposed = Vec::new();
     let t_loop = Instant::now();
-    let mut published: Option<Instant> = None;
+    let progress = (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job));
     for _ in 0..run_steps {
         let epoch = done / plan.steps_per_epoch;
         let index = (done % plan.steps_per_epoch) as usize;
@@ -425,13 +425,8 @@ fn worker_loop(
         let (x, y) = plan.train.batch(idx);
         let st = engine.train_step(x, &y, *global)?;
         done += 1;
-        // LAUNCH-9: what the agents log a fault against; a lost update only blurs a log. At
-        // most every PROGRESS_EVERY (and at the last step): a store round trip per step would
-        // stall rank 0, and with it every rank, for the agent's reply.
-        let last = done - first == run_steps;
-        if rank == 0 && (last || published.is_none_or(|t: Instant| t.elapsed() >= PROGRESS_EVERY)) {
-            let _ = joined.store.set(&progress_key(&env.job), done.to_string().as_bytes());
-            published = Some(Instant::now());
+        if let Some(p) = &progress {
+            p.publish(done);
         }
         let t = st.step_time.as_secs_f64();
         if let Some(w) = log.as_mut() {
@@ -523,8 +518,35 @@ fn worker_loop(
     Ok(summary)
 }
 
-/// How often rank 0 publishes its step for the agents' fault log (LAUNCH-9).
-const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+/// LAUNCH-9: rank 0's finished steps, for the agents' fault log, published from a thread of
+/// their own: a store round trip per step on the training thread would stall rank 0, and
+/// with it every rank, for the agent's reply. The thread sets the newest step it was handed
+/// (steps handed on while a write is under way collapse into the next one) and ends when the
+/// publisher is dropped; it is not joined, so a rank that fails never waits on a store it
+/// cannot reach for it. A lost update only blurs a log.
+struct ProgressPublisher {
+    tx: crossbeam::channel::Sender<u64>,
+}
+
+impl ProgressPublisher {
+    fn start(store: &Arc<dyn Store>, job: &str) -> Self {
+        let (tx, rx) = crossbeam::channel::unbounded::<u64>();
+        let (store, key) = (Arc::clone(store), progress_key(job));
+        let spawned = std::thread::Builder::new().name("progress".into()).spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let step = rx.try_iter().fold(first, u64::max);
+                let _ = store.set(&key, step.to_string().as_bytes());
+            }
+        });
+        // Without the thread the steps are not published: only the log is less precise.
+        drop(spawned);
+        ProgressPublisher { tx }
+    }
+
+    fn publish(&self, step: u64) {
+        let _ = self.tx.send(step);
+    }
+}
 
 /// The store key where rank 0 of job `job` publishes the steps it finished.
 pub fn progress_key(job: &str) -> String {
