@@ -86,3 +86,24 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn overlap(args: &[&str]) -> overlap::Args {
+        let argv = ["shardline-bench", "overlap"].iter().chain(args);
+        match Cli::try_parse_from(argv).expect("flags parse").cmd {
+            Cmd::Overlap(a) => a,
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn overlap_busbw_sizes_default_list_and_skip() {
+        assert_eq!(overlap(&[]).busbw_sizes, vec![1 << 20, 16 << 20, 64 << 20]);
+        assert_eq!(overlap(&["--busbw-sizes", "4K,2M"]).busbw_sizes, vec![4096, 2 << 20]);
+        assert!(overlap(&["--busbw-sizes"]).busbw_sizes.is_empty());
+        assert!(Cli::try_parse_from(["shardline-bench", "overlap", "--busbw-sizes", "x"]).is_err());
+    }
+}

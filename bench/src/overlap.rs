@@ -22,9 +22,13 @@
 //! and the mean over ranks of the rest; medians over the steps after the warmup. OVL-2: the
 //! `optimizer` marks carry the process's CPU time, so each rank's CPU per step is known too;
 //! the ranks' CPU per step together over the machine's cores is a floor under the step while
-//! they share those cores (the network stack's work included). The check:
-//! prefetch 1's step time within 1.15x max(compute, communication) where the two are
-//! comparable (ratio within [0.5, 2]). Then busbw of all-reduce, reduce-scatter and
+//! they share those cores (the network stack's work included). OVL-3: collective spans on
+//! the trace carry their buffer's size, so the bytes each rank sends per step are counted
+//! (ring factors), and their time at the link rate alone (the wire time) is a floor under
+//! the step's communication. The in-flight union reads lower than that on a shaped link (a
+//! peer's bytes can cross before this rank's op begins), so the check takes communication as
+//! the larger of the two: prefetch 1's step time within 1.15x max(compute, communication)
+//! where the two are comparable (ratio within [0.5, 2]). Then busbw of all-reduce, reduce-scatter and
 //! all-gather over the same shaped links (`collectives --nodes`), against the link rate.
 
 use crate::report;
@@ -78,6 +82,10 @@ pub struct Args {
     /// Compute threads per rank.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Byte budget for gathered units, passed to `train --prefetch-budget` (default: the
+    /// trainer's, (prefetch+1) x the largest unit).
+    #[arg(long, value_parser = report::parse_bytes)]
+    pub prefetch_budget: Option<u64>,
     /// JSON output.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -94,8 +102,9 @@ pub struct Args {
     /// Worker processes per node with --nodes.
     #[arg(long, default_value_t = 1)]
     pub nproc_per_node: usize,
-    /// Buffer sizes of the busbw measurement with --nodes (empty: skip it).
-    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M",
+    /// Buffer sizes of the busbw measurement with --nodes (`--busbw-sizes` with no value
+    /// skips it).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M", num_args = 0..,
           value_parser = report::parse_bytes)]
     pub busbw_sizes: Vec<u64>,
     /// Timed iterations per busbw size.
@@ -141,6 +150,14 @@ pub struct Row {
     /// can be shorter while the ranks share these cores (OVL-2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_floor_ms: Option<f64>,
+    /// With --nodes: bytes one rank sends per step, from the collectives on its trace
+    /// (OVL-3; mean over ranks of the per-step medians).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wire_bytes: Option<f64>,
+    /// With --nodes: `wire_bytes` at the link rate alone, ms: the least time the step's
+    /// communication can take on the shaped link.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wire_ms: Option<f64>,
 }
 
 /// The whole report.
@@ -199,6 +216,7 @@ fn config(a: &Args, prefetch: usize, rate: Option<u64>, steps: u64) -> TrainConf
         threads: a.threads,
         timeout_s: 120,
         link_rate: rate,
+        prefetch_budget: a.prefetch_budget,
         ..TrainConfig::default()
     }
 }
@@ -279,6 +297,8 @@ fn run_one(
             rank0_log_exposed_ms: None,
             cpu_ms: None,
             cpu_floor_ms: None,
+            wire_bytes: None,
+            wire_ms: None,
         },
         trace,
     })
@@ -486,6 +506,33 @@ fn rank_cpu_steps(events: &[Ev], rank: usize) -> Vec<f64> {
     cpu.map(|c| c.windows(2).map(|w| w[1] - w[0]).collect()).unwrap_or_default()
 }
 
+/// OVL-3: the bytes rank `rank` sends per step (windows as in [`rank_steps`]), from the
+/// collectives on its trace: a ring all-gather or reduce-scatter of B bytes sends
+/// B (W-1)/W, an all-reduce twice that (nccl-tests' bus factors). Spans without a size
+/// (SyncBN statistics, a few hundred bytes) count nothing.
+fn rank_wire_bytes(events: &[Ev], rank: usize, world: usize) -> Vec<f64> {
+    let mut ends: Vec<f64> = events
+        .iter()
+        .filter(|e| e.rank == rank && e.row == 0 && e.name == "optimizer")
+        .map(|e| e.end)
+        .collect();
+    ends.sort_by(|a, b| a.total_cmp(b));
+    let w = world.max(1) as f64;
+    ends.windows(2)
+        .map(|win| {
+            events
+                .iter()
+                .filter(|e| e.rank == rank && e.row > 0 && e.start >= win[0] && e.start < win[1])
+                .filter_map(|e| {
+                    let b = e.bytes?;
+                    let all_reduce = e.name.starts_with("all-reduce") || e.name == "loss+norm";
+                    Some(b * (w - 1.0) / w * if all_reduce { 2.0 } else { 1.0 })
+                })
+                .sum()
+        })
+        .collect()
+}
+
 /// OVL-2: the CPU a step costs, from every rank's own process (one process per rank): the
 /// ranks' mean of the per-step medians after `warmup`, and the floor it puts under the step
 /// on `cores` cores (the ranks' CPU per step together, spread over every core); None when a
@@ -530,15 +577,21 @@ fn combine_ranks(prefetch: usize, per_rank: &[Vec<[f64; 4]>], warmup: u64) -> an
         rank0_log_exposed_ms: None,
         cpu_ms: None,
         cpu_floor_ms: None,
+        wire_bytes: None,
+        wire_ms: None,
     })
 }
 
 /// The check on prefetch 1 over a shaped network.
 #[derive(Serialize, Debug, Clone)]
 pub struct NetGoal {
-    /// Step time over max(compute, communication).
+    /// The communication time the check uses, ms: the larger of the collectives' time in
+    /// flight and the wire time (both are lower bounds of what the step's communication
+    /// needs; in flight reads low when a peer's bytes cross before this rank's op begins).
+    pub comm_ms: f64,
+    /// Step time over max(compute, comm_ms).
     pub step_over_max: f64,
-    /// Communication over compute.
+    /// comm_ms over compute.
     pub comm_over_compute: f64,
     /// Whether the two are comparable (ratio within [0.5, 2]), the check's premise.
     pub comparable: bool,
@@ -547,11 +600,14 @@ pub struct NetGoal {
 }
 
 fn net_goal(r: &Row) -> NetGoal {
-    let step_over_max = r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9);
+    let comm_ms = r.comm_ms.max(r.wire_ms.unwrap_or(0.0));
+    let step_over_max = r.step_ms / r.compute_ms.max(comm_ms).max(1e-9);
+    let comm_over_compute = comm_ms / r.compute_ms.max(1e-9);
     NetGoal {
+        comm_ms,
         step_over_max,
-        comm_over_compute: r.comm_over_compute,
-        comparable: (0.5..=2.0).contains(&r.comm_over_compute),
+        comm_over_compute,
+        comparable: (0.5..=2.0).contains(&comm_over_compute),
         met: step_over_max <= 1.15,
     }
 }
@@ -569,9 +625,6 @@ pub struct NetReport {
     pub batch_size: usize,
     /// tc tbf rate of every node link (each direction), bytes/s.
     pub link_rate: u64,
-    /// Bytes each rank sends per step at stage 3 (ring: two gathers and one reduce-scatter
-    /// of every unit).
-    pub bytes_per_rank_per_step: u64,
     /// Per prefetch depth.
     pub rows: Vec<Row>,
     /// The check on prefetch 1.
@@ -650,6 +703,9 @@ fn train_args(a: &Args, prefetch: usize, dir: &Path) -> Vec<String> {
         v.push(k.to_string());
         v.push(x);
     }
+    if let Some(b) = a.prefetch_budget {
+        v.extend(["--prefetch-budget".to_string(), b.to_string()]);
+    }
     v
 }
 
@@ -723,7 +779,6 @@ fn run_nodes_in(
     let model = build_model(&cfg0, &train_set.sample_shape, train_set.classes)?;
     let layout = ShardedModelLayout::new(&model.spec(), world)?;
     let w = world as u64;
-    let per_rank = 3 * (w - 1) * layout.padded_numel() as u64 * 4 / w;
     let model_desc = format!(
         "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params)",
         a.input_dim,
@@ -768,6 +823,11 @@ fn run_nodes_in(
             row.cpu_ms = Some(per_rank_cpu);
             row.cpu_floor_ms = Some(floor);
         }
+        let wire: Vec<Vec<f64>> = (0..world).map(|r| rank_wire_bytes(&events, r, world)).collect();
+        if let Some((bytes, _)) = cpu_per_step(&wire, a.warmup, 1) {
+            row.wire_bytes = Some(bytes);
+            row.wire_ms = Some(bytes / rate as f64 * 1e3);
+        }
         let (s0, e0) = rank0_log(&dir.join(format!("p{p}.jsonl")), a.warmup)?;
         row.rank0_log_step_ms = Some(s0);
         row.rank0_log_exposed_ms = Some(e0);
@@ -781,18 +841,13 @@ fn run_nodes_in(
         rows.push(row);
     }
     println!(
-        "{} sent per rank per step; medians over {} steps after {} warmup; step: slowest rank, \
-         the rest: mean over ranks (from the workers' traces)",
-        report::human_bytes(per_rank as f64),
+        "medians over {} steps after {} warmup; step: slowest rank, the rest: mean over ranks \
+         (from the workers' traces)",
         rows.first().map_or(0, |r| r.steps),
         a.warmup
     );
-    // The wire time: what the bytes a rank sends per step take at the link rate alone. The
-    // `comm` column (collectives in flight) can read lower, since a sender's op ends once
-    // the kernel holds its last bytes, before they have crossed the shaped link.
-    let wire_ms = per_rank as f64 / rate as f64 * 1e3;
     println!(
-        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13} {:>8} {:>16} {:>9} {:>10}",
+        "{:>8} {:>11} {:>9} {:>9} {:>11} {:>10} {:>12} {:>13} {:>9} {:>8} {:>16} {:>9} {:>10}",
         "prefetch",
         "compute_ms",
         "comm_ms",
@@ -801,6 +856,7 @@ fn run_nodes_in(
         "exposed_%",
         "comm/compute",
         "step/max(c,c)",
+        "sent",
         "wire_ms",
         "step/max(c,wire)",
         "cpu_ms",
@@ -809,7 +865,7 @@ fn run_nodes_in(
     let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |x| format!("{x:.1}"));
     for r in &rows {
         println!(
-            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2} {:>8.1} {:>16.2} {:>9} {:>10}",
+            "{:>8} {:>11.1} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {:>12.2} {:>13.2} {:>9} {:>8} {:>16} {:>9} {:>10}",
             r.prefetch,
             r.compute_ms,
             r.comm_ms,
@@ -818,12 +874,22 @@ fn run_nodes_in(
             r.exposed_pct,
             r.comm_over_compute,
             r.step_ms / r.compute_ms.max(r.comm_ms).max(1e-9),
-            wire_ms,
-            r.step_ms / r.compute_ms.max(wire_ms).max(1e-9),
+            r.wire_bytes.map_or_else(|| "-".to_string(), report::human_bytes),
+            opt(r.wire_ms),
+            r.wire_ms.map_or_else(
+                || "-".to_string(),
+                |w| format!("{:.2}", r.step_ms / r.compute_ms.max(w).max(1e-9))
+            ),
             opt(r.cpu_ms),
             opt(r.cpu_floor_ms)
         );
     }
+    println!(
+        "comm_ms: collectives in flight on a rank (their spans' union), which reads low on a \
+         shaped link: a peer's bytes can cross it before this rank's op begins; sent: bytes one \
+         rank sends per step (its collectives' sizes on the trace); wire_ms: those bytes at the \
+         link rate alone, the least time they need"
+    );
     println!(
         "cpu_ms: CPU time per step of one rank's process (every thread, user + system); \
          floor_ms: all ranks' CPU per step over this machine's {} cores, a lower bound on the \
@@ -834,7 +900,8 @@ fn run_nodes_in(
     if let Some(g) = &goal {
         println!(
             "check (prefetch 1: step <= 1.15 x max(compute, comm) where comm/compute is within \
-             [0.5, 2]): {:.2}x -> {}{}",
+             [0.5, 2]; comm = max(comm_ms, wire_ms) = {:.1} ms): {:.2}x -> {}{}",
+            g.comm_ms,
             g.step_over_max,
             if g.met { "met" } else { "NOT met" },
             if g.comparable {
@@ -907,7 +974,6 @@ fn run_nodes_in(
                 model: model_desc,
                 batch_size: a.batch_size,
                 link_rate: rate,
-                bytes_per_rank_per_step: per_rank,
                 rows,
                 goal,
                 busbw,
@@ -928,6 +994,8 @@ struct Ev {
     end: f64,
     /// The process's CPU time at the event, ms (on `optimizer` marks).
     cpu: Option<f64>,
+    /// A collective's whole buffer, bytes (on collective spans).
+    bytes: Option<f64>,
 }
 
 fn load_trace(path: &Path) -> anyhow::Result<Vec<Ev>> {
@@ -947,6 +1015,7 @@ fn load_trace(path: &Path) -> anyhow::Result<Vec<Ev>> {
                 start,
                 end: start + e["dur"].as_f64()?,
                 cpu: e["args"]["process_cpu_ms"].as_f64(),
+                bytes: e["args"]["bytes"].as_f64(),
             })
         })
         .collect())
@@ -1071,7 +1140,7 @@ mod tests {
     use super::*;
 
     fn ev(rank: usize, row: usize, name: &str, start: f64, end: f64) -> Ev {
-        Ev { rank, row, name: name.into(), start, end, cpu: None }
+        Ev { rank, row, name: name.into(), start, end, cpu: None, bytes: None }
     }
 
     #[test]
@@ -1113,6 +1182,34 @@ mod tests {
     /// OVL-1: the slowest rank's step, the ranks' mean of the rest, medians after warmup.
     /// OVL-2: CPU per step from the marks' process CPU times, against values by hand.
     #[test]
+    fn wire_bytes_count_what_each_collective_sends() {
+        let op = |rank, row, name: &str, start: f64, bytes: f64| Ev {
+            bytes: Some(bytes),
+            ..ev(rank, row, name, start, start + 5.0)
+        };
+        let evs = vec![
+            ev(0, 0, "optimizer", 100.0, 100.0),
+            // Step 1 of rank 0 (world 4): gathers send 3/4 of their buffer, a reduce-scatter
+            // too, an all-reduce twice that; a span without a size counts nothing.
+            op(0, 1, "gather blocks.0", 110.0, 400.0),
+            op(0, 2, "reduce-scatter blocks.0", 150.0, 800.0),
+            op(0, 2, "loss+norm", 160.0, 8.0),
+            op(0, 2, "all-reduce blocks.1", 170.0, 40.0),
+            ev(0, 3, "stats forward", 120.0, 121.0),
+            // Rank 1's op and an op after the last mark stay out.
+            op(1, 1, "gather blocks.0", 120.0, 4000.0),
+            ev(0, 0, "optimizer", 200.0, 200.0),
+            // Step 2: a gather issued right at the window's start belongs to it.
+            op(0, 1, "gather blocks.1", 200.0, 80.0),
+            ev(0, 0, "optimizer", 300.0, 300.0),
+            op(0, 1, "gather head", 310.0, 4.0),
+        ];
+        let b = rank_wire_bytes(&evs, 0, 4);
+        assert_eq!(b, vec![300.0 + 600.0 + 12.0 + 60.0, 60.0]);
+        assert!(rank_wire_bytes(&evs, 2, 4).is_empty());
+    }
+
+    #[test]
     fn cpu_per_step_comes_from_consecutive_marks() {
         let mark = |rank, end: f64, cpu| Ev {
             rank,
@@ -1121,6 +1218,7 @@ mod tests {
             start: end,
             end,
             cpu: Some(cpu),
+            bytes: None,
         };
         let evs = vec![
             mark(0, 100.0, 10.0),

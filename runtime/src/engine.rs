@@ -315,6 +315,25 @@ pub struct RankEngine {
     prefetched: Option<PendingGather>,
 }
 
+/// The size of a finished collective's whole buffer, for the trace (what the op moved, in the
+/// units the benchmarks count wire bytes in).
+trait OpBytes {
+    fn op_bytes(&self) -> u64;
+}
+
+impl OpBytes for Vec<f32> {
+    fn op_bytes(&self) -> u64 {
+        self.len() as u64 * 4
+    }
+}
+
+/// An out-of-place reduce-scatter's `(full input, own shard)`: the op is the size of the input.
+impl OpBytes for (Vec<f32>, Vec<f32>) {
+    fn op_bytes(&self) -> u64 {
+        self.0.op_bytes()
+    }
+}
+
 fn unit_label(model: &Model, u: usize) -> String {
     model.unit_name(u)
 }
@@ -437,7 +456,13 @@ impl RankEngine {
 
     /// Blocks on `w`: the blocked time is exposed communication (a `wait` span on the compute
     /// row), the op's own span goes on `row` and into the step's communication time.
-    fn wait<T>(&self, w: Work<T>, row: Row, what: &str, clock: &mut CommClock) -> Result<T> {
+    fn wait<T: OpBytes>(
+        &self,
+        w: Work<T>,
+        row: Row,
+        what: &str,
+        clock: &mut CommClock,
+    ) -> Result<T> {
         let t0 = Instant::now();
         let (r, span) = w.wait_timed();
         let t1 = Instant::now();
@@ -445,11 +470,12 @@ impl RankEngine {
         if t1 - t0 >= Duration::from_micros(1) {
             self.trace.record(self.rank, Row::Compute, format!("wait {what}"), t0, t1);
         }
+        let r = r?;
         if let Some((a, b)) = span {
-            self.trace.record(self.rank, row, what, a, b);
+            self.trace.record_op(self.rank, row, what, (a, b), r.op_bytes());
             clock.spans.push((a, b));
         }
-        Ok(r?)
+        Ok(r)
     }
 
     fn issue_gather(&self, unit: usize) -> Result<PendingGather> {
@@ -1168,6 +1194,19 @@ mod tests {
             serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
         std::fs::remove_dir_all(&dir).ok();
         let evs = doc["traceEvents"].as_array().unwrap();
+        // OVL-3's input: every collective span carries its whole buffer's size, a unit's
+        // padded size for gathers and reduce-scatters.
+        let unit_bytes: Vec<u64> =
+            layout.units().iter().map(|u| u.padded_numel() as u64 * 4).collect();
+        for e in evs.iter().filter(|e| e["ph"] == "X") {
+            let tid = e["tid"].as_u64();
+            if tid == Some(Row::Gather as u64)
+                || e["name"].as_str().unwrap().starts_with("reduce-scatter")
+            {
+                let b = e["args"]["bytes"].as_u64().unwrap_or(0);
+                assert!(unit_bytes.contains(&b), "{e}: {b} B is no unit's size {unit_bytes:?}");
+            }
+        }
         let per_rank = (0..2u64)
             .map(|r| {
                 let mine = |e: &&serde_json::Value| e["ph"] == "X" && e["pid"].as_u64() == Some(r);

@@ -50,6 +50,10 @@ pub struct Event {
     /// ms; only on marks from [`Trace::mark_cpu`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub process_cpu_ms: Option<f64>,
+    /// The whole buffer of a collective, in bytes; only on collective spans from
+    /// [`Trace::record_op`] (tools derive the bytes a rank put on the wire from it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
 }
 
 /// A shared, append-only trace. Cheap to clone; recording is a mutex push.
@@ -86,7 +90,21 @@ impl Trace {
         end: Instant,
     ) {
         if self.enabled {
-            self.push(rank, row, name.into(), start, end, None);
+            self.push(rank, row, name.into(), (start, end), None, None);
+        }
+    }
+
+    /// Records a collective's span with the size of its whole buffer (`bytes`).
+    pub fn record_op(
+        &self,
+        rank: usize,
+        row: Row,
+        name: impl Into<String>,
+        (start, end): (Instant, Instant),
+        bytes: u64,
+    ) {
+        if self.enabled {
+            self.push(rank, row, name.into(), (start, end), None, Some(bytes));
         }
     }
 
@@ -95,7 +113,7 @@ impl Trace {
     /// used in between, which tools set against the wall time and the machine's cores.
     pub fn mark_cpu(&self, rank: usize, row: Row, name: impl Into<String>, at: Instant) {
         if self.enabled {
-            self.push(rank, row, name.into(), at, at, process_cpu_ms());
+            self.push(rank, row, name.into(), (at, at), process_cpu_ms(), None);
         }
     }
 
@@ -104,14 +122,14 @@ impl Trace {
         rank: usize,
         row: Row,
         name: String,
-        start: Instant,
-        end: Instant,
+        (start, end): (Instant, Instant),
         process_cpu_ms: Option<f64>,
+        bytes: Option<u64>,
     ) {
         let start_us = start.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
         let dur_us = end.saturating_duration_since(start).as_secs_f64() * 1e6;
         if let Ok(mut ev) = self.events.lock() {
-            ev.push(Event { name, rank, row, start_us, dur_us, process_cpu_ms });
+            ev.push(Event { name, rank, row, start_us, dur_us, process_cpu_ms, bytes });
         }
     }
 
@@ -140,6 +158,9 @@ impl Trace {
             });
             if let Some(cpu) = e.process_cpu_ms {
                 v["args"] = serde_json::json!({ "process_cpu_ms": cpu });
+            }
+            if let Some(bytes) = e.bytes {
+                v["args"] = serde_json::json!({ "bytes": bytes });
             }
             out.push(v);
         }
@@ -178,6 +199,7 @@ mod tests {
         let t = Trace::new();
         let a = Instant::now();
         t.record(1, Row::Gather, "gather blocks.0", a, a + std::time::Duration::from_micros(50));
+        t.record_op(0, Row::Reduce, "reduce-scatter head", (a, a), 4096);
         let dir = std::env::temp_dir().join(format!("trace-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("t.json");
@@ -189,6 +211,11 @@ mod tests {
             && e["pid"] == 1
             && e["dur"].as_f64().unwrap() > 49.0));
         assert!(evs.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "gather"));
+        // A collective's size travels in its args; other spans carry none.
+        let rs = evs.iter().find(|e| e["name"] == "reduce-scatter head").unwrap();
+        assert_eq!(rs["args"]["bytes"], 4096);
+        let g = evs.iter().find(|e| e["name"] == "gather blocks.0").unwrap();
+        assert!(g["args"]["bytes"].is_null());
         std::fs::remove_dir_all(&dir).ok();
     }
 }
