@@ -643,9 +643,7 @@ pub fn run_on_net(
     args: &Args,
 ) -> anyhow::Result<Vec<Row>> {
     let (n, w) = (net.nodes(), net.nodes() * nproc);
-    if nproc == 0 {
-        bail!("--nproc-per-node must be at least 1");
-    }
+    report::check_flags(nproc > 0, || "--nproc-per-node must be at least 1".into())?;
     let token = format!("{:016x}", std::process::id() as u64 ^ 0x6e6f_6465_7331 ^ w as u64);
     // Namespaces are fresh, so any port is free on node 0's address.
     let store = format!("{}:29650", net.addr(0));
@@ -759,12 +757,18 @@ fn run_nodes(args: &Args, nodes: usize) -> anyhow::Result<Vec<Row>> {
 
 /// Runs the benchmark, prints the table, writes JSON/SVG.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.world.contains(&0) {
-        bail!("--world must be at least 1");
-    }
-    if args.min_bytes > args.max_bytes {
-        bail!("--min-bytes ({}) is larger than --max-bytes ({})", args.min_bytes, args.max_bytes);
-    }
+    report::check_flags(!args.world.contains(&0), || "--world must be at least 1".into())?;
+    report::check_flags(args.min_bytes <= args.max_bytes, || {
+        format!("--min-bytes ({}) is larger than --max-bytes ({})", args.min_bytes, args.max_bytes)
+    })?;
+    report::check_flags(!sizes(&args).is_empty(), || {
+        format!(
+            "no size to measure: sizes start at --min-bytes ({}, at least 4) and double up to \
+             --max-bytes ({})",
+            args.min_bytes, args.max_bytes
+        )
+    })?;
+    report::check_flags(args.iters != Some(0), || "--iters must be at least 1".into())?;
     let ops = args.op.0.clone();
     if let Some(nodes) = args.nodes {
         let rows = run_nodes(&args, nodes)?;
@@ -821,7 +825,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         let traffic = op.min_traffic_bytes(row.bytes as f64, w) * w as f64;
                         let t_min = traffic / bw;
                         let busbw_max = row.bytes as f64 / t_min / 1e9 * op.busbw_factor(w);
-                        Some(row.busbw_gbps / busbw_max)
+                        // At world 1 an all-gather or reduce-scatter moves nothing between
+                        // ranks (busbw factor 0): no fraction to give.
+                        (busbw_max > 0.0).then(|| row.busbw_gbps / busbw_max)
                     }
                     _ => None,
                 };

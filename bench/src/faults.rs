@@ -332,7 +332,9 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 
 /// Runs the campaign.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(a.world >= 2, "--world must be at least 2 (links need two ranks)");
+    report::check_flags(a.world >= 2, || {
+        "--world must be at least 2 (links need two ranks)".into()
+    })?;
     anyhow::ensure!(
         a.checkpoint_every >= 1 && a.checkpoint_every <= a.steps,
         "--checkpoint-every must be between 1 and --steps"

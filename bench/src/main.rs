@@ -83,7 +83,8 @@ fn main() {
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        let usage = e.downcast_ref::<report::Usage>().is_some();
+        std::process::exit(if usage { 2 } else { 1 });
     }
 }
 

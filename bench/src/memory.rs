@@ -198,7 +198,9 @@ const STAGES: [Stage; 4] = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zer
 
 /// Runs the benchmark.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(!a.world.is_empty() && a.world.iter().all(|&w| w > 0), "--world needs ranks");
+    report::check_flags(!a.world.is_empty() && a.world.iter().all(|&w| w > 0), || {
+        "--world must be at least 1".into()
+    })?;
     let mut rows = Vec::new();
     let mut params = 0;
     println!(

@@ -306,12 +306,16 @@ fn run_one(
 
 /// Runs the benchmark.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.world < 2 {
-        anyhow::bail!("--world must be at least 2 (one rank has nothing to communicate)");
-    }
-    if a.prefetch.is_empty() {
-        anyhow::bail!("--prefetch needs at least one depth");
-    }
+    report::check_flags(a.world >= 2, || {
+        "--world must be at least 2 (one rank has nothing to communicate)".into()
+    })?;
+    report::check_flags(!a.prefetch.is_empty(), || "--prefetch needs at least one depth".into())?;
+    report::check_flags(a.steps > a.warmup, || {
+        format!(
+            "--steps ({}) must be larger than --warmup ({}): no step would be counted",
+            a.steps, a.warmup
+        )
+    })?;
     if let Some(nodes) = a.nodes {
         return run_nodes(&a, nodes);
     }
@@ -743,16 +747,16 @@ fn align_ranks(events: &mut [Ev], step: usize) {
 
 fn run_nodes(a: &Args, nodes: usize) -> anyhow::Result<()> {
     let rate = a.link_rate.ok_or_else(|| {
-        anyhow::anyhow!("--nodes needs --link-rate (the tc rate of every node link, e.g. 1gbit)")
+        report::Usage(
+            "--nodes needs --link-rate (the tc rate of every node link, e.g. 1gbit)".into(),
+        )
     })?;
-    if nodes < 2 || a.nproc_per_node == 0 {
-        anyhow::bail!("--nodes needs at least 2 nodes and --nproc-per-node at least 1");
-    }
-    if a.warmup == 0 {
-        anyhow::bail!(
-            "--warmup must be at least 1 with --nodes (the first step has no start mark)"
-        );
-    }
+    report::check_flags(nodes >= 2 && a.nproc_per_node > 0, || {
+        "--nodes needs at least 2 nodes and --nproc-per-node at least 1".into()
+    })?;
+    report::check_flags(a.warmup > 0, || {
+        "--warmup must be at least 1 with --nodes (the first step has no start mark)".into()
+    })?;
     let world = nodes * a.nproc_per_node;
     let bin = shardline_bin()?;
     let tmp = std::env::temp_dir().join(format!("shardline-overlap-nodes-{}", std::process::id()));

@@ -5,6 +5,28 @@ use plotters::prelude::*;
 use serde::Serialize;
 use std::path::Path;
 
+/// A flag the benchmark cannot run with: `main` prints it and exits 2, as for flags clap
+/// rejects itself (other failures exit 1).
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Fails with a [`Usage`] error unless `ok`.
+pub fn check_flags(ok: bool, msg: impl FnOnce() -> String) -> anyhow::Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Usage(msg()).into())
+    }
+}
+
 /// Writes `value` as pretty JSON to `path`.
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(value)?;

@@ -99,9 +99,10 @@ fn run_avg(
 
 /// Runs the experiment.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.world == 0 || a.per_rank == 0 || a.overhead_world == 0 {
-        anyhow::bail!("--world, --per-rank and --overhead-world must be at least 1");
-    }
+    report::check_flags(a.world > 0 && a.per_rank > 0 && a.overhead_world > 0, || {
+        "--world, --per-rank and --overhead-world must be at least 1".into()
+    })?;
+    report::check_flags(a.seeds > 0, || "--seeds must be at least 1".into())?;
     let global = a.world * a.per_rank;
     let mut rows = Vec::new();
     println!(

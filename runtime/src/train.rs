@@ -287,6 +287,10 @@ pub fn reduce_budget(layout: &ShardedModelLayout) -> u64 {
     layout.max_unit_padded_numel() as u64 * 4 * 2
 }
 
+/// Most ranks `run` starts as threads of one process (four threads per rank; beyond this the
+/// threads' start-up alone outlasts a collective's deadline on a small machine).
+pub const MAX_LOCAL_WORLD: usize = 256;
+
 /// Validates what clap cannot.
 pub fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.world == 0 {
@@ -300,6 +304,9 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     }
     if cfg.threads == 0 {
         return Err(RuntimeError::config("--threads must be at least 1"));
+    }
+    if cfg.hidden == Some(0) {
+        return Err(RuntimeError::config("--hidden must be at least 1"));
     }
     if !matches!(cfg.optimizer.as_str(), "sgd" | "adamw") {
         return Err(RuntimeError::config(format!(
@@ -495,6 +502,12 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
     }
     let model = Arc::new(model);
+    if train.is_empty() {
+        return Err(RuntimeError::config(format!(
+            "the training set of '{}' is empty (--samples {}): nothing to train on",
+            cfg.dataset, cfg.samples
+        )));
+    }
     let steps_per_epoch = train.len().div_ceil(cfg.batch_size) as u64;
     let total_steps = cfg.steps.unwrap_or(cfg.epochs * steps_per_epoch);
     let lr = if cfg.cosine {
@@ -599,6 +612,15 @@ pub fn checkpoint_meta(
 
 /// Runs a training job; blocks until it ends.
 pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
+    if cfg.world > MAX_LOCAL_WORLD {
+        return Err(RuntimeError::config(format!(
+            "--world {}: without `shardline launch` every rank is a set of threads of this one \
+             process (an actor and three lanes, each with its own copy of the model state); at \
+             most {MAX_LOCAL_WORLD} run here. Start more ranks as processes: shardline launch \
+             --nproc-per-node N [--nnodes M ...] -- train ...",
+            cfg.world
+        )));
+    }
     let p = plan(&cfg)?;
     if !opts.quiet {
         print_header(&cfg, &p);

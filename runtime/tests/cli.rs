@@ -110,6 +110,8 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
         (&["--resume"], "--resume needs --checkpoint-dir"),
         (&["--device-memory", "lots"], "--device-memory"),
         (&["--sync-bn", "maybe"], "--sync-bn"),
+        (&["--world", "257"], "at most 256 run here"),
+        (&["--dataset", "synthetic", "--samples", "0"], "the training set of 'synthetic' is empty"),
     ];
     for (extra, needle) in cases {
         let o = run_small(extra);
@@ -121,6 +123,9 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
     let o = shardline(&["train", "--batch-size", "0", "--steps", "1", "--no-progress"]);
     assert_eq!(o.code, Some(2), "{}", o.stderr);
     assert!(o.stderr.contains("--batch-size must be at least 1"), "{}", o.stderr);
+    let o = shardline(&["train", "--hidden", "0", "--steps", "1", "--no-progress"]);
+    assert_eq!(o.code, Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("--hidden must be at least 1"), "{}", o.stderr);
     let o = shardline(&["checkpoint", "inspect"]);
     assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
 }

@@ -1,0 +1,90 @@
+//! The benchmark binary's command line: bad flags exit 2 with a message naming the flag
+//! (clap's own errors and the checks clap cannot make alike), and a small run works.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Out {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `shardline-bench` with a deadline (a hang fails the test instead of blocking it).
+fn bench(args: &[&str]) -> Out {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline-bench"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start shardline-bench");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("shardline-bench {args:?} did not finish within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().expect("output");
+    Out {
+        code: o.status.code(),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_clear_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["collectives", "--transport", "carrier-pigeon"], "carrier-pigeon"),
+        (&["collectives", "--world", "0"], "--world must be at least 1"),
+        (&["collectives", "--min-bytes", "8K", "--max-bytes", "4K"], "is larger than --max-bytes"),
+        (&["collectives", "--min-bytes", "0", "--max-bytes", "0"], "no size to measure"),
+        (&["collectives", "--iters", "0"], "--iters must be at least 1"),
+        (&["overlap", "--world", "1"], "--world must be at least 2"),
+        (&["overlap", "--steps", "3", "--warmup", "4"], "must be larger than --warmup"),
+        (&["overlap", "--nodes", "2"], "--nodes needs --link-rate"),
+        (&["overlap", "--busbw-sizes", "lots"], "lots"),
+        (&["syncbn", "--seeds", "0"], "--seeds must be at least 1"),
+        (&["memory", "--world", "0"], "--world must be at least 1"),
+        (&["faults", "--world", "1"], "--world must be at least 2"),
+        (&["no-such-benchmark"], "no-such-benchmark"),
+    ];
+    for (args, needle) in cases {
+        let o = bench(args);
+        assert_eq!(o.code, Some(2), "{args:?}: exit code; stderr: {}", o.stderr);
+        assert!(o.stderr.contains(needle), "{args:?}: stderr lacks '{needle}': {}", o.stderr);
+        assert!(!o.stderr.contains("panicked"), "{args:?}: {}", o.stderr);
+    }
+}
+
+#[test]
+fn a_small_local_run_prints_its_table_and_checks_results() {
+    let o = bench(&[
+        "collectives",
+        "--transport",
+        "local",
+        "--world",
+        "2",
+        "--op",
+        "all-reduce",
+        "--min-bytes",
+        "4K",
+        "--max-bytes",
+        "8K",
+        "--iters",
+        "3",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let rows: Vec<&str> =
+        o.stdout.lines().filter(|l| l.trim_start().starts_with("all-reduce")).collect();
+    assert_eq!(rows.len(), 2, "{}", o.stdout);
+    for r in rows {
+        let cols: Vec<&str> = r.split_whitespace().collect();
+        assert_eq!(cols[6], "0", "#wrong in {r}");
+    }
+}
