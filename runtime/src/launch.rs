@@ -801,6 +801,8 @@ const FAST_POLL: Duration = Duration::from_millis(20);
 const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 /// An agent that has not reached the store for this long gives up on its job.
 const STORE_LOST: Duration = Duration::from_secs(60);
+/// After this long without reaching the store, a node's agent says what it waits for.
+const WAITING_NOTE_AFTER: Duration = Duration::from_secs(3);
 /// How long an elastic job's node 0 waits at start-up for the most nodes to join.
 const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
 /// How long node 0's agent keeps the store up after success for the other nodes' reports.
@@ -846,14 +848,20 @@ struct StoreLink {
     token: String,
     client: Option<TcpStoreClient>,
     last_ok: Instant,
+    /// Why the last connection attempt failed (for the "still waiting" line).
+    last_err: Option<String>,
 }
 
 impl StoreLink {
     fn client(&mut self) -> Option<&TcpStoreClient> {
         if self.client.is_none() {
-            self.client =
-                TcpStoreClient::connect(self.addr.as_str(), &self.token, STORE_REQUEST_TIMEOUT)
-                    .ok();
+            match TcpStoreClient::connect(self.addr.as_str(), &self.token, STORE_REQUEST_TIMEOUT) {
+                Ok(c) => {
+                    self.client = Some(c);
+                    self.last_err = None;
+                }
+                Err(e) => self.last_err = Some(e.to_string()),
+            }
         }
         self.client.as_ref()
     }
@@ -1377,6 +1385,7 @@ impl Agent<'_> {
         let mut stopped_sent = false;
         let mut last_poll: Option<Instant> = None;
         let start = Instant::now();
+        let mut told_waiting = false;
         loop {
             self.heartbeat();
             if self.forward_signals(&workers) {
@@ -1411,7 +1420,21 @@ impl Agent<'_> {
             let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
             if last_poll.is_none_or(|t| t.elapsed() >= every) {
                 last_poll = Some(Instant::now());
-                match self.link.get(&agent_key(&self.job, "gen")) {
+                let got = self.link.get(&agent_key(&self.job, "gen"));
+                if matches!(got, Got::Unreachable)
+                    && !told_waiting
+                    && self.link.last_ok.elapsed() >= WAITING_NOTE_AFTER
+                {
+                    // Node 0 may simply start later; say what is awaited instead of silence.
+                    told_waiting = true;
+                    self.log(format_args!(
+                        "waiting for node 0's store at {} ({}); giving up after {:?}",
+                        self.rdzv,
+                        self.link.last_err.as_deref().unwrap_or("no answer"),
+                        STORE_LOST
+                    ));
+                }
+                match got {
                     Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
                         self.log(format_args!(
                             "the store at {} is unreachable for {:?}: giving up",
@@ -1556,6 +1579,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         token: token.clone(),
         client: None,
         last_ok: Instant::now(),
+        last_err: None,
     };
     let mut agent = Agent {
         o,

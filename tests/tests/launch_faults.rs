@@ -258,3 +258,30 @@ fn partitioned_node_is_detected_and_the_job_recovers() {
     assert!(o.status.success(), "{}", text(&o));
     assert_same_params(&dir.join("ck-ref"), &dir.join("ck-part"), 1e-4);
 }
+
+/// A follower node whose store does not answer (node 0 not started yet, or a wrong address)
+/// says what it waits for and why, instead of staying silent until it gives up.
+#[test]
+fn follower_without_a_store_says_what_it_waits_for() {
+    // A port nobody listens on: bind one, note it, close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let rdzv = format!("127.0.0.1:{port}");
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1"]).args([
+        "--rdzv",
+        &rdzv,
+        "--token",
+        "follower-test",
+        "--",
+        "train",
+        "--steps",
+        "1",
+    ]);
+    let child = spawn(cmd);
+    std::thread::sleep(Duration::from_secs(5));
+    kill_group(&child);
+    let o = wait_output(child, Instant::now() + Duration::from_secs(20), "follower");
+    let log = text(&o);
+    assert!(log.contains(&format!("waiting for node 0's store at {rdzv}")), "{log}");
+    assert!(log.contains("refused"), "the reason is named: {log}");
+}
