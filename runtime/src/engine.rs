@@ -664,6 +664,11 @@ impl RankEngine {
         // ---- backward ----
         let mut pending: VecDeque<PendingReduce> = VecDeque::with_capacity(n_units);
         let mut unit_sq = vec![0.0f64; n_units];
+        // ENG-8: without clipping no unit's update depends on the global norm, so each unit
+        // is stepped as soon as its reduction is in, overlapping the reductions still in
+        // flight, and its squared norm comes out of the update's own pass (OPT-4); with
+        // clipping the norms are taken as the reductions come in and the updates wait.
+        let early = self.cfg.clip_grad_norm.is_none();
         for u in (0..n_units).rev() {
             let label = unit_label(&model, u);
             // Backward prefetch: the previous units' gathers go out before computing.
@@ -743,7 +748,9 @@ impl RankEngine {
                 {
                     if let Some(p) = pending.pop_front() {
                         let done = self.finish_reduce(p, &mut clock)?;
-                        compute += self.unit_sq_norm(done, &mut unit_sq);
+                        if !early {
+                            compute += self.unit_sq_norm(done, &mut unit_sq);
+                        }
                     }
                 }
             }
@@ -756,7 +763,9 @@ impl RankEngine {
             while pending.front().is_some_and(PendingReduce::is_done) {
                 if let Some(p) = pending.pop_front() {
                     let done = self.finish_reduce(p, &mut clock)?;
-                    compute += self.unit_sq_norm(done, &mut unit_sq);
+                    if !early {
+                        compute += self.unit_sq_norm(done, &mut unit_sq);
+                    }
                 }
             }
         }
@@ -769,10 +778,7 @@ impl RankEngine {
 
         // ---- wait for the reductions ----
         self.fault_point(crate::fault::Phase::Reduce);
-        // ENG-8: without clipping no unit's update depends on the global norm, so each unit
-        // is stepped as soon as its reduction is in, overlapping the reductions still in
-        // flight. Per-unit updates are independent: the result does not depend on the order.
-        let early = self.cfg.clip_grad_norm.is_none();
+        // Per-unit updates are independent: the result does not depend on the order.
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
         // count is 1-based (OPT-3).
         let lr = self.cfg.lr.lr_at(self.step);
@@ -781,16 +787,21 @@ impl RankEngine {
             self.step += 1;
             let waiting: Vec<usize> = pending.iter().map(PendingReduce::unit).collect();
             for u in (0..n_units).rev().filter(|u| !waiting.contains(u)) {
-                opt_spans.push(self.step_unit(u, lr, 1.0)?);
+                let (t0, t1, sq) = self.step_unit(u, lr, 1.0)?;
+                unit_sq[u] = sq;
+                opt_spans.push((t0, t1));
             }
         }
         // Each unit's squared norm is taken as soon as its reduction is in, while the later
         // ones are still in flight.
         for p in pending {
             let done = self.finish_reduce(p, &mut clock)?;
-            compute += self.unit_sq_norm(done, &mut unit_sq);
             if early {
-                opt_spans.push(self.step_unit(done, lr, 1.0)?);
+                let (t0, t1, sq) = self.step_unit(done, lr, 1.0)?;
+                unit_sq[done] = sq;
+                opt_spans.push((t0, t1));
+            } else {
+                compute += self.unit_sq_norm(done, &mut unit_sq);
             }
         }
 
@@ -812,7 +823,8 @@ impl RankEngine {
             };
             self.step += 1;
             for u in 0..n_units {
-                opt_spans.push(self.step_unit(u, lr, coef)?);
+                let (t0, t1, _) = self.step_unit(u, lr, coef)?;
+                opt_spans.push((t0, t1));
             }
         }
         // Each unit's update is its own span; one `optimizer` mark at the end of the last
@@ -880,13 +892,16 @@ impl RankEngine {
     /// Steps unit `u`'s own slice; returns the span it took. ENG-6: the next pass starts with
     /// unit 0, so its gather leaves right after unit 0 is updated and overlaps the rest of the
     /// step and whatever the caller does between steps.
-    fn step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<(Instant, Instant)> {
+    /// The span and the squared norm of this rank's own gradient slice (`own_grads`, after
+    /// scaling by `coef`), taken in the update's pass where the update reads just that
+    /// slice (OPT-4).
+    fn step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<(Instant, Instant, f64)> {
         let t0 = Instant::now();
-        self.optimizer_step_unit(u, lr, coef)?;
+        let sq = self.optimizer_step_unit(u, lr, coef)?;
         if u == 0 && self.cfg.stage.gathers_params_per_unit() && self.cfg.prefetch > 0 {
             self.prefetched = Some(self.issue_gather(0)?);
         }
-        Ok((t0, Instant::now()))
+        Ok((t0, Instant::now(), sq))
     }
 
     /// Bytes of the transient full gradients of the pending reductions.
@@ -943,7 +958,7 @@ impl RankEngine {
         }
     }
 
-    fn optimizer_step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<()> {
+    fn optimizer_step_unit(&mut self, u: usize, lr: f32, coef: f32) -> Result<f64> {
         let l = self.layout.unit(u);
         let r = l.shard_range(self.rank);
         let opt = self.cfg.optimizer;
@@ -953,14 +968,17 @@ impl RankEngine {
                 if coef != 1.0 {
                     optim::scale(&mut self.grads[u], coef);
                 }
-                opt.step(lr, step, &mut self.params[u], &self.grads[u], &mut self.optim_state[u])
+                // Every rank steps the whole unit, but the norm counts each element once
+                // globally: the own slice only (as `own_grads`).
+                opt.step(lr, step, &mut self.params[u], &self.grads[u], &mut self.optim_state[u])?;
+                Ok(optim::sq_norm(&self.grads[u][r]))
             }
             Stage::Zero1 => {
                 let g = &mut self.grads[u][r.clone()];
                 if coef != 1.0 {
                     optim::scale(g, coef);
                 }
-                opt.step(
+                opt.step_sq_norm(
                     lr,
                     step,
                     &mut self.params[u][r.clone()],
@@ -972,13 +990,25 @@ impl RankEngine {
                 if coef != 1.0 {
                     optim::scale(&mut self.grads[u], coef);
                 }
-                opt.step(lr, step, &mut self.params[u][r], &self.grads[u], &mut self.optim_state[u])
+                opt.step_sq_norm(
+                    lr,
+                    step,
+                    &mut self.params[u][r],
+                    &self.grads[u],
+                    &mut self.optim_state[u],
+                )
             }
             Stage::Zero3 => {
                 if coef != 1.0 {
                     optim::scale(&mut self.grads[u], coef);
                 }
-                opt.step(lr, step, &mut self.params[u], &self.grads[u], &mut self.optim_state[u])
+                opt.step_sq_norm(
+                    lr,
+                    step,
+                    &mut self.params[u],
+                    &self.grads[u],
+                    &mut self.optim_state[u],
+                )
             }
         }
     }

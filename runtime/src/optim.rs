@@ -15,6 +15,8 @@
 //!   left at 0 with zero state.
 //! - **OPT-3**: `step` is 1-based and counts optimizer steps taken including this one; SGD
 //!   initializes its momentum buffer to the gradient at step 1 (PyTorch's first-step rule).
+//! - **OPT-4**: [`Optimizer::step_sq_norm`] leaves parameters and state bitwise as `step`
+//!   does and returns bitwise [`sq_norm`] of the gradients.
 //!
 //! ```
 //! use shardline_runtime::optim::{Optimizer, SgdConfig};
@@ -124,6 +126,46 @@ impl Optimizer {
             Optimizer::AdamW(c) => adamw_step(c, lr, step, params, grads, state),
         }
         Ok(())
+    }
+}
+
+impl Optimizer {
+    /// [`Optimizer::step`] that also returns [`sq_norm`] of `grads`, bitwise the same value,
+    /// taken block by block while each block is in cache for the update: one pass over the
+    /// gradients less per step. The update is elementwise, so stepping block by block
+    /// changes nothing either (OPT-4).
+    pub fn step_sq_norm(
+        &self,
+        lr: f32,
+        step: u64,
+        params: &mut [f32],
+        grads: &[f32],
+        state: &mut [f32],
+    ) -> Result<f64> {
+        // A multiple of 8, so that every block but the last feeds whole chunks to the eight
+        // partial sums in the order `sq_norm` takes them; small enough to stay in L1.
+        const BLOCK: usize = 2048;
+        let k = self.state_len_per_param();
+        if grads.len() != params.len() || state.len() != params.len() * k {
+            // The plain step reports the mismatch.
+            return self.step(lr, step, params, grads, state).map(|()| 0.0);
+        }
+        let mut acc = [0.0f64; 8];
+        let mut tail = 0.0;
+        let blocks = params.chunks_mut(BLOCK).zip(grads.chunks(BLOCK));
+        for (i, (p, g)) in blocks.enumerate() {
+            let mut chunks = g.chunks_exact(8);
+            for c in &mut chunks {
+                for (a, &x) in acc.iter_mut().zip(c) {
+                    *a += (x as f64) * (x as f64);
+                }
+            }
+            // Only the last block can leave a remainder.
+            tail = chunks.remainder().iter().map(|&x| (x as f64) * (x as f64)).sum();
+            let st = &mut state[i * BLOCK * k..(i * BLOCK + p.len()) * k];
+            self.step(lr, step, p, g, st)?;
+        }
+        Ok(acc.iter().sum::<f64>() + tail)
     }
 }
 
@@ -279,6 +321,40 @@ mod tests {
                 got[i]
             );
         }
+    }
+
+    /// OPT-4: the fused step gives bitwise the parameters, state and squared norm of a
+    /// plain step followed by `sq_norm`, for both optimizers, over lengths around the block
+    /// and chunk sizes.
+    #[test]
+    fn fused_step_and_norm_match_the_separate_passes() {
+        let opts = [
+            Optimizer::Sgd(SgdConfig { momentum: 0.9, weight_decay: 1e-4, ..SgdConfig::default() }),
+            Optimizer::Sgd(SgdConfig { momentum: 0.0, ..SgdConfig::default() }),
+            Optimizer::AdamW(AdamWConfig::default()),
+        ];
+        for opt in opts {
+            let k = opt.state_len_per_param();
+            for n in [0usize, 1, 7, 8, 9, 2047, 2048, 2049, 4096 + 13, 10_000] {
+                let g: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+                let p0: Vec<f32> = (0..n).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
+                let s0: Vec<f32> = (0..n * k).map(|i| (i % 5) as f32 * 0.01).collect();
+                let (mut pa, mut sa) = (p0.clone(), s0.clone());
+                let (mut pb, mut sb) = (p0.clone(), s0.clone());
+                for step in 1..=3 {
+                    opt.step(0.05, step, &mut pa, &g, &mut sa).unwrap();
+                    let na = sq_norm(&g);
+                    let nb = opt.step_sq_norm(0.05, step, &mut pb, &g, &mut sb).unwrap();
+                    assert_eq!(na.to_bits(), nb.to_bits(), "{} n={n}", opt.name());
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&pa), bits(&pb), "{} n={n}: params", opt.name());
+                assert_eq!(bits(&sa), bits(&sb), "{} n={n}: state", opt.name());
+            }
+        }
+        let opt = Optimizer::Sgd(SgdConfig::default());
+        let err = opt.step_sq_norm(0.1, 1, &mut [0.0; 3], &[0.0; 2], &mut []).unwrap_err();
+        assert!(err.to_string().contains("disagree"), "{err}");
     }
 
     #[test]
