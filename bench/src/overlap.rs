@@ -457,11 +457,20 @@ fn run_in(a: &Args, dir: &Path) -> anyhow::Result<()> {
 
 /// Per-step figures of one rank from its trace (OVL-1): `[step, compute, comm, exposed]` in
 /// ms for every step after the first (whose start the trace does not mark).
+/// The ends of rank `rank`'s `optimizer` marks in time order: the step boundaries (OVL-1).
+fn optimizer_ends(events: &[Ev], rank: usize) -> Vec<f64> {
+    let mut ends: Vec<f64> = events
+        .iter()
+        .filter(|e| e.rank == rank && e.row == 0 && e.name == "optimizer")
+        .map(|e| e.end)
+        .collect();
+    ends.sort_by(|a, b| a.total_cmp(b));
+    ends
+}
+
 fn rank_steps(events: &[Ev], rank: usize) -> Vec<[f64; 4]> {
     let mine: Vec<&Ev> = events.iter().filter(|e| e.rank == rank).collect();
-    let mut ends: Vec<f64> =
-        mine.iter().filter(|e| e.row == 0 && e.name == "optimizer").map(|e| e.end).collect();
-    ends.sort_by(|a, b| a.total_cmp(b));
+    let ends = optimizer_ends(events, rank);
     let clip = |e: &Ev, lo: f64, hi: f64| (e.start.max(lo), e.end.min(hi));
     ends.windows(2)
         .map(|w| {
@@ -515,12 +524,7 @@ fn rank_cpu_steps(events: &[Ev], rank: usize) -> Vec<f64> {
 /// B (W-1)/W, an all-reduce twice that (nccl-tests' bus factors). Spans without a size
 /// (SyncBN statistics, a few hundred bytes) count nothing.
 fn rank_wire_bytes(events: &[Ev], rank: usize, world: usize) -> Vec<f64> {
-    let mut ends: Vec<f64> = events
-        .iter()
-        .filter(|e| e.rank == rank && e.row == 0 && e.name == "optimizer")
-        .map(|e| e.end)
-        .collect();
-    ends.sort_by(|a, b| a.total_cmp(b));
+    let ends = optimizer_ends(events, rank);
     let w = world.max(1) as f64;
     ends.windows(2)
         .map(|win| {

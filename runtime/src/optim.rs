@@ -127,9 +127,7 @@ impl Optimizer {
         }
         Ok(())
     }
-}
 
-impl Optimizer {
     /// [`Optimizer::step`] that also returns [`sq_norm`] of `grads`, bitwise the same value,
     /// taken block by block while each block is in cache for the update: one pass over the
     /// gradients less per step. The update is elementwise, so stepping block by block
