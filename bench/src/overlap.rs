@@ -918,6 +918,18 @@ fn run_nodes_in(
                 format!(" (comm/compute {:.2}: outside the check's premise)", g.comm_over_compute)
             }
         );
+        let p1 = rows.iter().find(|r| r.prefetch == 1);
+        if let (Some(floor), Some(r)) = (p1.and_then(|r| r.cpu_floor_ms), p1) {
+            // Where the ranks' CPU alone nearly fills the allowed step, the check asks the
+            // cores and the link to be busy together for most of it: say how much.
+            let allowed = 1.15 * r.compute_ms.max(g.comm_ms);
+            println!(
+                "  the ranks' CPU per step puts a floor of {floor:.1} ms under the step on this \
+                 machine's cores; 1.15x allows {allowed:.1} ms, so the cores would be busy \
+                 {:.0}% of such a step",
+                100.0 * floor / allowed
+            );
+        }
     }
 
     let mut busbw = Vec::new();
