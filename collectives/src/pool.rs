@@ -5,6 +5,8 @@
 //!   so `take(len)` reuses a buffer only if its capacity is at least `len`.
 //! - POOL-2: the pool is bounded (buffers per class and total bytes); extra buffers given
 //!   back are freed.
+//! - POOL-3: `take(len)` prefers a kept buffer at least `len` long (truncated, nothing
+//!   written) to one that must grow (its new tail zero-filled).
 
 use crate::config;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,15 +56,19 @@ impl BufferPool {
         let class = len.max(1).next_power_of_two().trailing_zeros() as usize;
         let found = {
             let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
-            // The class at `len`'s power of two or one above (POOL-1).
-            let mut hit = None;
-            for c in class.saturating_sub(1)..(class + 2).min(CLASSES) {
-                if let Some(i) = classes[c].iter().position(|v| v.capacity() >= len) {
-                    hit = Some(classes[c].swap_remove(i));
-                    break;
-                }
-            }
-            hit
+            // The class at `len`'s power of two or one above (POOL-1). A buffer already at
+            // least `len` long comes first (POOL-3): growing a shorter one zero-fills the
+            // tail, a pass over memory the caller is about to overwrite anyway.
+            let range = class.saturating_sub(1)..(class + 2).min(CLASSES);
+            let long = range
+                .clone()
+                .find_map(|c| classes[c].iter().position(|v| v.len() >= len).map(|i| (c, i)));
+            let fits = || {
+                range.clone().find_map(|c| {
+                    classes[c].iter().position(|v| v.capacity() >= len).map(|i| (c, i))
+                })
+            };
+            long.or_else(fits).map(|(c, i)| classes[c].swap_remove(i))
         };
         match found {
             Some(mut v) => {
@@ -135,5 +141,25 @@ mod tests {
         let big = vec![0.0f32; 1 << 20];
         p.give(big);
         assert!(p.held_bytes() <= 1 << 20);
+    }
+
+    #[test]
+    fn a_long_enough_buffer_comes_before_one_that_must_grow_pool_3() {
+        let p = BufferPool::new(1 << 30, 4);
+        // Same capacity class, different lengths; the short one is listed first.
+        let mut long = Vec::with_capacity(1 << 20);
+        long.resize(1_000_000, 7.0f32);
+        let mut short = Vec::with_capacity(1 << 20);
+        short.resize(800_000, 5.0f32);
+        p.give(short);
+        p.give(long);
+        let b = p.take(1_000_000);
+        // The long one, untouched: no zero-filled tail.
+        assert_eq!(b.len(), 1_000_000);
+        assert!(b.iter().all(|&x| x == 7.0));
+        // Only the short one is left: it grows, its new tail zeroed.
+        let c = p.take(900_000);
+        assert!(c[..800_000].iter().all(|&x| x == 5.0) && c[800_000..].iter().all(|&x| x == 0.0));
+        assert_eq!(p.allocations(), 0);
     }
 }

@@ -233,10 +233,48 @@ impl DistributedSampler {
     }
 }
 
+/// One rank's batches of the current epoch, computed once per epoch: shuffling the whole
+/// data set's order for every step would cost O(samples) per step.
+#[derive(Debug, Default)]
+pub struct RankBatches {
+    epoch: Option<u64>,
+    batches: Vec<(usize, Vec<usize>)>,
+}
+
+impl RankBatches {
+    /// Step `index` of `epoch` for `rank`: `(global batch size, this rank's sample indices)`,
+    /// as [`DistributedSampler::rank_batches`] gives it; `None` past the epoch's last step.
+    pub fn get(
+        &mut self,
+        sampler: &DistributedSampler,
+        epoch: u64,
+        rank: usize,
+        index: usize,
+    ) -> Option<&(usize, Vec<usize>)> {
+        if self.epoch != Some(epoch) {
+            self.batches = sampler.rank_batches(epoch, rank);
+            self.epoch = Some(epoch);
+        }
+        self.batches.get(index)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn rank_batches_cache_follows_the_epochs() {
+        let s = DistributedSampler::new(50, 3, 8, 7, true).unwrap();
+        let mut c = RankBatches::default();
+        // Forward across an epoch boundary, then back to an earlier epoch (a resume).
+        for (epoch, index) in [(0u64, 0usize), (0, 6), (1, 0), (1, 3), (0, 2), (2, 6)] {
+            let want = s.rank_batches(epoch, 1)[index].clone();
+            assert_eq!(c.get(&s, epoch, 1, index), Some(&want), "epoch {epoch} step {index}");
+        }
+        assert_eq!(c.get(&s, 2, 1, 7), None);
+    }
 
     #[test]
     fn digits_load_with_expected_shape_and_range() {

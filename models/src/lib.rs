@@ -47,7 +47,7 @@ pub mod zoo;
 pub use backend::{gemm_gflops, Backend, Cpu};
 pub use batchnorm::{BatchNorm, BnKind, CountingReducer, StatsReducer};
 pub use conv::Conv2d;
-pub use data::{Dataset, DistributedSampler};
+pub use data::{Dataset, DistributedSampler, RankBatches};
 pub use error::ModelError;
 pub use lane::LaneReducer;
 pub use layers::{Linear, MaxPool2d};

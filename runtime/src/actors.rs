@@ -97,12 +97,20 @@ pub struct RankActor {
     data: Arc<RankData>,
     coordinator: Addr<Coordinator>,
     faults: Option<Arc<FaultInjector>>,
+    /// This rank's batches of the current epoch (computed once per epoch).
+    batches: shardline_models::RankBatches,
 }
 
 impl RankActor {
     /// A rank actor over an engine.
     pub fn new(engine: RankEngine, data: Arc<RankData>, coordinator: Addr<Coordinator>) -> Self {
-        RankActor { engine, data, coordinator, faults: None }
+        RankActor {
+            engine,
+            data,
+            coordinator,
+            faults: None,
+            batches: shardline_models::RankBatches::default(),
+        }
     }
 
     /// Carries a fault plan (`--fault`): step progress and the checkpoint-phase hook.
@@ -120,10 +128,10 @@ impl RankActor {
 
     fn do_step(&mut self, m: &Step) -> Result<StepStats> {
         let rank = self.engine.rank();
-        let batches = self.data.sampler.rank_batches(m.epoch, rank);
-        let (global, idx) = batches.get(m.index).ok_or_else(|| {
-            RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
-        })?;
+        let (global, idx) =
+            self.batches.get(&self.data.sampler, m.epoch, rank, m.index).ok_or_else(|| {
+                RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
+            })?;
         let (x, y) = self.data.train.batch(idx);
         self.engine.train_step(x, &y, *global)
     }

@@ -415,12 +415,12 @@ fn worker_loop(
     let mut exposed = Vec::new();
     let t_loop = Instant::now();
     let progress = (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job));
+    let mut batches = shardline_models::RankBatches::default();
     for _ in 0..run_steps {
         let epoch = done / plan.steps_per_epoch;
         let index = (done % plan.steps_per_epoch) as usize;
-        let batches = sampler.rank_batches(epoch, rank);
         let (global, idx) = batches
-            .get(index)
+            .get(&sampler, epoch, rank, index)
             .ok_or_else(|| RuntimeError::config(format!("epoch {epoch} has no batch {index}")))?;
         let (x, y) = plan.train.batch(idx);
         let st = engine.train_step(x, &y, *global)?;
