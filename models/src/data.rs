@@ -201,6 +201,11 @@ impl DistributedSampler {
         Ok(DistributedSampler { len, world, global_batch, seed, shuffle })
     }
 
+    /// The most samples one rank gets from a global batch.
+    pub fn per_rank_batch(&self) -> usize {
+        self.global_batch.div_ceil(self.world)
+    }
+
     /// Steps per epoch (the last batch may be short).
     pub fn batches_per_epoch(&self) -> usize {
         self.len.div_ceil(self.global_batch)

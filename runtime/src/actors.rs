@@ -23,6 +23,9 @@ use shardline_models::{Dataset, DistributedSampler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+/// Fewest samples per evaluation forward (below it, per-forward overheads dominate).
+pub const EVAL_MIN_BATCH: usize = 256;
+
 /// The data a rank reads its slices from (shared, read-only).
 pub struct RankData {
     /// Training set.
@@ -137,13 +140,9 @@ impl RankActor {
     }
 
     fn do_eval(&mut self) -> Result<(u64, u64, f32)> {
-        let n = self.data.test.len();
-        let world = self.engine.layout().world();
-        let r = DistributedSampler::slice_range(n, world, self.engine.rank());
-        let idx: Vec<usize> = r.collect();
-        let (x, y) = self.data.test.batch(&idx);
-        let (c, cnt, loss) = self.engine.eval(x, &y, n)?;
-        Ok((c, cnt, loss))
+        // In forwards of a training step's per-rank batch (or more, for tiny batches).
+        let batch = self.data.sampler.per_rank_batch().max(EVAL_MIN_BATCH);
+        self.engine.eval_set(&self.data.test, batch)
     }
 }
 

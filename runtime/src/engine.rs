@@ -45,8 +45,8 @@ use crate::shard::{ShardedModelLayout, Stage};
 use crate::telemetry::{Row, Trace};
 use shardline_collectives::{Communicator, Lane, ReduceOp, Work};
 use shardline_models::{
-    softmax_cross_entropy, Backend, CountingReducer, Cpu, Ctx, LaneReducer, Model, StatsReducer,
-    Tensor, UnitSaved,
+    softmax_cross_entropy, Backend, CountingReducer, Cpu, Ctx, Dataset, DistributedSampler,
+    LaneReducer, Model, StatsReducer, Tensor, UnitSaved,
 };
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -1070,6 +1070,29 @@ impl RankEngine {
         Ok((sums[0] as u64, sums[1] as u64, sums[2]))
     }
 
+    /// Evaluates this rank's share of `test` (its [`DistributedSampler::slice_range`]) in
+    /// forwards of at most `batch` samples, so that evaluation never holds more activations
+    /// than a training step of that per-rank batch; returns the global (correct, count,
+    /// mean loss). Collective: every rank runs the same number of forwards (a rank whose
+    /// share is one sample shorter runs an empty last one).
+    pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
+        let n = test.len();
+        let world = self.layout.world();
+        let mine: Vec<usize> = DistributedSampler::slice_range(n, world, self.rank).collect();
+        let batch = batch.max(1);
+        let forwards = n.div_ceil(world).div_ceil(batch).max(1);
+        let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
+        for k in 0..forwards {
+            let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
+            let (x, y) = test.batch(idx);
+            let (c, m, l) = self.eval(x, &y, n)?;
+            correct += c;
+            count += m;
+            loss += l;
+        }
+        Ok((correct, count, loss))
+    }
+
     /// Full (unpadded) parameters of every unit, gathered if sharded. Collective.
     pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
         let mut out = Vec::new();
@@ -1275,6 +1298,58 @@ mod tests {
         let (p1, peak1, budget1) = gathers_per_step(1);
         assert_eq!(p1, vec![6, 6], "prefetch 1: the head and the last block are kept");
         assert!(peak1 <= budget1, "{peak1} > {budget1}");
+    }
+
+    /// Evaluation in forwards of a few samples gives what one forward over the whole share
+    /// gives, on every rank of a world whose shares differ in length (101 samples over 3
+    /// ranks: 34, 34, 33, so at batch 1 the last rank runs an empty last forward).
+    #[test]
+    fn eval_in_batches_matches_one_forward() {
+        use crate::optim::SgdConfig;
+        let test = Dataset::synthetic(101, 8, 3, 5).unwrap();
+        let mut m = shardline_models::zoo::MlpBn::digits();
+        (m.input_dim, m.hidden, m.depth, m.classes) = (8, 16, 2, 3);
+        let model = Arc::new(m.build());
+        let comms = shardline_collectives::local_group(3).unwrap();
+        let results: Vec<Vec<(u64, u64, f32)>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let (model, test) = (Arc::clone(&model), &test);
+                    sc.spawn(move || {
+                        let cfg = EngineConfig {
+                            stage: Stage::Zero3,
+                            prefetch: 1,
+                            prefetch_budget_bytes: 1 << 20,
+                            reduce_budget_bytes: 1 << 20,
+                            sync_bn: false,
+                            optimizer: Optimizer::Sgd(SgdConfig::default()),
+                            lr: LrSchedule::constant(0.1),
+                            clip_grad_norm: None,
+                            seed: 3,
+                            threads: 1,
+                            device: Device::Cpu,
+                        };
+                        let mem = MemoryTracker::new(comm.rank(), None);
+                        let mut e =
+                            RankEngine::new(comm, model, cfg, mem, Trace::disabled()).unwrap();
+                        [1000, 17, 5, 1].iter().map(|&b| e.eval_set(test, b).unwrap()).collect()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, per_batch) in results.iter().enumerate() {
+            let (c0, n0, l0) = per_batch[0];
+            assert_eq!(n0, 101, "rank {rank}: every sample counted once");
+            for &(c, n, l) in &per_batch[1..] {
+                assert_eq!((c, n), (c0, n0), "rank {rank}");
+                assert!(
+                    (l - l0).abs() <= 1e-5 * l0.abs().max(1.0),
+                    "rank {rank}: loss {l} vs {l0}"
+                );
+            }
+        }
     }
 
     /// ENG-6: with prefetch, a step leaves unit 0's gather in flight for the next pass; a

@@ -471,11 +471,8 @@ fn worker_loop(
         w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
-    let n = plan.test.len();
-    let r = DistributedSampler::slice_range(n, cfg.world, rank);
-    let idx: Vec<usize> = r.collect();
-    let (x, y) = plan.test.batch(&idx);
-    let (correct, count, _) = engine.eval(x, &y, n)?;
+    let batch = sampler.per_rank_batch().max(crate::actors::EVAL_MIN_BATCH);
+    let (correct, count, _) = engine.eval_set(&plan.test, batch)?;
     let final_params = engine.full_params()?;
     let final_buffers = engine.buffers().to_vec();
     let tracker = engine.memory().clone();
