@@ -473,8 +473,11 @@ fn worker_loop(
     let loop_s = t_loop.elapsed().as_secs_f64();
     let batch = sampler.per_rank_batch().max(crate::actors::EVAL_MIN_BATCH);
     let (correct, count, _) = engine.eval_set(&plan.test, batch)?;
-    let final_params = engine.full_params()?;
-    let final_buffers = engine.buffers().to_vec();
+    let (final_params, final_buffers) = if opts.skip_final_params {
+        (Vec::new(), Vec::new())
+    } else {
+        (engine.full_params()?, engine.buffers().to_vec())
+    };
     let tracker = engine.memory().clone();
     engine.shutdown();
     if let (Some(path), true) = (&opts.trace, trace.enabled()) {

@@ -140,6 +140,10 @@ pub struct RunOptions {
     pub faults: Option<Arc<crate::fault::FaultInjector>>,
     /// Write every rank's recent collectives here at the first failure (`--dump-on-failure`).
     pub dump_on_failure: Option<PathBuf>,
+    /// Leave `Summary::final_params` and `final_buffers` empty: gathering them puts the whole
+    /// model on every rank at the end of the run, which a model that only fits sharded
+    /// cannot afford (the CLI sets it; checkpoints hold the result).
+    pub skip_final_params: bool,
 }
 
 impl Default for TrainConfig {
@@ -936,9 +940,13 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
     let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Eval)).collect();
     let ev = collect(futs, &root, "evaluation").await?;
     let (correct, count, _) = ev[0];
-    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(FullParams)).collect();
-    let mut full = collect(futs, &root, "gathering parameters").await?;
-    let (final_params, final_buffers) = full.swap_remove(0);
+    let (final_params, final_buffers) = if a.opts.skip_final_params {
+        (Vec::new(), Vec::new())
+    } else {
+        let futs: Vec<_> = addrs.iter().map(|ad| ad.send(FullParams)).collect();
+        let mut full = collect(futs, &root, "gathering parameters").await?;
+        full.swap_remove(0)
+    };
     for ad in &addrs {
         let _ = ad.send(Shutdown).await;
     }

@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use shardline_runtime::train::{Summary, SyncBnMode};
+use shardline_runtime::train::{RunOptions, Summary, SyncBnMode};
 
 /// Tolerances against the one-rank run, measured on this grid and set ~10x above what was
 /// observed. Why they are not zero: a world-W step sums the gradient (and the SyncBN
@@ -107,4 +107,16 @@ fn prefetch_depth_is_bitwise_invisible_at_stage_3() {
             assert!(bits_eq(&s.final_buffers, &base.final_buffers), "world {world} prefetch {k}");
         }
     }
+}
+
+/// `skip_final_params` (what the CLI sets) leaves the final parameters ungathered and
+/// changes nothing else.
+#[test]
+fn skipping_the_final_gather_changes_nothing_else() {
+    let full = run_ok(small_cfg(2, 3, 4, 60), quiet());
+    let skipped = run_ok(small_cfg(2, 3, 4, 60), RunOptions { skip_final_params: true, ..quiet() });
+    assert!(has_final_params(&full));
+    assert!(skipped.final_params.is_empty() && skipped.final_buffers.is_empty());
+    assert!(losses_bits_eq(&skipped.losses, &full.losses));
+    assert_eq!(skipped.test_accuracy, full.test_accuracy);
 }

@@ -456,6 +456,9 @@ fn main() {
                 quiet: false,
                 faults: None,
                 dump_on_failure: a.dump_on_failure.clone(),
+                // The run's result is in its checkpoints (`checkpoint export`); gathering the
+                // whole model on every rank at the end would cost what sharding saved.
+                skip_final_params: true,
             };
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts

@@ -47,6 +47,11 @@ pub fn run_with_deadline(cfg: TrainConfig, opts: RunOptions) -> shardline_runtim
     }
 }
 
+/// Whether a run gathered its final parameters (`RunOptions::skip_final_params` unset).
+pub fn has_final_params(s: &Summary) -> bool {
+    !s.final_params.is_empty() && s.final_params.iter().all(|u| !u.is_empty())
+}
+
 /// `run_with_deadline`, expecting success.
 pub fn run_ok(cfg: TrainConfig, opts: RunOptions) -> Summary {
     let what = format!("world {} stage {:?}", cfg.world, cfg.stage);
@@ -55,6 +60,9 @@ pub fn run_ok(cfg: TrainConfig, opts: RunOptions) -> Summary {
 
 /// Largest absolute elementwise difference between two per-unit parameter lists.
 pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    // An empty list (a run that skipped gathering its final parameters) would compare
+    // equal to anything.
+    assert!(!a.is_empty() && !b.is_empty(), "no parameters to compare");
     assert_eq!(a.len(), b.len(), "unit count");
     let mut m = 0.0f32;
     for (x, y) in a.iter().zip(b) {
@@ -68,6 +76,7 @@ pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 /// Bitwise equality of per-unit f32 lists (NaN-safe, -0.0 != 0.0).
 pub fn bits_eq(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    assert!(!a.is_empty() && !b.is_empty(), "no parameters to compare");
     a.len() == b.len()
         && a.iter().zip(b).all(|(x, y)| {
             x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
