@@ -23,8 +23,9 @@ use shardline_models::{Dataset, DistributedSampler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-/// Fewest samples per evaluation forward (below it, per-forward overheads dominate).
-pub const EVAL_MIN_BATCH: usize = 256;
+/// Fewest samples per evaluation forward: at stage 3 each forward gathers the whole model
+/// again, so tiny training batches would make evaluation mostly communication.
+pub const EVAL_MIN_BATCH: usize = 1024;
 
 /// The data a rank reads its slices from (shared, read-only).
 pub struct RankData {
