@@ -74,6 +74,11 @@ pub struct Load {
 #[rtype(result = "std::result::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>")]
 pub struct FullParams;
 
+/// This rank's replicated buffers (BatchNorm running statistics), per unit; no collective.
+#[derive(Message)]
+#[rtype(result = "Vec<Vec<f32>>")]
+pub struct Buffers;
+
 /// Abort this rank's communicator (pending and later ops fail).
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -209,6 +214,13 @@ impl Handler<FullParams> for RankActor {
             Ok(p) => Ok((p, self.engine.buffers().to_vec())),
             Err(e) => self.fail(e),
         }
+    }
+}
+
+impl Handler<Buffers> for RankActor {
+    type Result = Vec<Vec<f32>>;
+    fn handle(&mut self, _: Buffers, _: &mut Self::Context) -> Self::Result {
+        self.engine.buffers().to_vec()
     }
 }
 

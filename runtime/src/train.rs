@@ -4,7 +4,7 @@
 //! [`Coordinator`], drive the steps, evaluate, checkpoint, and print a summary.
 
 use crate::actors::{
-    Coordinator, Eval, FullParams, Load, RankActor, RankData, Save, Shutdown, Step,
+    Buffers, Coordinator, Eval, FullParams, Load, RankActor, RankData, Save, Shutdown, Step,
 };
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState, PendingCheckpoint};
 use crate::engine::{EngineConfig, RankEngine, StepStats};
@@ -989,10 +989,12 @@ async fn save(
     let pending = Arc::new(PendingCheckpoint::begin(dir, step)?);
     let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Save(Arc::clone(&pending)))).collect();
     let files = collect(futs, root, &format!("checkpoint at step {step}")).await?;
-    // Buffers are replicated: take them from rank 0 through a parameter gather-free path.
-    let futs: Vec<_> = addrs.iter().map(|ad| ad.send(FullParams)).collect();
-    let mut full = collect(futs, root, "checkpoint buffers").await?;
-    let (_, buffers) = full.swap_remove(0);
+    // Buffers are replicated: rank 0's, read without any collective (gathering the
+    // parameters here would put the whole model on every rank at every checkpoint).
+    let buffers = addrs[0]
+        .send(Buffers)
+        .await
+        .map_err(|e| RuntimeError::config(format!("checkpoint buffers: rank 0: {e}")))?;
     let pending =
         Arc::try_unwrap(pending).map_err(|_| RuntimeError::config("checkpoint still shared"))?;
     let position = loader_position(a.steps_per_epoch, epoch, next_index, a.cfg.seed);
