@@ -55,6 +55,21 @@ pub enum RuntimeError {
     /// A model computation failed (shapes, BatchNorm on a single value, statistics reduction).
     #[error("model: {0}")]
     Model(String),
+    /// The run was asked to stop by a signal (SIGINT, SIGTERM) and stopped after a whole
+    /// step on every rank (INT-1), with a checkpoint of it when a checkpoint directory was
+    /// given.
+    #[error("stopped by {} after step {step}; {}", crate::interrupt::signal_name(*signal), match checkpoint {
+        Some(p) => format!("checkpoint written to {} (continue with --resume)", p.display()),
+        None => "no --checkpoint-dir, so nothing was saved".to_string(),
+    })]
+    Interrupted {
+        /// The signal's number.
+        signal: i32,
+        /// Steps completed (including resumed ones).
+        step: u64,
+        /// The checkpoint directory holding that step, if one was written or already held it.
+        checkpoint: Option<PathBuf>,
+    },
     /// A child process or a network-namespace command ([`crate::netns`]) failed or missed
     /// its deadline.
     #[error("{what}: {detail}")]

@@ -41,6 +41,7 @@ pub mod doctor;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod interrupt;
 pub mod launch;
 pub mod memory;
 pub mod netns;

@@ -112,7 +112,10 @@ pub fn run_supervised(
         let r = train::run(cfg.clone(), opts.clone());
         match r {
             Ok(s) => break Ok(s),
-            Err(e) if is_usage(&e) => break Err(e),
+            // A usage error would fail again; a stop asked for by a signal is no failure.
+            Err(e) if is_usage(&e) || matches!(e, RuntimeError::Interrupted { .. }) => {
+                break Err(e)
+            }
             Err(e) => {
                 failures.push(e.to_string());
                 if restarts >= max_restarts {

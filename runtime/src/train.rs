@@ -140,6 +140,10 @@ pub struct RunOptions {
     pub faults: Option<Arc<crate::fault::FaultInjector>>,
     /// Write every rank's recent collectives here at the first failure (`--dump-on-failure`).
     pub dump_on_failure: Option<PathBuf>,
+    /// Stop after the step in progress when SIGINT or SIGTERM arrives (after
+    /// [`crate::interrupt::install`]), writing a checkpoint of it when `checkpoint_dir` is set;
+    /// the run then ends with [`RuntimeError::Interrupted`].
+    pub stop_on_signal: bool,
     /// Leave `Summary::final_params` and `final_buffers` empty: gathering them puts the whole
     /// model on every rank at the end of the run, which a model that only fits sharded
     /// cannot afford (the CLI sets it; checkpoints hold the result).
@@ -887,9 +891,19 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
     let mut exposed_frac = Vec::new();
     let mut stats_msgs = 0;
     let t_loop = Instant::now();
+    // The step the checkpoint directory holds, and where the last step left the loader.
+    let mut saved = (a.opts.resume).then_some(done);
+    let mut last_pos = None::<(u64, u64)>;
+    let mut interrupted = None::<i32>;
     for _ in 0..run_steps {
+        // INT-1: the coordinator decides between steps, for every rank at once.
+        if let Some(sig) = a.opts.stop_on_signal.then(crate::interrupt::requested).flatten() {
+            interrupted = Some(sig);
+            break;
+        }
         let epoch = done / a.steps_per_epoch;
         let index = (done % a.steps_per_epoch) as usize;
+        last_pos = Some((epoch, index as u64 + 1));
         let futs: Vec<_> = addrs.iter().map(|ad| ad.send(Step { epoch, index })).collect();
         let stats = collect(futs, &root, &format!("step {}", done + 1)).await?;
         done += 1;
@@ -929,10 +943,31 @@ async fn drive(mut a: DriveArgs) -> Result<Summary> {
                 || Some(done - (a.total_steps - remaining)) == a.opts.stop_after;
             if (every > 0 && done.is_multiple_of(every)) || last {
                 save(&addrs, &root, dir, done, &a, epoch, index as u64 + 1).await?;
+                saved = Some(done);
             }
         }
     }
     bar.finish_and_clear();
+    if let Some(signal) = interrupted {
+        let mut checkpoint = None;
+        if let Some(dir) = &a.opts.checkpoint_dir {
+            if let (Some((epoch, next)), true) = (last_pos, saved != Some(done)) {
+                save(&addrs, &root, dir, done, &a, epoch, next).await?;
+                saved = Some(done);
+            }
+            if saved == Some(done) {
+                checkpoint = checkpoint::latest(dir)?;
+            }
+        }
+        if let Some(w) = log.as_mut() {
+            w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
+        }
+        for ad in &addrs {
+            let _ = ad.send(Shutdown).await;
+        }
+        System::current().stop();
+        return Err(RuntimeError::Interrupted { signal, step: done, checkpoint });
+    }
     if let Some(w) = log.as_mut() {
         w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
     }

@@ -351,3 +351,78 @@ fn log_json_has_one_object_per_step_with_the_documented_keys() {
         }
     }
 }
+
+/// Ctrl-C (SIGINT) in the middle of a run: the run stops after a whole step, writes a
+/// checkpoint of it, says so and exits 130; `--resume` then ends exactly where an
+/// uninterrupted run ends (INT-1).
+#[test]
+fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let args = |ck: &Path, log: &Path| -> Vec<String> {
+        let mut v: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+        // SMALL's 3 steps, then more: long enough to be interrupted.
+        let steps = v.iter().position(|a| a == "--steps").expect("--steps") + 1;
+        v[steps] = "3000".into();
+        v.extend(["--checkpoint-dir".into(), ck.display().to_string()]);
+        v.extend(["--checkpoint-every".into(), "100000".into()]);
+        v.extend(["--log-json".into(), log.display().to_string()]);
+        v
+    };
+    let (ck_b, log_b) = (dir.path().join("ck-b"), dir.path().join("b.jsonl"));
+    let err_path = dir.path().join("b.err");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .args(args(&ck_b, &log_b))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("start shardline");
+    let lines = |p: &Path| std::fs::read_to_string(p).map_or(0, |s| s.lines().count());
+    let t0 = Instant::now();
+    while lines(&log_b) < 20 {
+        assert!(t0.elapsed() < PROCESS_DEADLINE, "no 20 steps logged in time");
+        assert!(child.try_wait().expect("poll").is_none(), "run ended before the signal");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("send SIGINT");
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("poll") {
+            break st;
+        }
+        if t0.elapsed() > 2 * PROCESS_DEADLINE {
+            let _ = child.kill();
+            panic!("the run did not stop after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("stopped by SIGINT after step"), "{stderr}");
+    assert!(stderr.contains("continue with --resume"), "{stderr}");
+    let latest = checkpoint::latest(&ck_b).expect("list").expect("a checkpoint");
+    let ck = Checkpoint::open(&latest).expect("open");
+    ck.verify().expect("verifies");
+    let k = ck.manifest().step;
+    assert_eq!(k as usize, lines(&log_b), "the checkpoint holds the last logged step");
+    assert!((20..3000).contains(&k), "stopped at step {k}");
+
+    // Resume to the end, and run the same job without interruption.
+    let mut resume = args(&ck_b, &log_b);
+    resume.push("--resume".into());
+    let r: Vec<&str> = resume.iter().map(String::as_str).collect();
+    let o = shardline(&r);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let (ck_a, log_a) = (dir.path().join("ck-a"), dir.path().join("a.jsonl"));
+    let full = args(&ck_a, &log_a);
+    let f: Vec<&str> = full.iter().map(String::as_str).collect();
+    let o = shardline(&f);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let end = |d: &Path| {
+        let ck =
+            Checkpoint::open(checkpoint::latest(d).expect("list").expect("one")).expect("open");
+        assert_eq!(ck.manifest().step, 3000);
+        ck.consolidate().expect("consolidate").into_iter().map(|u| u.params).collect::<Vec<_>>()
+    };
+    assert!(bits_eq(&end(&ck_b), &end(&ck_a)), "resumed run differs from the uninterrupted one");
+}

@@ -358,6 +358,8 @@ fn exit_for(e: &RuntimeError) -> i32 {
     match e {
         RuntimeError::Config(msg) if !msg.contains("failed") => 2,
         RuntimeError::DeviceUnavailable(_) => 2,
+        // As a shell reports a process ended by the signal.
+        RuntimeError::Interrupted { signal, .. } => 128 + signal,
         RuntimeError::OutOfMemory { .. } => 1,
         _ => 1,
     }
@@ -459,12 +461,18 @@ fn main() {
                 // The run's result is in its checkpoints (`checkpoint export`); gathering the
                 // whole model on every rank at the end would cost what sharding saved.
                 skip_final_params: true,
+                stop_on_signal: true,
             };
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts
                 // are the agent's (`launch --max-restarts`).
                 opts.faults = injector;
                 std::process::exit(worker_mode(&a, &cfg, &opts, env));
+            }
+            // Ctrl-C or a scheduler's SIGTERM: stop after the step in progress, checkpoint it.
+            if let Err(e) = shardline_runtime::interrupt::install() {
+                eprintln!("error: {e}");
+                std::process::exit(1);
             }
             let sup =
                 shardline_runtime::supervise::run_supervised(cfg, opts, injector, a.max_restarts);

@@ -1,0 +1,51 @@
+//! Stopping a run on SIGINT or SIGTERM without losing it (Ctrl-C, a scheduler's preemption).
+//!
+//! The first signal asks the run to stop once the step in progress has finished on every
+//! rank; with `--checkpoint-dir` a checkpoint of that step is written before the process
+//! exits with 128 + the signal's number. A second signal ends the process at once.
+//!
+//! Invariants:
+//! - INT-1: every rank stops after the same step (in one process the coordinator decides
+//!   between steps; across processes the ranks agree through the step's loss all-reduce), so
+//!   the checkpoint written is one consistent step.
+//! - INT-2: the handler only stores to an atomic or calls `_exit` (both async-signal-safe).
+
+use crate::error::{Result, RuntimeError};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The signal that asked the run to stop (0: none yet).
+static STOP: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_stop(sig: i32) {
+    if STOP.swap(sig, Ordering::SeqCst) != 0 {
+        // `_exit` is async-signal-safe (INT-2); the second signal means "now".
+        // SAFETY: `_exit` takes no locks and runs no destructors (INT-2).
+        unsafe { libc::_exit(128 + sig) };
+    }
+}
+
+/// Installs the SIGINT and SIGTERM handlers for this process.
+pub fn install() -> Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let act = SigAction::new(SigHandler::Handler(on_stop), SaFlags::SA_RESTART, SigSet::empty());
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler keeps to INT-2.
+        unsafe { sigaction(sig, &act) }
+            .map_err(|e| RuntimeError::config(format!("installing a {sig} handler: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The signal received since [`install`], if any.
+pub fn requested() -> Option<i32> {
+    match STOP.load(Ordering::SeqCst) {
+        0 => None,
+        s => Some(s),
+    }
+}
+
+/// A signal's name for messages (`SIGINT`), or its number.
+pub fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map_or_else(|_| format!("signal {sig}"), |s| s.to_string())
+}
