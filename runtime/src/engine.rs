@@ -155,6 +155,10 @@ pub struct StepStats {
     pub stats_messages: usize,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Some rank asked to stop ([`RankEngine::request_stop`]) before this step's loss
+    /// reduction: every rank learns it from the same reduction, so all stop after this step
+    /// (INT-1).
+    pub stop: bool,
 }
 
 impl PendingReduce {
@@ -310,6 +314,8 @@ pub struct RankEngine {
     _persistent: Vec<Allocation>,
     /// Fault injection points (`--fault`), none in a normal run.
     fault_hook: Option<crate::fault::FaultHook>,
+    /// This rank asks the group to stop after the current step (INT-1).
+    stop_requested: bool,
     /// Stage 3, prefetch >= 1: the first unit's gather for the next pass, issued as soon as
     /// the optimizer has updated its shard (ENG-6).
     prefetched: Option<PendingGather>,
@@ -409,6 +415,7 @@ impl RankEngine {
             _persistent: persistent,
             prefetched: None,
             fault_hook: None,
+            stop_requested: false,
         })
     }
 
@@ -811,9 +818,11 @@ impl RankEngine {
         // Waited for at once: a blocking call runs on this thread when the lane is idle.
         let mut now = shardline_collectives::CallOptions::new();
         now.blocking(true);
-        let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32], ReduceOp::Sum, &now);
+        // The third value carries this rank's wish to stop (INT-1).
+        let stop = if self.stop_requested { 1.0 } else { 0.0 };
+        let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32, stop], ReduceOp::Sum, &now);
         let sums = self.wait(w, Row::Reduce, "loss+norm", &mut clock)?;
-        let (loss, total_sq) = (sums[0], sums[1] as f64);
+        let (loss, total_sq, stop) = (sums[0], sums[1] as f64, sums[2] > 0.0);
 
         // ---- optimizer on the own slices (with clipping: after the global norm) ----
         if !early {
@@ -876,7 +885,15 @@ impl RankEngine {
             peak_bytes: self.mem.peak_total(),
             stats_messages,
             grad_norm: total_sq.sqrt(),
+            stop,
         })
+    }
+
+    /// Asks every rank to stop after the step in progress or the next one: the wish travels
+    /// with the step's loss reduction, so all ranks see it at the same step
+    /// ([`StepStats::stop`], INT-1).
+    pub fn request_stop(&mut self) {
+        self.stop_requested = true;
     }
 
     /// The squared norm of unit `u`'s reduced own gradient slice into `out[u]`; returns the

@@ -11,21 +11,26 @@
 //! - INT-2: the handler only stores to an atomic or calls `_exit` (both async-signal-safe).
 
 use crate::error::{Result, RuntimeError};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 /// The signal that asked the run to stop (0: none yet).
 static STOP: AtomicI32 = AtomicI32::new(0);
+/// Whether a second signal ends the process at once (not for a launched worker: Ctrl-C
+/// reaches it and its agent, which forwards it again, and the agent kills what overstays).
+static HARD_SECOND: AtomicBool = AtomicBool::new(true);
 
 extern "C" fn on_stop(sig: i32) {
-    if STOP.swap(sig, Ordering::SeqCst) != 0 {
+    if STOP.swap(sig, Ordering::SeqCst) != 0 && HARD_SECOND.load(Ordering::SeqCst) {
         // `_exit` is async-signal-safe (INT-2); the second signal means "now".
         // SAFETY: `_exit` takes no locks and runs no destructors (INT-2).
         unsafe { libc::_exit(128 + sig) };
     }
 }
 
-/// Installs the SIGINT and SIGTERM handlers for this process.
-pub fn install() -> Result<()> {
+/// Installs the SIGINT and SIGTERM handlers for this process; `hard_second`: a second signal
+/// ends the process at once.
+pub fn install(hard_second: bool) -> Result<()> {
+    HARD_SECOND.store(hard_second, Ordering::SeqCst);
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
     let act = SigAction::new(SigHandler::Handler(on_stop), SaFlags::SA_RESTART, SigSet::empty());
     for sig in [Signal::SIGINT, Signal::SIGTERM] {

@@ -416,7 +416,13 @@ fn worker_loop(
     let t_loop = Instant::now();
     let progress = (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job));
     let mut batches = shardline_models::RankBatches::default();
+    let mut saved = opts.resume.then_some(done);
+    let mut interrupted = None::<i32>;
     for _ in 0..run_steps {
+        // INT-1: this rank's wish to stop travels with the step's loss reduction.
+        if opts.stop_on_signal && crate::interrupt::requested().is_some() {
+            engine.request_stop();
+        }
         let epoch = done / plan.steps_per_epoch;
         let index = (done % plan.steps_per_epoch) as usize;
         let (global, idx) = batches
@@ -445,6 +451,7 @@ fn worker_loop(
         losses.push(st.loss);
         step_times.push(t);
         exposed.push(if t > 0.0 { st.comm_exposed.as_secs_f64() / t } else { 0.0 });
+        let stop_now = st.stop;
         step_stats.push(st);
         if let Some(dir) = &opts.checkpoint_dir {
             let every = opts.checkpoint_every;
@@ -464,11 +471,44 @@ fn worker_loop(
                     done,
                     position,
                 )?;
+                saved = Some(done);
             }
+        }
+        if stop_now {
+            // Every rank saw the same flag in the same reduction: all stop here (INT-1),
+            // with a checkpoint of this step.
+            let signal = crate::interrupt::requested().unwrap_or(libc::SIGTERM);
+            interrupted = Some(signal);
+            if let (Some(dir), true) = (&opts.checkpoint_dir, saved != Some(done)) {
+                let position =
+                    train::loader_position(plan.steps_per_epoch, epoch, index as u64 + 1, cfg.seed);
+                save(
+                    cfg,
+                    &plan,
+                    env,
+                    joined,
+                    &control,
+                    &engine,
+                    hook.as_ref(),
+                    dir,
+                    done,
+                    position,
+                )?;
+                saved = Some(done);
+            }
+            break;
         }
     }
     if let Some(w) = log.as_mut() {
         w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
+    }
+    if let Some(signal) = interrupted {
+        let checkpoint = match (&opts.checkpoint_dir, saved == Some(done)) {
+            (Some(dir), true) => checkpoint::latest(dir)?,
+            _ => None,
+        };
+        engine.shutdown();
+        return Err(RuntimeError::Interrupted { signal, step: done, checkpoint });
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
     let batch = sampler.per_rank_batch().max(crate::actors::EVAL_MIN_BATCH);
@@ -736,9 +776,17 @@ pub fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
 /// Signal last received by the agent (0: none).
 static RECEIVED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
+/// Signals received by the agent so far (a second one means: stop the workers now).
+static RECEIVED_COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 extern "C" fn on_signal(sig: i32) {
     RECEIVED.store(sig, std::sync::atomic::Ordering::SeqCst);
+    RECEIVED_COUNT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
 }
+
+/// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
+/// SIGTERM (INT-1), unless a second signal arrives.
+const SIGNAL_STOP_WAIT: Duration = Duration::from_secs(120);
 
 fn install_forwarding() -> Result<()> {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
@@ -1094,8 +1142,15 @@ impl Agent<'_> {
     /// Gives the workers `grace` to exit on their own (and report their errors), then kills
     /// the rest and reaps them all.
     fn stop(&mut self, workers: &mut [Worker], gen: u64) {
-        let until = Instant::now() + self.o.grace;
-        while workers.iter().any(|w| w.status.is_none()) && Instant::now() < until {
+        // After a forwarded SIGINT/SIGTERM the workers are finishing a step and writing its
+        // checkpoint: give them time for that, unless the user signals again.
+        let asked = self.forwarded != 0;
+        let wait = if asked { self.o.grace.max(SIGNAL_STOP_WAIT) } else { self.o.grace };
+        let until = Instant::now() + wait;
+        while workers.iter().any(|w| w.status.is_none())
+            && Instant::now() < until
+            && !(asked && RECEIVED_COUNT.load(std::sync::atomic::Ordering::SeqCst) >= 2)
+        {
             self.heartbeat();
             self.poll_workers(workers, gen);
             std::thread::sleep(Duration::from_millis(20));
@@ -1262,7 +1317,15 @@ impl Agent<'_> {
                 Ok(1)
             };
             if interrupted {
-                return give_up("interrupted".into(), self, &mut g, &mut beats);
+                let sig = RECEIVED.load(std::sync::atomic::Ordering::SeqCst);
+                give_up(
+                    format!("stopped by {}", crate::interrupt::signal_name(sig)),
+                    self,
+                    &mut g,
+                    &mut beats,
+                )?;
+                // As a shell reports a process ended by the signal.
+                return Ok(128 + sig);
             }
             if restarts >= o.max_restarts {
                 return give_up(
@@ -1391,7 +1454,7 @@ impl Agent<'_> {
             if self.forward_signals(&workers) {
                 let gen = cur.as_ref().map_or(0, |g| g.gen);
                 self.stop(&mut workers, gen);
-                return Ok(1);
+                return Ok(128 + self.forwarded);
             }
             let gen = cur.as_ref().map_or(0, |g| g.gen);
             let failed = self.poll_workers(&mut workers, gen);
@@ -1596,7 +1659,13 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     };
     let code = if o.node_rank == 0 { agent.coordinate()? } else { agent.follow()? };
     drop(server);
-    if code != 0 {
+    if code > 128 {
+        say!(
+            "shardline launch: node {} stopped by {}",
+            o.node_rank,
+            crate::interrupt::signal_name(code - 128)
+        );
+    } else if code != 0 {
         say!("shardline launch: node {} failed", o.node_rank);
     }
     Ok(code)

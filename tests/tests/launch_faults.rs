@@ -285,3 +285,39 @@ fn follower_without_a_store_says_what_it_waits_for() {
     assert!(log.contains(&format!("waiting for node 0's store at {rdzv}")), "{log}");
     assert!(log.contains("refused"), "the reason is named: {log}");
 }
+
+/// Ctrl-C on a launched job (SIGINT to the agent's process group, as a terminal sends it):
+/// the agent forwards it, every worker stops after the same step (agreed through that step's
+/// loss reduction), the group writes one checkpoint of it, and the launch exits 130 (INT-1).
+#[test]
+fn interrupted_launch_checkpoints_one_step_and_exits_130() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ck = dir.path().join("ck");
+    let log = dir.path().join("steps.jsonl");
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", "2", "--", "train", "--dataset", "synthetic"])
+        .args(["--samples", "4096", "--hidden", "64", "--depth", "2", "--steps", "100000"])
+        .args(["--no-progress", "--checkpoint-every", "100000", "--timeout", "20"])
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .arg("--log-json")
+        .arg(&log);
+    let child = spawn(cmd);
+    let lines = || std::fs::read_to_string(&log).map_or(0, |s| s.lines().count());
+    let t0 = Instant::now();
+    while lines() < 20 {
+        assert!(t0.elapsed() < DEADLINE, "no 20 steps logged in time");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pgid = nix::unistd::Pid::from_raw(child.id().expect("agent pid") as i32);
+    nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
+    let o = wait_output(child, Instant::now() + DEADLINE, "interrupted launch");
+    let log_text = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{log_text}");
+    assert!(log_text.contains("stopped by SIGINT after step"), "{log_text}");
+    let latest = shardline_runtime::checkpoint::latest(&ck).expect("list").expect("a checkpoint");
+    let c = Checkpoint::open(latest).expect("open");
+    c.verify().expect("the checkpoint verifies");
+    assert_eq!(c.manifest().world, 2);
+    assert_eq!(c.manifest().step as usize, lines(), "the checkpoint holds the last logged step");
+}

@@ -470,7 +470,7 @@ fn main() {
                 std::process::exit(worker_mode(&a, &cfg, &opts, env));
             }
             // Ctrl-C or a scheduler's SIGTERM: stop after the step in progress, checkpoint it.
-            if let Err(e) = shardline_runtime::interrupt::install() {
+            if let Err(e) = shardline_runtime::interrupt::install(true) {
                 eprintln!("error: {e}");
                 std::process::exit(1);
             }
@@ -495,6 +495,10 @@ fn main() {
                         }
                     }
                     0
+                }
+                Err(e @ RuntimeError::Interrupted { .. }) => {
+                    eprintln!("{e}");
+                    exit_for(&e)
                 }
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -565,6 +569,11 @@ fn worker_mode(
     use shardline_runtime::launch::run_worker;
     let mut opts = opts.clone();
     opts.progress = opts.progress && env.rank == 0;
+    // The agent forwards SIGINT/SIGTERM: stop with the group after a step, checkpoint it.
+    if let Err(e) = shardline_runtime::interrupt::install(false) {
+        eprintln!("error: rank {}: {e}", env.rank);
+        return 1;
+    }
     match run_worker(cfg.clone(), opts, &env) {
         Ok(summary) => {
             if let (Some(p), 0) = (&a.summary_json, env.rank) {
@@ -579,7 +588,8 @@ fn worker_mode(
         Err(e) => {
             // One write, so that the lines of ranks sharing a terminal never interleave.
             use std::io::Write;
-            let line = format!("error: rank {}: {e}\n", env.rank);
+            let kind = if matches!(e, RuntimeError::Interrupted { .. }) { "" } else { "error: " };
+            let line = format!("{kind}rank {}: {e}\n", env.rank);
             let _ = std::io::stderr().write_all(line.as_bytes());
             exit_for(&e)
         }
