@@ -231,7 +231,9 @@ struct TrainArgs {
     /// Collective timeout in seconds (a stuck rank fails the job instead of hanging it).
     #[arg(long, default_value_t = 60)]
     timeout: u64,
-    /// Directory for sharded checkpoints.
+    /// Directory for sharded checkpoints. SIGINT (Ctrl-C) or SIGTERM stops the run after
+    /// the step in progress and writes a checkpoint of it here (exit 130 / 143); a second
+    /// signal ends it at once.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every N steps (and always at the end when --checkpoint-dir is set).
