@@ -59,8 +59,8 @@ pub enum RuntimeError {
     /// step on every rank (INT-1), with a checkpoint of it when a checkpoint directory was
     /// given.
     #[error("stopped by {} after step {step}; {}", crate::interrupt::signal_name(*signal), match checkpoint {
-        Some(p) => format!("checkpoint written to {} (continue with --resume)", p.display()),
-        None => "no --checkpoint-dir, so nothing was saved".to_string(),
+        Some(p) => format!("its checkpoint is {} (continue with --resume)", p.display()),
+        None => "nothing was saved (no --checkpoint-dir, or no step had finished)".to_string(),
     })]
     Interrupted {
         /// The signal's number.
