@@ -1317,12 +1317,28 @@ mod tests {
         assert!(peak1 <= budget1, "{peak1} > {budget1}");
     }
 
+    /// A small stage-3 engine configuration with plain SGD on the CPU.
+    fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
+        EngineConfig {
+            stage: Stage::Zero3,
+            prefetch,
+            prefetch_budget_bytes: 1 << 20,
+            reduce_budget_bytes: 1 << 20,
+            sync_bn: false,
+            optimizer: Optimizer::Sgd(crate::optim::SgdConfig::default()),
+            lr: LrSchedule::constant(0.1),
+            clip_grad_norm: None,
+            seed,
+            threads: 1,
+            device: Device::Cpu,
+        }
+    }
+
     /// Evaluation in forwards of a few samples gives what one forward over the whole share
     /// gives, on every rank of a world whose shares differ in length (101 samples over 3
     /// ranks: 34, 34, 33, so at batch 1 the last rank runs an empty last forward).
     #[test]
     fn eval_in_batches_matches_one_forward() {
-        use crate::optim::SgdConfig;
         let test = Dataset::synthetic(101, 8, 3, 5).unwrap();
         let mut m = shardline_models::zoo::MlpBn::digits();
         (m.input_dim, m.hidden, m.depth, m.classes) = (8, 16, 2, 3);
@@ -1334,19 +1350,7 @@ mod tests {
                 .map(|comm| {
                     let (model, test) = (Arc::clone(&model), &test);
                     sc.spawn(move || {
-                        let cfg = EngineConfig {
-                            stage: Stage::Zero3,
-                            prefetch: 1,
-                            prefetch_budget_bytes: 1 << 20,
-                            reduce_budget_bytes: 1 << 20,
-                            sync_bn: false,
-                            optimizer: Optimizer::Sgd(SgdConfig::default()),
-                            lr: LrSchedule::constant(0.1),
-                            clip_grad_norm: None,
-                            seed: 3,
-                            threads: 1,
-                            device: Device::Cpu,
-                        };
+                        let cfg = stage3_sgd(1, 3);
                         let mem = MemoryTracker::new(comm.rank(), None);
                         let mut e =
                             RankEngine::new(comm, model, cfg, mem, Trace::disabled()).unwrap();
@@ -1373,25 +1377,12 @@ mod tests {
     /// checkpoint load drops it.
     #[test]
     fn the_next_passs_first_gather_leaves_with_the_optimizer() {
-        use crate::optim::SgdConfig;
         let comm = shardline_collectives::local_group(1).unwrap().pop().unwrap();
         let mut m = shardline_models::zoo::MlpBn::digits();
         (m.input_dim, m.hidden, m.depth, m.classes) = (8, 8, 2, 3);
         let model = Arc::new(m.build());
         for prefetch in [0, 1, 2] {
-            let cfg = EngineConfig {
-                stage: Stage::Zero3,
-                prefetch,
-                prefetch_budget_bytes: 1 << 20,
-                reduce_budget_bytes: 1 << 20,
-                sync_bn: false,
-                optimizer: Optimizer::Sgd(SgdConfig::default()),
-                lr: LrSchedule::constant(0.1),
-                clip_grad_norm: None,
-                seed: 1,
-                threads: 1,
-                device: Device::Cpu,
-            };
+            let cfg = stage3_sgd(prefetch, 1);
             let mem = MemoryTracker::new(0, None);
             let mut e =
                 RankEngine::new(comm.clone(), Arc::clone(&model), cfg, mem, Trace::disabled())

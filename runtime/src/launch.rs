@@ -456,7 +456,8 @@ fn worker_loop(
         if let Some(dir) = &opts.checkpoint_dir {
             let every = opts.checkpoint_every;
             let last = done == plan.total_steps || done - first == run_steps;
-            if (every > 0 && done.is_multiple_of(every)) || last {
+            // INT-1: a stop agreed in this step's reduction checkpoints this step everywhere.
+            if (every > 0 && done.is_multiple_of(every)) || last || stop_now {
                 let position =
                     train::loader_position(plan.steps_per_epoch, epoch, index as u64 + 1, cfg.seed);
                 save(
@@ -475,27 +476,8 @@ fn worker_loop(
             }
         }
         if stop_now {
-            // Every rank saw the same flag in the same reduction: all stop here (INT-1),
-            // with a checkpoint of this step.
-            let signal = crate::interrupt::requested().unwrap_or(libc::SIGTERM);
-            interrupted = Some(signal);
-            if let (Some(dir), true) = (&opts.checkpoint_dir, saved != Some(done)) {
-                let position =
-                    train::loader_position(plan.steps_per_epoch, epoch, index as u64 + 1, cfg.seed);
-                save(
-                    cfg,
-                    &plan,
-                    env,
-                    joined,
-                    &control,
-                    &engine,
-                    hook.as_ref(),
-                    dir,
-                    done,
-                    position,
-                )?;
-                saved = Some(done);
-            }
+            // Every rank saw the same flag in the same reduction: all stop here (INT-1).
+            interrupted = Some(crate::interrupt::requested().unwrap_or(libc::SIGTERM));
             break;
         }
     }
