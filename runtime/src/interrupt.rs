@@ -8,21 +8,27 @@
 //! - INT-1: every rank stops after the same step (in one process the coordinator decides
 //!   between steps; across processes the ranks agree through the step's loss all-reduce), so
 //!   the checkpoint written is one consistent step.
-//! - INT-2: the handler only stores to an atomic or calls `_exit` (both async-signal-safe).
+//! - INT-2: the handler only stores to atomics or calls `_exit` (both async-signal-safe).
+//!
+//! `shardline launch`'s agent uses the same handler (without the second-signal exit): it
+//! forwards the signal to its workers and kills them on a second one.
 
 use crate::error::{Result, RuntimeError};
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 
-/// The signal that asked the run to stop (0: none yet).
+/// The signal last received (0: none yet).
 static STOP: AtomicI32 = AtomicI32::new(0);
+/// Signals received so far.
+static COUNT: AtomicU32 = AtomicU32::new(0);
 /// Whether a second signal ends the process at once (not for a launched worker: Ctrl-C
 /// reaches it and its agent, which forwards it again, and the agent kills what overstays).
 static HARD_SECOND: AtomicBool = AtomicBool::new(true);
 
 extern "C" fn on_stop(sig: i32) {
-    if STOP.swap(sig, Ordering::SeqCst) != 0 && HARD_SECOND.load(Ordering::SeqCst) {
-        // `_exit` is async-signal-safe (INT-2); the second signal means "now".
-        // SAFETY: `_exit` takes no locks and runs no destructors (INT-2).
+    STOP.store(sig, Ordering::SeqCst);
+    if COUNT.fetch_add(1, Ordering::SeqCst) > 0 && HARD_SECOND.load(Ordering::SeqCst) {
+        // The second signal means "now". SAFETY: `_exit` takes no locks and runs no
+        // destructors (INT-2).
         unsafe { libc::_exit(128 + sig) };
     }
 }
@@ -41,12 +47,17 @@ pub fn install(hard_second: bool) -> Result<()> {
     Ok(())
 }
 
-/// The signal received since [`install`], if any.
+/// The signal last received since [`install`], if any.
 pub fn requested() -> Option<i32> {
     match STOP.load(Ordering::SeqCst) {
         0 => None,
         s => Some(s),
     }
+}
+
+/// How many signals arrived since [`install`] (an agent kills its workers on the second).
+pub fn count() -> u32 {
+    COUNT.load(Ordering::SeqCst)
 }
 
 /// A signal's name for messages (`SIGINT`), or its number.

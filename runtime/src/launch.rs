@@ -416,7 +416,6 @@ fn worker_loop(
     let t_loop = Instant::now();
     let progress = (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job));
     let mut batches = shardline_models::RankBatches::default();
-    let mut saved = opts.resume.then_some(done);
     let mut interrupted = None::<i32>;
     for _ in 0..run_steps {
         // INT-1: this rank's wish to stop travels with the step's loss reduction.
@@ -472,7 +471,6 @@ fn worker_loop(
                     done,
                     position,
                 )?;
-                saved = Some(done);
             }
         }
         if stop_now {
@@ -485,9 +483,10 @@ fn worker_loop(
         w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
     }
     if let Some(signal) = interrupted {
-        let checkpoint = match (&opts.checkpoint_dir, saved == Some(done)) {
-            (Some(dir), true) => checkpoint::latest(dir)?,
-            _ => None,
+        // The stop step was checkpointed with the periodic ones, when there is a directory.
+        let checkpoint = match &opts.checkpoint_dir {
+            Some(dir) => checkpoint::latest(dir)?,
+            None => None,
         };
         engine.shutdown();
         return Err(RuntimeError::Interrupted { signal, step: done, checkpoint });
@@ -755,30 +754,13 @@ pub fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
     Ok((min, max))
 }
 
-/// Signal last received by the agent (0: none).
-static RECEIVED: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
-
-/// Signals received by the agent so far (a second one means: stop the workers now).
-static RECEIVED_COUNT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-extern "C" fn on_signal(sig: i32) {
-    RECEIVED.store(sig, std::sync::atomic::Ordering::SeqCst);
-    RECEIVED_COUNT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-}
-
 /// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
 /// SIGTERM (INT-1), unless a second signal arrives.
 const SIGNAL_STOP_WAIT: Duration = Duration::from_secs(120);
 
-fn install_forwarding() -> Result<()> {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let act = SigAction::new(SigHandler::Handler(on_signal), SaFlags::SA_RESTART, SigSet::empty());
-    for sig in [Signal::SIGINT, Signal::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe { sigaction(sig, &act) }
-            .map_err(|e| RuntimeError::config(format!("installing a {sig} handler: {e}")))?;
-    }
-    Ok(())
+/// The signal last received by the agent (0: none).
+fn received() -> i32 {
+    crate::interrupt::requested().unwrap_or(0)
 }
 
 fn random_token() -> String {
@@ -1021,7 +1003,7 @@ impl Agent<'_> {
 
     /// Forwards a newly received SIGINT/SIGTERM; true once one was received.
     fn forward_signals(&mut self, workers: &[Worker]) -> bool {
-        let sig = RECEIVED.load(std::sync::atomic::Ordering::SeqCst);
+        let sig = received();
         if sig != 0 && sig != self.forwarded {
             self.forwarded = sig;
             if let Ok(s) = nix::sys::signal::Signal::try_from(sig) {
@@ -1131,7 +1113,7 @@ impl Agent<'_> {
         let until = Instant::now() + wait;
         while workers.iter().any(|w| w.status.is_none())
             && Instant::now() < until
-            && !(asked && RECEIVED_COUNT.load(std::sync::atomic::Ordering::SeqCst) >= 2)
+            && !(asked && crate::interrupt::count() >= 2)
         {
             self.heartbeat();
             self.poll_workers(workers, gen);
@@ -1285,7 +1267,7 @@ impl Agent<'_> {
             self.publish(&g)?;
             self.stop(&mut workers, g.gen);
             let alive = self.wait_stopped(&g, &mut beats, started);
-            interrupted |= RECEIVED.load(std::sync::atomic::Ordering::SeqCst) != 0;
+            interrupted |= received() != 0;
             let give_up = |reason: String,
                            agent: &mut Self,
                            g: &mut Generation,
@@ -1299,7 +1281,7 @@ impl Agent<'_> {
                 Ok(1)
             };
             if interrupted {
-                let sig = RECEIVED.load(std::sync::atomic::Ordering::SeqCst);
+                let sig = received();
                 give_up(
                     format!("stopped by {}", crate::interrupt::signal_name(sig)),
                     self,
@@ -1616,7 +1598,8 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     };
     // One job name for every node: derived from what every node was given.
     let job = format!("l{}", &checkpoint::config_hash(&(rdzv.as_str(), token.as_str()))?[..10]);
-    install_forwarding()?;
+    // The agent forwards signals itself; its workers' own handlers stop them (INT-1).
+    crate::interrupt::install(false)?;
     let exe = std::env::current_exe()
         .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
     let link = StoreLink {
