@@ -119,13 +119,36 @@ impl Linear {
         grads_out: &mut [f32],
         accumulate: bool,
     ) -> Result<Tensor, ModelError> {
+        self.backward_params(be, saved, grad_output, grads_out, accumulate)?;
+        self.input_grad(be, params, grad_output)
+    }
+
+    /// The parameter half of [`Linear::backward_into`]: `dW = dY^T X` and `db = sum dY`,
+    /// added into `grads_out` when `accumulate`, else written.
+    pub fn backward_params(
+        &self,
+        be: &dyn Backend,
+        saved: &LinearSaved,
+        grad_output: &Tensor,
+        grads_out: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
         check_len("linear grads", grads_out.len(), self.num_params())?;
         let n = saved.input.shape[0];
-        let (o, i) = (self.out_features, self.in_features);
+        let o = self.out_features;
         check_len("linear grad_output", grad_output.numel(), n * o)?;
-        let w = &params[..o * i];
-        let (gw, gb) = grads_out.split_at_mut(o * i);
-        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, accumulate);
+        let (gw, gb) = grads_out.split_at_mut(o * self.in_features);
+        be.gemm(
+            o,
+            self.in_features,
+            n,
+            &grad_output.data,
+            true,
+            &saved.input.data,
+            false,
+            gw,
+            accumulate,
+        );
         if !accumulate {
             gb.fill(0.0);
         }
@@ -136,8 +159,28 @@ impl Linear {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The input half of [`Linear::backward_into`]: `dX = dY W` (`grad_output [N, out]`).
+    pub fn input_grad(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        grad_output: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        check_len("linear params", params.len(), self.num_params())?;
+        let (o, i) = (self.out_features, self.in_features);
+        if grad_output.shape.len() != 2 || grad_output.shape[1] != o {
+            return Err(ModelError::shape(
+                "linear grad_output",
+                format!("[N, {o}]"),
+                format!("{:?}", grad_output.shape),
+            ));
+        }
+        let n = grad_output.shape[0];
         let mut gx = vec![0.0f32; n * i];
-        be.gemm(n, i, o, &grad_output.data, false, w, false, &mut gx, false);
+        be.gemm(n, i, o, &grad_output.data, false, &params[..o * i], false, &mut gx, false);
         Ok(Tensor { shape: vec![n, i], data: gx })
     }
 }

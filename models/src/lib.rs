@@ -52,7 +52,7 @@ pub use error::ModelError;
 pub use lane::LaneReducer;
 pub use layers::{Linear, MaxPool2d};
 pub use loss::softmax_cross_entropy;
-pub use model::{convert_sync_batchnorm, Ctx, Layer, Model, UnitSaved, WrapPolicy};
+pub use model::{convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitSaved, WrapPolicy};
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
 pub use tensor::Tensor;
 pub use zoo::{ConvNetBn, MlpBn, WideMlp};

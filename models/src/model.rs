@@ -248,6 +248,51 @@ fn block_stream(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
+/// What [`Model::backward_unit_split`] leaves of a unit's input gradient.
+#[derive(Debug)]
+pub enum InputGrad {
+    /// Computed with the rest of the backward.
+    Ready(Tensor),
+    /// The unit's first layer is linear; its `dX = dY W` is still to do
+    /// ([`InputGrad::finish`]).
+    Deferred {
+        /// The layer.
+        layer: Linear,
+        /// Where its parameters lie in the unit's flat buffer.
+        params: Range<usize>,
+        /// `dY`, the gradient of its output.
+        grad_output: Tensor,
+    },
+    /// Not asked for (and, where it could be left out, not computed).
+    Skipped,
+}
+
+impl InputGrad {
+    /// The input gradient, computing a deferred one from the unit's parameters (the same
+    /// buffer its backward was given); `None` when skipped.
+    pub fn finish(self, be: &dyn Backend, params: &[f32]) -> Result<Option<Tensor>, ModelError> {
+        match self {
+            InputGrad::Ready(g) => Ok(Some(g)),
+            InputGrad::Skipped => Ok(None),
+            InputGrad::Deferred { layer, params: r, grad_output } => {
+                let p = params.get(r.clone()).ok_or_else(|| {
+                    ModelError::shape(
+                        "unit params",
+                        format!(">= {}", r.end),
+                        params.len().to_string(),
+                    )
+                })?;
+                layer.input_grad(be, p, &grad_output).map(Some)
+            }
+        }
+    }
+
+    /// Whether work is left for [`InputGrad::finish`].
+    pub fn is_deferred(&self) -> bool {
+        matches!(self, InputGrad::Deferred { .. })
+    }
+}
+
 impl Model {
     /// A model from blocks, one unit per block.
     pub fn new(name: &str, input_shape: Vec<usize>, classes: usize, blocks: Vec<Block>) -> Self {
@@ -414,6 +459,29 @@ impl Model {
         grads_out: &mut [f32],
         ctx: &Ctx<'_>,
     ) -> Result<Tensor, ModelError> {
+        let g = self.backward_unit_split(unit, params, saved, grad_output, grads_out, ctx, true)?;
+        g.finish(ctx.backend, params)?
+            .ok_or_else(|| ModelError::Config("input gradient asked for but skipped".into()))
+    }
+
+    /// [`Model::backward_unit`] that returns as soon as the unit's parameter gradients are
+    /// complete (MODEL-3). Where the unit's first layer is linear, its input gradient
+    /// `dX = dY W` (as much work as its weight gradient) is left in the returned
+    /// [`InputGrad`], so that a caller can hand the gradients to their reduction before
+    /// computing it; `input_grad: false` (the model's first unit, whose input is data) skips
+    /// that product altogether. Gradients and input gradient are bitwise those of
+    /// `backward_unit`: the same products, only in another order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_unit_split(
+        &self,
+        unit: usize,
+        params: &[f32],
+        saved: &UnitSaved,
+        grad_output: Tensor,
+        grads_out: &mut [f32],
+        ctx: &Ctx<'_>,
+        input_grad: bool,
+    ) -> Result<InputGrad, ModelError> {
         let blocks = self.unit_blocks(unit)?;
         let np: usize = blocks.iter().map(Block::num_params).sum();
         layers::check_len(&format!("unit {unit} grads"), grads_out.len(), np)?;
@@ -426,11 +494,37 @@ impl Model {
             b0 += b.num_buffers();
         }
         let mut g = grad_output;
-        for (i, b) in blocks.iter().enumerate().rev() {
+        for (i, b) in blocks.iter().enumerate().skip(1).rev() {
             let off = Self::offsets(b, starts[i].0, starts[i].1);
             g = backward_block(b, &off, params, &saved.blocks[i], g, grads_out, ctx)?;
         }
-        Ok(g)
+        let (Some(b), Some(s)) = (blocks.first(), saved.blocks.first()) else {
+            return Ok(if input_grad { InputGrad::Ready(g) } else { InputGrad::Skipped });
+        };
+        let off = Self::offsets(b, starts[0].0, starts[0].1);
+        let first_linear = match (b.shortcut.is_none(), b.main.first(), s.main.first()) {
+            (
+                true,
+                Some(Node { layer: Layer::Linear(l), .. }),
+                Some(Some(LayerSaved::Linear(ls))),
+            ) => Some((l, ls)),
+            _ => None,
+        };
+        let Some((l, ls)) = first_linear else {
+            let g = backward_block(b, &off, params, s, g, grads_out, ctx)?;
+            return Ok(if input_grad { InputGrad::Ready(g) } else { InputGrad::Skipped });
+        };
+        // The block's layers after the linear one, then the linear layer's parameter half.
+        let nm = b.main.len();
+        let g = back_path(&b.post, 0..b.post.len(), nm, &off, params, &s.post, g, grads_out, ctx)?;
+        let g = back_path(&b.main, 1..nm, 0, &off, params, &s.main, g, grads_out, ctx)?;
+        let r = off.params[0].clone();
+        l.backward_params(ctx.backend, ls, &g, &mut grads_out[r.clone()], !ctx.overwrite_grads)?;
+        Ok(if input_grad {
+            InputGrad::Deferred { layer: l.clone(), params: r, grad_output: g }
+        } else {
+            InputGrad::Skipped
+        })
     }
 
     /// Forward of every unit in turn (a single-process convenience).
@@ -986,6 +1080,73 @@ mod tests {
     fn convnet_bn_gradients_match_finite_differences() {
         let m = ConvNetBn { input: [1, 4, 4], widths: vec![2, 3], classes: 3 }.build().unwrap();
         model_gradcheck(&m, 3, 2);
+    }
+
+    /// MODEL-3: the split backward gives bitwise the gradients and input gradients of
+    /// `backward_unit`, defers exactly where a unit starts with a linear layer, and skipping
+    /// the input gradient changes no parameter gradient.
+    #[test]
+    fn split_backward_matches_backward_unit() {
+        let be = Cpu::new();
+        let models = [
+            (MlpBn { input_dim: 5, hidden: 6, depth: 3, classes: 4 }.build(), true),
+            (
+                MlpBn { input_dim: 5, hidden: 6, depth: 3, classes: 4 }
+                    .build()
+                    .wrap(WrapPolicy::ByParams(60)),
+                true,
+            ),
+            (
+                ConvNetBn { input: [1, 4, 4], widths: vec![2, 3], classes: 3 }.build().unwrap(),
+                false,
+            ),
+        ];
+        for (m, linear_first) in &models {
+            assert!(m.num_units() >= 2, "{}: one unit tests nothing", m.name);
+            let (params, buffers) = init(m, 7);
+            let batch = 6;
+            let mut shape = vec![batch];
+            shape.extend_from_slice(&m.input_shape);
+            let x = rand_tensor(&shape, 8);
+            let labels: Vec<u32> = (0..batch).map(|i| (i % m.classes) as u32).collect();
+            for overwrite in [false, true] {
+                let c = ctx(&be, true, None, batch).with_overwrite_grads(overwrite);
+                let (logits, saved) =
+                    m.forward(&params, &mut buffers.clone(), x.clone(), &c).unwrap();
+                let gl = softmax_cross_entropy(&logits, &labels, batch).unwrap().1;
+                let fresh = || -> Vec<Vec<f32>> {
+                    params
+                        .iter()
+                        .map(|p| vec![if overwrite { f32::NAN } else { 0.0 }; p.len()])
+                        .collect()
+                };
+                let (mut want, mut got, mut skipped) = (fresh(), fresh(), fresh());
+                let (mut gw, mut gg, mut gs) = (gl.clone(), gl.clone(), gl);
+                for u in (0..m.num_units()).rev() {
+                    let p = &params[u];
+                    gw = m.backward_unit(u, p, &saved[u], gw, &mut want[u], &c).unwrap();
+                    let split =
+                        m.backward_unit_split(u, p, &saved[u], gg, &mut got[u], &c, true).unwrap();
+                    // Every MLP unit starts with a linear layer; the conv net's units start
+                    // with a convolution (its head with pooling).
+                    assert_eq!(split.is_deferred(), *linear_first, "{} unit {u}", m.name);
+                    gg = split.finish(&be, p).unwrap().expect("asked for");
+                    assert_eq!(gg, gw, "{} unit {u}: input gradient", m.name);
+                    let skip = m
+                        .backward_unit_split(u, p, &saved[u], gs, &mut skipped[u], &c, u > 0)
+                        .unwrap();
+                    if u == 0 {
+                        assert!(matches!(skip, InputGrad::Skipped), "{}", m.name);
+                        gs = Tensor::default();
+                    } else {
+                        gs = skip.finish(&be, p).unwrap().expect("asked for");
+                    }
+                }
+                assert_eq!(got, want, "{} overwrite {overwrite}: split gradients", m.name);
+                assert_eq!(skipped, want, "{} overwrite {overwrite}: skipped input", m.name);
+                assert!(want.iter().flatten().all(|v| v.is_finite()));
+            }
+        }
     }
 
     #[test]

@@ -715,17 +715,17 @@ impl RankEngine {
             let s = saved
                 .pop()
                 .ok_or_else(|| RuntimeError::config("saved activations out of order"))?;
-            grad = model
-                .backward_unit(u, params, &s, grad, &mut gfull[..numel], &ctx)
+            // ENG-9: the first unit's input gradient (of the data) is never computed; where a
+            // unit starts with a linear layer its input gradient is computed after the
+            // unit's gradients have gone to their reduction, which it then overlaps.
+            let input_grad = model
+                .backward_unit_split(u, params, &s, grad, &mut gfull[..numel], &ctx, u > 0)
                 .map_err(RuntimeError::from_model)?;
             drop(s);
             act_allocs.pop();
             let t1 = Instant::now();
             compute += t1 - t0;
             self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
-            if let Some(g) = gathered {
-                self.done_with(&mut plan, 2 * n_units - 1 - u, g);
-            }
             // Reduce as soon as the unit's gradients exist; do not wait (overlap).
             let p = if stage == Stage::Zero0 {
                 PendingReduce::AllReduce {
@@ -747,6 +747,24 @@ impl RankEngine {
                 }
             };
             pending.push_back(p);
+            let deferred = input_grad.is_deferred();
+            let t0 = Instant::now();
+            let params: &[f32] = match &gathered {
+                Some(g) => &g.full[..numel],
+                None => &self.params[u][..numel],
+            };
+            grad = input_grad
+                .finish(&*self.backend, params)
+                .map_err(RuntimeError::from_model)?
+                .unwrap_or_default();
+            if deferred {
+                let t1 = Instant::now();
+                compute += t1 - t0;
+                self.trace.record(self.rank, Row::Compute, format!("input grad {label}"), t0, t1);
+            }
+            if let Some(g) = gathered {
+                self.done_with(&mut plan, 2 * n_units - 1 - u, g);
+            }
             // ENG-7: bound the unreduced gradients in flight (stages 2 and 3 hold them in
             // transient buffers); wait for the oldest when over the budget.
             if matches!(stage, Stage::Zero2 | Stage::Zero3) {
