@@ -127,7 +127,7 @@ fn drain(s: &mut impl std::io::Read, total: usize) -> std::io::Result<()> {
 }
 
 /// Loopback TCP throughput of one stream in GB/s (the limit for the tcp transport), measured
-/// with 64 MiB of 1 MiB writes.
+/// with 256 MiB of 1 MiB writes, with the transport's congestion control.
 pub fn measure_tcp_loopback() -> std::io::Result<f64> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -141,6 +141,8 @@ pub fn measure_tcp_loopback() -> std::io::Result<f64> {
     });
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
+    // The same congestion control as the transport's links: the limit of what they can get.
+    shardline_collectives::transport::tcp::set_congestion((&s).into());
     let t = Instant::now();
     send_mib(&mut s, total)?;
     let mut ack = [0u8; 1];
@@ -160,6 +162,7 @@ pub fn measure_tcp_loopback_both_ways() -> std::io::Result<f64> {
     // Each end: a writer thread sends `total` bytes while this thread reads `total`.
     fn both_ways(s: std::net::TcpStream, total: usize) -> std::io::Result<()> {
         s.set_nodelay(true)?;
+        shardline_collectives::transport::tcp::set_congestion((&s).into());
         let mut w = s.try_clone()?;
         let writer = std::thread::spawn(move || send_mib(&mut w, total));
         let mut r = s;
