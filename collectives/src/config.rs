@@ -90,8 +90,33 @@ pub const LANE_SLICE_US: Tunable = Tunable {
 };
 
 /// Every tunable, for `--help` style listings.
-pub const ALL: &[Tunable] =
-    &[TIMEOUT_MS, SPIN_US, SMALL_BYTES, PIPELINE_BYTES, POOL_MAX_BYTES, POOL_PER_CLASS, LINK_RATE];
+pub const ALL: &[Tunable] = &[
+    TIMEOUT_MS,
+    SPIN_US,
+    SMALL_BYTES,
+    INLINE_BYTES,
+    PIPELINE_BYTES,
+    POOL_MAX_BYTES,
+    POOL_PER_CLASS,
+    LINK_RATE,
+    LANE_SLICE_US,
+];
+
+/// The collectives' environment variables with their defaults, one per line (for a
+/// program's `--help`).
+pub fn env_help() -> String {
+    let mut out = String::new();
+    for t in ALL {
+        out.push_str(&format!("  {:<26} {} (default {})\n", t.env, t.doc, t.default));
+    }
+    out.push_str(&format!(
+        "  {:<26} TCP congestion control of the tcp links; empty or `system`: the system's \
+         (default {})\n",
+        crate::transport::tcp::CONGESTION_ENV,
+        crate::transport::tcp::DEFAULT_CONGESTION
+    ));
+    out
+}
 
 /// [`LINK_RATE`] from the environment: `None` when unset, 0 or unreadable (unlimited).
 pub fn link_rate_from_env() -> Option<u64> {

@@ -89,6 +89,15 @@ fn help_works() {
     let o = shardline(&["--help"]);
     assert_eq!(o.code, Some(0), "{}", o.stderr);
     assert!(o.stdout.contains("train") && o.stdout.contains("checkpoint"), "{}", o.stdout);
+    // The environment it reads, with defaults.
+    for var in [
+        "SHARDLINE_LOG",
+        "SHARDLINE_TIMEOUT_MS",
+        "SHARDLINE_TCP_CONGESTION",
+        "SHARDLINE_LANE_SLICE_US",
+    ] {
+        assert!(o.stdout.contains(var), "--help lacks {var}: {}", o.stdout);
+    }
     let o = shardline(&["train", "--help"]);
     assert_eq!(o.code, Some(0), "{}", o.stderr);
     for flag in ["--world", "--stage", "--device-memory", "--resume", "--log-json", "--trace"] {

@@ -1,7 +1,7 @@
 //! `shardline`: train with every rank as an actor in one process, and inspect or export
 //! checkpoints.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::Device;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -386,7 +386,15 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = match Cli::try_parse() {
+    let help = format!(
+        "Environment:\n  SHARDLINE_LOG              log filter (default warn; e.g. info, \
+         shardline_runtime=debug)\n  SHARDLINE_TOKEN            launch: the job token when \
+         --token is not given\n{}",
+        shardline_collectives::config::env_help()
+    );
+    let parsed =
+        Cli::command().after_help(help).try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { 2 } else { 0 };
