@@ -32,6 +32,10 @@
 //! - ENG-6 (stage 3, prefetch >= 1): unit 0's gather for the next step or evaluation is
 //!   issued right after the optimizer has updated unit 0's shard, and discarded when a
 //!   checkpoint load replaces the parameters; every rank does the same, so lane order holds.
+//! - ENG-9: a unit's gradients go to their reduction as soon as they are complete; where the
+//!   unit starts with a linear layer its input gradient is computed afterwards (an
+//!   `input grad` span), overlapping the reduction, and the first unit's input gradient (the
+//!   data's) is never computed. Gradients and results are bitwise unchanged (MODEL-3).
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -1294,6 +1298,20 @@ mod tests {
                 let b = e["args"]["bytes"].as_u64().unwrap_or(0);
                 assert!(unit_bytes.contains(&b), "{e}: {b} B is no unit's size {unit_bytes:?}");
             }
+        }
+        // ENG-9: every unit but the first (each starts with a linear layer) computes its
+        // input gradient after its backward, in a span of its own; the first unit never does.
+        let names: Vec<&str> = evs
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == Row::Compute as u32)
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        for u in 0..layout.units().len() {
+            let label = unit_label(&model, u);
+            let n = names.iter().filter(|n| **n == format!("input grad {label}")).count();
+            let backward = names.iter().filter(|n| **n == format!("backward {label}")).count();
+            assert_eq!(backward, 2 * steps as usize, "{label}: one backward per rank and step");
+            assert_eq!(n, if u == 0 { 0 } else { backward }, "{label}: input gradient spans");
         }
         let per_rank = (0..2u64)
             .map(|r| {
