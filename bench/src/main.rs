@@ -72,6 +72,20 @@ fn main() {
             std::process::exit(code);
         }
     };
+    // Warnings of the collectives reach stderr (`SHARDLINE_LOG` as for `shardline`). The
+    // benchmarks choose the configurations the trainer warns about (per-rank BatchNorm is
+    // what `syncbn` compares against) and the fault campaign injects failures on purpose, so
+    // those log errors only.
+    let quiet = matches!(cli.cmd, Cmd::Faults(_) | Cmd::FaultsTrial(_));
+    let default = if quiet { "error" } else { "warn,shardline_runtime::train=error" };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHARDLINE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     let res = match cli.cmd {
         Cmd::Collectives(a) => collectives::run(a),
         Cmd::CollectivesWorker(a) => collectives::worker(a),

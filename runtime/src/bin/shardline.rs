@@ -385,6 +385,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let help = format!(
         "Environment:\n  SHARDLINE_LOG              log filter (default warn; e.g. info, \
