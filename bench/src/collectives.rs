@@ -797,6 +797,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (Some(t), None) => println!("# machine: loopback TCP {t:.2} GB/s (one stream)"),
         _ => {}
     }
+    if args.transport.contains(&TransportKind::Tcp) {
+        let cc = shardline_collectives::transport::tcp::congestion();
+        println!(
+            "# tcp links: congestion control {} ({}), system default {}",
+            cc.as_deref().unwrap_or("of the system"),
+            shardline_collectives::transport::tcp::CONGESTION_ENV,
+            std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_else(|_| "unknown".into())
+        );
+    }
     let mut rows = Vec::new();
     for &kind in &args.transport {
         for &w in &args.world {
