@@ -135,20 +135,10 @@ impl Linear {
     ) -> Result<(), ModelError> {
         check_len("linear grads", grads_out.len(), self.num_params())?;
         let n = saved.input.shape[0];
-        let o = self.out_features;
+        let (o, i) = (self.out_features, self.in_features);
         check_len("linear grad_output", grad_output.numel(), n * o)?;
-        let (gw, gb) = grads_out.split_at_mut(o * self.in_features);
-        be.gemm(
-            o,
-            self.in_features,
-            n,
-            &grad_output.data,
-            true,
-            &saved.input.data,
-            false,
-            gw,
-            accumulate,
-        );
+        let (gw, gb) = grads_out.split_at_mut(o * i);
+        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, accumulate);
         if !accumulate {
             gb.fill(0.0);
         }

@@ -493,27 +493,27 @@ impl Model {
             p0 += b.num_params();
             b0 += b.num_buffers();
         }
+        // The first block's first layer, when it is linear and nothing bypasses it: its
+        // input gradient is the one that can wait.
+        let split = match (blocks.first(), saved.blocks.first()) {
+            (Some(b), Some(s)) if b.shortcut.is_none() => match (b.main.first(), s.main.first()) {
+                (
+                    Some(Node { layer: Layer::Linear(l), .. }),
+                    Some(Some(LayerSaved::Linear(ls))),
+                ) => Some((b, s, l, ls)),
+                _ => None,
+            },
+            _ => None,
+        };
         let mut g = grad_output;
-        for (i, b) in blocks.iter().enumerate().skip(1).rev() {
+        for (i, b) in blocks.iter().enumerate().skip(usize::from(split.is_some())).rev() {
             let off = Self::offsets(b, starts[i].0, starts[i].1);
             g = backward_block(b, &off, params, &saved.blocks[i], g, grads_out, ctx)?;
         }
-        let (Some(b), Some(s)) = (blocks.first(), saved.blocks.first()) else {
+        let Some((b, s, l, ls)) = split else {
             return Ok(if input_grad { InputGrad::Ready(g) } else { InputGrad::Skipped });
         };
         let off = Self::offsets(b, starts[0].0, starts[0].1);
-        let first_linear = match (b.shortcut.is_none(), b.main.first(), s.main.first()) {
-            (
-                true,
-                Some(Node { layer: Layer::Linear(l), .. }),
-                Some(Some(LayerSaved::Linear(ls))),
-            ) => Some((l, ls)),
-            _ => None,
-        };
-        let Some((l, ls)) = first_linear else {
-            let g = backward_block(b, &off, params, s, g, grads_out, ctx)?;
-            return Ok(if input_grad { InputGrad::Ready(g) } else { InputGrad::Skipped });
-        };
         // The block's layers after the linear one, then the linear layer's parameter half.
         let nm = b.main.len();
         let g = back_path(&b.post, 0..b.post.len(), nm, &off, params, &s.post, g, grads_out, ctx)?;

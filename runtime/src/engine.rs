@@ -753,10 +753,6 @@ impl RankEngine {
             pending.push_back(p);
             let deferred = input_grad.is_deferred();
             let t0 = Instant::now();
-            let params: &[f32] = match &gathered {
-                Some(g) => &g.full[..numel],
-                None => &self.params[u][..numel],
-            };
             grad = input_grad
                 .finish(&*self.backend, params)
                 .map_err(RuntimeError::from_model)?
