@@ -36,6 +36,9 @@
 //!   unit starts with a linear layer its input gradient is computed afterwards (an
 //!   `input grad` span), overlapping the reduction, and the first unit's input gradient (the
 //!   data's) is never computed. Gradients and results are bitwise unchanged (MODEL-3).
+//! - ENG-10 (no clipping): updates run lowest unit first among those whose reduction is in,
+//!   so unit 0's, which releases the next pass's first gather (ENG-6), never waits for
+//!   another unit's; the reported loss and norm are bitwise those of any other order.
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -55,6 +58,12 @@ use shardline_models::{
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// ENG-10: the unit to update next, the lowest one not yet updated whose reduction is in
+/// (`waiting` lists those still in flight); `None` when every such unit is done.
+fn next_update(stepped: &[bool], waiting: &[usize]) -> Option<usize> {
+    (0..stepped.len()).find(|u| !stepped[*u] && !waiting.contains(u))
+}
 
 /// Lane names.
 pub const GATHER_LANE: &str = "gather";
@@ -810,24 +819,36 @@ impl RankEngine {
         let mut opt_spans: Vec<(Instant, Instant)> = Vec::new();
         if early {
             self.step += 1;
-            let waiting: Vec<usize> = pending.iter().map(PendingReduce::unit).collect();
-            for u in (0..n_units).rev().filter(|u| !waiting.contains(u)) {
-                let (t0, t1, sq) = self.step_unit(u, lr, 1.0)?;
-                unit_sq[u] = sq;
-                opt_spans.push((t0, t1));
+            // ENG-10: lowest unit first among those whose reduction is in. Unit 0's update
+            // releases the next pass's first gather (ENG-6), so once its reduction is in it
+            // goes before the others, which then run while that gather is on the wire.
+            let mut stepped = vec![false; n_units];
+            loop {
+                while pending.front().is_some_and(PendingReduce::is_done) {
+                    if let Some(p) = pending.pop_front() {
+                        self.finish_reduce(p, &mut clock)?;
+                    }
+                }
+                let waiting: Vec<usize> = pending.iter().map(PendingReduce::unit).collect();
+                match next_update(&stepped, &waiting) {
+                    Some(u) => {
+                        let (t0, t1, sq) = self.step_unit(u, lr, 1.0)?;
+                        stepped[u] = true;
+                        unit_sq[u] = sq;
+                        opt_spans.push((t0, t1));
+                    }
+                    None => match pending.pop_front() {
+                        Some(p) => self.finish_reduce(p, &mut clock).map(drop)?,
+                        None => break,
+                    },
+                }
             }
         }
-        // Each unit's squared norm is taken as soon as its reduction is in, while the later
-        // ones are still in flight.
+        // With clipping, each unit's squared norm is taken as soon as its reduction is in,
+        // while the later ones are still in flight (without, `pending` is empty by now).
         for p in pending {
             let done = self.finish_reduce(p, &mut clock)?;
-            if early {
-                let (t0, t1, sq) = self.step_unit(done, lr, 1.0)?;
-                unit_sq[done] = sq;
-                opt_spans.push((t0, t1));
-            } else {
-                compute += self.unit_sq_norm(done, &mut unit_sq);
-            }
+            compute += self.unit_sq_norm(done, &mut unit_sq);
         }
 
         // ---- loss and gradient norm: one small all-reduce ----
@@ -1430,6 +1451,28 @@ mod tests {
             let (_, n, _) = e.eval(x, &[0, 1, 2, 0], 4).unwrap();
             assert_eq!(n, 4);
         }
+    }
+
+    /// ENG-10: unit 0 goes first as soon as its reduction is in, whatever else is ready;
+    /// while it waits the others go lowest first, and nothing still reducing is picked.
+    #[test]
+    fn unit_zeros_update_goes_first_once_its_reduction_is_in() {
+        let n = 5;
+        let mut stepped = vec![false; n];
+        // Reductions complete in issue order: the head (4) first, unit 0 last.
+        let mut waiting: Vec<usize> = vec![2, 1, 0];
+        assert_eq!(next_update(&stepped, &waiting), Some(3));
+        stepped[3] = true;
+        assert_eq!(next_update(&stepped, &waiting), Some(4));
+        stepped[4] = true;
+        assert_eq!(next_update(&stepped, &waiting), None, "everything ready is done: wait");
+        waiting.clear();
+        assert_eq!(next_update(&stepped, &waiting), Some(0), "all in: unit 0 before 1 and 2");
+        stepped[0] = true;
+        assert_eq!(next_update(&stepped, &waiting), Some(1));
+        stepped[1] = true;
+        stepped[2] = true;
+        assert_eq!(next_update(&stepped, &waiting), None);
     }
 
     /// ENG-4: communication time is the union of the spans, against a naive per-microsecond
