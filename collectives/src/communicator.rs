@@ -74,8 +74,8 @@ impl CommOptions {
         self
     }
 
-    /// Piece size of the pipelined broadcast chain. Default 1 MiB (env
-    /// `SHARDLINE_PIPELINE_BYTES`).
+    /// Piece size of the pipelined broadcast chain and of all-gathers sent in pieces (tcp).
+    /// Default 1 MiB (env `SHARDLINE_PIPELINE_BYTES`).
     pub fn pipeline_bytes(&mut self, b: usize) -> &mut Self {
         self.pipeline_bytes = b;
         self
@@ -110,7 +110,7 @@ impl CommOptions {
         self.small_bytes
     }
 
-    /// Current broadcast piece size in bytes.
+    /// Current piece size in bytes (broadcast chain, pieced all-gathers).
     pub fn get_pipeline_bytes(&self) -> usize {
         self.pipeline_bytes
     }

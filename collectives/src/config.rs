@@ -53,11 +53,12 @@ pub const INLINE_BYTES: Tunable = Tunable {
     doc: "run ops up to this size on the caller when the lane is idle (bytes), 0 = never",
 };
 
-/// Piece size of the pipelined broadcast chain, in bytes.
+/// Piece size of the pipelined broadcast chain and of all-gathers sent in pieces
+/// (`LaneLinks::prefers_pieced_gather`), in bytes.
 pub const PIPELINE_BYTES: Tunable = Tunable {
     env: "SHARDLINE_PIPELINE_BYTES",
     default: 1 << 20,
-    doc: "broadcast chain piece (bytes)",
+    doc: "broadcast chain and pieced all-gather piece (bytes)",
 };
 
 /// Most bytes a [`crate::pool::BufferPool`] keeps in total.

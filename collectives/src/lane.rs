@@ -617,7 +617,9 @@ impl Worker {
     fn auto_gathers_direct(&self, asked: Algorithm, resolved: Algorithm) -> bool {
         asked == Algorithm::Auto
             && resolved == Algorithm::Ring
-            && self.links.prefers_direct_gather()
+            && (self.links.prefers_direct_gather()
+                || (self.links.prefers_pieced_gather()
+                    && self.shared.world <= crate::transport::PIECED_GATHER_MAX_WORLD))
     }
 
     fn resolve(&self, algo: Algorithm, bytes: usize) -> Algorithm {
@@ -709,9 +711,11 @@ impl Worker {
             Body::AllGather { input, mut output, done } => {
                 let n = input.len();
                 let algo = self.all_gather_algorithm(job.algo, output.len() * 4);
-                // Direct over a transport that prefers it: peers read the shard from the
-                // input where the caller left it, and the own copy comes last.
-                let from_input = algo == Algorithm::Direct && self.links.prefers_direct_gather();
+                // Direct over a transport that prefers it, or in pieces: peers read the shard
+                // from the input where the caller left it, and the own copy comes last (in
+                // pieces: each piece right after it went out).
+                let from_input = algo == Algorithm::Direct
+                    && (self.links.prefers_direct_gather() || self.links.prefers_pieced_gather());
                 let sched = self.all_gather_schedule(algo, n, from_input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
                 let r = if from_input {
@@ -806,9 +810,18 @@ impl Worker {
         from_input: bool,
     ) -> Arc<Schedule> {
         let (rank, world, shared) = (self.shared.rank, self.shared.world, self.shared.clone());
+        // Pieces change the steps, not the wire bytes; every rank decides alike (the
+        // transport's kind and the size).
+        let pieces = if self.links.prefers_pieced_gather() {
+            n.div_ceil((shared.opts.get_pipeline_bytes() / 4).max(1))
+        } else {
+            1
+        };
         self.schedule((OpKind::AllGather, algo, n, usize::from(from_input)), || match algo {
-            Algorithm::Direct if from_input => algo::direct_all_gather_from_input(rank, world, n),
-            Algorithm::Direct => algo::direct_all_gather(rank, world, n),
+            Algorithm::Direct if from_input => {
+                algo::direct_all_gather_from_input(rank, world, n, pieces)
+            }
+            Algorithm::Direct => algo::direct_all_gather(rank, world, n, pieces),
             Algorithm::Hierarchical => algo::hier_all_gather(rank, &shared.topology, n),
             _ => algo::ring_all_gather(rank, world, n),
         })

@@ -1,7 +1,7 @@
 //! Direct (latency-optimal): one step in which every rank sends to every peer. Reductions
 //! land in scratch and are folded in rank order 0..W-1 on every rank (ALGO-3).
 
-use super::{Action, LocalOp, RecvStep, Schedule, SendStep, Step};
+use super::{split, Action, LocalOp, RecvStep, Schedule, SendStep, Step};
 use std::ops::Range;
 
 /// Fold plan shared by all-reduce and reduce-scatter: `own` holds this rank's contribution;
@@ -71,43 +71,68 @@ pub fn direct_reduce_scatter(rank: usize, world: usize, n: usize) -> Schedule {
     s
 }
 
-/// Direct all-gather over a `world * n` work buffer whose slot `rank` holds the input.
-pub fn direct_all_gather(rank: usize, world: usize, n: usize) -> Schedule {
-    let mut s = Schedule { buf_len: world * n, ..Schedule::default() };
-    if world <= 1 {
-        return s;
-    }
-    let peers = (0..world).filter(|&p| p != rank);
-    s.push(Step {
-        sends: peers
-            .clone()
-            .map(|p| SendStep { peer: p, range: rank * n..(rank + 1) * n, action: Action::Copy })
-            .collect(),
-        recvs: peers
-            .map(|p| RecvStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
-            .collect(),
-        local: Vec::new(),
-    });
-    s
+/// Direct all-gather over a `world * n` work buffer whose slot `rank` holds the input, in
+/// `pieces` steps: step j sends piece j of the own slot to every peer and receives piece j of
+/// every peer's slot. Several pieces keep each piece in the cache while it goes to every peer
+/// (one read of the shard from memory instead of one per peer); one piece is one step.
+pub fn direct_all_gather(rank: usize, world: usize, n: usize, pieces: usize) -> Schedule {
+    direct_all_gather_steps(rank, world, n, pieces, false)
 }
 
-/// Direct all-gather that sends from the op's input (the read-only region after the work
-/// buffer) instead of from the work buffer, and copies the input into its slot last: peers
-/// read the shard where the caller left it, and no step waits for the own copy.
-pub fn direct_all_gather_from_input(rank: usize, world: usize, n: usize) -> Schedule {
-    let mut s = Schedule { buf_len: world * n, input_len: n, ..Schedule::default() };
-    let input = world * n..(world + 1) * n;
-    let peers = (0..world).filter(|&p| p != rank);
-    s.push(Step {
-        sends: peers
-            .clone()
-            .map(|p| SendStep { peer: p, range: input.clone(), action: Action::Copy })
-            .collect(),
-        recvs: peers
-            .map(|p| RecvStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
-            .collect(),
-        local: vec![LocalOp::Copy { src: input, dst: rank * n..(rank + 1) * n }],
-    });
+/// [`direct_all_gather`] sending from the op's input (the read-only region after the work
+/// buffer) instead of from the work buffer: peers read the shard where the caller left it,
+/// and each piece is copied into the own slot right after it went out, while the sends have
+/// just read it into the cache. The wire traffic is [`direct_all_gather`]'s with the same
+/// `pieces`, so ranks may mix the two forms in one op.
+pub fn direct_all_gather_from_input(
+    rank: usize,
+    world: usize,
+    n: usize,
+    pieces: usize,
+) -> Schedule {
+    direct_all_gather_steps(rank, world, n, pieces, true)
+}
+
+fn direct_all_gather_steps(
+    rank: usize,
+    world: usize,
+    n: usize,
+    pieces: usize,
+    from_input: bool,
+) -> Schedule {
+    let input_len = if from_input { n } else { 0 };
+    let mut s = Schedule { buf_len: world * n, input_len, ..Schedule::default() };
+    // The own piece: in the input region (after the work buffer) or in the own slot.
+    let base = if from_input { world * n } else { rank * n };
+    for p in split(0..n, pieces.clamp(1, n.max(1))) {
+        let src = base + p.start..base + p.end;
+        let local = if from_input {
+            vec![LocalOp::Copy { src: src.clone(), dst: rank * n + p.start..rank * n + p.end }]
+        } else {
+            Vec::new()
+        };
+        if world <= 1 {
+            if !local.is_empty() {
+                s.push(Step { local, ..Step::default() });
+            }
+            continue;
+        }
+        let peers = (0..world).filter(|&q| q != rank);
+        s.push(Step {
+            sends: peers
+                .clone()
+                .map(|q| SendStep { peer: q, range: src.clone(), action: Action::Copy })
+                .collect(),
+            recvs: peers
+                .map(|q| RecvStep {
+                    peer: q,
+                    range: q * n + p.start..q * n + p.end,
+                    action: Action::Copy,
+                })
+                .collect(),
+            local,
+        });
+    }
     s
 }
 

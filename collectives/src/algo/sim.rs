@@ -168,29 +168,44 @@ mod tests {
         }
         let shards = inputs(world, n, 9);
         let full: Vec<f32> = shards.concat();
-        // From the input region: the work buffer starts empty (NaN).
-        let scheds: Vec<_> =
-            (0..world).map(|r| direct_all_gather_from_input(r, world, n)).collect();
-        let bufs = vec![vec![f32::NAN; world * n]; world];
-        let out = simulate_with_inputs(&scheds, bufs, shards.clone(), Combine::Op(ReduceOp::Sum))
-            .unwrap();
-        for o in &out {
-            assert_eq!(o, &full, "ag from input w={world} n={n}");
+        let own_in_slot = |r: usize| {
+            let mut b = vec![f32::NAN; world * n];
+            b[r * n..(r + 1) * n].copy_from_slice(&shards[r]);
+            b
+        };
+        // Direct in pieces (more pieces than elements included): from the input region (the
+        // work buffer starts empty, NaN), in place, and the two forms mixed across ranks in
+        // one op (the same wire traffic).
+        for pieces in [1, 2, 3, n + 5] {
+            for mix in 0..3 {
+                let from_input = |r: usize| mix == 0 || (mix == 2 && r.is_multiple_of(2));
+                let scheds: Vec<_> = (0..world)
+                    .map(|r| {
+                        if from_input(r) {
+                            direct_all_gather_from_input(r, world, n, pieces)
+                        } else {
+                            direct_all_gather(r, world, n, pieces)
+                        }
+                    })
+                    .collect();
+                let bufs = (0..world)
+                    .map(|r| if from_input(r) { vec![f32::NAN; world * n] } else { own_in_slot(r) })
+                    .collect();
+                let ins = (0..world)
+                    .map(|r| if from_input(r) { shards[r].clone() } else { Vec::new() })
+                    .collect();
+                let out =
+                    simulate_with_inputs(&scheds, bufs, ins, Combine::Op(ReduceOp::Sum)).unwrap();
+                for o in &out {
+                    assert_eq!(o, &full, "direct ag w={world} n={n} pieces={pieces} mix={mix}");
+                }
+            }
         }
-        let ag: [Builder; 3] = [
-            |r, w, n, _| ring_all_gather(r, w, n),
-            |r, w, n, _| direct_all_gather(r, w, n),
-            |r, _, n, t| hier_all_gather(r, t, n),
-        ];
+        let ag: [Builder; 2] =
+            [|r, w, n, _| ring_all_gather(r, w, n), |r, _, n, t| hier_all_gather(r, t, n)];
         for f in ag {
             let scheds: Vec<_> = (0..world).map(|r| f(r, world, n, topo)).collect();
-            let bufs = (0..world)
-                .map(|r| {
-                    let mut b = vec![f32::NAN; world * n];
-                    b[r * n..(r + 1) * n].copy_from_slice(&shards[r]);
-                    b
-                })
-                .collect();
+            let bufs = (0..world).map(own_in_slot).collect();
             let out = simulate(&scheds, bufs, Combine::Op(ReduceOp::Sum)).unwrap();
             for o in &out {
                 assert_eq!(o, &full, "ag w={world} n={n}");

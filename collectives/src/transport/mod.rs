@@ -268,7 +268,22 @@ pub trait LaneLinks: Send {
     fn prefers_direct_gather(&self) -> bool {
         false
     }
+
+    /// Whether a direct all-gather of a large message should go in pieces of
+    /// `CommOptions::pipeline_bytes`, and `Auto` gather directly in pieces instead of around
+    /// a ring at worlds up to [`PIECED_GATHER_MAX_WORLD`]: where every byte sent costs a
+    /// read of the source by the sender's CPU (kernel sockets), a piece read once from memory
+    /// stays in the cache while it goes to every peer. The same rules as
+    /// [`LaneLinks::prefers_direct_gather`].
+    fn prefers_pieced_gather(&self) -> bool {
+        false
+    }
 }
+
+/// Largest world at which `Auto` gathers directly in pieces where the transport prefers it
+/// ([`LaneLinks::prefers_pieced_gather`]); measured at W=2 and W=4 over tcp on 2 cores
+/// (RESULTS.md), the ring beyond.
+pub const PIECED_GATHER_MAX_WORLD: usize = 4;
 
 /// Splits a 4-byte-aligned byte slice into f32s (TR-2 makes this always valid for sinks).
 pub fn as_f32(piece: &[u8]) -> &[f32] {
