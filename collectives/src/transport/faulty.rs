@@ -387,6 +387,16 @@ impl LaneLinks for FaultyLinks {
     fn poison(&mut self, poison: &Poison) {
         self.inner.poison(poison);
     }
+
+    // The wrapped transport's schedule preferences, so that faults hit the schedules it runs
+    // in production.
+    fn prefers_direct_gather(&self) -> bool {
+        self.inner.prefers_direct_gather()
+    }
+
+    fn prefers_pieced_gather(&self) -> bool {
+        self.inner.prefers_pieced_gather()
+    }
 }
 
 #[cfg(test)]
