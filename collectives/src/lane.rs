@@ -154,6 +154,11 @@ enum Msg {
     Abort,
 }
 
+/// Most steps a pipelined schedule (broadcast chain, pieced all-gather) is split into: a
+/// tiny `SHARDLINE_PIPELINE_BYTES` makes pieces larger than asked rather than millions of
+/// steps.
+const MAX_PIECES: usize = 256;
+
 /// A lane: cheap to clone, usable from any thread.
 #[derive(Clone)]
 pub struct Lane {
@@ -612,15 +617,12 @@ impl Worker {
         self.failed = Some(e);
     }
 
-    /// Whether an all-gather that `Auto` resolved to a ring goes direct instead: where the
-    /// transport prefers it (`LaneLinks::prefers_direct_gather`), or prefers pieces and the
-    /// world is small (`LaneLinks::prefers_pieced_gather`); the same on every rank.
+    /// Whether `Auto`, resolved to a ring, gathers directly instead: where the transport
+    /// prefers it (`LaneLinks::prefers_direct_gather`, the same on every rank).
     fn auto_gathers_direct(&self, asked: Algorithm, resolved: Algorithm) -> bool {
         asked == Algorithm::Auto
             && resolved == Algorithm::Ring
-            && (self.links.prefers_direct_gather()
-                || (self.links.prefers_pieced_gather()
-                    && self.shared.world <= crate::transport::PIECED_GATHER_MAX_WORLD))
+            && self.links.prefers_direct_gather()
     }
 
     fn resolve(&self, algo: Algorithm, bytes: usize) -> Algorithm {
@@ -655,11 +657,10 @@ impl Worker {
                 let n = buf.len();
                 let algo = self.resolve(job.algo, n * 4);
                 // The ring's all-gather half goes direct where the transport prefers it
-                // (every rank decides alike). Not in pieces: over tcp the ring measured the
-                // same (W=4, 64 MiB: 1.32-1.44 GB/s busbw either way), so it stays.
-                let direct_gather = job.algo == Algorithm::Auto
-                    && algo == Algorithm::Ring
-                    && self.links.prefers_direct_gather();
+                // (every rank decides alike). Not where it prefers pieces: over tcp a direct
+                // half in pieces measured the same as the ring (W=4, 64 MiB: 1.32-1.44 GB/s
+                // busbw either way), so the ring stays.
+                let direct_gather = self.auto_gathers_direct(job.algo, algo);
                 let key = (OpKind::AllReduce, algo, n, usize::from(direct_gather));
                 let sched = self.schedule(key, || match algo {
                     Algorithm::Direct => algo::direct_all_reduce(rank, world, n),
@@ -765,7 +766,7 @@ impl Worker {
                     if algo == Algorithm::Direct {
                         algo::direct_broadcast(rank, world, root, n)
                     } else {
-                        let pieces = n.div_ceil(piece).clamp(1, 256);
+                        let pieces = n.div_ceil(piece).clamp(1, MAX_PIECES);
                         algo::chain_broadcast(rank, world, root, n, pieces)
                     }
                 });
@@ -795,10 +796,16 @@ impl Worker {
         })
     }
 
-    /// All-gather's algorithm: `Auto` resolved, and direct where the transport prefers it.
+    /// All-gather's algorithm: `Auto` resolved, and direct where the transport prefers it,
+    /// or prefers pieces at a small world (`LaneLinks::prefers_pieced_gather`; the same on
+    /// every rank).
     fn all_gather_algorithm(&self, requested: Algorithm, bytes: usize) -> Algorithm {
         let algo = self.resolve(requested, bytes);
-        if self.auto_gathers_direct(requested, algo) {
+        let pieced = requested == Algorithm::Auto
+            && algo == Algorithm::Ring
+            && self.links.prefers_pieced_gather()
+            && self.shared.world <= crate::transport::PIECED_GATHER_MAX_WORLD;
+        if pieced || self.auto_gathers_direct(requested, algo) {
             Algorithm::Direct
         } else {
             algo
@@ -817,7 +824,7 @@ impl Worker {
         // Pieces change the steps, not the wire bytes; every rank decides alike (the
         // transport's kind and the size).
         let pieces = if self.links.prefers_pieced_gather() {
-            n.div_ceil((shared.opts.get_pipeline_bytes() / 4).max(1))
+            n.div_ceil((shared.opts.get_pipeline_bytes() / 4).max(1)).clamp(1, MAX_PIECES)
         } else {
             1
         };

@@ -954,8 +954,9 @@ impl LaneLinks for TcpLinks {
     /// Every byte sent is read by this rank's CPU (the kernel copies it into the socket), so
     /// a shard read once per piece from memory and sent from the cache to every peer costs
     /// less than one read per peer; the own copy of an out-of-place gather reads it from the
-    /// cache too. W=2, 64 MiB, 2 cores: 3.12-3.14 GB/s busbw against 2.42-2.48 for the ring
-    /// with the own copy first; W=4: 1.43-1.64 against 1.31-1.34 (RESULTS.md).
+    /// cache too. W=2, 64 MiB, 2 cores: 2.98-3.27 GB/s busbw against 2.30-2.48 for the ring
+    /// with the own copy first; W=4: 1.46 against 1.31-1.38 (RESULTS.md, "TCP all-gather in
+    /// pieces").
     fn prefers_pieced_gather(&self) -> bool {
         true
     }
