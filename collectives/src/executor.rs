@@ -7,10 +7,11 @@
 //! - EXEC-2: scratch is owned by the executor and reused across ops (grow-only), so steady
 //!   state allocates no data buffers.
 //! - EXEC-3: the op's input region (after the scratch) is only read: a receive or a local
-//!   destination there is refused before any I/O.
+//!   destination there is refused before any I/O. The output region (after the input) is
+//!   written only by reducing receives with `out` and local copies (ALGO-5).
 
 use crate::algo::{Action, LocalOp, Schedule};
-use crate::reduce::Combine;
+use crate::reduce::{Combine, ReduceOp};
 use crate::transport::{as_f32, LaneLinks, RecvOp, SendOp, Sink, Tag, TransportError};
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
@@ -32,6 +33,8 @@ struct Mem {
     scratch_len: usize,
     input: *const f32,
     input_len: usize,
+    output: *mut f32,
+    output_len: usize,
 }
 
 impl Mem {
@@ -46,13 +49,21 @@ impl Mem {
             assert!(r.start >= self.buf_len, "range {r:?} straddles buffer and scratch");
             // SAFETY: checked just above to lie inside scratch.
             (unsafe { self.scratch.add(r.start - self.buf_len) }, r.len())
-        } else {
+        } else if r.end <= self.buf_len + self.scratch_len + self.input_len {
             let base = self.buf_len + self.scratch_len;
-            assert!(r.start >= base && r.end <= base + self.input_len, "range {r:?} out of bounds");
+            assert!(r.start >= base, "range {r:?} straddles scratch and input");
             // SAFETY: checked just above to lie inside the input. The pointer is only ever
-            // read through: `run` refuses receives and local destinations past the writable
-            // part (EXEC-3) before using them.
+            // read through: `run` refuses receives and local destinations there (EXEC-3)
+            // before using them.
             (unsafe { self.input.add(r.start - base) } as *mut f32, r.len())
+        } else {
+            let base = self.buf_len + self.scratch_len + self.input_len;
+            assert!(
+                r.start >= base && r.end <= base + self.output_len,
+                "range {r:?} out of bounds"
+            );
+            // SAFETY: checked just above to lie inside the output.
+            (unsafe { self.output.add(r.start - base) }, r.len())
         }
     }
 }
@@ -62,6 +73,10 @@ struct SinkTarget {
     len: usize,
     action: Action,
     combine: Combine,
+    /// With a receive's `out`: the range combined with the incoming elements (only read).
+    acc: Option<*const f32>,
+    /// With `acc`: the receive is large enough for non-temporal stores (MC-2).
+    nt: bool,
 }
 
 impl SinkTarget {
@@ -77,9 +92,20 @@ impl SinkTarget {
         // SAFETY: [ptr, ptr+len) is this receive's range, disjoint from every other range
         // touched during the exchange (EXEC-1), and the bounds were checked above.
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), src.len()) };
-        match self.action {
-            Action::Copy => dst.copy_from_slice(src),
-            Action::Reduce => self.combine.apply(dst, src),
+        match (self.action, self.acc) {
+            (Action::Copy, _) => dst.copy_from_slice(src),
+            (Action::Reduce, None) => self.combine.apply(dst, src),
+            (Action::Reduce, Some(acc)) => {
+                // SAFETY: the accumulator range has this receive's length and is only read
+                // during the step: no range written in it overlaps it (EXEC-1, ALGO-5).
+                let acc = unsafe { std::slice::from_raw_parts(acc.add(start), src.len()) };
+                match self.combine {
+                    Combine::Op(ReduceOp::Sum | ReduceOp::Avg) if self.nt => {
+                        crate::memcopy::add_nt(dst, acc, src)
+                    }
+                    c => c.apply_to(dst, acc, src),
+                }
+            }
         }
     }
 }
@@ -96,6 +122,7 @@ impl Executor {
         sched: &Schedule,
         buf: &mut [f32],
         input: &[f32],
+        output: &mut [f32],
         combine: Combine,
         tag: Tag,
         deadline: Instant,
@@ -103,6 +130,7 @@ impl Executor {
     ) -> Result<(), TransportError> {
         assert_eq!(buf.len(), sched.buf_len, "work buffer does not match its schedule");
         assert_eq!(input.len(), sched.input_len, "input does not match its schedule");
+        assert_eq!(output.len(), sched.output_len, "output does not match its schedule");
         if self.scratch.len() < sched.scratch_len {
             self.scratch.resize(sched.scratch_len, 0.0);
         }
@@ -113,11 +141,13 @@ impl Executor {
             scratch_len: sched.scratch_len,
             input: input.as_ptr(),
             input_len: sched.input_len,
+            output: output.as_mut_ptr(),
+            output_len: sched.output_len,
         };
         for (i, step) in sched.steps.iter().enumerate() {
             if !step.is_local() {
                 // EXEC-1: the full per-step check (rank-independent parts).
-                sched_step_check(step, sched.buf_len + sched.scratch_len)
+                crate::algo::check_step_ranges(step, sched.regions())
                     .map_err(|e| TransportError::Setup(format!("invalid schedule: {e}")))?;
                 let sends: Vec<SendOp<'_>> = step
                     .sends
@@ -139,12 +169,11 @@ impl Executor {
                     .recvs
                     .iter()
                     .map(|r| {
-                        let (ptr, len) = mem.at(&r.range);
-                        (r.action == Action::Reduce).then_some(SinkTarget {
-                            ptr,
-                            len,
-                            action: r.action,
-                            combine,
+                        (r.action == Action::Reduce).then(|| {
+                            let (ptr, len) = mem.at(r.written());
+                            let acc = r.out.as_ref().map(|_| mem.at(&r.range).0 as *const f32);
+                            let nt = crate::memcopy::wants_nt(len * 4);
+                            SinkTarget { ptr, len, action: r.action, combine, acc, nt }
                         })
                     })
                     .collect();
@@ -177,10 +206,14 @@ impl Executor {
             }
             for l in &step.local {
                 let (LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst }) = l;
+                let (end, read_end, out_end) = sched.regions();
                 assert!(
                     src.len() == dst.len()
                         && (src.end <= dst.start || dst.end <= src.start)
-                        && dst.end <= sched.buf_len + sched.scratch_len,
+                        && (dst.end <= end
+                            || (matches!(l, LocalOp::Copy { .. })
+                                && dst.start >= read_end
+                                && dst.end <= out_end)),
                     "bad local op {l:?}"
                 );
                 let (sp, n) = mem.at(src);
@@ -200,25 +233,6 @@ impl Executor {
         }
         Ok(())
     }
-}
-
-/// Rank-independent part of ALGO-2 for one step: receive ranges disjoint from each other and
-/// from send ranges, and inside the writable part of the virtual array (EXEC-3).
-fn sched_step_check(step: &crate::algo::Step, writable_end: usize) -> Result<(), String> {
-    let overlap = |a: &Range<usize>, b: &Range<usize>| {
-        !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
-    };
-    for (i, r) in step.recvs.iter().enumerate() {
-        if r.range.end > writable_end {
-            return Err(format!("receive range {:?} lies in the read-only input", r.range));
-        }
-        if step.recvs[i + 1..].iter().any(|x| overlap(&x.range, &r.range))
-            || step.sends.iter().any(|x| overlap(&x.range, &r.range))
-        {
-            return Err(format!("receive range {:?} overlaps", r.range));
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -255,7 +269,7 @@ mod tests {
     fn step(send: std::ops::Range<usize>, recv: std::ops::Range<usize>, action: Action) -> Step {
         Step {
             sends: vec![SendStep { peer: 1, range: send, action }],
-            recvs: vec![RecvStep { peer: 1, range: recv, action }],
+            recvs: vec![RecvStep::new(1, recv, action)],
             local: Vec::new(),
         }
     }
@@ -285,6 +299,7 @@ mod tests {
             sched,
             buf,
             input,
+            &mut [],
             Combine::Op(ReduceOp::Sum),
             Tag::default(),
             Instant::now() + std::time::Duration::from_secs(10),
@@ -314,6 +329,53 @@ mod tests {
         };
         run_canned(&good, &mut buf, &[5.0, 6.0], vec![1.0, 2.0]).unwrap();
         assert_eq!(buf, vec![1.0, 2.0]);
+    }
+
+    /// ALGO-5: a reducing receive with `out` writes `range (op) incoming` into the output
+    /// region and leaves `range` as it was; `out` on a copy, over the input, or over what the
+    /// step sends is refused before any I/O.
+    #[test]
+    fn reduces_into_the_output_region_algo_5() {
+        let with_out = |action: Action, out: std::ops::Range<usize>| Schedule {
+            buf_len: 4,
+            input_len: 1,
+            output_len: 2,
+            steps: vec![Step {
+                sends: vec![SendStep { peer: 1, range: 0..2, action }],
+                recvs: vec![RecvStep { out: Some(out), ..RecvStep::new(1, 2..4, action) }],
+                local: Vec::new(),
+            }],
+            ..Schedule::default()
+        };
+        let run = |sched: &Schedule, buf: &mut [f32], output: &mut [f32]| {
+            Executor::default().run(
+                &mut Canned(vec![10.0, 20.0]),
+                sched,
+                buf,
+                &[7.0],
+                output,
+                Combine::Op(ReduceOp::Sum),
+                Tag::default(),
+                Instant::now() + std::time::Duration::from_secs(10),
+                &AtomicBool::new(false),
+            )
+        };
+        let mut buf = vec![1.0, 2.0, 3.0, 4.0];
+        let mut output = vec![f32::NAN; 2];
+        run(&with_out(Action::Reduce, 5..7), &mut buf, &mut output).unwrap();
+        assert_eq!(output, vec![13.0, 24.0]);
+        assert_eq!(buf, vec![1.0, 2.0, 3.0, 4.0]);
+        for bad in [
+            with_out(Action::Copy, 5..7),
+            with_out(Action::Reduce, 4..6),
+            with_out(Action::Reduce, 0..2),
+            with_out(Action::Reduce, 2..4),
+        ] {
+            let mut output = vec![f32::NAN; 2];
+            let r = run(&bad, &mut buf, &mut output);
+            assert!(matches!(r, Err(TransportError::Setup(_))), "{:?}: {r:?}", bad.steps[0]);
+            assert!(output.iter().all(|x| x.is_nan()));
+        }
     }
 
     /// EXEC-1: overlapping send and receive ranges are refused before any I/O.

@@ -669,7 +669,7 @@ impl Worker {
                     _ => algo::ring_all_reduce(rank, world, n),
                 });
                 let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);
-                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(op));
+                let r = self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut buf, world);
                 }
@@ -695,6 +695,7 @@ impl Worker {
                     &sched,
                     &mut buf,
                     &[],
+                    &mut [],
                     Combine::Records { len: record_len, f: combine },
                 );
                 done.complete(r.map(|_| buf));
@@ -702,14 +703,17 @@ impl Worker {
             Body::ReduceScatter { mut input, mut output, op, done } => {
                 let n = output.len();
                 let algo = self.resolve(job.algo, input.len() * 4);
-                let sched = self.reduce_scatter_schedule(algo, n);
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, input.len(), None);
-                let r = self.execute(&ctx, &sched, &mut input, &[], Combine::Op(op));
-                if r.is_ok() {
-                    crate::memcopy::copy(&mut output, &input[rank * n..(rank + 1) * n]);
-                    if op == ReduceOp::Avg {
-                        scale_avg(&mut output, world);
-                    }
+                // The last step reduces straight into the output where the schedule allows
+                // it (ALGO-5): one pass over the own slot less than reducing in place and
+                // copying it out.
+                let rs = self.reduce_scatter_schedule(algo, n);
+                let sched = self.schedule((OpKind::ReduceScatter, algo, n, 1), || {
+                    algo::reduce_scatter_into((*rs).clone(), rank, n)
+                });
+                let r = self.execute(&ctx, &sched, &mut input, &[], &mut output, Combine::Op(op));
+                if r.is_ok() && op == ReduceOp::Avg {
+                    scale_avg(&mut output, world);
                 }
                 done.complete(r.map(|_| (input, output)));
             }
@@ -724,10 +728,24 @@ impl Worker {
                 let sched = self.all_gather_schedule(algo, n, from_input);
                 let ctx = mk(self, OpKind::AllGather, None, algo, output.len(), None);
                 let r = if from_input {
-                    self.execute(&ctx, &sched, &mut output, &input, Combine::Op(ReduceOp::Sum))
+                    self.execute(
+                        &ctx,
+                        &sched,
+                        &mut output,
+                        &input,
+                        &mut [],
+                        Combine::Op(ReduceOp::Sum),
+                    )
                 } else {
                     crate::memcopy::copy(&mut output[rank * n..(rank + 1) * n], &input);
-                    self.execute(&ctx, &sched, &mut output, &[], Combine::Op(ReduceOp::Sum))
+                    self.execute(
+                        &ctx,
+                        &sched,
+                        &mut output,
+                        &[],
+                        &mut [],
+                        Combine::Op(ReduceOp::Sum),
+                    )
                 };
                 done.complete(r.map(|_| (input, output)));
             }
@@ -738,7 +756,7 @@ impl Worker {
                 let algo = self.resolve(job.algo, buf.len() * 4);
                 let sched = self.reduce_scatter_schedule(algo, n);
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, buf.len(), None);
-                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(op));
+                let r = self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut buf[rank * n..(rank + 1) * n], world);
                 }
@@ -752,7 +770,8 @@ impl Worker {
                 // sends from a separate input).
                 let sched = self.all_gather_schedule(algo, n, false);
                 let ctx = mk(self, OpKind::AllGather, None, algo, buf.len(), None);
-                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(ReduceOp::Sum));
+                let r =
+                    self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Broadcast { mut buf, root, done } => {
@@ -771,7 +790,8 @@ impl Worker {
                     }
                 });
                 let ctx = mk(self, OpKind::Broadcast, None, algo, n, Some(root));
-                let r = self.execute(&ctx, &sched, &mut buf, &[], Combine::Op(ReduceOp::Sum));
+                let r =
+                    self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Barrier { done } => {
@@ -779,7 +799,8 @@ impl Worker {
                     algo::direct_all_reduce(rank, world, 0)
                 });
                 let ctx = mk(self, OpKind::Barrier, None, Algorithm::Direct, 0, None);
-                let r = self.execute(&ctx, &sched, &mut [], &[], Combine::Op(ReduceOp::Sum));
+                let r =
+                    self.execute(&ctx, &sched, &mut [], &[], &mut [], Combine::Op(ReduceOp::Sum));
                 done.complete(r);
             }
         }
@@ -854,12 +875,16 @@ impl Worker {
         s
     }
 
+    // The op's regions (work buffer, input, output) are distinct borrows; bundling them
+    // would only add a throwaway struct.
+    #[allow(clippy::too_many_arguments)]
     fn execute(
         &mut self,
         ctx: &OpCtx,
         sched: &Schedule,
         buf: &mut [f32],
         input: &[f32],
+        output: &mut [f32],
         combine: Combine,
     ) -> Result<(), CollectiveError> {
         if let Some(e) = &self.failed {
@@ -882,6 +907,7 @@ impl Worker {
             sched,
             buf,
             input,
+            output,
             combine,
             ctx.tag,
             ctx.deadline,

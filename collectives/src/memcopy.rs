@@ -21,6 +21,8 @@
 //!   head and tail are copied plainly), and its stores are fenced before it returns.
 //! - MC-2: copies shorter than [`NT_MIN_BYTES`] are plain copies (small data is read again
 //!   soon and belongs in cache).
+//! - MC-3: [`add_nt`] leaves `dst` bitwise equal to the plain loop `a[i] + b[i]`, for every
+//!   length and alignment, its stores fenced before it returns.
 
 /// Smallest copy done with non-temporal stores (env `SHARDLINE_NT_COPY_MIN_BYTES`, read
 /// once; 0 turns them off).
@@ -115,9 +117,78 @@ fn copy_nt(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// Whether a write of `bytes` into a fresh destination goes with non-temporal stores (MC-2).
+pub(crate) fn wants_nt(bytes: usize) -> bool {
+    bytes >= nt_min()
+}
+
+/// `dst[i] = a[i] + b[i]` with non-temporal stores (MC-3): an out-of-place reduction whose
+/// result nobody reads at once (a reduce-scatter's output) skips reading the destination
+/// for ownership and leaves the cache to its operands. Equal lengths.
+pub(crate) fn add_nt(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    assert!(dst.len() == a.len() && a.len() == b.len(), "add_nt: lengths differ");
+    add_nt_impl(dst, a, b);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn add_nt_impl(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    use std::arch::x86_64::{_mm_add_ps, _mm_loadu_ps, _mm_sfence, _mm_stream_ps};
+    let plain = |d: &mut [f32], x: &[f32], y: &[f32]| {
+        for ((d, x), y) in d.iter_mut().zip(x).zip(y) {
+            *d = *x + *y;
+        }
+    };
+    let head = dst.as_ptr().align_offset(16).min(dst.len());
+    plain(&mut dst[..head], &a[..head], &b[..head]);
+    let blocks = (dst.len() - head) / 16;
+    let body_end = head + blocks * 16;
+    // SAFETY: every access is at `head + 16k + 4j` with 16(k + 1) <= body_end - head, inside
+    // all three slices; `head` makes the destination 16-byte aligned, as `_mm_stream_ps`
+    // needs. SSE2 is part of the x86-64 baseline. `dst` is &mut, so it overlaps neither
+    // operand. `_mm_add_ps` rounds each lane as the scalar `+` does, so the result is
+    // bitwise the plain loop's.
+    unsafe {
+        let (x, y, d) = (a.as_ptr().add(head), b.as_ptr().add(head), dst.as_mut_ptr().add(head));
+        for k in 0..blocks {
+            for j in 0..4 {
+                let o = k * 16 + j * 4;
+                _mm_stream_ps(d.add(o), _mm_add_ps(_mm_loadu_ps(x.add(o)), _mm_loadu_ps(y.add(o))));
+            }
+        }
+        // Weakly ordered stores: fenced before anyone is told the data is there.
+        _mm_sfence();
+    }
+    plain(&mut dst[body_end..], &a[body_end..], &b[body_end..]);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn add_nt_impl(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+        *d = *x + *y;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MC-3: every length around the block size, every misalignment, bitwise the plain sum.
+    #[test]
+    fn nt_add_equals_plain_sum_mc_3() {
+        let a: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+        let b: Vec<f32> = (0..300).map(|i| (i as f32 * 1.91).cos() / 7.0).collect();
+        for len in [0usize, 1, 3, 4, 15, 16, 17, 31, 32, 33, 64, 250] {
+            for off in 0..5 {
+                let mut dst = vec![f32::NAN; len + 10];
+                add_nt(&mut dst[off..off + len], &a[..len], &b[3..3 + len]);
+                for i in 0..len {
+                    assert_eq!(dst[off + i].to_bits(), (a[i] + b[3 + i]).to_bits(), "len {len}");
+                }
+                assert!(dst[..off].iter().all(|x| x.is_nan()), "wrote before dst");
+                assert!(dst[off + len..].iter().all(|x| x.is_nan()), "wrote after dst");
+            }
+        }
+    }
 
     /// MC-1: every length around the line and stripe sizes, every misalignment.
     #[test]

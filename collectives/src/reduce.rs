@@ -69,6 +69,31 @@ pub fn reduce_into(op: ReduceOp, dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// `dst[i] = a[i] (op) b[i]`: [`reduce_into`] of `b` into a copy of `a`, bitwise, in one
+/// pass.
+///
+/// Panics when lengths differ (a broken schedule invariant).
+pub fn reduce_to(op: ReduceOp, dst: &mut [f32], a: &[f32], b: &[f32]) {
+    assert!(dst.len() == a.len() && a.len() == b.len(), "reduce_to: length mismatch");
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+                *d = *x + *y;
+            }
+        }
+        ReduceOp::Max => {
+            for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+                *d = x.max(*y);
+            }
+        }
+        ReduceOp::Min => {
+            for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+                *d = x.min(*y);
+            }
+        }
+    }
+}
+
 /// Divides every element by `world` (the final step of `Avg`).
 pub fn scale_avg(buf: &mut [f32], world: usize) {
     let w = world as f32;
@@ -93,6 +118,17 @@ impl Combine {
                 for (d, s) in dst.chunks_exact_mut(len).zip(src.chunks_exact(len)) {
                     f(d, s);
                 }
+            }
+        }
+    }
+
+    /// `dst = a (op) b`: bitwise [`Combine::apply`] of `b` into a copy of `a`.
+    pub(crate) fn apply_to(self, dst: &mut [f32], a: &[f32], b: &[f32]) {
+        match self {
+            Combine::Op(op) => reduce_to(op, dst, a, b),
+            Combine::Records { .. } => {
+                dst.copy_from_slice(a);
+                self.apply(dst, b);
             }
         }
     }

@@ -34,11 +34,7 @@ pub fn direct_all_reduce(rank: usize, world: usize, count: usize) -> Schedule {
             .map(|p| SendStep { peer: p, range: 0..count, action: Action::Copy })
             .collect(),
         recvs: peers
-            .map(|p| RecvStep {
-                peer: p,
-                range: base + p * count..base + (p + 1) * count,
-                action: Action::Copy,
-            })
+            .map(|p| RecvStep::new(p, base + p * count..base + (p + 1) * count, Action::Copy))
             .collect(),
         local: fold(rank, world, 0..count, base, count),
     });
@@ -60,11 +56,7 @@ pub fn direct_reduce_scatter(rank: usize, world: usize, n: usize) -> Schedule {
             .map(|p| SendStep { peer: p, range: p * n..(p + 1) * n, action: Action::Copy })
             .collect(),
         recvs: peers
-            .map(|p| RecvStep {
-                peer: p,
-                range: len + p * n..len + (p + 1) * n,
-                action: Action::Copy,
-            })
+            .map(|p| RecvStep::new(p, len + p * n..len + (p + 1) * n, Action::Copy))
             .collect(),
         local: fold(rank, world, rank * n..(rank + 1) * n, len, n),
     });
@@ -124,11 +116,7 @@ fn direct_all_gather_steps(
                 .map(|q| SendStep { peer: q, range: src.clone(), action: Action::Copy })
                 .collect(),
             recvs: peers
-                .map(|q| RecvStep {
-                    peer: q,
-                    range: q * n + p.start..q * n + p.end,
-                    action: Action::Copy,
-                })
+                .map(|q| RecvStep::new(q, q * n + p.start..q * n + p.end, Action::Copy))
                 .collect(),
             local,
         });
@@ -149,7 +137,7 @@ pub fn direct_broadcast(rank: usize, world: usize, root: usize, count: usize) ->
             .map(|p| SendStep { peer: p, range: 0..count, action: Action::Copy })
             .collect();
     } else {
-        step.recvs.push(RecvStep { peer: root, range: 0..count, action: Action::Copy });
+        step.recvs.push(RecvStep::new(root, 0..count, Action::Copy));
     }
     s.push(step);
     s

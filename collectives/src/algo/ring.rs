@@ -35,11 +35,7 @@ pub(crate) fn rs_steps(s: &mut Schedule, ring: &[usize], pos: usize, chunks: &[R
                 range: chunks[send].clone(),
                 action: Action::Reduce,
             }],
-            recvs: vec![RecvStep {
-                peer: left,
-                range: chunks[recv].clone(),
-                action: Action::Reduce,
-            }],
+            recvs: vec![RecvStep::new(left, chunks[recv].clone(), Action::Reduce)],
             local: Vec::new(),
         });
     }
@@ -60,7 +56,7 @@ pub(crate) fn ag_steps(s: &mut Schedule, ring: &[usize], pos: usize, chunks: &[R
                 range: chunks[send].clone(),
                 action: Action::Copy,
             }],
-            recvs: vec![RecvStep { peer: left, range: chunks[recv].clone(), action: Action::Copy }],
+            recvs: vec![RecvStep::new(left, chunks[recv].clone(), Action::Copy)],
             local: Vec::new(),
         });
     }
@@ -92,9 +88,7 @@ pub fn ring_all_reduce_direct_gather(rank: usize, world: usize, count: usize) ->
                 .clone()
                 .map(|p| SendStep { peer: p, range: chunks[rank].clone(), action: Action::Copy })
                 .collect(),
-            recvs: peers
-                .map(|p| RecvStep { peer: p, range: chunks[p].clone(), action: Action::Copy })
-                .collect(),
+            recvs: peers.map(|p| RecvStep::new(p, chunks[p].clone(), Action::Copy)).collect(),
             local: Vec::new(),
         });
     }
@@ -149,11 +143,7 @@ pub fn chain_broadcast(
             });
         }
         if pos >= 1 && t + 1 >= pos && t + 1 - pos < k {
-            step.recvs.push(RecvStep {
-                peer: prev,
-                range: chunks[t + 1 - pos].clone(),
-                action: Action::Copy,
-            });
+            step.recvs.push(RecvStep::new(prev, chunks[t + 1 - pos].clone(), Action::Copy));
         }
         s.push(step);
     }

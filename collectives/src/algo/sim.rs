@@ -23,6 +23,20 @@ pub(crate) fn simulate_with_inputs(
     inputs: Vec<Vec<f32>>,
     combine: Combine,
 ) -> Result<Vec<Vec<f32>>, String> {
+    simulate_io(scheds, bufs, inputs, combine).map(|(bufs, _)| bufs)
+}
+
+/// Every rank's work buffer and output region after a simulated op.
+pub(crate) type Simulated = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// [`simulate_with_inputs`] that also returns each rank's output region (`output_len`
+/// long, NaN before the op).
+pub(crate) fn simulate_io(
+    scheds: &[Schedule],
+    bufs: Vec<Vec<f32>>,
+    inputs: Vec<Vec<f32>>,
+    combine: Combine,
+) -> Result<Simulated, String> {
     let world = scheds.len();
     let steps = scheds.iter().map(|s| s.steps.len()).max().unwrap_or(0);
     if scheds.iter().any(|s| s.steps.len() != steps) {
@@ -36,6 +50,7 @@ pub(crate) fn simulate_with_inputs(
         }
         b.resize(s.buf_len + s.scratch_len, f32::NAN);
         b.extend_from_slice(&input);
+        b.resize(b.len() + s.output_len, f32::NAN);
         mem.push(b);
     }
     for i in 0..steps {
@@ -62,10 +77,13 @@ pub(crate) fn simulate_with_inputs(
                     ));
                 }
                 let src = &before[p][snd.range.clone()];
-                let dst = &mut mem[r][rv.range.clone()];
-                match rv.action {
-                    Action::Copy => dst.copy_from_slice(src),
-                    Action::Reduce => combine.apply(dst, src),
+                match (rv.action, &rv.out) {
+                    (Action::Copy, _) => mem[r][rv.range.clone()].copy_from_slice(src),
+                    (Action::Reduce, None) => combine.apply(&mut mem[r][rv.range.clone()], src),
+                    (Action::Reduce, Some(out)) => {
+                        let acc = mem[r][rv.range.clone()].to_vec();
+                        combine.apply_to(&mut mem[r][out.clone()], &acc, src);
+                    }
                 }
             }
             for snd in &step.sends {
@@ -88,16 +106,20 @@ pub(crate) fn simulate_with_inputs(
             }
         }
     }
+    let mut outs = Vec::with_capacity(world);
     for (m, s) in mem.iter_mut().zip(scheds) {
+        let (_, read_end, _) = s.regions();
+        outs.push(m.split_off(read_end));
         m.truncate(s.buf_len);
     }
-    Ok(mem)
+    Ok((mem, outs))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::algo::*;
+    use crate::reduce::Combine;
     use crate::reduce::ReduceOp;
     use crate::topology::Topology;
     use proptest::prelude::*;
@@ -164,6 +186,42 @@ mod tests {
                     &want[r * n..(r + 1) * n],
                     "rs w={world} n={n} rank {r}"
                 );
+            }
+        }
+        // ALGO-5: every reduce-scatter into a separate output, alone and mixed across ranks
+        // with the in-place form (the same wire traffic); non-associative records expose the
+        // operand order, which must be the in-place form's.
+        fn ordered(acc: &mut [f32], other: &[f32]) {
+            acc[0] = acc[0] * 3.0 - other[0];
+        }
+        for f in rs {
+            for combine in [Combine::Op(ReduceOp::Sum), Combine::Records { len: 1, f: ordered }] {
+                let plain: Vec<_> = (0..world).map(|r| f(r, world, n, topo)).collect();
+                let want = simulate(&plain, ins.clone(), combine).unwrap();
+                for mix in 0..2 {
+                    let into = |r: usize| mix == 0 || r.is_multiple_of(2);
+                    let scheds: Vec<_> = (0..world)
+                        .map(|r| {
+                            let s = f(r, world, n, topo);
+                            if into(r) {
+                                reduce_scatter_into(s, r, n)
+                            } else {
+                                s
+                            }
+                        })
+                        .collect();
+                    let empty = vec![Vec::new(); world];
+                    let (bufs, outs) = simulate_io(&scheds, ins.clone(), empty, combine).unwrap();
+                    for r in 0..world {
+                        let got = if into(r) { &outs[r][..] } else { &bufs[r][r * n..(r + 1) * n] };
+                        let exp = &want[r][r * n..(r + 1) * n];
+                        assert_eq!(got.len(), exp.len());
+                        assert!(
+                            got.iter().zip(exp).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "rs into w={world} n={n} rank {r} mix {mix}"
+                        );
+                    }
+                }
             }
         }
         let shards = inputs(world, n, 9);
