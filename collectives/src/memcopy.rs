@@ -11,7 +11,8 @@
 //! Where it is used, by measurement (2 cores, 260 MiB L3, 64 MiB buffers): the copies of
 //! shm messages read in place from a peer's arena and the own shard of an all-gather
 //! (shm all-gather W=2 2.9-3.9 -> 5.6-5.7 GB/s busbw, W=4 2.3-2.5 -> 3.1-3.2), and the
-//! output of a reduce-scatter (shm W=2 3.5 -> 4.6, W=4 2.0 -> 2.1-2.3). Not for the
+//! output of an out-of-place reduce-scatter, now written by its last reduction ([`add_nt`];
+//! shm W=2 busbw with the earlier non-temporal copy 3.2-3.6, fused 6.0). Not for the
 //! slot ring, whose data a peer reads at once, nor for the `local` and `tcp` receive paths,
 //! where it measured no better (local all-gather W=2 3.2 vs 3.8-4.3 GB/s in one run).
 //!
