@@ -11,7 +11,7 @@
 //! Where it is used, by measurement (2 cores, 260 MiB L3, 64 MiB buffers): the copies of
 //! shm messages read in place from a peer's arena and the own shard of an all-gather
 //! (shm all-gather W=2 2.9-3.9 -> 5.6-5.7 GB/s busbw, W=4 2.3-2.5 -> 3.1-3.2), and the
-//! output of an out-of-place reduce-scatter, now written by its last reduction ([`add_nt`];
+//! output of an out-of-place reduce-scatter, now written by its last reduction (`add_nt`;
 //! shm W=2 busbw with the earlier non-temporal copy 3.2-3.6, fused 6.0). Not for the
 //! slot ring, whose data a peer reads at once, nor for the `local` and `tcp` receive paths,
 //! where it measured no better (local all-gather W=2 3.2 vs 3.8-4.3 GB/s in one run).
@@ -22,7 +22,7 @@
 //!   head and tail are copied plainly), and its stores are fenced before it returns.
 //! - MC-2: copies shorter than [`NT_MIN_BYTES`] are plain copies (small data is read again
 //!   soon and belongs in cache).
-//! - MC-3: [`add_nt`] leaves `dst` bitwise equal to the plain loop `a[i] + b[i]`, for every
+//! - MC-3: `add_nt` leaves `dst` bitwise equal to the plain loop `a[i] + b[i]`, for every
 //!   length and alignment, its stores fenced before it returns.
 
 /// Smallest copy done with non-temporal stores (env `SHARDLINE_NT_COPY_MIN_BYTES`, read
