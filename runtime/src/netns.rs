@@ -27,11 +27,21 @@
 //!   The pipes are read while waiting, so a chatty child never blocks on a full pipe.
 //! - NETNS-4: a node cut off by [`Net::link_down`] gets its link back when the [`Link`] guard
 //!   drops, which the borrow on the [`Net`] makes happen before the namespaces go.
+//! - NETNS-5: SIGINT, SIGTERM or SIGHUP while a net exists (Ctrl-C on a benchmark or a test
+//!   run) kills every [`Child`] group not yet waited for and removes every live net before
+//!   the process exits with 128 + the signal's number, as the drops would have. The handler
+//!   goes in with the first net and only where the signal still has its default action
+//!   (a process that handles it itself keeps its handler); it only writes to a pipe, which a
+//!   watcher thread reads (async-signal-safe).
+//! - NETNS-6: what a killed process left behind (SIGKILL, a crash) is removed by the next
+//!   [`Net::new`]: a net whose name carries the id of a process that no longer exists and
+//!   whose namespaces hold no process. A live process's nets are never touched.
 
 use std::ffi::OsStr;
 use std::io::Read;
 use std::process::{Command, ExitStatus, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, RuntimeError};
@@ -87,6 +97,189 @@ pub fn tbf_args(rate: u64) -> Vec<String> {
         .collect()
 }
 
+/// The interfaces and namespaces of one net, in the order they are removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Names {
+    bridge: String,
+    namespaces: Vec<String>,
+    hosts: Vec<String>,
+}
+
+impl Names {
+    /// Removes everything named, ignoring what is already gone: the host ends of the veth
+    /// pairs first (a namespace's end goes with it only once the kernel's asynchronous
+    /// cleanup has run; deleting the pair from this end removes it now), then the
+    /// namespaces, the bridge last.
+    fn remove(&self) {
+        for host in &self.hosts {
+            let _ = ip(&["link", "del", host]);
+        }
+        for ns in &self.namespaces {
+            let _ = ip(&["netns", "del", ns]);
+        }
+        if !self.bridge.is_empty() {
+            let _ = ip(&["link", "del", &self.bridge]);
+        }
+    }
+
+    /// A net with no interface or namespace yet.
+    fn is_empty(&self) -> bool {
+        self.bridge.is_empty() && self.namespaces.is_empty() && self.hosts.is_empty()
+    }
+}
+
+/// The nets and child process groups of this process that a signal must not leave behind
+/// (NETNS-5).
+struct Live {
+    nets: Vec<Names>,
+    groups: Vec<u32>,
+}
+
+static LIVE: Mutex<Live> = Mutex::new(Live { nets: Vec::new(), groups: Vec::new() });
+
+fn live() -> std::sync::MutexGuard<'static, Live> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The write end of the pipe the signal handler wakes the watcher with (-1: none).
+static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
+/// The signal the handler received.
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: i32) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+    let fd = SIGNAL_PIPE.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let b = [1u8];
+        // SAFETY: `write` is async-signal-safe; the buffer is one valid byte (NETNS-5).
+        unsafe { libc::write(fd, b.as_ptr().cast(), 1) };
+    }
+}
+
+/// Installs the NETNS-5 handlers and their watcher thread, once per process. Signals whose
+/// action is not the default keep it (the process handles them itself).
+fn watch_signals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+        let Ok((rd, wr)) = nix::unistd::pipe() else {
+            return;
+        };
+        use std::os::fd::IntoRawFd;
+        SIGNAL_PIPE.store(wr.into_raw_fd(), Ordering::SeqCst);
+        let ours =
+            SigAction::new(SigHandler::Handler(on_signal), SaFlags::empty(), SigSet::empty());
+        for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+            // SAFETY: the handler only stores to an atomic and writes to a pipe.
+            match unsafe { sigaction(sig, &ours) } {
+                Ok(old) if old.handler() != SigHandler::SigDfl => {
+                    // SAFETY: puts back exactly what was there.
+                    let _ = unsafe { sigaction(sig, &old) };
+                }
+                _ => {}
+            }
+        }
+        std::thread::Builder::new()
+            .name("netns-signals".into())
+            .spawn(move || {
+                let mut f = std::fs::File::from(rd);
+                let mut b = [0u8; 1];
+                while matches!(f.read(&mut b), Ok(0)) {}
+                let sig = SIGNALLED.load(Ordering::SeqCst);
+                let (nets, groups) = {
+                    let l = live();
+                    (l.nets.clone(), l.groups.clone())
+                };
+                for g in &groups {
+                    kill_group(*g);
+                }
+                for n in &nets {
+                    n.remove();
+                }
+                eprintln!(
+                    "{}: killed {} process group(s) and removed {} network namespace net(s)",
+                    crate::interrupt::signal_name(sig),
+                    groups.len(),
+                    nets.len()
+                );
+                std::process::exit(128 + sig);
+            })
+            .ok();
+    });
+}
+
+/// The process id in a name this module gives (NETNS-2: `sl`, tag, kind, id, `-k`), where
+/// the id is the pid times 16 plus a counter.
+fn owner_pid(name: &str) -> Option<(char, u32)> {
+    let rest = name.strip_prefix("sl")?;
+    let mut chars = rest.chars();
+    let tag = chars.next()?;
+    let kind = chars.next()?;
+    if !tag.is_ascii_lowercase() || !"bhin".contains(kind) {
+        return None;
+    }
+    let digits = chars.as_str().split('-').next()?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let id: u64 = digits.parse().ok()?;
+    u32::try_from(id / 16).ok().map(|pid| (kind, pid))
+}
+
+fn process_exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// NETNS-6: removes the nets of processes that no longer exist and whose namespaces are
+/// empty. Best effort: whatever cannot be listed or removed is left as it is.
+fn sweep_stale() {
+    let out = |args: &[&str]| {
+        Command::new("ip")
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let dead = |name: &str| owner_pid(name).filter(|(_, pid)| !process_exists(*pid));
+    let mut stale = Names::default();
+    // Owners with a namespace still in use: nothing of theirs is removed.
+    let mut in_use = Vec::new();
+    for line in out(&["netns", "list"]).lines() {
+        let Some(ns) = line.split_whitespace().next() else { continue };
+        if let Some(('n', pid)) = dead(ns) {
+            if out(&["netns", "pids", ns]).trim().is_empty() {
+                stale.namespaces.push(ns.to_string());
+            } else {
+                in_use.push(pid);
+            }
+        }
+    }
+    let mut bridges = Vec::new();
+    for line in out(&["-o", "link", "show"]).lines() {
+        // "7: name@peer: <...>" or "7: name: <...>"
+        let name = line.split(':').nth(1).map_or("", |n| n.trim().split('@').next().unwrap_or(""));
+        match dead(name) {
+            Some(('h', pid)) if !in_use.contains(&pid) => stale.hosts.push(name.to_string()),
+            Some(('b', pid)) if !in_use.contains(&pid) => bridges.push(name.to_string()),
+            _ => {}
+        }
+    }
+    if stale.is_empty() && bridges.is_empty() {
+        return;
+    }
+    tracing::info!(
+        namespaces = stale.namespaces.len(),
+        links = stale.hosts.len() + bridges.len(),
+        "removing network namespaces left by processes that no longer exist"
+    );
+    stale.remove();
+    for b in bridges {
+        let _ = ip(&["link", "del", &b]);
+    }
+}
+
 /// Nodes as namespaces on one bridge, removed on drop (NETNS-1).
 pub struct Net {
     bridge: String,
@@ -122,6 +315,8 @@ impl Net {
                 "needs root (ip netns, veth, bridge, tc)",
             ));
         }
+        sweep_stale();
+        watch_signals();
         let progs: &[&str] = if rate.is_some() { &["ip", "tc"] } else { &["ip"] };
         for prog in progs {
             Command::new(prog)
@@ -153,15 +348,20 @@ impl Net {
             subnet: format!("10.{letter}.{}", id % 250),
             rate,
         };
-        // From here on a failure drops `net`, which removes what was already built.
+        // From here on a failure drops `net`, which removes what was already built; a signal
+        // removes what is named so far (NETNS-5), so each name is registered before it is
+        // created.
+        live().nets.push(Names { bridge: net.bridge.clone(), ..Names::default() });
         ip(&["link", "add", &net.bridge, "type", "bridge"])?;
         ip(&["link", "set", &net.bridge, "up"])?;
         for k in 0..nodes {
             let ns = name('n', Some(k));
+            net.register(|n| n.namespaces.push(ns.clone()));
             ip(&["netns", "add", &ns])?;
             net.namespaces.push(ns.clone());
             let (host, inner) = (name('h', Some(k)), name('i', Some(k)));
             let mtu = LINK_MTU.to_string();
+            net.register(|n| n.hosts.push(host.clone()));
             ip(&["link", "add", &host, "mtu", &mtu, "type", "veth", "peer", "name", &inner])?;
             ip(&["link", "set", &inner, "mtu", &mtu])?;
             net.hosts.push(host.clone());
@@ -182,6 +382,14 @@ impl Net {
             }
         }
         Ok(net)
+    }
+
+    /// Updates this net's entry among the live nets (found by its bridge's name, unique to
+    /// the net).
+    fn register(&self, f: impl FnOnce(&mut Names)) {
+        if let Some(n) = live().nets.iter_mut().find(|n| n.bridge == self.bridge) {
+            f(n);
+        }
     }
 
     /// Number of nodes.
@@ -221,15 +429,13 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        // A namespace's veth goes with it only once the kernel's asynchronous cleanup has
-        // run; deleting the pair from this end removes it now.
-        for host in &self.hosts {
-            let _ = ip(&["link", "del", host]);
-        }
-        for ns in &self.namespaces {
-            let _ = ip(&["netns", "del", ns]);
-        }
-        let _ = ip(&["link", "del", &self.bridge]);
+        let names = Names {
+            bridge: self.bridge.clone(),
+            namespaces: self.namespaces.clone(),
+            hosts: self.hosts.clone(),
+        };
+        names.remove();
+        live().nets.retain(|n| n.bridge != self.bridge);
     }
 }
 
@@ -266,6 +472,7 @@ impl Child {
         let child = cmd
             .spawn()
             .map_err(|e| RuntimeError::process(format!("spawning {what}"), e.to_string()))?;
+        live().groups.push(child.id());
         Ok(Child { child: Some(child), what: what.to_string() })
     }
 
@@ -288,6 +495,7 @@ impl Child {
         let Some(mut child) = self.child.take() else {
             return Err(RuntimeError::process(what, "already waited for"));
         };
+        let _unregister = Unregister(child.id());
         let out_t = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
         let err_t = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
         let status = loop {
@@ -334,7 +542,17 @@ impl Drop for Child {
             kill_group(c.id());
             let _ = c.kill();
             let _ = c.wait();
+            live().groups.retain(|g| *g != c.id());
         }
+    }
+}
+
+/// Takes a child's group off the live list once it was waited for (NETNS-5).
+struct Unregister(u32);
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        live().groups.retain(|g| *g != self.0);
     }
 }
 
@@ -467,6 +685,143 @@ mod tests {
         cmd.args(["-c", "echo bad >&2; exit 3"]);
         let err = Child::spawn(cmd, "failing").expect("spawn").wait(deadline).unwrap_err();
         assert!(err.to_string().contains("exit status: 3") && err.to_string().contains("bad"));
+    }
+
+    #[test]
+    fn owner_pids_come_from_this_modules_names() {
+        assert_eq!(owner_pid("slbn240720-0"), Some(('n', 15045)));
+        assert_eq!(owner_pid("slbh240735-1"), Some(('h', 15045)));
+        assert_eq!(owner_pid("slub33"), Some(('b', 2)));
+        for other in ["eth0", "sl", "slb", "slbx12", "slBn12-0", "slbn-0", "slbn12a-0", "lo"] {
+            assert_eq!(owner_pid(other), None, "{other}");
+        }
+    }
+
+    fn show(args: &[&str]) -> String {
+        let o = Command::new(args[0]).args(&args[1..]).output().expect("iproute2");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// NETNS-6: a net left by a process that no longer exists goes with the next `Net::new`;
+    /// one named after a live process stays (needs root; skipped with a printed reason).
+    #[test]
+    fn nets_of_dead_processes_are_swept() {
+        if !is_root() {
+            println!("SKIPPED nets_of_dead_processes_are_swept: needs root");
+            return;
+        }
+        let mut gone = Command::new("true").spawn().expect("spawn true");
+        let dead = gone.id();
+        gone.wait().expect("wait true");
+        let stale = dead as u64 * 16;
+        let ours = std::process::id() as u64 * 16 + 15;
+        let (bridge, ns, host) =
+            (format!("slxb{stale}"), format!("slxn{stale}-0"), format!("slxh{stale}-0"));
+        let kept = format!("slxb{ours}");
+        ip(&["link", "add", &bridge, "type", "bridge"]).expect("bridge");
+        ip(&["link", "add", &kept, "type", "bridge"]).expect("bridge");
+        ip(&["netns", "add", &ns]).expect("netns");
+        ip(&["link", "add", &host, "type", "veth", "peer", "name", &format!("slxi{stale}-0")])
+            .expect("veth");
+        let net = Net::new("w", 1, None).expect("net");
+        let links = show(&["ip", "-o", "link", "show"]);
+        let spaces = show(&["ip", "netns", "list"]);
+        let _ = ip(&["link", "del", &kept]);
+        drop(net);
+        if process_exists(dead) {
+            println!("SKIPPED nets_of_dead_processes_are_swept: pid {dead} was reused");
+            for n in [&bridge, &host] {
+                let _ = ip(&["link", "del", n]);
+            }
+            let _ = ip(&["netns", "del", &ns]);
+            return;
+        }
+        assert!(!links.contains(&format!(": {bridge}:")), "{bridge} left: {links}");
+        assert!(!links.contains(&format!(": {host}@")), "{host} left: {links}");
+        assert!(!spaces.contains(&ns), "{ns} left: {spaces}");
+        assert!(links.contains(&format!(": {kept}:")), "a live process's bridge was removed");
+    }
+
+    /// Run by `signal_removes_live_nets` in a process of its own: builds a net and a child
+    /// group, says where they are, and waits to be signalled.
+    #[test]
+    #[ignore = "run by signal_removes_live_nets in a child process"]
+    fn holds_a_net_until_signalled() {
+        if std::env::var_os("SHARDLINE_NETNS_HOLD").is_none() {
+            return;
+        }
+        let net = Net::new("v", 1, None).expect("net");
+        let mut cmd = Command::new("sleep");
+        cmd.arg("60");
+        let child = Child::spawn(cmd, "sleeper").expect("sleep");
+        println!("READY {} {} {}", net.bridge, net.namespaces[0], child.id().unwrap_or(0));
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(Duration::from_secs(60));
+        drop((child, net));
+    }
+
+    /// NETNS-5: SIGINT to a process holding a net and a child group removes the net, kills
+    /// the group and exits with 130 (needs root; skipped with a printed reason).
+    #[test]
+    fn signal_removes_live_nets() {
+        if !is_root() {
+            println!("SKIPPED signal_removes_live_nets: needs root");
+            return;
+        }
+        let exe = std::env::current_exe().expect("test binary");
+        let mut cmd = Command::new(exe);
+        cmd.args(["--exact", "netns::tests::holds_a_net_until_signalled", "--ignored"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("SHARDLINE_NETNS_HOLD", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn the holder");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+                // libtest prints the test's name first, on the same line.
+                if let Some((_, rest)) = line.split_once("READY ") {
+                    let _ = tx.send(rest.to_string());
+                }
+            }
+        });
+        let ready = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the holder never got ready: {e}");
+            }
+        };
+        let parts: Vec<&str> = ready.split_whitespace().collect();
+        let (bridge, ns, sleeper) = (parts[0], parts[1], parts[2].parse::<u32>().unwrap_or(0));
+        assert!(show(&["ip", "-o", "link", "show"]).contains(&format!(": {bridge}:")));
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the holder did not exit after SIGINT");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(130), "{status}");
+        assert!(!show(&["ip", "-o", "link", "show"]).contains(&format!(": {bridge}:")));
+        assert!(!show(&["ip", "netns", "list"]).contains(ns), "{ns} left behind");
+        let gone = Instant::now() + Duration::from_secs(10);
+        while sleeper != 0 && alive(sleeper) {
+            assert!(Instant::now() < gone, "the child group survived the signal");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// NETNS-1, NETNS-4: a built net is shaped both ways, a cut link comes back with the
