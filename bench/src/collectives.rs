@@ -291,106 +291,118 @@ fn run_rank(
             let mut wrong = 0i64;
             let mut a: Vec<f32> = Vec::new();
             let mut b: Vec<f32> = Vec::new();
-            for it in 0..(n_warm + n_iters) {
-                // Refill inputs (not timed).
-                match op {
-                    Op::AllReduce | Op::Broadcast => {
-                        a.clear();
-                        a.extend((0..total).map(|i| input_value(r, i)));
-                    }
-                    Op::ReduceScatter => {
-                        a.clear();
-                        a.extend((0..shard * w).map(|i| input_value(r, i)));
-                        if !args.in_place {
-                            // Outputs start as NaN: the check never sees an old result.
-                            b.clear();
-                            b.resize(shard, f32::NAN);
-                        }
-                    }
-                    Op::AllGather if args.in_place => {
-                        // The whole buffer, the own shard in its slot and NaN elsewhere, so
-                        // that the check cannot pass on the previous iteration's result.
-                        a.clear();
-                        a.resize(shard * w, f32::NAN);
-                        for (i, x) in a[r * shard..(r + 1) * shard].iter_mut().enumerate() {
-                            *x = input_value(r, i);
-                        }
-                    }
-                    Op::AllGather => {
-                        a.clear();
-                        a.extend((0..shard).map(|i| input_value(r, i)));
+            // Fresh inputs, and NaN where a result goes, so that a check never passes on an
+            // older result.
+            let refill = |a: &mut Vec<f32>, b: &mut Vec<f32>| match op {
+                Op::AllReduce | Op::Broadcast => {
+                    a.clear();
+                    a.extend((0..total).map(|i| input_value(r, i)));
+                }
+                Op::ReduceScatter => {
+                    a.clear();
+                    a.extend((0..shard * w).map(|i| input_value(r, i)));
+                    if !args.in_place {
                         b.clear();
-                        b.resize(shard * w, f32::NAN);
+                        b.resize(shard, f32::NAN);
                     }
                 }
-                lane.barrier_opts(&blocking).wait_timeout(timeout)?;
-                let t0 = Instant::now();
-                // Each op is waited for at once (as nccl-tests and MPI measure): issued with
-                // `blocking`, a small op on the idle lane runs on this thread (LANE-6).
+                Op::AllGather if args.in_place => {
+                    // The whole buffer, the own shard in its slot and NaN elsewhere.
+                    a.clear();
+                    a.resize(shard * w, f32::NAN);
+                    for (i, x) in a[r * shard..(r + 1) * shard].iter_mut().enumerate() {
+                        *x = input_value(r, i);
+                    }
+                }
+                Op::AllGather => {
+                    a.clear();
+                    a.extend((0..shard).map(|i| input_value(r, i)));
+                    b.clear();
+                    b.resize(shard * w, f32::NAN);
+                }
+            };
+            // Each op is waited for at once (as nccl-tests and MPI measure): issued with
+            // `blocking`, a small op on the idle lane runs on this thread (LANE-6).
+            let run = |a: &mut Vec<f32>, b: &mut Vec<f32>| -> anyhow::Result<()> {
                 match op {
                     Op::AllReduce => {
-                        a = lane
-                            .all_reduce_opts(std::mem::take(&mut a), ReduceOp::Sum, &blocking)
+                        *a = lane
+                            .all_reduce_opts(std::mem::take(a), ReduceOp::Sum, &blocking)
                             .wait_timeout(timeout)?;
                     }
                     Op::Broadcast => {
-                        a = lane
-                            .broadcast_opts(std::mem::take(&mut a), 0, &blocking)
+                        *a = lane
+                            .broadcast_opts(std::mem::take(a), 0, &blocking)
                             .wait_timeout(timeout)?;
                     }
                     Op::ReduceScatter if args.in_place => {
-                        a = lane
+                        *a = lane
                             .reduce_scatter_in_place_opts(
-                                std::mem::take(&mut a),
+                                std::mem::take(a),
                                 ReduceOp::Sum,
                                 &blocking,
                             )
                             .wait_timeout(timeout)?;
                     }
                     Op::AllGather if args.in_place => {
-                        a = lane
-                            .all_gather_in_place_opts(std::mem::take(&mut a), &blocking)
+                        *a = lane
+                            .all_gather_in_place_opts(std::mem::take(a), &blocking)
                             .wait_timeout(timeout)?;
                     }
                     Op::ReduceScatter => {
                         let (x, y) = lane
                             .reduce_scatter_opts(
-                                std::mem::take(&mut a),
-                                std::mem::take(&mut b),
+                                std::mem::take(a),
+                                std::mem::take(b),
                                 ReduceOp::Sum,
                                 &blocking,
                             )
                             .wait_timeout(timeout)?;
-                        a = x;
-                        b = y;
+                        (*a, *b) = (x, y);
                     }
                     Op::AllGather => {
                         let (x, y) = lane
-                            .all_gather_opts(
-                                std::mem::take(&mut a),
-                                std::mem::take(&mut b),
-                                &blocking,
-                            )
+                            .all_gather_opts(std::mem::take(a), std::mem::take(b), &blocking)
                             .wait_timeout(timeout)?;
-                        a = x;
-                        b = y;
+                        (*a, *b) = (x, y);
                     }
                 }
+                Ok(())
+            };
+            // The result: the whole buffer for all-reduce, broadcast and an in-place
+            // all-gather; the own shard for reduce-scatter; the output otherwise.
+            let result = |a: &[f32], b: &[f32]| -> i64 {
+                let out: &[f32] = match op {
+                    Op::ReduceScatter if args.in_place => &a[r * shard..(r + 1) * shard],
+                    Op::ReduceScatter => b,
+                    Op::AllGather if !args.in_place => b,
+                    _ => a,
+                };
+                count_wrong(op, r, w, total, shard, out)
+            };
+            // As the peers' benchmarks and nccl-tests measure: the result is checked in an
+            // untimed pass before the timed loop and another after it, each from fresh
+            // inputs; the warm-up and timed iterations run back to back on the same
+            // buffers, with no refill between them (a refill would change what is in the
+            // cache when the op starts: fresh inputs, outputs dirty with NaN).
+            refill(&mut a, &mut b);
+            run(&mut a, &mut b)?;
+            if args.check {
+                wrong += result(&a, &b);
+            }
+            for it in 0..(n_warm + n_iters) {
+                lane.barrier_opts(&blocking).wait_timeout(timeout)?;
+                let t0 = Instant::now();
+                run(&mut a, &mut b)?;
                 let dt = t0.elapsed().as_secs_f64();
                 if it >= n_warm {
                     times.push(dt);
                 }
-                if args.check && (it == n_warm || it + 1 == n_warm + n_iters) {
-                    // The result: the whole buffer for all-reduce, broadcast and an in-place
-                    // all-gather; the own shard for reduce-scatter; the output otherwise.
-                    let out: &[f32] = match op {
-                        Op::ReduceScatter if args.in_place => &a[r * shard..(r + 1) * shard],
-                        Op::ReduceScatter => &b,
-                        Op::AllGather if !args.in_place => &b,
-                        _ => &a,
-                    };
-                    wrong += count_wrong(op, r, w, total, shard, out);
-                }
+            }
+            if args.check {
+                refill(&mut a, &mut b);
+                run(&mut a, &mut b)?;
+                wrong += result(&a, &b);
             }
             out.push(RankResult { op, bytes, times, wrong });
         }
