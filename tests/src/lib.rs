@@ -156,7 +156,7 @@ fn fnv(h: u64, xs: &[f32]) -> u64 {
 }
 
 /// A reduced conformance grid for one rank of a multi-process group: every op x ReduceOp
-/// x counts {0, 1, W-1, 997, 2^18+3} x {Ring, Direct, Auto}, checked against the naive
+/// x counts {0, 1, W-1, 997, 2^20+3} x {Ring, Direct, Auto}, checked against the naive
 /// reference (MP-2), plus a repeated all-reduce that must be bitwise identical.
 /// Returns (cases, checksum of the rank-independent results).
 pub fn run_grid(comm: &Communicator, wait: Duration) -> Result<(usize, u64), String> {
@@ -164,7 +164,7 @@ pub fn run_grid(comm: &Communicator, wait: Duration) -> Result<(usize, u64), Str
     let lane = comm.lane("grid").map_err(|e| format!("lane: {e}"))?;
     let mut cases = 0;
     let mut sum = 0xcbf2_9ce4_8422_2325u64;
-    let mut counts = vec![0usize, 1, world - 1, 997, (1 << 18) + 3];
+    let mut counts = vec![0usize, 1, world - 1, 997, (1 << 20) + 3];
     counts.sort_unstable();
     counts.dedup();
     let ops = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];

@@ -40,7 +40,7 @@ fn launch(
 }
 
 fn grid(transport: &str) {
-    grid_worlds(transport, &[2, 3, 4]);
+    grid_worlds(transport, &[1, 2, 3, 4]);
 }
 
 fn grid_worlds(transport: &str, worlds: &[usize]) {
@@ -70,12 +70,11 @@ fn tcp_grid_multiprocess() {
     grid("tcp");
 }
 
-/// MP-2 with 8 processes (4 per core here): slow, so run on demand with `--ignored`.
+/// MP-2 with 7 and 8 processes (up to 4 per core here).
 #[test]
-#[ignore]
-fn grid_multiprocess_w8() {
-    grid_worlds("shm", &[8]);
-    grid_worlds("tcp", &[8]);
+fn grid_multiprocess_w7_w8() {
+    grid_worlds("shm", &[7, 8]);
+    grid_worlds("tcp", &[7, 8]);
 }
 
 /// Every rank but `victim` ends with `PeerLost`, well inside the op timeout (a `Timeout`

@@ -1580,8 +1580,7 @@ mod tests {
     /// The core's conformance grid, ranks as threads over shm.
     #[test]
     fn shm_conformance_grid() {
-        let cfg = crate::testing::GridConfig { large_worlds: vec![2, 3, 4], ..Default::default() };
-        crate::testing::conformance_grid(&group, &cfg);
+        crate::testing::conformance_grid(&group, &crate::testing::GridConfig::default());
     }
 
     /// A quick probe of raw link latency and bandwidth (not a test of timing):

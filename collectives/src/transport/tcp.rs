@@ -1256,8 +1256,7 @@ mod tests {
     /// The core's conformance grid, ranks as threads over tcp.
     #[test]
     fn tcp_conformance_grid() {
-        let cfg = crate::testing::GridConfig { large_worlds: vec![2, 3, 4], ..Default::default() };
-        crate::testing::conformance_grid(&group, &cfg);
+        crate::testing::conformance_grid(&group, &crate::testing::GridConfig::default());
     }
 
     /// A quick probe of raw link latency and bandwidth (not a test of timing).
