@@ -54,10 +54,6 @@ pub fn copy<T: bytemuck::Pod>(dst: &mut [T], src: &[T]) {
     }
 }
 
-/// Bytes of one interleaved block: four 4 KiB stripes copied side by side.
-const STRIPE: usize = 4096;
-const STRIPES: usize = 4;
-
 #[cfg(target_arch = "x86_64")]
 fn copy_nt(dst: &mut [u8], src: &[u8]) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
@@ -82,9 +78,8 @@ fn copy_nt(dst: &mut [u8], src: &[u8]) {
     }
     let head = dst.as_ptr().align_offset(16).min(dst.len());
     dst[..head].copy_from_slice(&src[..head]);
-    let big = (dst.len() - head) / (STRIPE * STRIPES);
-    let lines = (dst.len() - head - big * STRIPE * STRIPES) / 64;
-    let body_end = head + big * STRIPE * STRIPES + lines * 64;
+    let lines = (dst.len() - head) / 64;
+    let body_end = head + lines * 64;
     // SAFETY: every address passed to `line` is `head + k` with k + 64 <= body_end - head,
     // so all 64 bytes lie inside both slices; `head` makes the destination 16-byte aligned
     // and every offset added to it is a multiple of 64. SSE2 is part of the x86-64
@@ -92,17 +87,9 @@ fn copy_nt(dst: &mut [u8], src: &[u8]) {
     unsafe {
         let s = src.as_ptr().add(head);
         let d = dst.as_mut_ptr().add(head);
-        // Four stripes at once, as glibc's large copy does: the loads then come from four
-        // DRAM pages in turn.
-        for blk in 0..big {
-            let (sb, db) = (s.add(blk * STRIPE * STRIPES), d.add(blk * STRIPE * STRIPES));
-            for off in (0..STRIPE).step_by(64) {
-                for p in 0..STRIPES {
-                    line(sb.add(p * STRIPE + off), db.add(p * STRIPE + off));
-                }
-            }
-        }
-        let (s, d) = (s.add(big * STRIPE * STRIPES), d.add(big * STRIPE * STRIPES));
+        // One line after the other. Copying four 4 KiB stripes side by side (glibc's large
+        // copy) measured half as fast on a 32 MiB-L3 host: two threads each copying 2 x 32
+        // MiB took 4.6 ms striped against 2.4 ms in line order (`bench/RESULTS.md`).
         for i in 0..lines {
             line(s.add(i * 64), d.add(i * 64));
         }
