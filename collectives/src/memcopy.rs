@@ -89,7 +89,8 @@ fn copy_nt(dst: &mut [u8], src: &[u8]) {
         let d = dst.as_mut_ptr().add(head);
         // One line after the other. Copying four 4 KiB stripes side by side (glibc's large
         // copy) measured half as fast on a 32 MiB-L3 host: two threads each copying 2 x 32
-        // MiB took 4.6 ms striped against 2.4 ms in line order (`bench/RESULTS.md`).
+        // MiB took 4.5-4.7 ms striped against 2.3-2.4 ms in line order
+        // (`bench/baselines/nt_copy_orders.c`, `bench/RESULTS.md`).
         for i in 0..lines {
             line(s.add(i * 64), d.add(i * 64));
         }
@@ -178,7 +179,7 @@ mod tests {
         }
     }
 
-    /// MC-1: every length around the line and stripe sizes, every misalignment.
+    /// MC-1: every length around the line size and 16 KiB, every misalignment.
     #[test]
     fn nt_copy_equals_source_mc_1() {
         let src: Vec<u8> = (0..16384 + 300).map(|i| (i * 7 + 3) as u8).collect();
