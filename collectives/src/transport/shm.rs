@@ -40,6 +40,8 @@
 //!   goes by descriptor whether it is copied or reduced, and the receiver reads it where it
 //!   lies: a reduction adds the sender's bytes in one pass, a copy is one memcpy. The same
 //!   release and withdrawal rules as SHM-4 and SHM-5 apply.
+//! - SHM-7: an idle exchange spins before it yields only while the node's ranks do not
+//!   outnumber its cores ([`default_spin`]); on an oversubscribed node it yields at once.
 //! - SHM-5: a sender whose exchange fails (deadline, cancel, a lost peer) while a descriptor
 //!   it offered is not yet released revokes it (`revoked`, SeqCst) before returning, after
 //!   which its buffer may be freed or reused. A receiver checks `revoked` after copying a
@@ -66,9 +68,28 @@ pub const DEFAULT_SLOTS: usize = 8;
 pub const DEFAULT_SLOT_BYTES: usize = 256 << 10;
 /// How often a waiting rank checks that its peers are still there (SHM-3).
 pub const LIVENESS_PERIOD: Duration = Duration::from_millis(2);
-/// Default time an idle exchange spins before it yields the core (env
-/// `SHARDLINE_SHM_SPIN_US`).
+/// Default time an idle exchange spins before it yields the core while the node's ranks do
+/// not outnumber its cores (SHM-7; env `SHARDLINE_SHM_SPIN_US` sets it whatever the count).
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
+
+/// SHM-7: the spin an exchange among `local_world` processes starts with when the environment
+/// sets none: [`DEFAULT_SPIN`] while each process can have a core of its own (this process's
+/// CPU set and quota, `available_parallelism`), none once they outnumber the cores. A spinner
+/// on an oversubscribed node holds the core that the peer it waits for needs: 4 KiB
+/// all-reduce at W=4 over shm on 2 cores took 101 us with a 30 us spin and 7 us yielding at
+/// once, while W=2 took 1.2 us against 1.6 (`bench/RESULTS.md`).
+pub fn default_spin(local_world: usize) -> Duration {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    spin_for(local_world, cores)
+}
+
+fn spin_for(local_world: usize, cores: usize) -> Duration {
+    if local_world <= cores {
+        DEFAULT_SPIN
+    } else {
+        Duration::ZERO
+    }
+}
 /// How long it yields before it starts sleeping.
 const YIELD: Duration = Duration::from_micros(300);
 /// Default smallest message sent by descriptor whatever the receiver does with it (SHM-4);
@@ -454,7 +475,7 @@ impl ShmTransport {
             slot_bytes,
             spin: Duration::from_micros(env_usize(
                 "SHARDLINE_SHM_SPIN_US",
-                DEFAULT_SPIN.as_micros() as usize,
+                default_spin(world).as_micros() as usize,
             ) as u64),
             cma_min: env_usize("SHARDLINE_SHM_CMA_MIN_BYTES", DEFAULT_CMA_MIN_BYTES),
             cma_copy_min: env_usize("SHARDLINE_SHM_CMA_COPY_MIN_BYTES", DEFAULT_CMA_COPY_MIN_BYTES),
@@ -1453,6 +1474,16 @@ mod tests {
 
     fn make(rank: usize, world: usize, store: Arc<dyn Store>) -> Box<dyn Transport> {
         Box::new(ShmTransport::new(rank, world, store, "unit").unwrap())
+    }
+
+    /// SHM-7: spin while every rank has a core, yield at once past that.
+    #[test]
+    fn spin_only_while_ranks_have_cores() {
+        assert_eq!(spin_for(1, 2), DEFAULT_SPIN);
+        assert_eq!(spin_for(2, 2), DEFAULT_SPIN);
+        assert_eq!(spin_for(3, 2), Duration::ZERO);
+        assert_eq!(spin_for(8, 64), DEFAULT_SPIN);
+        assert_eq!(spin_for(65, 64), Duration::ZERO);
     }
 
     /// TR-1, TR-2, TR-5
