@@ -116,6 +116,19 @@ pub fn env_help() -> String {
         crate::transport::tcp::CONGESTION_ENV,
         crate::transport::tcp::DEFAULT_CONGESTION
     ));
+    out.push_str(&format!(
+        "  {:<26} shm: spin before yielding (us) (default {} while the node's ranks do not \
+         outnumber its cores, else 0)\n",
+        "SHARDLINE_SHM_SPIN_US",
+        crate::transport::shm::DEFAULT_SPIN.as_micros()
+    ));
+    out.push_str(&format!(
+        "  {:<26} tcp: spin of exchanges up to {} KiB before sleeping (us) (default {} while \
+         the ranks do not outnumber the cores, else 0)\n",
+        crate::transport::tcp::SPIN_ENV,
+        crate::transport::tcp::SPIN_MAX_BYTES >> 10,
+        crate::transport::tcp::DEFAULT_SPIN.as_micros()
+    ));
     out
 }
 

@@ -95,6 +95,8 @@ fn help_works() {
         "SHARDLINE_TIMEOUT_MS",
         "SHARDLINE_TCP_CONGESTION",
         "SHARDLINE_LANE_SLICE_US",
+        "SHARDLINE_SHM_SPIN_US",
+        "SHARDLINE_TCP_SPIN_US",
     ] {
         assert!(o.stdout.contains(var), "--help lacks {var}: {}", o.stdout);
     }

@@ -79,12 +79,7 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// all-reduce at W=4 over shm on 2 cores took 101 us with a 30 us spin and 7 us yielding at
 /// once, while W=2 took 1.2 us against 1.6 (`bench/RESULTS.md`).
 pub fn default_spin(local_world: usize) -> Duration {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    spin_for(local_world, cores)
-}
-
-fn spin_for(local_world: usize, cores: usize) -> Duration {
-    if local_world <= cores {
+    if super::ranks_have_cores(local_world) {
         DEFAULT_SPIN
     } else {
         Duration::ZERO
@@ -1479,11 +1474,10 @@ mod tests {
     /// SHM-7: spin while every rank has a core, yield at once past that.
     #[test]
     fn spin_only_while_ranks_have_cores() {
-        assert_eq!(spin_for(1, 2), DEFAULT_SPIN);
-        assert_eq!(spin_for(2, 2), DEFAULT_SPIN);
-        assert_eq!(spin_for(3, 2), Duration::ZERO);
-        assert_eq!(spin_for(8, 64), DEFAULT_SPIN);
-        assert_eq!(spin_for(65, 64), Duration::ZERO);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(default_spin(1), DEFAULT_SPIN);
+        assert_eq!(default_spin(cores), DEFAULT_SPIN);
+        assert_eq!(default_spin(cores + 1), Duration::ZERO);
     }
 
     /// TR-1, TR-2, TR-5

@@ -26,6 +26,11 @@
 //! - TCP-3: a poison frame is only ever written at a frame boundary: `poison` first completes
 //!   a half-written frame (with zeros), or shuts the socket down if it cannot within its
 //!   time budget, so that the peer reads either the poison or an EOF (`PeerLost`).
+//! - TCP-4: an exchange of at most [`SPIN_MAX_BYTES`] polls its sockets without sleeping for
+//!   up to the lane's spin ([`SPIN_ENV`]; by default [`DEFAULT_SPIN`] while the job's ranks do
+//!   not outnumber this process's cores, else none) before it waits in `poll(2)`: a small
+//!   message then pays no wake-up, and a large transfer, which waits on the link far longer,
+//!   never burns a core.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -39,6 +44,25 @@ use socket2::{Domain, Protocol, Socket, Type};
 
 use super::{LaneLinks, Poison, RecvOp, SendOp, Sink, Tag, Transport, TransportError};
 use crate::store::{Store, StoreError};
+
+/// Largest exchange (bytes sent and received together) that spins before sleeping (TCP-4).
+pub const SPIN_MAX_BYTES: usize = 64 << 10;
+/// Default spin of a small exchange while the ranks do not outnumber the cores (TCP-4).
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
+/// Environment variable that sets the spin of small exchanges, in microseconds (TCP-4).
+pub const SPIN_ENV: &str = "SHARDLINE_TCP_SPIN_US";
+
+/// TCP-4: the spin of a small exchange among `world` ranks.
+fn lane_spin(world: usize) -> Duration {
+    if let Some(us) = std::env::var(SPIN_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        return Duration::from_micros(us);
+    }
+    if super::ranks_have_cores(world) {
+        DEFAULT_SPIN
+    } else {
+        Duration::ZERO
+    }
+}
 
 /// Largest chunk (frame payload) of a message; also the striping unit.
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -537,6 +561,7 @@ impl Transport for TcpTransport {
             peers,
             scratch: vec![0u32; SCRATCH_BYTES / 4],
             last_peek: Instant::now(),
+            spin: lane_spin(self.world),
         }))
     }
 }
@@ -582,6 +607,8 @@ struct TcpLinks {
     /// When idle sockets were last checked for a poison frame (at most every PEEK_PERIOD,
     /// so that small exchanges do not pay a syscall per idle peer).
     last_peek: Instant,
+    /// How long a small exchange polls without sleeping (TCP-4).
+    spin: Duration,
 }
 
 fn chunks_of(len: usize) -> usize {
@@ -1002,6 +1029,10 @@ impl LaneLinks for TcpLinks {
         let mut busy = vec![false; world];
         let mut pfds: Vec<libc::pollfd> = Vec::new();
         let mut waiting: Vec<usize> = Vec::new();
+        let bytes: usize = sends.iter().map(|s| s.data.len()).sum::<usize>()
+            + recvs.iter().map(|r| r.len).sum::<usize>();
+        let spin_until =
+            (bytes <= SPIN_MAX_BYTES && !self.spin.is_zero()).then(|| Instant::now() + self.spin);
         loop {
             let mut moved = false;
             pfds.clear();
@@ -1066,8 +1097,13 @@ impl LaneLinks for TcpLinks {
                 self.last_peek = now;
                 self.peek_poison(&active)?;
             }
-            // Short waits keep the cancel flag and idle sockets (poison) observed.
-            let ms = deadline.saturating_duration_since(now).as_millis().clamp(1, 2) as libc::c_int;
+            // Short waits keep the cancel flag and idle sockets (poison) observed; a small
+            // exchange does not sleep within its spin (TCP-4).
+            let ms = if spin_until.is_some_and(|t| now < t) {
+                0
+            } else {
+                deadline.saturating_duration_since(now).as_millis().clamp(1, 2) as libc::c_int
+            };
             // SAFETY: pfds is a live array of pfds.len() pollfds.
             let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
             if r < 0 {
@@ -1192,6 +1228,19 @@ mod tests {
     fn tcp_all_to_all_w2_w3() {
         suite::all_to_all(&make, 2);
         suite::all_to_all(&make, 3);
+    }
+
+    /// TCP-4: small exchanges spin while the ranks have cores; the variable overrides.
+    #[test]
+    fn small_exchanges_spin_while_ranks_have_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if std::env::var(SPIN_ENV).is_ok() {
+            println!("SKIPPED small_exchanges_spin_while_ranks_have_cores: {SPIN_ENV} is set");
+            return;
+        }
+        assert_eq!(lane_spin(1), DEFAULT_SPIN);
+        assert_eq!(lane_spin(cores), DEFAULT_SPIN);
+        assert_eq!(lane_spin(cores + 1), Duration::ZERO);
     }
 
     /// TR-1, TR-2 with large messages striped over several sockets.
