@@ -40,14 +40,14 @@
 //!   goes by descriptor whether it is copied or reduced, and the receiver reads it where it
 //!   lies: a reduction adds the sender's bytes in one pass, a copy is one memcpy. The same
 //!   release and withdrawal rules as SHM-4 and SHM-5 apply.
-//! - SHM-7: an idle exchange spins before it yields only while the node's ranks do not
-//!   outnumber its cores ([`default_spin`]); on an oversubscribed node it yields at once.
 //! - SHM-5: a sender whose exchange fails (deadline, cancel, a lost peer) while a descriptor
 //!   it offered is not yet released revokes it (`revoked`, SeqCst) before returning, after
 //!   which its buffer may be freed or reused. A receiver checks `revoked` after copying a
 //!   descriptor message and before releasing its slot; a revoked message is discarded and
 //!   the receive fails (with the sender's poison when there is one), so bytes read from
 //!   memory the sender gave back are never delivered as data.
+//! - SHM-7: an idle exchange spins before it yields only while the node's ranks do not
+//!   outnumber its cores ([`default_spin`]); on an oversubscribed node it yields at once.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
