@@ -749,7 +749,7 @@ fn run_nodes(args: &Args, nodes: usize) -> anyhow::Result<Vec<Row>> {
     let ops = args.op.0.clone();
     let w = (nodes * args.nproc_per_node).max(1) as u64;
     let sz: Vec<u64> = sizes(args).iter().map(|&b| (b / (4 * w)).max(1) * 4 * w).collect();
-    let net = netns::Net::new("b", nodes, args.link_rate).context(crate::NODES_NEED)?;
+    let net = crate::build_net(nodes, args.link_rate)?;
     println!(
         "\n# {nodes} namespace nodes x {} processes, link {}",
         args.nproc_per_node,

@@ -17,10 +17,19 @@ mod syncbn;
 #[global_allocator]
 static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
 
-/// Why `--nodes` can fail to start: it builds one network namespace per node.
-const NODES_NEED: &str = "--nodes builds one network namespace per node (ip netns, veth, \
-    bridge, tc) and needs root: run it as root, or leave out --nodes for the one-process \
-    benchmark";
+/// Builds the namespace nodes of `--nodes`; without root the error says what `--nodes` needs
+/// and how to do without it, otherwise it is the net's own (a bad node count, a missing `tc`).
+fn build_net(nodes: usize, rate: Option<u64>) -> anyhow::Result<shardline_runtime::netns::Net> {
+    use anyhow::Context;
+    let net = shardline_runtime::netns::Net::new("b", nodes, rate);
+    if shardline_runtime::netns::is_root() {
+        return Ok(net?);
+    }
+    net.context(
+        "--nodes builds one network namespace per node (ip netns, veth, bridge, tc) and needs \
+         root: run it as root, or leave out --nodes for the one-process benchmark",
+    )
+}
 
 /// Shardline benchmarks.
 #[derive(Parser, Debug)]

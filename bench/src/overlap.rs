@@ -804,7 +804,7 @@ fn run_nodes_in(
         rate * 8 / 1_000_000,
         a.batch_size
     );
-    let net = netns::Net::new("b", nodes, Some(rate)).context(crate::NODES_NEED)?;
+    let net = crate::build_net(nodes, Some(rate))?;
     let token = format!("overlap-{:x}", std::process::id());
     let mut rows = Vec::new();
     let mut timeline_events = None;
