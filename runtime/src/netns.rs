@@ -89,8 +89,7 @@ pub fn link_gso_size(rate: Option<u64>) -> u32 {
 /// through one `RTM_SETLINK` (iproute2 6.1, Debian 12's, cannot set the IPv4 sizes). The
 /// kernel refuses a size above the device's TSO limit.
 fn set_link_gso(ifname: &str, size: u32) -> std::io::Result<()> {
-    use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
-    use netlink_packet_core::{NLM_F_ACK, NLM_F_REQUEST};
+    use netlink_packet_core::{NetlinkPayload, NLM_F_ACK};
     use netlink_packet_route::link::{LinkAttribute, LinkMessage};
     use netlink_packet_route::RouteNetlinkMessage;
 
@@ -102,14 +101,7 @@ fn set_link_gso(ifname: &str, size: u32) -> std::io::Result<()> {
         LinkAttribute::GsoIpv4MaxSize(size),
         LinkAttribute::GroIpv4MaxSize(size),
     ];
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_ACK;
-    let mut msg =
-        NetlinkMessage::new(header, NetlinkPayload::from(RouteNetlinkMessage::SetLink(link)));
-    msg.finalize();
-    let mut buf = vec![0; msg.buffer_len()];
-    msg.serialize(&mut buf);
-    match rtnetlink_request(&buf)?.payload {
+    match rtnetlink_request(RouteNetlinkMessage::SetLink(link), NLM_F_ACK)?.payload {
         NetlinkPayload::Error(e) => match e.code {
             Some(code) => Err(std::io::Error::from_raw_os_error(-code.get())),
             None => Ok(()),
@@ -127,16 +119,25 @@ fn if_index(ifname: &str) -> std::io::Result<u32> {
         .map_err(|e| std::io::Error::other(format!("{path}: {e}")))
 }
 
-/// Sends one rtnetlink request and returns the kernel's first answer.
+/// Sends one rtnetlink request (`NLM_F_REQUEST` and `flags`) and returns the kernel's first
+/// answer.
 fn rtnetlink_request(
-    request: &[u8],
+    request: netlink_packet_route::RouteNetlinkMessage,
+    flags: u16,
 ) -> std::io::Result<netlink_packet_core::NetlinkMessage<netlink_packet_route::RouteNetlinkMessage>>
 {
+    use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_REQUEST};
     use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | flags;
+    let mut msg = NetlinkMessage::new(header, NetlinkPayload::from(request));
+    msg.finalize();
+    let mut buf = vec![0; msg.buffer_len()];
+    msg.serialize(&mut buf);
     let mut socket = Socket::new(NETLINK_ROUTE)?;
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
-    socket.send(request, 0)?;
+    socket.send(&buf, 0)?;
     let (reply, _) = socket.recv_from_full()?;
     netlink_packet_core::NetlinkMessage::deserialize(&reply)
         .map_err(|e| std::io::Error::other(format!("rtnetlink answer: {e}")))
@@ -744,19 +745,12 @@ mod tests {
 
     /// The IPv4 GSO size the kernel reports for `ifname` (this namespace), if it has one.
     fn gso_ipv4_max(ifname: &str) -> Option<u32> {
-        use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_REQUEST};
+        use netlink_packet_core::NetlinkPayload;
         use netlink_packet_route::link::{LinkAttribute, LinkMessage};
         use netlink_packet_route::RouteNetlinkMessage;
         let mut link = LinkMessage::default();
         link.header.index = if_index(ifname).ok()?;
-        let mut header = NetlinkHeader::default();
-        header.flags = NLM_F_REQUEST;
-        let mut msg =
-            NetlinkMessage::new(header, NetlinkPayload::from(RouteNetlinkMessage::GetLink(link)));
-        msg.finalize();
-        let mut buf = vec![0; msg.buffer_len()];
-        msg.serialize(&mut buf);
-        match rtnetlink_request(&buf).ok()?.payload {
+        match rtnetlink_request(RouteNetlinkMessage::GetLink(link), 0).ok()?.payload {
             NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
                 l.attributes.iter().find_map(|a| match a {
                     LinkAttribute::GsoIpv4MaxSize(v) => Some(*v),

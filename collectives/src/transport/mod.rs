@@ -293,6 +293,18 @@ pub fn as_f32(piece: &[u8]) -> &[f32] {
 /// Whether `ranks` processes can each have a core of their own, judged by the cores this
 /// process may use (its CPU set and quota): while they can, a waiter may spin before it gives
 /// its core away (SHM-7, TCP-4); past that a spinner holds the core its peer needs.
-pub(crate) fn ranks_have_cores(ranks: usize) -> bool {
+fn ranks_have_cores(ranks: usize) -> bool {
     ranks <= std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `spin` while `ranks` processes each have a core ([`ranks_have_cores`]), else none.
+pub(crate) fn spin_if_ranks_have_cores(
+    ranks: usize,
+    spin: std::time::Duration,
+) -> std::time::Duration {
+    if ranks_have_cores(ranks) {
+        spin
+    } else {
+        std::time::Duration::ZERO
+    }
 }

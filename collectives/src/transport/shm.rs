@@ -79,11 +79,7 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(30);
 /// all-reduce at W=4 over shm on 2 cores took 101 us with a 30 us spin and 7 us yielding at
 /// once, while W=2 took 1.2 us against 1.6 (`bench/RESULTS.md`).
 pub fn default_spin(local_world: usize) -> Duration {
-    if super::ranks_have_cores(local_world) {
-        DEFAULT_SPIN
-    } else {
-        Duration::ZERO
-    }
+    super::spin_if_ranks_have_cores(local_world, DEFAULT_SPIN)
 }
 /// How long it yields before it starts sleeping.
 const YIELD: Duration = Duration::from_micros(300);

@@ -57,11 +57,7 @@ fn lane_spin(world: usize) -> Duration {
     if let Some(us) = std::env::var(SPIN_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
         return Duration::from_micros(us);
     }
-    if super::ranks_have_cores(world) {
-        DEFAULT_SPIN
-    } else {
-        Duration::ZERO
-    }
+    super::spin_if_ranks_have_cores(world, DEFAULT_SPIN)
 }
 
 /// Largest chunk (frame payload) of a message; also the striping unit.
