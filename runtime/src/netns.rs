@@ -135,6 +135,8 @@ fn rtnetlink_request(
     let mut buf = vec![0; msg.buffer_len()];
     msg.serialize(&mut buf);
     let mut socket = Socket::new(NETLINK_ROUTE)?;
+    // The kernel answers at once; the timeout only keeps a broken one from hanging the caller.
+    socket2::SockRef::from(&socket).set_read_timeout(Some(Duration::from_secs(5)))?;
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
     socket.send(&buf, 0)?;
