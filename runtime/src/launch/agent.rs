@@ -1,0 +1,768 @@
+//! The per-node agent of `shardline launch`: starts and watches the workers of each
+//! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10).
+
+use super::options::LaunchOptions;
+use super::rendezvous::RENDEZVOUS_TIMEOUT;
+use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, StoreLink};
+use super::worker::{progress_key, unix_ms};
+use crate::checkpoint;
+use crate::error::{Result, RuntimeError};
+use shardline_collectives::TcpStoreServer;
+use std::time::{Duration, Instant};
+
+/// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
+/// SIGTERM (INT-1), unless a second signal arrives.
+const SIGNAL_STOP_WAIT: Duration = Duration::from_secs(120);
+
+/// The signal last received by the agent (0: none).
+fn received() -> i32 {
+    crate::interrupt::requested().unwrap_or(0)
+}
+
+fn random_token() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok();
+    if !ok {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b.copy_from_slice(&(t ^ ((std::process::id() as u128) << 64)).to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// How a worker ended, in words: `exit code 3`, `signal 9 (SIGKILL)`.
+fn describe(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => {
+            let name = nix::sys::signal::Signal::try_from(s).map(|s| s.as_str()).unwrap_or("?");
+            format!("signal {s} ({name})")
+        }
+        _ => "an unknown status".into(),
+    }
+}
+
+struct Worker {
+    rank: usize,
+    child: std::process::Child,
+    status: Option<std::process::ExitStatus>,
+}
+
+fn signal_all(workers: &[Worker], sig: nix::sys::signal::Signal) {
+    for w in workers.iter().filter(|w| w.status.is_none()) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(w.child.id() as i32), sig);
+    }
+}
+
+/// How often an agent writes its heartbeat key.
+const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
+/// How often an agent reads the store (generation, reports, heartbeats, progress).
+const POLL_EVERY: Duration = Duration::from_millis(100);
+/// How often an agent polls the store once a failure is under way (stop, abort, restart):
+/// every hand-off of that path waits at most this long.
+const FAST_POLL: Duration = Duration::from_millis(20);
+/// Bound of one store request of an agent (and of its reconnection attempts).
+pub(super) const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// An agent that has not reached the store for this long gives up on its job.
+const STORE_LOST: Duration = Duration::from_secs(60);
+/// After this long without reaching the store, a node's agent says what it waits for.
+const WAITING_NOTE_AFTER: Duration = Duration::from_secs(3);
+/// How long an elastic job's node 0 waits at start-up for the most nodes to join.
+const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
+/// How long node 0's agent keeps the store up after success for the other nodes' reports.
+const END_WAIT: Duration = Duration::from_secs(10);
+/// How one generation ended for node 0's agent.
+enum Outcome {
+    Done,
+    Failed(String),
+}
+
+/// One node's agent.
+struct Agent<'a> {
+    o: &'a LaunchOptions,
+    exe: std::path::PathBuf,
+    rdzv: String,
+    token: String,
+    job: String,
+    link: StoreLink,
+    t0: Instant,
+    beats: u64,
+    last_beat: Option<Instant>,
+    forwarded: i32,
+    /// Last step rank 0 reported, per generation's job.
+    progress: u64,
+}
+
+impl Agent<'_> {
+    /// LAUNCH-9: every fault and recovery line carries the time since start, the Unix time
+    /// (comparable with the workers' lines), the node and what is known of rank and step.
+    fn log(&self, msg: std::fmt::Arguments<'_>) {
+        say!(
+            "shardline launch: [node {} t={:.3}s unix_ms={}] {msg}",
+            self.o.node_rank,
+            self.t0.elapsed().as_secs_f64(),
+            unix_ms()
+        );
+    }
+
+    fn gen_job(&self, gen: u64) -> String {
+        format!("{}g{gen}", self.job)
+    }
+
+    fn heartbeat(&mut self) {
+        if self.last_beat.is_some_and(|t| t.elapsed() < HEARTBEAT_EVERY) {
+            return;
+        }
+        self.beats += 1;
+        let key = agent_key(&self.job, &format!("hb/{}", self.o.node_rank));
+        let v = self.beats.to_string();
+        self.link.set(&key, v.as_bytes());
+        self.last_beat = Some(Instant::now());
+    }
+
+    fn poll_progress(&mut self, gen: u64) {
+        if let Got::Value(v) = self.link.get(&progress_key(&self.gen_job(gen))) {
+            if let Some(s) = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()) {
+                self.progress = self.progress.max(s);
+            }
+        }
+    }
+
+    /// Forwards a newly received SIGINT/SIGTERM; true once one was received.
+    fn forward_signals(&mut self, workers: &[Worker]) -> bool {
+        let sig = received();
+        if sig != 0 && sig != self.forwarded {
+            self.forwarded = sig;
+            if let Ok(s) = nix::sys::signal::Signal::try_from(sig) {
+                say!("shardline launch: forwarding {s} to the workers");
+                signal_all(workers, s);
+            }
+        }
+        sig != 0
+    }
+
+    fn spawn(&mut self, g: &Generation) -> Result<Vec<Worker>> {
+        use nix::sys::signal::Signal;
+        use std::os::unix::process::CommandExt;
+        let o = self.o;
+        let pos = g.nodes.iter().position(|&n| n == o.node_rank).ok_or_else(|| {
+            RuntimeError::config(format!("node {} is not in generation {}", o.node_rank, g.gen))
+        })?;
+        let world = g.nodes.len() * o.nproc_per_node;
+        let mut args = o.worker_args.clone();
+        // LAUNCH-6: a restarted group goes on from the last committed checkpoint.
+        if g.gen > 0 && !args.iter().any(|a| a == "--resume") {
+            args.push("--resume".into());
+        }
+        let job = self.gen_job(g.gen);
+        let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
+        for local in 0..o.nproc_per_node {
+            let rank = pos * o.nproc_per_node + local;
+            let mut cmd = std::process::Command::new(&self.exe);
+            cmd.args(&args)
+                .env("SHARDLINE_RANK", rank.to_string())
+                .env("SHARDLINE_WORLD_SIZE", world.to_string())
+                .env("SHARDLINE_LOCAL_RANK", local.to_string())
+                .env("SHARDLINE_LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+                .env("SHARDLINE_NODE_RANK", o.node_rank.to_string())
+                .env("SHARDLINE_RDZV", &self.rdzv)
+                .env("SHARDLINE_TOKEN", &self.token)
+                .env("SHARDLINE_JOB", &job)
+                .env("SHARDLINE_GENERATION", g.gen.to_string())
+                .env("SHARDLINE_TRANSPORT", o.transport.to_string());
+            // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
+            unsafe {
+                cmd.pre_exec(|| {
+                    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+                });
+            }
+            match cmd.spawn() {
+                Ok(child) => workers.push(Worker { rank, child, status: None }),
+                Err(e) => {
+                    signal_all(&workers, Signal::SIGKILL);
+                    for w in &mut workers {
+                        let _ = w.child.wait();
+                    }
+                    return Err(RuntimeError::config(format!("starting rank {rank}: {e}")));
+                }
+            }
+        }
+        say!(
+            "shardline launch: node {}/{}: ranks {}..{} of {world} started (store {}, generation {})",
+            o.node_rank,
+            o.nnodes,
+            pos * o.nproc_per_node,
+            (pos + 1) * o.nproc_per_node - 1,
+            self.rdzv,
+            g.gen
+        );
+        Ok(workers)
+    }
+
+    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5).
+    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64) -> Vec<String> {
+        let mut bad: Vec<(usize, String)> = Vec::new();
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            match w.child.try_wait() {
+                Ok(Some(st)) => {
+                    w.status = Some(st);
+                    if !st.success() {
+                        bad.push((w.rank, format!("exited with {}", describe(st))));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => bad.push((w.rank, format!("cannot be waited for: {e}"))),
+            }
+        }
+        if bad.is_empty() {
+            return Vec::new();
+        }
+        // The step in the line is where rank 0 stood: read it now, not at the last poll.
+        self.poll_progress(gen);
+        let step = self.progress + 1;
+        let failed: Vec<String> = bad
+            .into_iter()
+            .map(|(rank, what)| format!("rank {rank} {what} during step {step} (generation {gen})"))
+            .collect();
+        for f in &failed {
+            self.log(format_args!("fault: {f}"));
+        }
+        failed
+    }
+
+    /// Gives the workers `grace` to exit on their own (and report their errors), then kills
+    /// the rest and reaps them all.
+    fn stop(&mut self, workers: &mut [Worker], gen: u64) {
+        // After a forwarded SIGINT/SIGTERM the workers are finishing a step and writing its
+        // checkpoint: give them time for that, unless the user signals again.
+        let asked = self.forwarded != 0;
+        let wait = if asked { self.o.grace.max(SIGNAL_STOP_WAIT) } else { self.o.grace };
+        let until = Instant::now() + wait;
+        while workers.iter().any(|w| w.status.is_none())
+            && Instant::now() < until
+            && !(asked && crate::interrupt::count() >= 2)
+        {
+            self.heartbeat();
+            self.poll_workers(workers, gen);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left: Vec<usize> =
+            workers.iter().filter(|w| w.status.is_none()).map(|w| w.rank).collect();
+        if !left.is_empty() {
+            say!("shardline launch: stopping ranks {left:?}");
+            signal_all(workers, nix::sys::signal::Signal::SIGKILL);
+            for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+                w.status = w.child.wait().ok();
+            }
+        }
+    }
+
+    fn publish(&mut self, g: &Generation) -> Result<()> {
+        let text = serde_json::to_vec(g)
+            .map_err(|e| RuntimeError::config(format!("encoding generation: {e}")))?;
+        let key = agent_key(&self.job, "gen");
+        let deadline = Instant::now() + STORE_LOST;
+        while !self.link.set(&key, &text) {
+            if Instant::now() >= deadline {
+                return Err(RuntimeError::config("node 0's agent cannot reach its own store"));
+            }
+            std::thread::sleep(POLL_EVERY);
+        }
+        Ok(())
+    }
+
+    /// Node 0: which nodes start the job. A fixed-size job takes them all (its workers'
+    /// rendezvous waits for them); an elastic one waits a while for the most nodes and goes
+    /// with those whose agents showed up, if at least the fewest.
+    fn initial_nodes(&mut self, beats: &mut Heartbeats) -> Result<Vec<usize>> {
+        let o = self.o;
+        if o.min_nodes >= o.nnodes {
+            return Ok((0..o.nnodes).collect());
+        }
+        let start = Instant::now();
+        loop {
+            self.heartbeat();
+            beats.poll(&mut self.link, &self.job);
+            let up: Vec<usize> = (0..o.nnodes)
+                .filter(|&n| n == o.node_rank || beats.fresh(n, o.heartbeat_timeout))
+                .collect();
+            if up.len() == o.nnodes
+                || (start.elapsed() >= ELASTIC_JOIN_WAIT && up.len() >= o.min_nodes)
+            {
+                return Ok(up);
+            }
+            if start.elapsed() >= RENDEZVOUS_TIMEOUT {
+                return Err(RuntimeError::config(format!(
+                    "only node(s) {up:?} joined within {RENDEZVOUS_TIMEOUT:?}; --nnodes needs at least {}",
+                    o.min_nodes
+                )));
+            }
+            std::thread::sleep(POLL_EVERY);
+        }
+    }
+
+    /// Node 0's agent: decides every generation (LAUNCH-6, LAUNCH-10).
+    fn coordinate(&mut self) -> Result<i32> {
+        let o = self.o;
+        let me = o.node_rank;
+        let mut beats = Heartbeats::new(o.nnodes);
+        let nodes = self.initial_nodes(&mut beats)?;
+        let mut g = Generation { gen: 0, nodes, state: GenState::Run };
+        let mut restarts = 0u32;
+        // (step to pass, when the failure was detected)
+        let mut recovering: Option<(u64, Instant)> = None;
+        loop {
+            self.publish(&g)?;
+            self.progress = 0;
+            let mut workers = self.spawn(&g)?;
+            let started = Instant::now();
+            let mut last_poll: Option<Instant> = None;
+            let mut interrupted = false;
+            let outcome = loop {
+                self.heartbeat();
+                interrupted |= self.forward_signals(&workers);
+                let failed = self.poll_workers(&mut workers, g.gen);
+                if let Some(f) = failed.into_iter().next() {
+                    break Outcome::Failed(f);
+                }
+                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
+                    break Outcome::Done;
+                }
+                if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
+                    last_poll = Some(Instant::now());
+                    self.poll_progress(g.gen);
+                    if let Some((target, at)) = recovering {
+                        if self.progress >= target {
+                            self.log(format_args!(
+                                "recovered: generation {} passed step {target} again, {:.3} s after the failure was detected",
+                                g.gen,
+                                at.elapsed().as_secs_f64()
+                            ));
+                            recovering = None;
+                        }
+                    }
+                    beats.poll(&mut self.link, &self.job);
+                    let mut lost = None;
+                    for &n in g.nodes.iter().filter(|&&n| n != me) {
+                        let key = agent_key(&self.job, &format!("fail/{}/{n}", g.gen));
+                        if let Got::Value(v) = self.link.get(&key) {
+                            lost =
+                                Some(format!("node {n} reports: {}", String::from_utf8_lossy(&v)));
+                            break;
+                        }
+                        let quiet = beats.silent(n, started);
+                        if quiet >= o.heartbeat_timeout {
+                            lost = Some(format!(
+                                "node {n} lost: no heartbeat for {:.1} s during step {} (generation {})",
+                                quiet.as_secs_f64(),
+                                self.progress + 1,
+                                g.gen
+                            ));
+                            break;
+                        }
+                    }
+                    if let Some(why) = lost {
+                        self.log(format_args!("fault: {why}"));
+                        break Outcome::Failed(why);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let why = match outcome {
+                Outcome::Done => {
+                    if let Some((target, at)) = recovering {
+                        // Finished before the next poll: the group passed the step all the same.
+                        self.log(format_args!(
+                            "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
+                            g.gen,
+                            at.elapsed().as_secs_f64()
+                        ));
+                    }
+                    g.state = GenState::Done;
+                    self.publish(&g)?;
+                    self.wait_for_ends(&g, &mut beats);
+                    if restarts > 0 {
+                        self.log(format_args!("finished after {restarts} restart(s)"));
+                    }
+                    return Ok(0);
+                }
+                Outcome::Failed(why) => why,
+            };
+            let detected = Instant::now();
+            let failed_step = self.progress + 1;
+            g.state = GenState::Stop;
+            self.publish(&g)?;
+            self.stop(&mut workers, g.gen);
+            let alive = self.wait_stopped(&g, &mut beats, started);
+            interrupted |= received() != 0;
+            let give_up = |reason: String,
+                           agent: &mut Self,
+                           g: &mut Generation,
+                           beats: &mut Heartbeats|
+             -> Result<i32> {
+                g.state = GenState::Abort;
+                agent.publish(g)?;
+                agent.log(format_args!("giving up: {reason} (last failure: {why})"));
+                // The others learn of the end through this store: keep it up until they did.
+                agent.wait_for_ends(g, beats);
+                Ok(1)
+            };
+            if interrupted {
+                let sig = received();
+                give_up(
+                    format!("stopped by {}", crate::interrupt::signal_name(sig)),
+                    self,
+                    &mut g,
+                    &mut beats,
+                )?;
+                // As a shell reports a process ended by the signal.
+                return Ok(128 + sig);
+            }
+            if restarts >= o.max_restarts {
+                return give_up(
+                    format!("{restarts} restart(s) of --max-restarts {} used", o.max_restarts),
+                    self,
+                    &mut g,
+                    &mut beats,
+                );
+            }
+            let next: Vec<usize> = if o.min_nodes >= o.nnodes {
+                (0..o.nnodes).collect()
+            } else {
+                // LAUNCH-10: lost nodes leave; a node whose agent is back rejoins.
+                (0..o.nnodes)
+                    .filter(|&n| {
+                        n == me
+                            || alive.contains(&n)
+                            || (!g.nodes.contains(&n) && beats.fresh(n, o.heartbeat_timeout))
+                    })
+                    .collect()
+            };
+            // A fixed-size job needs every node back (a partition heals, an agent restarts):
+            // starting without them would only burn a restart.
+            let missing: Vec<usize> = next.iter().copied().filter(|n| !alive.contains(n)).collect();
+            if o.min_nodes >= o.nnodes && !missing.is_empty() {
+                self.log(format_args!("waiting for node(s) {missing:?} to come back"));
+                let until = Instant::now() + RENDEZVOUS_TIMEOUT;
+                while Instant::now() < until
+                    && !missing.iter().all(|&n| beats.fresh(n, o.heartbeat_timeout))
+                {
+                    self.heartbeat();
+                    beats.poll(&mut self.link, &self.job);
+                    std::thread::sleep(POLL_EVERY);
+                }
+            }
+            if next.len() < o.min_nodes {
+                return give_up(
+                    format!("{} node(s) left, --nnodes needs at least {}", next.len(), o.min_nodes),
+                    self,
+                    &mut g,
+                    &mut beats,
+                );
+            }
+            restarts += 1;
+            recovering = Some((failed_step, detected));
+            self.log(format_args!(
+                "restart {restarts}/{}: generation {} on node(s) {next:?} (world {}) resumes from the last checkpoint; the failure was at step {failed_step}",
+                o.max_restarts,
+                g.gen + 1,
+                next.len() * o.nproc_per_node
+            ));
+            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run };
+        }
+    }
+
+    /// Node 0, after publishing a stop: the nodes of `g` whose agents stopped their workers,
+    /// waiting at most the grace period plus the heartbeat timeout; a node whose heartbeat
+    /// stays still that long is lost.
+    fn wait_stopped(
+        &mut self,
+        g: &Generation,
+        beats: &mut Heartbeats,
+        started: Instant,
+    ) -> Vec<usize> {
+        let me = self.o.node_rank;
+        let until = Instant::now() + self.o.grace + self.o.heartbeat_timeout;
+        let mut alive = vec![me];
+        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        while !pending.is_empty() && Instant::now() < until {
+            self.heartbeat();
+            beats.poll(&mut self.link, &self.job);
+            let mut still = Vec::new();
+            for n in pending {
+                let key = agent_key(&self.job, &format!("stopped/{}/{n}", g.gen));
+                match self.link.get(&key) {
+                    Got::Value(_) => alive.push(n),
+                    _ if beats.silent(n, started) >= self.o.heartbeat_timeout => {
+                        self.log(format_args!("node {n} did not answer the stop: counted as lost"));
+                    }
+                    _ => still.push(n),
+                }
+            }
+            pending = still;
+            if !pending.is_empty() {
+                std::thread::sleep(FAST_POLL);
+            }
+        }
+        for n in pending {
+            self.log(format_args!("node {n} did not stop in time: counted as lost"));
+        }
+        alive.sort_unstable();
+        alive
+    }
+
+    /// Node 0 after success: keeps the store up until the other nodes' workers are done.
+    fn wait_for_ends(&mut self, g: &Generation, beats: &mut Heartbeats) {
+        let me = self.o.node_rank;
+        let since = Instant::now();
+        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        while !pending.is_empty() && since.elapsed() < END_WAIT {
+            beats.poll(&mut self.link, &self.job);
+            let job = self.job.clone();
+            pending.retain(|&n| {
+                let key = agent_key(&job, &format!("end/{}/{n}", g.gen));
+                !matches!(self.link.get(&key), Got::Value(_))
+                    && beats.silent(n, since) < self.o.heartbeat_timeout
+            });
+            if !pending.is_empty() {
+                std::thread::sleep(FAST_POLL);
+            }
+        }
+    }
+
+    /// Any other node's agent: runs the generations node 0 decides (LAUNCH-6).
+    fn follow(&mut self) -> Result<i32> {
+        let me = self.o.node_rank;
+        let mut cur: Option<Generation> = None;
+        let mut workers: Vec<Worker> = Vec::new();
+        let mut reported = false;
+        let mut stopped_sent = false;
+        let mut last_poll: Option<Instant> = None;
+        let start = Instant::now();
+        let mut told_waiting = false;
+        loop {
+            self.heartbeat();
+            if self.forward_signals(&workers) {
+                let gen = cur.as_ref().map_or(0, |g| g.gen);
+                self.stop(&mut workers, gen);
+                return Ok(128 + self.forwarded);
+            }
+            let gen = cur.as_ref().map_or(0, |g| g.gen);
+            let failed = self.poll_workers(&mut workers, gen);
+            if !failed.is_empty() && !reported {
+                let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
+                reported = self.link.set(&key, failed.join("; ").as_bytes());
+            }
+            let all_exited = !workers.is_empty() && workers.iter().all(|w| w.status.is_some());
+            if all_exited {
+                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
+                    let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
+                    self.link.set(&key, b"ok");
+                    return Ok(0);
+                }
+                if !reported {
+                    let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
+                    reported = self.link.set(&key, b"workers stopped");
+                }
+                if !stopped_sent {
+                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
+                    stopped_sent = self.link.set(&key, b"stopped");
+                }
+            }
+            // Once this node's workers failed or stopped, node 0's next decision is awaited
+            // closely.
+            let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
+            if last_poll.is_none_or(|t| t.elapsed() >= every) {
+                last_poll = Some(Instant::now());
+                let got = self.link.get(&agent_key(&self.job, "gen"));
+                if matches!(got, Got::Unreachable)
+                    && !told_waiting
+                    && self.link.last_ok.elapsed() >= WAITING_NOTE_AFTER
+                {
+                    // Node 0 may simply start later; say what is awaited instead of silence.
+                    told_waiting = true;
+                    self.log(format_args!(
+                        "waiting for node 0's store at {} ({}); giving up after {:?}",
+                        self.rdzv,
+                        self.link.last_err.as_deref().unwrap_or("no answer"),
+                        STORE_LOST
+                    ));
+                }
+                match got {
+                    Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
+                        self.log(format_args!(
+                            "the store at {} is unreachable for {:?}: giving up",
+                            self.rdzv, STORE_LOST
+                        ));
+                        self.stop(&mut workers, gen);
+                        return Ok(1);
+                    }
+                    Got::Unset if start.elapsed() >= RENDEZVOUS_TIMEOUT => {
+                        return Err(RuntimeError::config(format!(
+                            "node 0's agent published no generation within {RENDEZVOUS_TIMEOUT:?}"
+                        )));
+                    }
+                    Got::Value(v) => {
+                        let g: Generation = serde_json::from_slice(&v).map_err(|e| {
+                            RuntimeError::config(format!("node 0 published a bad generation: {e}"))
+                        })?;
+                        if !workers.is_empty() {
+                            self.poll_progress(gen);
+                        }
+                        let newer = cur.as_ref().is_none_or(|c| g.gen > c.gen);
+                        match g.state {
+                            GenState::Abort => {
+                                self.log(format_args!("node 0 ended the job after a failure"));
+                                self.stop(&mut workers, gen);
+                                let key = agent_key(&self.job, &format!("end/{}/{me}", g.gen));
+                                self.link.set(&key, b"aborted");
+                                return Ok(1);
+                            }
+                            GenState::Done if workers.is_empty() || all_exited => return Ok(0),
+                            GenState::Run if newer => {
+                                if workers.iter().any(|w| w.status.is_none()) {
+                                    self.stop(&mut workers, gen);
+                                }
+                                workers.clear();
+                                reported = false;
+                                stopped_sent = false;
+                                self.progress = 0;
+                                if g.nodes.contains(&me) {
+                                    if g.gen > 0 {
+                                        self.log(format_args!(
+                                            "restarting with generation {} on node(s) {:?}",
+                                            g.gen, g.nodes
+                                        ));
+                                    }
+                                    workers = self.spawn(&g)?;
+                                } else {
+                                    self.log(format_args!(
+                                        "not in generation {} (node(s) {:?}): waiting to rejoin",
+                                        g.gen, g.nodes
+                                    ));
+                                }
+                                cur = Some(g);
+                            }
+                            GenState::Stop if cur.as_ref().is_some_and(|c| c.gen == g.gen) => {
+                                if workers.iter().any(|w| w.status.is_none()) {
+                                    self.stop(&mut workers, gen);
+                                }
+                                if !stopped_sent {
+                                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
+                                    stopped_sent = self.link.set(&key, b"stopped");
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Runs the agent of one node (LAUNCH-5, LAUNCH-6): hosts the store on node 0, starts the
+/// workers of each generation, watches them and the other agents. Returns the process exit
+/// code: 0 when training finished.
+pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
+    if o.nproc_per_node == 0 || o.nnodes == 0 || o.node_rank >= o.nnodes {
+        return Err(RuntimeError::config(format!(
+            "--nproc-per-node {} --nnodes {} --node-rank {}: need at least one process and node, and node rank < nodes",
+            o.nproc_per_node, o.nnodes, o.node_rank
+        )));
+    }
+    if o.min_nodes == 0 || o.min_nodes > o.nnodes {
+        return Err(RuntimeError::config(format!(
+            "--nnodes {}:{}: need 1 <= MIN <= MAX",
+            o.min_nodes, o.nnodes
+        )));
+    }
+    if o.worker_args.first().map(String::as_str) != Some("train") {
+        return Err(RuntimeError::config("launch runs `train ...` after `--`"));
+    }
+    if (o.max_restarts > 0 || o.min_nodes < o.nnodes)
+        && !o
+            .worker_args
+            .iter()
+            .any(|a| a == "--checkpoint-dir" || a.starts_with("--checkpoint-dir="))
+    {
+        return Err(RuntimeError::config(
+            "--max-restarts and elastic --nnodes restart from checkpoints: give --checkpoint-dir to train",
+        ));
+    }
+    let token = match o.token.clone().or_else(|| std::env::var("SHARDLINE_TOKEN").ok()) {
+        Some(t) if !t.is_empty() => t,
+        _ if o.nnodes > 1 => return Err(RuntimeError::config(
+            "several nodes need a job token: --token or SHARDLINE_TOKEN (the same on every node)",
+        )),
+        _ => random_token(),
+    };
+    let rdzv = match (&o.rdzv, o.nnodes) {
+        (Some(r), _) => r.clone(),
+        (None, 1) => "127.0.0.1:0".into(),
+        (None, _) => {
+            return Err(RuntimeError::config(
+                "several nodes need --rdzv HOST:PORT (node 0's address)",
+            ))
+        }
+    };
+    let (server, rdzv) = if o.node_rank == 0 {
+        let port = rdzv
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .ok_or_else(|| RuntimeError::config(format!("--rdzv {rdzv}: expected HOST:PORT")))?;
+        // An address given by the user is reached through whatever interface it names.
+        let bind = if o.rdzv.is_some() { "0.0.0.0" } else { "127.0.0.1" };
+        let server = TcpStoreServer::bind((bind, port), &token)
+            .map_err(|e| RuntimeError::config(format!("hosting the store on port {port}: {e}")))?;
+        let host = rdzv.rsplit_once(':').map(|(h, _)| h.to_owned()).unwrap_or_default();
+        let actual = format!("{host}:{}", server.addr().port());
+        (Some(server), actual)
+    } else {
+        (None, rdzv)
+    };
+    // One job name for every node: derived from what every node was given.
+    let job = format!("l{}", &checkpoint::config_hash(&(rdzv.as_str(), token.as_str()))?[..10]);
+    // The agent forwards signals itself; its workers' own handlers stop them (INT-1).
+    crate::interrupt::install(false)?;
+    let exe = std::env::current_exe()
+        .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
+    let link = StoreLink {
+        addr: rdzv.clone(),
+        token: token.clone(),
+        client: None,
+        last_ok: Instant::now(),
+        last_err: None,
+    };
+    let mut agent = Agent {
+        o,
+        exe,
+        rdzv,
+        token,
+        job,
+        link,
+        t0: Instant::now(),
+        beats: 0,
+        last_beat: None,
+        forwarded: 0,
+        progress: 0,
+    };
+    let code = if o.node_rank == 0 { agent.coordinate()? } else { agent.follow()? };
+    drop(server);
+    if code > 128 {
+        say!(
+            "shardline launch: node {} stopped by {}",
+            o.node_rank,
+            crate::interrupt::signal_name(code - 128)
+        );
+    } else if code != 0 {
+        say!("shardline launch: node {} failed", o.node_rank);
+    }
+    Ok(code)
+}

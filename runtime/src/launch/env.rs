@@ -1,0 +1,130 @@
+//! Where a worker stands in its job, read from the launch environment (`shardline launch`,
+//! torchrun, Slurm).
+
+use crate::error::{Result, RuntimeError};
+
+/// Where one worker process stands in its job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerEnv {
+    /// Global rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Rank among the processes of this node (as the launcher numbered them).
+    pub local_rank: usize,
+    /// Processes on this node (as the launcher numbered them).
+    pub local_world: usize,
+    /// This node's id: ranks with equal ids share memory (LAUNCH-2).
+    pub node: String,
+    /// Rendezvous store address, `HOST:PORT`.
+    pub rdzv: String,
+    /// Job token presented to the store.
+    pub token: String,
+    /// Job name (store keys, shm segment names).
+    pub job: String,
+    /// Whether this process hosts the store (rank 0 outside `shardline launch`).
+    pub host_store: bool,
+    /// Which convention the variables followed: `shardline`, `torchrun` or `slurm`.
+    pub source: &'static str,
+    /// Restart generation of the worker group (`SHARDLINE_GENERATION`, 0 for the first
+    /// start; LAUNCH-7).
+    pub generation: u64,
+}
+
+fn parse_var(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+            RuntimeError::config(format!("{name}={v:?} is not a non-negative integer"))
+        }),
+    }
+}
+
+fn need(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<usize> {
+    parse_var(get, name)?
+        .ok_or_else(|| RuntimeError::config(format!("launch environment without {name}")))
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+impl WorkerEnv {
+    /// Reads a launch environment through `get` (the process environment in
+    /// [`WorkerEnv::from_env`]); `Ok(None)` when none is present.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        let token = || {
+            get("SHARDLINE_TOKEN").filter(|t| !t.is_empty()).ok_or_else(|| {
+                RuntimeError::config(
+                    "SHARDLINE_TOKEN must be set: the store refuses peers without the job token",
+                )
+            })
+        };
+        let master = || -> Option<String> {
+            Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
+        };
+        let (rank, world, local_rank, local_world, node, rdzv, host, source);
+        if get("SHARDLINE_RANK").is_some() {
+            rank = need(get, "SHARDLINE_RANK")?;
+            world = need(get, "SHARDLINE_WORLD_SIZE")?;
+            local_rank = need(get, "SHARDLINE_LOCAL_RANK")?;
+            local_world = need(get, "SHARDLINE_LOCAL_WORLD_SIZE")?;
+            node = need(get, "SHARDLINE_NODE_RANK")?.to_string();
+            rdzv = get("SHARDLINE_RDZV")
+                .ok_or_else(|| RuntimeError::config("launch environment without SHARDLINE_RDZV"))?;
+            host = false;
+            source = "shardline";
+        } else if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
+            rank = need(get, "RANK")?;
+            world = need(get, "WORLD_SIZE")?;
+            local_rank = parse_var(get, "LOCAL_RANK")?.unwrap_or(rank);
+            local_world = parse_var(get, "LOCAL_WORLD_SIZE")?.unwrap_or(world);
+            node = get("GROUP_RANK").or_else(|| get("NODE_RANK")).unwrap_or_else(host_name);
+            rdzv = master().ok_or_else(|| {
+                RuntimeError::config("torchrun-style environment without MASTER_ADDR/MASTER_PORT")
+            })?;
+            host = rank == 0;
+            source = "torchrun";
+        } else if get("SLURM_PROCID").is_some() && get("SLURM_NTASKS").is_some() {
+            rank = need(get, "SLURM_PROCID")?;
+            world = need(get, "SLURM_NTASKS")?;
+            local_rank = parse_var(get, "SLURM_LOCALID")?.unwrap_or(0);
+            local_world = 0;
+            node = get("SLURM_NODEID").unwrap_or_else(host_name);
+            rdzv = get("SHARDLINE_RDZV").or_else(master).ok_or_else(|| {
+                RuntimeError::config(
+                    "Slurm environment: set SHARDLINE_RDZV=HOST:PORT (or MASTER_ADDR and MASTER_PORT) for the store",
+                )
+            })?;
+            host = rank == 0;
+            source = "slurm";
+        } else {
+            return Ok(None);
+        }
+        if world == 0 || rank >= world {
+            return Err(RuntimeError::config(format!("rank {rank} out of world size {world}")));
+        }
+        let job = get("SHARDLINE_JOB").unwrap_or_else(|| "job".into());
+        let generation = parse_var(get, "SHARDLINE_GENERATION")?.unwrap_or(0) as u64;
+        Ok(Some(WorkerEnv {
+            generation,
+            rank,
+            world,
+            local_rank,
+            local_world,
+            node,
+            rdzv,
+            token: token()?,
+            job,
+            host_store: host,
+            source,
+        }))
+    }
+
+    /// [`WorkerEnv::from_vars`] over the process environment.
+    pub fn from_env() -> Result<Option<Self>> {
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+}

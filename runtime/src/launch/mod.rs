@@ -1,0 +1,69 @@
+//! One process per rank: the worker side of `shardline train` when a launch environment is
+//! present, and the per-node agent of `shardline launch`.
+//!
+//! A worker learns its place from the environment, in this order:
+//! - `shardline launch`: `SHARDLINE_RANK`, `SHARDLINE_WORLD_SIZE`, `SHARDLINE_LOCAL_RANK`,
+//!   `SHARDLINE_LOCAL_WORLD_SIZE`, `SHARDLINE_NODE_RANK`, `SHARDLINE_RDZV`, `SHARDLINE_TOKEN`,
+//!   `SHARDLINE_JOB`; the agent of node 0 hosts the rendezvous store.
+//! - torchrun style: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+//!   `MASTER_PORT` (node from `GROUP_RANK` or `NODE_RANK`, else the host name);
+//! - Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, and the store at
+//!   `SHARDLINE_RDZV` (or `MASTER_ADDR`:`MASTER_PORT`).
+//!
+//! In the last two, rank 0 hosts the store, and the token comes from `SHARDLINE_TOKEN`
+//! (required: the store refuses connections without it).
+//!
+//! Invariants:
+//! - LAUNCH-1: every rank of a job runs the same configuration: each publishes the hash of
+//!   its configuration in the store, and a rank whose hash differs from rank 0's fails the
+//!   start-up on every rank, naming it.
+//! - LAUNCH-2: ranks that publish the same node id share a node (shared memory between them);
+//!   ranks of different nodes talk over RDMA when every rank opens a device, else TCP
+//!   (`--transport auto`, see `shardline_collectives::transport::select`; rank 0 says once
+//!   why RDMA was not used). `--transport tcp|rdma|shm` carries every pair over one transport.
+//! - LAUNCH-3: ranks run the same steps on the same data order in lockstep; rank 0 alone
+//!   prints progress, the per-step log and the summary.
+//! - LAUNCH-4: a checkpoint is committed by rank 0 only after every rank wrote its shard
+//!   (a collective barrier), with the file entries every rank published in the store.
+//! - LAUNCH-5: the agent reports a worker that dies (rank, exit code or signal), stops the
+//!   others after a short grace period in which they may report their own errors, and exits
+//!   non-zero; SIGINT and SIGTERM are forwarded to the workers.
+//! - LAUNCH-6: with `--max-restarts N` a failure (a worker's exit or signal, a node's report,
+//!   a node's silence) does not end the job: node 0's agent decides a new generation in the
+//!   store (`agent/JOB/gen`: number, nodes, state), every agent stops its workers and starts
+//!   the new generation's, which resume from the last committed checkpoint (`--resume`), up
+//!   to N times. Only node 0's agent writes the generation, so the agents cannot disagree.
+//! - LAUNCH-7: a generation's workers use the job name `JOBgN`: fresh store keys and shm
+//!   segment names, so nothing of a dead generation is read by the next.
+//! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
+//!   `kill` is a SIGKILL of the worker itself.
+//! - LAUNCH-9: every fault, restart and recovery is logged by the agents with the time since
+//!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps from
+//!   a thread of its own, so the training thread never waits on the store for it).
+//! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
+//!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
+//!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
+//!   nodes; a node whose agent is back (fresh heartbeat) rejoins at the next restart. A
+//!   fixed-size job instead waits for the missing node to come back before restarting.
+/// Writes one line to stderr in a single write, so that it never interleaves with the
+/// workers' lines.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($t)*));
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }};
+}
+
+mod agent;
+mod env;
+mod options;
+mod rendezvous;
+mod store_link;
+mod worker;
+
+pub use agent::run_agent;
+pub use env::WorkerEnv;
+pub use options::{parse_nnodes, LaunchOptions};
+pub use rendezvous::RENDEZVOUS_TIMEOUT;
+pub use worker::{progress_key, run_worker, unix_ms};

@@ -1,0 +1,136 @@
+//! A worker's rendezvous: the store, the job's configuration check (LAUNCH-1), the topology
+//! and the transports (LAUNCH-2), ending in the rank's communicator.
+
+use super::env::WorkerEnv;
+use crate::checkpoint;
+use crate::error::{Result, RuntimeError};
+use crate::train::TrainConfig;
+use shardline_collectives::transport::select::{open_for_job, Selection, TransportChoice};
+use shardline_collectives::transport::tcp::TcpOptions;
+use shardline_collectives::transport::Transport;
+use shardline_collectives::{
+    CommOptions, Communicator, Store, TcpStoreClient, TcpStoreServer, Topology,
+};
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a worker waits for the store and for the other ranks to publish at start-up.
+pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(60);
+/// The local address this host uses to reach `rdzv`: what peers on other nodes connect to.
+fn local_ip_towards(rdzv: &str) -> Result<std::net::IpAddr> {
+    let target: SocketAddr = rdzv
+        .to_socket_addrs()
+        .map_err(|e| RuntimeError::config(format!("cannot resolve store address {rdzv}: {e}")))?
+        .next()
+        .ok_or_else(|| RuntimeError::config(format!("store address {rdzv} resolves to nothing")))?;
+    let bind: SocketAddr =
+        if target.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
+    // A connected UDP socket sends nothing; it only asks the kernel for the route.
+    let sock = UdpSocket::bind(bind)
+        .and_then(|s| s.connect(target).map(|_| s))
+        .and_then(|s| s.local_addr())
+        .map_err(|e| RuntimeError::config(format!("no route to the store at {rdzv}: {e}")))?;
+    Ok(sock.ip())
+}
+
+pub(super) fn store_err(
+    what: &str,
+) -> impl Fn(shardline_collectives::StoreError) -> RuntimeError + '_ {
+    move |e| RuntimeError::config(format!("rendezvous failed ({what}): {e}"))
+}
+
+/// What a worker publishes about itself at start-up.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hello {
+    node: String,
+    config_hash: String,
+}
+
+/// A worker's connection to its job: the store (and the server, when hosted here), the
+/// topology and the communicator.
+pub(super) struct Joined {
+    pub(super) _server: Option<TcpStoreServer>,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) topology: Topology,
+    pub(super) comm: Communicator,
+    /// The transports chosen (LAUNCH-2).
+    pub(super) selection: Selection,
+}
+
+pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
+    let server = if env.host_store {
+        let port = env.rdzv.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok()).ok_or_else(
+            || RuntimeError::config(format!("store address {} has no port", env.rdzv)),
+        )?;
+        Some(
+            TcpStoreServer::bind(("0.0.0.0", port), &env.token)
+                .map_err(store_err("hosting the store"))?,
+        )
+    } else {
+        None
+    };
+    let mut client = TcpStoreClient::connect(env.rdzv.as_str(), &env.token, RENDEZVOUS_TIMEOUT)
+        .map_err(store_err("connecting"))?;
+    // Once connected, a request the store does not answer fails within the collective
+    // timeout like a collective would (a partitioned rank then reports it instead of
+    // waiting out the rendezvous deadline in a checkpoint's store write).
+    client.set_request_timeout(Duration::from_secs(cfg.timeout_s.max(1)));
+    let store: Arc<dyn Store> = Arc::new(client);
+    let key = |r: usize| format!("launch/{}/hello/{r}", env.job);
+    let mine = Hello { node: env.node.clone(), config_hash: checkpoint::config_hash(cfg)? };
+    let text = serde_json::to_vec(&mine)
+        .map_err(|e| RuntimeError::config(format!("encoding hello: {e}")))?;
+    store.set(&key(env.rank), &text).map_err(store_err("publishing"))?;
+    let mut hellos = Vec::with_capacity(env.world);
+    for r in 0..env.world {
+        let v = store.get(&key(r), RENDEZVOUS_TIMEOUT).map_err(store_err("waiting for ranks"))?;
+        let h: Hello = serde_json::from_slice(&v)
+            .map_err(|e| RuntimeError::config(format!("rank {r} published a bad hello: {e}")))?;
+        hellos.push(h);
+    }
+    // LAUNCH-1.
+    let differ: Vec<usize> =
+        (1..env.world).filter(|&r| hellos[r].config_hash != hellos[0].config_hash).collect();
+    if !differ.is_empty() {
+        return Err(RuntimeError::config(format!(
+            "configuration mismatch: rank(s) {differ:?} run another configuration than rank 0 \
+             (same flags on every rank required)"
+        )));
+    }
+    // LAUNCH-2: node labels numbered in order of first appearance by rank.
+    let mut ids: HashMap<&str, usize> = HashMap::new();
+    let node_of: Vec<usize> = hellos
+        .iter()
+        .map(|h| {
+            let n = ids.len();
+            *ids.entry(h.node.as_str()).or_insert(n)
+        })
+        .collect();
+    let topology = Topology::from_nodes(node_of);
+    let mut tcp = TcpOptions::default();
+    tcp.bind(SocketAddr::from(([0, 0, 0, 0], 0)))
+        .advertise(local_ip_towards(&env.rdzv)?.to_string());
+    let choice = TransportChoice::from_env()
+        .map_err(|e| RuntimeError::config(format!("SHARDLINE_TRANSPORT: {e}")))?;
+    let (transport, selection) = open_for_job(
+        choice,
+        env.rank,
+        &topology,
+        Arc::clone(&store),
+        &env.job,
+        tcp,
+        RENDEZVOUS_TIMEOUT,
+    )
+    .map_err(|e| RuntimeError::config(format!("rank {}: transport setup failed: {e}", env.rank)))?;
+    if env.rank == 0 {
+        for note in &selection.notes {
+            say!("shardline: {note}");
+        }
+    }
+    let mut copts = CommOptions::new();
+    copts.timeout(Duration::from_secs(cfg.timeout_s));
+    let comm = Communicator::new(transport as Arc<dyn Transport>, topology.clone(), copts)?;
+    Ok(Joined { _server: server, store, topology, comm, selection })
+}

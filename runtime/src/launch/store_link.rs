@@ -1,0 +1,130 @@
+//! An agent's view of the store: a reconnecting link, the generation record (LAUNCH-6) and
+//! the other agents' heartbeats (LAUNCH-10).
+
+use super::agent::STORE_REQUEST_TIMEOUT;
+use shardline_collectives::{Store, TcpStoreClient};
+use std::time::{Duration, Instant};
+
+/// What node 0's agent decided for one generation of the worker group (LAUNCH-6).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Generation {
+    pub(super) gen: u64,
+    /// Nodes whose workers make up this generation, ascending; their position numbers ranks.
+    pub(super) nodes: Vec<usize>,
+    pub(super) state: GenState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum GenState {
+    /// Workers of this generation run.
+    Run,
+    /// A failure was seen: every agent stops its workers and says so.
+    Stop,
+    /// Training finished.
+    Done,
+    /// The job failed for good.
+    Abort,
+}
+
+pub(super) fn agent_key(job: &str, what: &str) -> String {
+    format!("agent/{job}/{what}")
+}
+
+/// Result of an agent's store read.
+pub(super) enum Got {
+    Value(Vec<u8>),
+    Unset,
+    Unreachable,
+}
+
+/// An agent's connection to the store. After an I/O error it reconnects (a request that timed
+/// out may leave its late reply in the stream), and it remembers when it last got through.
+pub(super) struct StoreLink {
+    pub(super) addr: String,
+    pub(super) token: String,
+    pub(super) client: Option<TcpStoreClient>,
+    pub(super) last_ok: Instant,
+    /// Why the last connection attempt failed (for the "still waiting" line).
+    pub(super) last_err: Option<String>,
+}
+
+impl StoreLink {
+    pub(super) fn client(&mut self) -> Option<&TcpStoreClient> {
+        if self.client.is_none() {
+            match TcpStoreClient::connect(self.addr.as_str(), &self.token, STORE_REQUEST_TIMEOUT) {
+                Ok(c) => {
+                    self.client = Some(c);
+                    self.last_err = None;
+                }
+                Err(e) => self.last_err = Some(e.to_string()),
+            }
+        }
+        self.client.as_ref()
+    }
+
+    pub(super) fn set(&mut self, key: &str, value: &[u8]) -> bool {
+        let Some(c) = self.client() else { return false };
+        match c.set(key, value) {
+            Ok(()) => {
+                self.last_ok = Instant::now();
+                true
+            }
+            Err(_) => {
+                self.client = None;
+                false
+            }
+        }
+    }
+
+    pub(super) fn get(&mut self, key: &str) -> Got {
+        let Some(c) = self.client() else { return Got::Unreachable };
+        match c.get(key, Duration::from_millis(1)) {
+            Ok(v) => {
+                self.last_ok = Instant::now();
+                Got::Value(v)
+            }
+            Err(shardline_collectives::StoreError::Timeout { .. }) => {
+                self.last_ok = Instant::now();
+                Got::Unset
+            }
+            Err(_) => {
+                self.client = None;
+                Got::Unreachable
+            }
+        }
+    }
+}
+
+/// When each node's heartbeat last moved, as node 0's agent sees it.
+pub(super) struct Heartbeats {
+    pub(super) last: Vec<Option<(Vec<u8>, Instant)>>,
+}
+
+impl Heartbeats {
+    pub(super) fn new(nodes: usize) -> Self {
+        Heartbeats { last: vec![None; nodes] }
+    }
+
+    pub(super) fn poll(&mut self, link: &mut StoreLink, job: &str) {
+        for n in 0..self.last.len() {
+            if let Got::Value(v) = link.get(&agent_key(job, &format!("hb/{n}"))) {
+                if self.last[n].as_ref().is_none_or(|(old, _)| *old != v) {
+                    self.last[n] = Some((v, Instant::now()));
+                }
+            }
+        }
+    }
+
+    /// How long node `n`'s heartbeat has been still, counting from `since` at most.
+    pub(super) fn silent(&self, n: usize, since: Instant) -> Duration {
+        match self.last.get(n).and_then(|x| x.as_ref()) {
+            Some((_, t)) if *t > since => t.elapsed(),
+            _ => since.elapsed(),
+        }
+    }
+
+    pub(super) fn fresh(&self, n: usize, timeout: Duration) -> bool {
+        self.last.get(n).and_then(|x| x.as_ref()).is_some_and(|(_, t)| t.elapsed() < timeout)
+    }
+}
