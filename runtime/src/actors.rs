@@ -16,7 +16,7 @@ use crate::checkpoint::{FileEntry, PendingCheckpoint, RankShard};
 use crate::doctor::Diagnosis;
 use crate::engine::{RankEngine, StepStats};
 use crate::error::{Result, RuntimeError};
-use crate::fault::{FaultInjector, Phase};
+use crate::fault::{FaultHook, FaultInjector, Phase};
 use actix::prelude::*;
 use shardline_collectives::Communicator;
 use shardline_models::{Dataset, DistributedSampler};
@@ -45,6 +45,9 @@ pub struct Step {
     pub epoch: u64,
     /// Batch index within the epoch.
     pub index: usize,
+    /// This rank's wish to stop after this step; it travels with the step's loss reduction,
+    /// so every rank of the job learns the same answer ([`StepStats::stop`], INT-1).
+    pub stop: bool,
 }
 
 /// Evaluate on the test set; answers (correct, count, mean loss).
@@ -106,6 +109,7 @@ pub struct RankActor {
     data: Arc<RankData>,
     coordinator: Addr<Coordinator>,
     faults: Option<Arc<FaultInjector>>,
+    checkpoint_hook: Option<FaultHook>,
     /// This rank's batches of the current epoch (computed once per epoch).
     batches: shardline_models::RankBatches,
 }
@@ -118,13 +122,21 @@ impl RankActor {
             data,
             coordinator,
             faults: None,
+            checkpoint_hook: None,
             batches: shardline_models::RankBatches::default(),
         }
     }
 
-    /// Carries a fault plan (`--fault`): step progress and the checkpoint-phase hook.
+    /// Carries a fault plan (`--fault`) in one process: step progress and failure reports.
     pub fn with_faults(mut self, faults: Option<Arc<FaultInjector>>) -> Self {
         self.faults = faults;
+        self
+    }
+
+    /// Called once this rank has written its checkpoint shard (an injected fault's point,
+    /// [`Phase::Checkpoint`]).
+    pub fn with_checkpoint_hook(mut self, hook: Option<FaultHook>) -> Self {
+        self.checkpoint_hook = hook;
         self
     }
 
@@ -142,6 +154,9 @@ impl RankActor {
                 RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
             })?;
         let (x, y) = self.data.train.batch(idx);
+        if m.stop {
+            self.engine.request_stop();
+        }
         self.engine.train_step(x, &y, *global)
     }
 
@@ -187,8 +202,8 @@ impl Handler<Save> for RankActor {
         let shard = self.engine.shard_state();
         match m.0.write_shard(self.engine.rank(), &shard) {
             Ok(f) => {
-                if let Some(inj) = &self.faults {
-                    inj.at(self.engine.rank(), self.engine.steps_done(), Phase::Checkpoint);
+                if let Some(hook) = &self.checkpoint_hook {
+                    hook(self.engine.rank(), self.engine.steps_done(), Phase::Checkpoint);
                 }
                 Ok(f)
             }

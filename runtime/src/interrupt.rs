@@ -5,9 +5,9 @@
 //! exits with 128 + the signal's number. A second signal ends the process at once.
 //!
 //! Invariants:
-//! - INT-1: every rank stops after the same step (in one process the coordinator decides
-//!   between steps; across processes the ranks agree through the step's loss all-reduce), so
-//!   the checkpoint written is one consistent step.
+//! - INT-1: every rank stops after the same step: a rank's wish to stop travels with the
+//!   step's loss all-reduce, in one process as across processes, so every rank learns it from
+//!   the same step and the checkpoint written is one consistent step.
 //! - INT-2: the handler only stores to atomics or calls `_exit` (both async-signal-safe).
 //!
 //! `shardline launch`'s agent uses the same handler (without the second-signal exit): it

@@ -242,7 +242,10 @@ struct TrainArgs {
     /// Resume from the latest checkpoint in --checkpoint-dir.
     #[arg(long)]
     resume: bool,
-    /// Write one JSON object per step to this file.
+    /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
+    /// stats_messages (the job's figures, the same however the ranks run), and step_time_s
+    /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes.
+    /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,
     /// Write a Chrome trace (open in Perfetto) to this file.

@@ -1,19 +1,24 @@
-//! One process per rank: the worker side of `shardline train` in a launch environment.
+//! One process per rank: the worker side of `shardline train` in a launch environment. The
+//! rank runs as an actor under [`crate::driver`], like every rank in one process; what
+//! differs is [`Launched`]: rank 0 speaks for the job, and checkpoints are written by every
+//! process and committed through the store (LAUNCH-4).
 
 use super::env::WorkerEnv;
 use super::rendezvous::{join_job, store_err, Joined};
-use crate::checkpoint::{self, FileEntry, PendingCheckpoint};
+use crate::actors::{Buffers, RankData, Save};
+use crate::checkpoint::{CheckpointMeta, FileEntry, PendingCheckpoint};
+use crate::driver::{self, Engines, Job, Placement, Ranks};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
 use crate::fault::{FaultHook, FaultSpec, Phase};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
-use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
-use shardline_collectives::Store;
+use crate::train::{self, RunOptions, Summary, TrainConfig};
+use shardline_collectives::{Lane, Store};
 use shardline_models::DistributedSampler;
-use std::io::Write;
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Runs this process as rank `env.rank` of a multi-process job (LAUNCH-3). `cfg.world` is
 /// taken from the environment. Every rank returns the summary; only rank 0 prints.
@@ -36,7 +41,7 @@ pub fn run_worker(mut cfg: TrainConfig, opts: RunOptions, env: &WorkerEnv) -> Re
         );
     }
     let comm = joined.comm.clone();
-    let result = worker_loop(&cfg, &opts, env, plan, &joined);
+    let result = run_rank(cfg, opts, env, plan, joined);
     if let Err(e) = &result {
         // Peers waiting on this rank fail at once instead of at their timeout.
         comm.abort(&format!("rank {} failed: {e}", env.rank));
@@ -44,16 +49,14 @@ pub fn run_worker(mut cfg: TrainConfig, opts: RunOptions, env: &WorkerEnv) -> Re
     result
 }
 
-fn worker_loop(
-    cfg: &TrainConfig,
-    opts: &RunOptions,
+fn run_rank(
+    cfg: TrainConfig,
+    opts: RunOptions,
     env: &WorkerEnv,
-    plan: JobPlan,
-    joined: &Joined,
+    plan: train::JobPlan,
+    joined: Joined,
 ) -> Result<Summary> {
-    let started = Instant::now();
     let rank = env.rank;
-    let lead = rank == 0 && !opts.quiet;
     let trace = if opts.trace.is_some() { Trace::new() } else { Trace::disabled() };
     let mem = MemoryTracker::new(rank, cfg.device_memory);
     let mut engine = RankEngine::new(
@@ -64,174 +67,140 @@ fn worker_loop(
         trace.clone(),
     )?;
     let control = joined.comm.lane("launch")?;
-    let hook = worker_fault_hook(opts, env);
+    let hook = worker_fault_hook(&opts, env);
     if let Some(h) = &hook {
         engine.set_fault_hook(Arc::clone(h));
     }
+    let tracker = engine.memory().clone();
     let sampler =
         DistributedSampler::new(plan.train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
             .map_err(RuntimeError::from_model)?;
-    let mut done: u64 = 0;
-    if opts.resume {
-        let dir = opts
-            .checkpoint_dir
-            .as_ref()
-            .ok_or_else(|| RuntimeError::config("--resume needs --checkpoint-dir"))?;
-        if let Some(latest) = checkpoint::latest(dir)? {
-            let ck = checkpoint::Checkpoint::open(&latest)?;
-            ck.check_config_hash(&plan.hash)?;
-            ck.check_model(&plan.model.spec())?;
-            let buffers = ck.buffers()?;
-            let step = ck.manifest().step;
-            let shard = ck.load_rank(rank, cfg.world)?;
-            engine.load_state(&shard, &buffers, step)?;
-            done = step;
-            if lead {
-                println!("  resumed from {} (step {step})", latest.display());
-            }
-        } else if lead {
-            println!("  no checkpoint in {} yet; starting fresh", dir.display());
-        }
-    }
-    let mut log = match (&opts.log_json, rank) {
-        (Some(p), 0) => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
-                RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
-            })?,
-        )),
-        _ => None,
+    let train::JobPlan {
+        train,
+        test,
+        model,
+        stage,
+        sync,
+        total_steps,
+        steps_per_epoch,
+        optimizer,
+        hash,
+        ..
+    } = plan;
+    let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+    let placement = Launched {
+        rank,
+        world: cfg.world,
+        job: env.job.clone(),
+        wait: Duration::from_secs(cfg.timeout_s),
+        store: Arc::clone(&joined.store),
+        control,
+        progress: (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job)),
     };
-    let remaining = plan.total_steps.saturating_sub(done);
-    let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));
-    let first = done;
-    let mut losses = Vec::new();
-    let mut step_stats = Vec::new();
-    let mut step_times = Vec::new();
-    let mut exposed = Vec::new();
-    let t_loop = Instant::now();
-    let progress = (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job));
-    let mut batches = shardline_models::RankBatches::default();
-    let mut interrupted = None::<i32>;
-    for _ in 0..run_steps {
-        // INT-1: this rank's wish to stop travels with the step's loss reduction.
-        if opts.stop_on_signal && crate::interrupt::requested().is_some() {
-            engine.request_stop();
-        }
-        let epoch = done / plan.steps_per_epoch;
-        let index = (done % plan.steps_per_epoch) as usize;
-        let (global, idx) = batches
-            .get(&sampler, epoch, rank, index)
-            .ok_or_else(|| RuntimeError::config(format!("epoch {epoch} has no batch {index}")))?;
-        let (x, y) = plan.train.batch(idx);
-        let st = engine.train_step(x, &y, *global)?;
-        done += 1;
-        if let Some(p) = &progress {
-            p.publish(done);
-        }
-        let t = st.step_time.as_secs_f64();
-        if let Some(w) = log.as_mut() {
-            let line = serde_json::json!({
-                "step": done, "epoch": epoch, "loss": st.loss, "lr": st.lr, "step_time_s": t,
-                "comm_exposed_s": st.comm_exposed.as_secs_f64(),
-                "compute_s": st.compute_time.as_secs_f64(), "peak_bytes": st.peak_bytes,
-                "stats_messages": st.stats_messages, "grad_norm": st.grad_norm,
-            });
-            writeln!(w, "{line}")
-                .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
-        }
-        if lead && opts.progress && (done.is_multiple_of(10) || done == first + run_steps) {
-            println!("  step {done}/{}: loss {:.4}, {:.1} ms", plan.total_steps, st.loss, t * 1e3);
-        }
-        losses.push(st.loss);
-        step_times.push(t);
-        exposed.push(if t > 0.0 { st.comm_exposed.as_secs_f64() / t } else { 0.0 });
-        let stop_now = st.stop;
-        step_stats.push(st);
-        if let Some(dir) = &opts.checkpoint_dir {
-            let every = opts.checkpoint_every;
-            let last = done == plan.total_steps || done - first == run_steps;
-            // INT-1: a stop agreed in this step's reduction checkpoints this step everywhere.
-            if (every > 0 && done.is_multiple_of(every)) || last || stop_now {
-                let position =
-                    train::loader_position(plan.steps_per_epoch, epoch, index as u64 + 1, cfg.seed);
-                save(
-                    cfg,
-                    &plan,
-                    env,
-                    joined,
-                    &control,
-                    &engine,
-                    hook.as_ref(),
-                    dir,
-                    done,
-                    position,
-                )?;
-            }
-        }
-        if stop_now {
-            // Every rank saw the same flag in the same reduction: all stop here (INT-1).
-            interrupted = Some(crate::interrupt::requested().unwrap_or(libc::SIGTERM));
-            break;
-        }
-    }
-    if let Some(w) = log.as_mut() {
-        w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))?;
-    }
-    if let Some(signal) = interrupted {
-        // The stop step was checkpointed with the periodic ones, when there is a directory.
-        let checkpoint = match &opts.checkpoint_dir {
-            Some(dir) => checkpoint::latest(dir)?,
-            None => None,
-        };
-        engine.shutdown();
-        return Err(RuntimeError::Interrupted { signal, step: done, checkpoint });
-    }
-    let loop_s = t_loop.elapsed().as_secs_f64();
-    let batch = sampler.per_rank_batch().max(crate::actors::EVAL_MIN_BATCH);
-    let (correct, count, _) = engine.eval_set(&plan.test, batch)?;
-    let (final_params, final_buffers) = if opts.skip_final_params {
-        (Vec::new(), Vec::new())
-    } else {
-        (engine.full_params()?, engine.buffers().to_vec())
+    let engines = Engines {
+        engines: vec![engine],
+        comms: vec![joined.comm.clone()],
+        data,
+        faults: None,
+        checkpoint_hook: hook,
+        dump_on_failure: opts.dump_on_failure.clone(),
     };
-    let tracker = engine.memory().clone();
-    engine.shutdown();
+    let job = Job {
+        cfg,
+        opts: opts.clone(),
+        model,
+        stage,
+        optimizer,
+        hash,
+        total_steps,
+        steps_per_epoch,
+        sync,
+    };
+    let result = driver::run(job, engines, placement);
     if let (Some(path), true) = (&opts.trace, trace.enabled()) {
         let path = path.with_extension(format!("rank{rank}.json"));
         trace
             .write_chrome(&path)
             .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
     }
-    let summary = Summary {
-        steps: run_steps,
-        total_steps: done,
-        test_accuracy: if count > 0 { correct as f64 / count as f64 } else { 0.0 },
-        final_loss: losses.last().copied().unwrap_or(f32::NAN),
-        steps_per_s: if loop_s > 0.0 { run_steps as f64 / loop_s } else { 0.0 },
-        median_step_s: train::median(&mut step_times.clone()),
-        comm_exposed_frac: if exposed.is_empty() {
-            0.0
-        } else {
-            exposed.iter().sum::<f64>() / exposed.len() as f64
-        },
-        peak_bytes: vec![tracker.peak_total()],
-        peak_by_category: vec![crate::memory::Category::ALL
-            .iter()
-            .map(|c| (c.key().to_string(), tracker.peak(*c)))
-            .collect()],
-        stage: plan.stage.index(),
-        sync_bn: plan.sync.clone(),
-        stats_messages_per_step: step_stats.last().map_or(0, |s| s.stats_messages),
-        wall_s: started.elapsed().as_secs_f64(),
-        losses,
-        final_params,
-        final_buffers,
-        step_stats,
-    };
-    if lead {
-        train::print_summary(&summary, &[tracker]);
+    let mut summary = result?;
+    let trackers = [tracker];
+    driver::add_memory(&mut summary, &trackers);
+    if rank == 0 && !opts.quiet {
+        train::print_summary(&summary, &trackers);
     }
     Ok(summary)
+}
+
+/// One process per rank: rank 0 speaks for the job; checkpoints go through the store.
+struct Launched {
+    rank: usize,
+    world: usize,
+    job: String,
+    /// Deadline of the checkpoint barriers and store reads (the collective timeout).
+    wait: Duration,
+    store: Arc<dyn Store>,
+    /// The lane of the checkpoint barriers.
+    control: Lane,
+    progress: Option<ProgressPublisher>,
+}
+
+impl Placement for Launched {
+    fn lead(&self) -> bool {
+        self.rank == 0
+    }
+
+    fn step_done(&self, step: u64) {
+        if let Some(p) = &self.progress {
+            p.publish(step);
+        }
+    }
+
+    /// LAUNCH-4: rank 0 begins, every rank writes its shard and publishes its file entry, and
+    /// rank 0 commits once the barrier says every rank is done.
+    async fn save(&self, ranks: &Ranks, dir: &Path, step: u64, meta: CheckpointMeta) -> Result<()> {
+        // The barrier's own deadline, not a local wait's: its timeout then names the rank
+        // that did not arrive.
+        let mut barrier = shardline_collectives::CallOptions::new();
+        barrier.timeout(self.wait);
+        let rank = self.rank;
+        let pending = if rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
+        self.control.barrier_opts(&barrier).wait()?;
+        let pending = Arc::new(match pending {
+            Some(p) => p,
+            None => PendingCheckpoint::join(dir, step)?,
+        });
+        let mut entry = ranks
+            .ask(|_| Save(Arc::clone(&pending)), &format!("checkpoint at step {step}"))
+            .await?;
+        let entry = entry.swap_remove(0);
+        let key = |r: usize| format!("launch/{}/ckpt/{step}/{r}", self.job);
+        let text = serde_json::to_vec(&entry)
+            .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
+        self.store.set(&key(rank), &text).map_err(store_err("publishing a shard"))?;
+        self.control.barrier_opts(&barrier).wait()?;
+        if rank == 0 {
+            let mut files = Vec::with_capacity(self.world);
+            for r in 0..self.world {
+                let v =
+                    self.store.get(&key(r), self.wait).map_err(store_err("collecting shards"))?;
+                let f: FileEntry = serde_json::from_slice(&v).map_err(|e| {
+                    RuntimeError::config(format!("rank {r} published a bad file entry: {e}"))
+                })?;
+                files.push(f);
+            }
+            let buffers = ranks.addrs()[0]
+                .send(Buffers)
+                .await
+                .map_err(|e| RuntimeError::config(format!("checkpoint buffers: {e}")))?;
+            let pending = Arc::try_unwrap(pending)
+                .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
+            pending.commit(meta, files, &buffers)?;
+        }
+        // Nobody begins the next checkpoint (or reads this one) before it is committed.
+        self.control.barrier_opts(&barrier).wait()?;
+        Ok(())
+    }
 }
 
 /// LAUNCH-9: rank 0's finished steps, for the agents' fault log, published from a thread of
@@ -323,63 +292,4 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
             }
         }
     }))
-}
-
-/// LAUNCH-4: rank 0 begins, every rank writes its shard and publishes its file entry, and
-/// rank 0 commits once the barrier says every rank is done.
-#[allow(clippy::too_many_arguments)]
-fn save(
-    cfg: &TrainConfig,
-    plan: &JobPlan,
-    env: &WorkerEnv,
-    joined: &Joined,
-    control: &shardline_collectives::Lane,
-    engine: &RankEngine,
-    hook: Option<&FaultHook>,
-    dir: &std::path::Path,
-    step: u64,
-    position: checkpoint::DataLoaderState,
-) -> Result<()> {
-    let wait = Duration::from_secs(cfg.timeout_s);
-    // The barrier's own deadline, not a local wait's: its timeout then names the rank that
-    // did not arrive.
-    let mut barrier = shardline_collectives::CallOptions::new();
-    barrier.timeout(wait);
-    let pending = if env.rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
-    control.barrier_opts(&barrier).wait()?;
-    let pending = match pending {
-        Some(p) => p,
-        None => PendingCheckpoint::join(dir, step)?,
-    };
-    let entry = pending.write_shard(env.rank, &engine.shard_state())?;
-    if let Some(h) = hook {
-        h(env.rank, step, Phase::Checkpoint);
-    }
-    let key = |r: usize| format!("launch/{}/ckpt/{step}/{r}", env.job);
-    let text = serde_json::to_vec(&entry)
-        .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
-    joined.store.set(&key(env.rank), &text).map_err(store_err("publishing a shard"))?;
-    control.barrier_opts(&barrier).wait()?;
-    if env.rank == 0 {
-        let mut files = Vec::with_capacity(cfg.world);
-        for r in 0..cfg.world {
-            let v = joined.store.get(&key(r), wait).map_err(store_err("collecting shards"))?;
-            let f: FileEntry = serde_json::from_slice(&v).map_err(|e| {
-                RuntimeError::config(format!("rank {r} published a bad file entry: {e}"))
-            })?;
-            files.push(f);
-        }
-        let meta = train::checkpoint_meta(
-            cfg,
-            plan.stage,
-            &plan.hash,
-            plan.optimizer,
-            &plan.model,
-            position,
-        );
-        pending.commit(meta, files, engine.buffers())?;
-    }
-    // Nobody begins the next checkpoint (or reads this one) before it is committed.
-    control.barrier_opts(&barrier).wait()?;
-    Ok(())
 }

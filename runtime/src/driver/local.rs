@@ -1,0 +1,142 @@
+//! Every rank as threads of this process, over the local transport (`shardline train`
+//! without a launch environment).
+
+use super::{Engines, Job, Placement, Ranks};
+use crate::actors::{Buffers, RankData, Save};
+use crate::checkpoint::{CheckpointMeta, PendingCheckpoint};
+use crate::engine::RankEngine;
+use crate::error::{Result, RuntimeError};
+use crate::memory::MemoryTracker;
+use crate::telemetry::Trace;
+use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
+use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
+use shardline_models::DistributedSampler;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Ranks as threads of one process: this process speaks for the job and writes every shard.
+pub struct InProcess;
+
+impl Placement for InProcess {
+    fn lead(&self) -> bool {
+        true
+    }
+
+    async fn save(&self, ranks: &Ranks, dir: &Path, step: u64, meta: CheckpointMeta) -> Result<()> {
+        let pending = Arc::new(PendingCheckpoint::begin(dir, step)?);
+        let files = ranks
+            .ask(|_| Save(Arc::clone(&pending)), &format!("checkpoint at step {step}"))
+            .await?;
+        // Buffers are replicated: rank 0's, read without any collective (gathering the
+        // parameters here would put the whole model on every rank at every checkpoint).
+        let buffers = ranks.addrs()[0]
+            .send(Buffers)
+            .await
+            .map_err(|e| RuntimeError::config(format!("checkpoint buffers: rank 0: {e}")))?;
+        let pending = Arc::try_unwrap(pending)
+            .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
+        pending.commit(meta, files, &buffers)?;
+        Ok(())
+    }
+}
+
+/// Runs a training job with every rank in this process; blocks until it ends.
+pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
+    if cfg.world > MAX_LOCAL_WORLD {
+        return Err(RuntimeError::config(format!(
+            "--world {}: without `shardline launch` every rank is a set of threads of this one \
+             process (an actor and three lanes, each with its own copy of the model state); at \
+             most {MAX_LOCAL_WORLD} run here. Start more ranks as processes: shardline launch \
+             --nproc-per-node N [--nnodes M ...] -- train ...",
+            cfg.world
+        )));
+    }
+    let p = train::plan(&cfg)?;
+    if !opts.quiet {
+        train::print_header(&cfg, &p);
+    }
+    let JobPlan {
+        train,
+        test,
+        model,
+        stage,
+        sync,
+        total_steps,
+        steps_per_epoch,
+        optimizer,
+        engine: ecfg,
+        hash,
+        ..
+    } = p;
+    let sampler = DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
+        .map_err(RuntimeError::from_model)?;
+    let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+    let mut copts = CommOptions::new();
+    copts.timeout(Duration::from_secs(cfg.timeout_s));
+    if cfg.link_rate.is_some() {
+        copts.link_rate(cfg.link_rate);
+    }
+    let comms = match &opts.faults {
+        Some(f) => f.local_group(Topology::single_node(cfg.world), copts)?,
+        None => local_group_with_topology(Topology::single_node(cfg.world), copts)?,
+    };
+    let trace = if opts.trace.is_some() { Trace::new() } else { Trace::disabled() };
+    if let Some(f) = &opts.faults {
+        f.attach_trace(&trace);
+    }
+
+    // Build every engine concurrently: opening lanes is collective.
+    let engines: Vec<Result<RankEngine>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (c, m, e, t) = (c.clone(), Arc::clone(&model), ecfg.clone(), trace.clone());
+                let mem = MemoryTracker::new(c.rank(), cfg.device_memory);
+                s.spawn(move || RankEngine::new(c, m, e, mem, t))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(RuntimeError::config("engine construction panicked")))
+            })
+            .collect()
+    });
+    let mut engines: Vec<RankEngine> = engines.into_iter().collect::<Result<_>>()?;
+    if let Some(f) = &opts.faults {
+        engines.iter_mut().for_each(|e| e.set_fault_hook(f.hook()));
+    }
+    let trackers: Vec<MemoryTracker> = engines.iter().map(|e| e.memory().clone()).collect();
+    let ranks = Engines {
+        engines,
+        comms,
+        data,
+        faults: opts.faults.clone(),
+        checkpoint_hook: opts.faults.as_ref().map(|f| f.hook()),
+        dump_on_failure: opts.dump_on_failure.clone(),
+    };
+    let job = Job {
+        cfg,
+        opts: opts.clone(),
+        model,
+        stage,
+        optimizer,
+        hash,
+        total_steps,
+        steps_per_epoch,
+        sync,
+    };
+    let result = super::run(job, ranks, InProcess);
+    if let (Some(path), true) = (&opts.trace, trace.enabled()) {
+        trace
+            .write_chrome(path)
+            .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
+    }
+    let mut summary = result?;
+    super::add_memory(&mut summary, &trackers);
+    if !opts.quiet {
+        train::print_summary(&summary, &trackers);
+    }
+    Ok(summary)
+}

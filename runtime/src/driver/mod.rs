@@ -1,0 +1,484 @@
+//! One training loop for every rank, whether the ranks are threads of this process
+//! (`shardline train`) or one process each (a launched worker): resume, the per-step log,
+//! progress, periodic checkpoints, interruption, evaluation and the summary exist once, here.
+//! Either way each rank is a [`RankActor`] driven by messages; what differs between the two
+//! sits behind [`Placement`]: [`local::InProcess`] and `launch`'s worker.
+//!
+//! Invariants:
+//! - DRIVE-1: a configuration run in one process and the same one launched as processes
+//!   write the same `--log-json` keys, and bitwise the same `step`, `epoch`, `loss`, `lr`,
+//!   `grad_norm` and `stats_messages` on every line (the figures of a step are the job's,
+//!   not a rank's: ENG-2). Timings are this process's ranks': `step_time_s` the slowest of
+//!   them, `comm_s` and `comm_exposed_s` their mean.
+//! - DRIVE-2: a step is checkpointed when it is a multiple of `--checkpoint-every`, the last
+//!   step of the run, or the step at which the ranks agreed to stop (INT-1); a stop ends the
+//!   run with [`RuntimeError::Interrupted`] naming that checkpoint.
+//! - DRIVE-3: a rank's failure is reported with the first failing rank as its root cause
+//!   (ACT-2), not the abort it caused elsewhere.
+
+pub mod local;
+
+use crate::actors::{Coordinator, Eval, FullParams, Load, RankActor, RankData, Shutdown, Step};
+use crate::checkpoint::{self, CheckpointMeta};
+use crate::engine::{RankEngine, StepStats};
+use crate::error::{Result, RuntimeError};
+use crate::fault::{FaultHook, FaultInjector};
+use crate::memory::MemoryTracker;
+use crate::optim::Optimizer;
+use crate::shard::Stage;
+use crate::train::{self, RunOptions, Summary, TrainConfig};
+use actix::prelude::*;
+use shardline_collectives::Communicator;
+use shardline_models::Model;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What the loop knows of the job: the same on every rank.
+pub struct Job {
+    /// The configuration.
+    pub cfg: TrainConfig,
+    /// Outputs and run length.
+    pub opts: RunOptions,
+    /// The model (SyncBatchNorm converted when on).
+    pub model: Arc<Model>,
+    /// The stage used.
+    pub stage: Stage,
+    /// The optimizer.
+    pub optimizer: Optimizer,
+    /// Hash of the configuration a checkpoint must match to be resumed.
+    pub hash: String,
+    /// Optimizer steps of the whole job.
+    pub total_steps: u64,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: u64,
+    /// Whether SyncBatchNorm is on, and why.
+    pub sync: (bool, String),
+}
+
+impl Job {
+    /// The manifest fields of a checkpoint whose loader stands after batch `next_index - 1`
+    /// of `epoch`.
+    pub fn checkpoint_meta(&self, epoch: u64, next_index: u64) -> CheckpointMeta {
+        let position =
+            train::loader_position(self.steps_per_epoch, epoch, next_index, self.cfg.seed);
+        train::checkpoint_meta(
+            &self.cfg,
+            self.stage,
+            &self.hash,
+            self.optimizer,
+            &self.model,
+            position,
+        )
+    }
+}
+
+/// The ranks this process drives, as actors, in rank order.
+pub struct Ranks {
+    addrs: Vec<Addr<RankActor>>,
+    ranks: Vec<usize>,
+    root: Arc<Mutex<Option<(usize, String)>>>,
+}
+
+impl Ranks {
+    /// The actors, in rank order.
+    pub fn addrs(&self) -> &[Addr<RankActor>] {
+        &self.addrs
+    }
+
+    /// The global rank of each actor.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    /// Sends every actor the message `make(i)` and waits for all answers; the first failure
+    /// becomes the error, named after the rank that failed first (DRIVE-3).
+    pub async fn ask<T, M>(&self, make: impl Fn(usize) -> M, what: &str) -> Result<Vec<T>>
+    where
+        T: Send + 'static,
+        M: Message<Result = std::result::Result<T, String>> + Send + 'static,
+        RankActor: Handler<M>,
+    {
+        let futs: Vec<_> = self.addrs.iter().enumerate().map(|(i, a)| a.send(make(i))).collect();
+        let mut out = Vec::with_capacity(futs.len());
+        let mut first_err: Option<String> = None;
+        for (i, f) in futs.into_iter().enumerate() {
+            let r = self.ranks[i];
+            match f.await {
+                Ok(Ok(v)) => out.push(v),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(format!("rank {r}: {e}"));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(format!("rank {r} is gone ({e})"));
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            // A dead rank's reply channel closes before its death notice reaches the
+            // coordinator (ACT-3): give the notice a moment so that the root cause is named.
+            for _ in 0..400 {
+                if self.root.lock().map(|s| s.is_some()).unwrap_or(true) {
+                    break;
+                }
+                actix::clock::sleep(Duration::from_millis(5)).await;
+            }
+            let cause = self.root.lock().ok().and_then(|s| s.clone());
+            let msg = match cause {
+                Some((rank, c)) => format!("{what} failed: rank {rank} failed first: {c}"),
+                None => format!("{what} failed: {e}"),
+            };
+            return Err(RuntimeError::config(msg));
+        }
+        Ok(out)
+    }
+
+    async fn shutdown(&self) {
+        for a in &self.addrs {
+            let _ = a.send(Shutdown).await;
+        }
+    }
+}
+
+/// What differs between ranks as threads of one process and one process per rank.
+pub trait Placement {
+    /// Whether this process speaks for the job: prints progress and the summary, and writes
+    /// `--log-json` (LAUNCH-3).
+    fn lead(&self) -> bool;
+
+    /// Writes the checkpoint of `step` under `dir`: every rank's shard, then one commit once
+    /// all are written (CKPT-1, LAUNCH-4).
+    fn save(
+        &self,
+        ranks: &Ranks,
+        dir: &Path,
+        step: u64,
+        meta: CheckpointMeta,
+    ) -> impl std::future::Future<Output = Result<()>>;
+
+    /// A step finished (a launched rank 0 publishes it for its agent, LAUNCH-9).
+    fn step_done(&self, _step: u64) {}
+}
+
+/// The ranks' engines and what watches them.
+pub struct Engines {
+    /// One engine per rank this process drives, in rank order.
+    pub engines: Vec<RankEngine>,
+    /// Every communicator of this process (the coordinator aborts them at a failure).
+    pub comms: Vec<Communicator>,
+    /// The data every rank reads its batches from.
+    pub data: Arc<RankData>,
+    /// A fault plan's injector (step progress, failure reports), in one process.
+    pub faults: Option<Arc<FaultInjector>>,
+    /// Called when a rank has written its checkpoint shard (an injected fault's point).
+    pub checkpoint_hook: Option<FaultHook>,
+    /// Where to write the collective-state dump at the first failure.
+    pub dump_on_failure: Option<PathBuf>,
+}
+
+/// Runs `job` on `engines` in an actor system of its own; blocks until the run ends. The
+/// summary's memory fields are left to the caller, which holds the trackers.
+pub fn run<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Summary> {
+    let system = actix::System::new();
+    system.block_on(drive(job, engines, placement))
+}
+
+fn start_actors(e: Engines) -> Ranks {
+    let coordinator =
+        Coordinator::new(e.comms).with_supervision(e.faults.clone(), e.dump_on_failure);
+    let root = coordinator.root_cause_slot();
+    let coord = coordinator.start();
+    let ranks: Vec<usize> = e.engines.iter().map(|x| x.rank()).collect();
+    let mut addrs = Vec::with_capacity(e.engines.len());
+    for engine in e.engines {
+        let slot = Arc::new(Mutex::new(Some(engine)));
+        let (data, coord) = (Arc::clone(&e.data), coord.clone());
+        let (faults, hook) = (e.faults.clone(), e.checkpoint_hook.clone());
+        addrs.push(SyncArbiter::start(1, move || {
+            let engine = slot.lock().ok().and_then(|mut s| s.take());
+            // The factory runs once: a SyncArbiter of one thread.
+            RankActor::new(
+                engine.expect("rank engine handed to its actor once"),
+                Arc::clone(&data),
+                coord.clone(),
+            )
+            .with_faults(faults.clone())
+            .with_checkpoint_hook(hook.clone())
+        }));
+    }
+    Ranks { addrs, ranks, root }
+}
+
+/// Progress for a person: a bar on a terminal, else a line every ten steps.
+enum Progress {
+    Off,
+    Bar(indicatif::ProgressBar),
+    Lines,
+}
+
+impl Progress {
+    fn new(show: bool, steps: u64) -> Self {
+        if !show {
+            return Progress::Off;
+        }
+        if !std::io::stderr().is_terminal() {
+            return Progress::Lines;
+        }
+        let b = indicatif::ProgressBar::new(steps);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Progress::Bar(b)
+    }
+
+    fn step(&self, done: u64, total: u64, last: bool, loss: f32, step_s: f64, samples: usize) {
+        match self {
+            Progress::Off => {}
+            Progress::Bar(b) => {
+                let sps = samples as f64 / step_s.max(1e-9);
+                b.set_message(format!("loss {loss:.4}  {sps:.0} samples/s"));
+                b.inc(1);
+            }
+            Progress::Lines if done.is_multiple_of(10) || last => {
+                println!("  step {done}/{total}: loss {loss:.4}, {:.1} ms", step_s * 1e3);
+            }
+            Progress::Lines => {}
+        }
+    }
+
+    fn finish(&self) {
+        if let Progress::Bar(b) = self {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// `--log-json`: one JSON object per step, appended.
+struct StepLog(Option<std::io::BufWriter<std::fs::File>>);
+
+impl StepLog {
+    fn open(path: Option<&Path>) -> Result<Self> {
+        let Some(p) = path else { return Ok(StepLog(None)) };
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
+            RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
+        })?;
+        Ok(StepLog(Some(std::io::BufWriter::new(f))))
+    }
+
+    fn write(&mut self, line: serde_json::Value) -> Result<()> {
+        match self.0.as_mut() {
+            Some(w) => writeln!(w, "{line}")
+                .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}"))),
+            None => Ok(()),
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        match self.0.as_mut() {
+            Some(w) => {
+                w.flush().map_err(|e| RuntimeError::config(format!("writing --log-json: {e}")))
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// One step's figures over this process's ranks (DRIVE-1).
+struct StepFigures {
+    first: StepStats,
+    step_s: f64,
+    comm_s: f64,
+    exposed_s: f64,
+    peak: u64,
+}
+
+impl StepFigures {
+    fn of(mut stats: Vec<StepStats>) -> Self {
+        let n = stats.len().max(1) as f64;
+        let step_s = stats.iter().map(|s| s.step_time.as_secs_f64()).fold(0.0, f64::max);
+        let exposed_s = stats.iter().map(|s| s.comm_exposed.as_secs_f64()).sum::<f64>() / n;
+        let comm_s = stats.iter().map(|s| s.comm_time.as_secs_f64()).sum::<f64>() / n;
+        let peak = stats.iter().map(|s| s.peak_bytes).max().unwrap_or(0);
+        StepFigures { first: stats.swap_remove(0), step_s, comm_s, exposed_s, peak }
+    }
+
+    fn json(&self, step: u64, epoch: u64) -> serde_json::Value {
+        let s = &self.first;
+        serde_json::json!({
+            "step": step, "epoch": epoch, "loss": s.loss, "lr": s.lr, "step_time_s": self.step_s,
+            "comm_exposed_s": self.exposed_s, "compute_s": s.compute_time.as_secs_f64(),
+            "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
+            "grad_norm": s.grad_norm,
+        })
+    }
+}
+
+/// Loads the newest checkpoint into every rank when `--resume` asks; the steps it holds.
+async fn resume(job: &Job, ranks: &Ranks, speak: bool) -> Result<u64> {
+    let dir = job
+        .opts
+        .checkpoint_dir
+        .as_ref()
+        .ok_or_else(|| RuntimeError::config("--resume needs --checkpoint-dir"))?;
+    let Some(latest) = checkpoint::latest(dir)? else {
+        if speak {
+            println!("  no checkpoint in {} yet; starting fresh", dir.display());
+        }
+        return Ok(0);
+    };
+    let ck = checkpoint::Checkpoint::open(&latest)?;
+    ck.check_config_hash(&job.hash)?;
+    ck.check_model(&job.model.spec())?;
+    let buffers = ck.buffers()?;
+    let step = ck.manifest().step;
+    let world = job.cfg.world;
+    let mut shards = if ranks.ranks().len() == world {
+        ck.load_all(world)?
+    } else {
+        ranks.ranks().iter().map(|&r| ck.load_rank(r, world)).collect::<Result<_>>()?
+    };
+    let shards: Vec<_> = shards.drain(..).map(Some).collect();
+    let shards = Mutex::new(shards);
+    ranks
+        .ask(
+            |i| Load {
+                shard: shards.lock().ok().and_then(|mut s| s[i].take()).unwrap_or_default(),
+                buffers: buffers.clone(),
+                step,
+            },
+            "resume",
+        )
+        .await?;
+    if speak {
+        println!(
+            "  resumed from {} (step {step}, written by world {})",
+            latest.display(),
+            ck.manifest().world
+        );
+    }
+    Ok(step)
+}
+
+async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Summary> {
+    let started = Instant::now();
+    let ranks = start_actors(engines);
+    let result = steps(&job, &ranks, &placement, started).await;
+    ranks.shutdown().await;
+    System::current().stop();
+    result
+}
+
+async fn steps<P: Placement>(
+    job: &Job,
+    ranks: &Ranks,
+    placement: &P,
+    started: Instant,
+) -> Result<Summary> {
+    let (cfg, opts) = (&job.cfg, &job.opts);
+    let lead = placement.lead();
+    let speak = lead && !opts.quiet;
+    let mut done = if opts.resume { resume(job, ranks, speak).await? } else { 0 };
+    let mut log = StepLog::open(opts.log_json.as_deref().filter(|_| lead))?;
+    let remaining = job.total_steps.saturating_sub(done);
+    let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));
+    let first = done;
+    let progress = Progress::new(lead && opts.progress, run_steps);
+    let (mut losses, mut step_stats, mut step_times, mut exposed_frac) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let t_loop = Instant::now();
+    let mut interrupted = None::<i32>;
+    for _ in 0..run_steps {
+        // INT-1: this process's wish to stop travels with the step's loss reduction, so
+        // every rank of the job learns it from the same step.
+        let stop = opts.stop_on_signal && crate::interrupt::requested().is_some();
+        let epoch = done / job.steps_per_epoch;
+        let index = (done % job.steps_per_epoch) as usize;
+        let stats =
+            ranks.ask(|_| Step { epoch, index, stop }, &format!("step {}", done + 1)).await?;
+        done += 1;
+        placement.step_done(done);
+        let f = StepFigures::of(stats);
+        metrics::histogram!("shardline_step_seconds").record(f.step_s);
+        metrics::gauge!("shardline_loss").set(f.first.loss as f64);
+        metrics::histogram!("shardline_comm_exposed_seconds").record(f.exposed_s);
+        metrics::counter!("shardline_steps_total").increment(1);
+        metrics::gauge!("shardline_peak_bytes").set(f.peak as f64);
+        log.write(f.json(done, epoch))?;
+        let last = done - first == run_steps;
+        progress.step(done, job.total_steps, last, f.first.loss, f.step_s, cfg.batch_size);
+        losses.push(f.first.loss);
+        step_times.push(f.step_s);
+        exposed_frac.push(if f.step_s > 0.0 { f.exposed_s / f.step_s } else { 0.0 });
+        let stop_now = f.first.stop;
+        step_stats.push(f.first);
+        if let Some(dir) = &opts.checkpoint_dir {
+            let every = opts.checkpoint_every;
+            // DRIVE-2.
+            if (every > 0 && done.is_multiple_of(every)) || last || stop_now {
+                let meta = job.checkpoint_meta(epoch, index as u64 + 1);
+                placement.save(ranks, dir, done, meta).await?;
+            }
+        }
+        if stop_now {
+            // Every rank saw the same flag in the same reduction: all stop here (INT-1).
+            interrupted = Some(crate::interrupt::requested().unwrap_or(libc::SIGTERM));
+            break;
+        }
+    }
+    progress.finish();
+    log.flush()?;
+    if let Some(signal) = interrupted {
+        let checkpoint = match &opts.checkpoint_dir {
+            Some(dir) => checkpoint::latest(dir)?,
+            None => None,
+        };
+        return Err(RuntimeError::Interrupted { signal, step: done, checkpoint });
+    }
+    let loop_s = t_loop.elapsed().as_secs_f64();
+    let ev = ranks.ask(|_| Eval, "evaluation").await?;
+    let (correct, count, _) = ev[0];
+    let (final_params, final_buffers) = if opts.skip_final_params {
+        (Vec::new(), Vec::new())
+    } else {
+        let mut full = ranks.ask(|_| FullParams, "gathering parameters").await?;
+        full.swap_remove(0)
+    };
+    Ok(Summary {
+        steps: run_steps,
+        total_steps: done,
+        test_accuracy: if count > 0 { correct as f64 / count as f64 } else { 0.0 },
+        final_loss: losses.last().copied().unwrap_or(f32::NAN),
+        steps_per_s: if loop_s > 0.0 { run_steps as f64 / loop_s } else { 0.0 },
+        median_step_s: train::median(&mut step_times),
+        comm_exposed_frac: if exposed_frac.is_empty() {
+            0.0
+        } else {
+            exposed_frac.iter().sum::<f64>() / exposed_frac.len() as f64
+        },
+        peak_bytes: vec![],
+        peak_by_category: vec![],
+        stage: job.stage.index(),
+        sync_bn: job.sync.clone(),
+        stats_messages_per_step: step_stats.last().map_or(0, |s| s.stats_messages),
+        wall_s: started.elapsed().as_secs_f64(),
+        losses,
+        final_params,
+        final_buffers,
+        step_stats,
+    })
+}
+
+/// Fills a summary's memory fields from the trackers of this process's ranks.
+pub fn add_memory(summary: &mut Summary, trackers: &[MemoryTracker]) {
+    summary.peak_bytes = trackers.iter().map(|t| t.peak_total()).collect();
+    summary.peak_by_category = trackers
+        .iter()
+        .map(|t| {
+            crate::memory::Category::ALL.iter().map(|c| (c.key().to_string(), t.peak(*c))).collect()
+        })
+        .collect();
+}
