@@ -196,6 +196,20 @@ mod tests {
         }
     }
 
+    /// MC-2: below the threshold (and at zero bytes) no copy goes non-temporal; at and above
+    /// it, one does unless the variable turned them off.
+    #[test]
+    fn only_large_copies_go_non_temporal_mc_2() {
+        let min = nt_min();
+        assert!(!wants_nt(0));
+        assert!(!wants_nt(min - 1));
+        // SHARDLINE_NT_COPY_MIN_BYTES=0 (off) reads as an unreachable minimum.
+        if min != usize::MAX {
+            assert!(wants_nt(min));
+            assert!(wants_nt(min.saturating_mul(4)));
+        }
+    }
+
     /// MC-1 through the public entry, above the threshold.
     #[test]
     fn large_copy_of_f32() {

@@ -33,6 +33,8 @@ fn group(w: usize) -> Vec<shardline_collectives::Communicator> {
 
 /// SHM-6 with every op, ReduceOp and algorithm against the naive reference (the grid's large
 /// count, 4 MiB per buffer, goes through the arena path), and the path is really taken.
+/// ARENA-3: this binary's global allocator is the arena, so an allocation inside it would
+/// re-enter it and deadlock the grid.
 #[test]
 fn arena_path_passes_the_conformance_grid_shm_6() {
     if !arena_serves_large_buffers() {

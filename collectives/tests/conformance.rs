@@ -17,6 +17,8 @@ fn opts() -> CommOptions {
     o
 }
 
+/// LANE-7 (in-place and out-of-place forms, mixed across ranks) and LOCAL-1 over the whole grid;
+/// LOCAL-2: worlds up to 8 share the machine's cores, which a busy-looping wait would starve.
 #[test]
 fn local_conformance_grid() {
     let factory = |w: usize| {
@@ -136,6 +138,7 @@ fn records_fold_in_rank_order() {
 
 /// Many lanes run concurrently and keep their own order; buffers round-trip through the pool
 /// without new allocations in steady state.
+/// EXEC-2 and POOL: a steady state allocates no new buffers.
 #[test]
 fn lanes_run_concurrently_and_pool_reaches_steady_state() {
     let comms = local_group(3).expect("group");
@@ -247,6 +250,22 @@ fn dropping_the_group_joins_lane_threads() {
 }
 
 /// Lanes are independent: an op pending on lane "a" does not hold back lane "b".
+/// COMM-2: a second `lane(name)` is the same lane: ops issued through either handle take
+/// one sequence, so ranks may mix the handles.
+#[test]
+fn the_same_name_opens_the_same_lane() {
+    let comms = local_group(2).expect("group");
+    run_ranks(comms, WAIT, |comm| {
+        let first = comm.lane("x").expect("lane x");
+        let again = comm.lane("x").expect("lane x again");
+        let (a, b) = if comm.rank() == 0 { (&first, &again) } else { (&again, &first) };
+        let got = a.all_reduce(vec![1.0; 8], ReduceOp::Sum).wait_timeout(WAIT).expect("first op");
+        assert_eq!(got, vec![2.0; 8]);
+        let got = b.all_reduce(vec![3.0; 8], ReduceOp::Sum).wait_timeout(WAIT).expect("second op");
+        assert_eq!(got, vec![6.0; 8]);
+    });
+}
+
 #[test]
 fn a_pending_lane_does_not_block_another() {
     let comms = local_group(2).expect("group");
@@ -293,6 +312,7 @@ fn unbounded_timeout_is_accepted() {
 
 /// LANE-6: a blocking small op runs on the caller when the lane is idle, and queues behind a
 /// pending op otherwise; either way results and issue order are those of the queued path.
+/// LANE-1: ops complete in issue order.
 #[test]
 fn blocking_small_ops_keep_issue_order_and_results() {
     let comms = local_group(3).expect("group");

@@ -18,6 +18,7 @@ fn group(world: usize, timeout: Duration) -> Vec<shardline_collectives::Communic
 
 /// FP-2 / LANE-3: rank 1 issues another count; every rank gets Mismatch naming both ops,
 /// long before the op timeout.
+/// LANE-1: ranks that issue different ops are told so by the fingerprint check.
 #[test]
 fn mismatch_reaches_every_rank() {
     for algo in [Algorithm::Direct, Algorithm::Ring] {

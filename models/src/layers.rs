@@ -355,6 +355,18 @@ mod tests {
     use crate::testutil::{check_grads, rand_tensor};
     use crate::Cpu;
 
+    /// LAYER-3: the linear layer keeps the very input buffer it was given, not a copy.
+    #[test]
+    fn linear_keeps_its_input_without_copying() {
+        let be = Cpu::new();
+        let l = Linear::new(5, 3);
+        let params = vec![0.5f32; l.num_params()];
+        let x = Tensor { shape: vec![4, 5], data: (0..20).map(|i| i as f32).collect() };
+        let ptr = x.data.as_ptr();
+        let (_, saved) = l.forward(&be, &params, x).expect("forward");
+        assert_eq!(saved.input.data.as_ptr(), ptr, "the saved input is the caller's buffer");
+    }
+
     #[test]
     fn linear_gradients_match_finite_differences() {
         // LAYER-1, LAYER-2

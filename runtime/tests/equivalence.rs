@@ -27,6 +27,8 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// and 4 ranks.
 const CASES: [(usize, u64); 3] = [(60, 6), (62, 6), (200, 9)];
 
+/// ENG-2: the loss of every stage and world, uneven last batches included, is the one-rank loss
+/// of the whole global batch.
 #[test]
 fn every_stage_and_world_matches_one_rank_with_sync_bn() {
     for (batch, steps) in CASES {

@@ -88,6 +88,7 @@ fn kill_and_recover(phase: &str, step: u64) {
     assert_checkpoints_intact(dir.path(), &what);
 }
 
+/// ACT-3 (the dead rank is named), SUP-1 and SUP-3 (detection and recovery times reported).
 #[test]
 fn kill_in_forward_restarts_and_ends_equal() {
     kill_and_recover("forward", 3);
@@ -103,6 +104,7 @@ fn kill_in_reduce_restarts_and_ends_equal() {
     kill_and_recover("reduce", 5);
 }
 
+/// SUP-1: the restart resumes from the last committed checkpoint, not the torn one.
 #[test]
 fn kill_during_checkpoint_write_keeps_the_previous_one() {
     // The step-4 checkpoint is being written when rank 1 dies: it must never be committed
@@ -119,6 +121,7 @@ fn kill_during_checkpoint_write_keeps_the_previous_one() {
     kill_and_recover("checkpoint", 4);
 }
 
+/// ACT-3: `rank 2 died`, well inside the collective timeout.
 #[test]
 fn kill_without_restarts_is_reported_promptly() {
     let s = supervised(cfg(), quiet(), &["kill:rank=2:step=2:phase=backward"], 0);
@@ -147,6 +150,8 @@ fn stall_under_the_timeout_is_not_a_failure() {
     assert!(bits_eq(&summary.final_params, &clean().final_params));
 }
 
+/// ACT-1, ACT-2 (the stalled rank's timeout is the root cause, not the aborts it causes) and ACT-4
+/// (the dump at the failure names the rank behind).
 #[test]
 fn stall_over_the_timeout_is_a_timeout_naming_the_rank() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -269,6 +274,7 @@ fn cli_refuses_malformed_fault_specs_with_exit_2() {
     }
 }
 
+/// FAULT-3 (injection, detection and recovery logged), SUP-3 (their times in --log-json), ACT-4.
 #[test]
 fn cli_restarts_reports_times_and_doctor_reads_the_dump() {
     let dir = tempfile::tempdir().expect("tempdir");

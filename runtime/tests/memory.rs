@@ -44,6 +44,7 @@ fn stage_3_peak_is_below_stage_0_on_every_rank() {
     }
 }
 
+/// ENG-3: the engine's buffers are counted against the cap (stage 0 exceeds it, stage 3 fits).
 #[test]
 fn a_cap_that_stage_0_exceeds_is_enough_for_stage_3() {
     let stage0 = run_ok(wide(4, 0, 400_000), quiet());

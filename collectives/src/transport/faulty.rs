@@ -530,7 +530,7 @@ mod tests {
 
     #[test]
     fn decisions_depend_only_on_seed_and_op() {
-        // FAULTY-1
+        // FAULTY-1, and the runtime's FAULT-4 that rests on it.
         let p = LinkPlan::new(vec![], 42);
         let t = Tag { lane: 9, seq: 3, step: 1, ..Tag::default() };
         assert_eq!(p.draw(&t, 0, 1, 0, 0), p.draw(&t, 0, 1, 0, 0));

@@ -355,7 +355,7 @@ async fn resume(job: &Job, ranks: &Ranks, speak: bool) -> Result<u64> {
         .await?;
     if speak {
         println!(
-            "  resumed from {} (step {step}, written by world {})",
+            "  resumed from {} (step {step}), written by world {}",
             latest.display(),
             ck.manifest().world
         );
