@@ -26,7 +26,7 @@ trap cleanup EXIT
 ip link add "$BR" type bridge && ip link set "$BR" up
 for i in 0 1; do
   ip netns add "${NS[$i]}"
-  # MTU 9000 as in runtime/src/netns.rs (jumbo frames)
+  # MTU 9000 as in tests/src/netns.rs (jumbo frames)
   ip link add "sfh$ID-$i" mtu 9000 type veth peer name "sfi$ID-$i" mtu 9000
   ip link set "sfi$ID-$i" netns "${NS[$i]}"
   ip link set "sfh$ID-$i" master "$BR" up

@@ -28,7 +28,7 @@ use shardline_collectives::{
     local_group, CommOptions, Communicator, ReduceOp, Store, TcpStoreClient, TcpStoreServer,
     Topology,
 };
-use shardline_runtime::netns;
+use shardline_tests::{netns, process};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -669,10 +669,10 @@ pub fn run_on_net(
             .args(["--store", &store, "--transport", "tcp", "--spec", &spec])
             .args(["--node-of", &node_of.join(","), "--advertise", &net.addr(r / nproc)])
             .env("SHARDLINE_TOKEN", &token);
-        children.push(netns::Child::spawn(cmd, &format!("collectives worker {r}"))?);
+        children.push(process::Child::spawn(cmd, &format!("collectives worker {r}"))?);
     }
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s * 4 + 600);
-    let outs = netns::wait_all(children, deadline)?;
+    let outs = process::wait_all(children, deadline)?;
     let mut per_rank = Vec::new();
     for (r, out) in outs.iter().enumerate() {
         let text = String::from_utf8_lossy(&out.stdout);

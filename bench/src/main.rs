@@ -19,10 +19,10 @@ static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives:
 
 /// Builds the namespace nodes of `--nodes`; without root the error says what `--nodes` needs
 /// and how to do without it, otherwise it is the net's own (a bad node count, a missing `tc`).
-fn build_net(nodes: usize, rate: Option<u64>) -> anyhow::Result<shardline_runtime::netns::Net> {
+fn build_net(nodes: usize, rate: Option<u64>) -> anyhow::Result<shardline_tests::netns::Net> {
     use anyhow::Context;
-    let net = shardline_runtime::netns::Net::new("b", nodes, rate);
-    if shardline_runtime::netns::is_root() {
+    let net = shardline_tests::netns::Net::new("b", nodes, rate);
+    if shardline_tests::netns::is_root() {
         return Ok(net?);
     }
     net.context(

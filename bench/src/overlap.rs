@@ -13,9 +13,9 @@
 //! trace.
 //!
 //! `--nodes N --link-rate R` (root) measures over a real network instead: N network-namespace
-//! nodes ([`netns`]) whose links are shaped to R by `tc ... tbf`, `shardline launch`
-//! in each with `--nproc-per-node` workers (shm inside a node, TCP across), one job per
-//! prefetch depth with `--log-json` and `--trace`. Per rank and step the figures come from
+//! nodes (the test harness's [`shardline_tests::netns`]) whose links are shaped to R by
+//! `tc ... tbf`, `shardline launch` in each with `--nproc-per-node` workers (shm inside a
+//! node, TCP across), one job per prefetch depth with `--log-json` and `--trace`. Per rank and step the figures come from
 //! the workers' traces (OVL-1): the step is the span between two optimizer ends, compute the
 //! forward, backward and optimizer spans in it, exposed the blocked waits, communication the
 //! union of the collectives' spans clipped to the step; per step the slowest rank's step time
@@ -35,11 +35,11 @@ use crate::report;
 use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
-use shardline_runtime::netns;
 use shardline_runtime::shard::{ShardedModelLayout, Stage};
 use shardline_runtime::train::{
     self, build_model, load_data, RunOptions, StageChoice, SyncBnMode, TrainConfig,
 };
+use shardline_tests::process;
 use std::path::{Path, PathBuf};
 
 /// Flags of `shardline-bench overlap`.
@@ -818,10 +818,10 @@ fn run_nodes_in(
                 .args(["--nnodes", &nodes.to_string(), "--node-rank", &k.to_string()])
                 .args(["--rdzv", &rdzv, "--token", &token, "--"])
                 .args(train_args(a, p, dir));
-            agents.push(netns::Child::spawn(cmd, &format!("launch on node {k}"))?);
+            agents.push(process::Child::spawn(cmd, &format!("launch on node {k}"))?);
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
-        netns::wait_all(agents, deadline).with_context(|| format!("the prefetch {p} job"))?;
+        process::wait_all(agents, deadline).with_context(|| format!("the prefetch {p} job"))?;
         let events = load_rank_traces(dir, p, world)?;
         let per: Vec<Vec<[f64; 4]>> = (0..world).map(|r| rank_steps(&events, r)).collect();
         let mut row = combine_ranks(p, &per, a.warmup)?;

@@ -70,15 +70,6 @@ pub enum RuntimeError {
         /// The checkpoint directory holding that step, if one was written or already held it.
         checkpoint: Option<PathBuf>,
     },
-    /// A child process or a network-namespace command ([`crate::netns`]) failed or missed
-    /// its deadline.
-    #[error("{what}: {detail}")]
-    Process {
-        /// The process or command, e.g. `launch on node 1`.
-        what: String,
-        /// What went wrong, with the tail of its stderr where there is one.
-        detail: String,
-    },
 }
 
 impl RuntimeError {
@@ -90,11 +81,6 @@ impl RuntimeError {
     /// Shorthand for a [`RuntimeError::Checkpoint`] naming `file`.
     pub fn checkpoint(file: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
         RuntimeError::Checkpoint { file: file.into(), detail: detail.into() }
-    }
-
-    /// Shorthand for a [`RuntimeError::Process`].
-    pub fn process(what: impl Into<String>, detail: impl Into<String>) -> Self {
-        RuntimeError::Process { what: what.into(), detail: detail.into() }
     }
 
     /// Shorthand for a [`RuntimeError::Config`].

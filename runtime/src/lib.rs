@@ -10,8 +10,6 @@
 //! - [`memory`]: per-rank memory accounting by category against an optional cap.
 //! - [`checkpoint`]: sharded, atomic, reshardable checkpoints; safetensors export.
 //! - [`error`]: the crate's error type, [`RuntimeError`].
-//! - [`netns`]: nodes as network namespaces and deadline-bound child processes, for the
-//!   multi-node tests and benchmarks.
 //!
 //! The engine (forward/backward schedule per stage), the actors (`RankActor`,
 //! `Coordinator`), telemetry and the `shardline` CLI build on these modules.
@@ -45,7 +43,6 @@ pub mod fault;
 pub mod interrupt;
 pub mod launch;
 pub mod memory;
-pub mod netns;
 pub mod optim;
 pub mod schedule;
 pub mod shard;

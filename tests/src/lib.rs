@@ -1,4 +1,12 @@
-//! Shared helpers for Shardline's multi-process integration tests.
+//! Shared helpers for Shardline's multi-process and multi-node integration tests, and the
+//! test harness that `shardline-bench` shares with them (this crate is not published):
+//!
+//! - [`netns`]: nodes as network namespaces, shaped links, cleanup on drop and on signals;
+//!   the NETNS-n invariants, among them when a namespace test may skip (NETNS-8).
+//! - [`process`]: child processes in process groups of their own, every wait with a deadline.
+//! - [`launch`]: `shardline launch` agents on namespace nodes, for the tests.
+//! - [`skip`]: a skipped test says why where `cargo test` shows it, and in a skip log.
+//! - [`error`]: the harness's error type, [`HarnessError`].
 //!
 //! The rank side ([`RankConfig`], [`run_grid`], [`Outcome`]) is used by the
 //! `shardline-test-rank` binary; the launcher side ([`Group`]) by the tests, which spawn one
@@ -10,7 +18,13 @@
 //! - MP-2: a rank checks its results against a naive reference computed from deterministic
 //!   inputs that every rank regenerates, never against another rank's output.
 
+pub mod error;
+pub mod launch;
 pub mod netns;
+pub mod process;
+pub mod skip;
+
+pub use error::HarnessError;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};

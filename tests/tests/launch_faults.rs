@@ -2,10 +2,12 @@
 //! module): a killed worker restarts the group from the last checkpoint, a lost node shrinks
 //! an elastic job, a partitioned node is detected and the job recovers once the link is back.
 //! Every process carries a deadline (NETNS-3): a bug fails the test instead of hanging it.
+//! The namespace tests need root: without it they skip and say why on stderr; as root a
+//! harness that fails fails them (NETNS-8).
 
 use shardline_runtime::checkpoint::Checkpoint;
 use shardline_runtime::fault::FaultSpec;
-use shardline_tests::netns::{kill_group, shardline, spawn, wait_output, Net};
+use shardline_tests::launch::{kill_group, shardline, spawn, wait_output, LaunchNet};
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -158,7 +160,7 @@ fn killed_worker_without_restarts_fails_the_launch() {
 #[test]
 fn elastic_job_shrinks_when_a_node_is_lost() {
     let test = "elastic_job_shrinks_when_a_node_is_lost";
-    let Some(net) = Net::or_skip(2, test) else { return };
+    let Some(net) = LaunchNet::or_skip(2, test) else { return };
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let steps = 300;
@@ -208,7 +210,7 @@ fn elastic_job_shrinks_when_a_node_is_lost() {
 #[test]
 fn partitioned_node_is_detected_and_the_job_recovers() {
     let test = "partitioned_node_is_detected_and_the_job_recovers";
-    let Some(net) = Net::or_skip(2, test) else { return };
+    let Some(net) = LaunchNet::or_skip(2, test) else { return };
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let steps = 200;

@@ -1,15 +1,16 @@
 //! `shardline launch` across processes and nodes. Each "node" is a network namespace with a
 //! veth link to a bridge of its own (addresses 10.x in those namespaces only), so that ranks
 //! of different nodes really talk over TCP between hosts, while ranks of one node use shared
-//! memory (LAUNCH-2). Needs root and `ip netns`; without them the namespace tests print why
-//! they are skipped. Everything created is removed in `Drop`, also when a test fails.
+//! memory (LAUNCH-2). The namespace tests need root and iproute2: without root they skip and
+//! say why on stderr; as root a harness that fails fails them (NETNS-8). Everything created
+//! is removed in `Drop`, also when a test fails.
 //!
 //! The tests run the `shardline` binary of this workspace's target directory (built by
 //! `cargo build -p shardline-runtime`, or `cargo test --workspace`). Every process carries a
 //! deadline and is killed with its process group when it passes (NETNS-3).
 
 use shardline_runtime::checkpoint::Checkpoint;
-use shardline_tests::netns::{shardline, spawn, wait_output, Child, Net};
+use shardline_tests::launch::{shardline, spawn, wait_output, Child, LaunchNet};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -144,10 +145,10 @@ fn mismatched_configs_fail_at_start_up() {
 // Network namespaces
 // ---------------------------------------------------------------------------------------------
 
-/// Unshaped namespace nodes of this file (tag `m`, NETNS-2), or `None` with the reason the
-/// test `test` is skipped printed.
-fn net_or_skip(nodes: usize, test: &str) -> Option<Net> {
-    Net::or_skip_as("m", "multinode-test", nodes, test)
+/// Unshaped namespace nodes of this file (tag `m`, NETNS-2); without root `None`, once the
+/// reason the test `test` is skipped is written (NETNS-8).
+fn net_or_skip(nodes: usize, test: &str) -> Option<LaunchNet> {
+    LaunchNet::or_skip_as("m", "multinode-test", nodes, test)
 }
 
 /// Runs `nodes x nproc` ranks over namespaces and checks them against `train --world W`.

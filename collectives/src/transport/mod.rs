@@ -29,6 +29,8 @@ pub mod local;
 pub mod rdma;
 pub mod select;
 pub mod shm;
+#[cfg(test)]
+mod suite;
 pub mod tcp;
 
 /// Identifies one message: the op's fingerprint and the step of its schedule.

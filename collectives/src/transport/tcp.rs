@@ -1176,9 +1176,9 @@ impl LaneLinks for TcpLinks {
 
 #[cfg(test)]
 mod tests {
-    use super::super::shm::suite;
     use super::*;
     use crate::store::MemStore;
+    use crate::transport::suite;
 
     fn make(rank: usize, world: usize, store: Arc<dyn Store>) -> Box<dyn Transport> {
         Box::new(TcpTransport::new(rank, world, store, TcpOptions::default()).unwrap())

@@ -1,0 +1,112 @@
+//! Harness for `shardline launch` tests over namespace nodes ([`crate::netns`], whose
+//! NETNS-1 to NETNS-4 and NETNS-8 hold here): the `shardline` binary, processes with
+//! deadlines that fail the test when they pass, and a [`LaunchNet`] that launches one agent
+//! per node. Without root a namespace test skips and says why; as root a harness that fails
+//! fails the test ([`LaunchNet::or_skip`]).
+
+use std::ops::Deref;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use crate::netns::Net;
+pub use crate::process::Child;
+
+/// The `shardline` binary: `SHARDLINE_BIN`, else the one beside the test executable's
+/// directory (`target/<profile>/shardline`, built by `cargo build -p shardline-runtime`).
+pub fn shardline() -> PathBuf {
+    if let Ok(p) = std::env::var("SHARDLINE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let bin = exe.parent().and_then(Path::parent).map(|d| d.join("shardline")).unwrap_or_default();
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build -p shardline-runtime` first (or set SHARDLINE_BIN)",
+        bin.display()
+    );
+    bin
+}
+
+/// Spawns `cmd` with piped output, in a process group of its own (so that a test can kill
+/// an agent together with its workers, and dropping it kills the group).
+pub fn spawn(cmd: Command) -> Child {
+    let what = format!("{cmd:?}");
+    match Child::spawn(cmd, &what) {
+        Ok(c) => c,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Waits for `child` until `deadline` and returns its output whatever the exit status;
+/// panics past the deadline, after killing its process group (NETNS-3).
+pub fn wait_output(child: Child, deadline: Instant, what: &str) -> Output {
+    match child.wait_output(deadline) {
+        Ok(o) => o,
+        Err(e) => panic!("{what}: {e}"),
+    }
+}
+
+/// SIGKILL to the process group led by `child` (see [`spawn`]).
+pub fn kill_group(child: &Child) {
+    child.kill_group();
+}
+
+/// Namespace nodes that launch `shardline` agents; a [`Net`] underneath, removed on drop.
+pub struct LaunchNet {
+    net: Net,
+    token: &'static str,
+}
+
+impl Deref for LaunchNet {
+    type Target = Net;
+
+    fn deref(&self) -> &Self::Target {
+        &self.net
+    }
+}
+
+impl LaunchNet {
+    /// Builds `nodes` unshaped nodes named after `tag` (one letter per test file, NETNS-2)
+    /// whose agents use the job token `token`, through [`Net::or_skip`] (NETNS-8): without
+    /// root `None`, after saying why the test `test` is skipped; as root a failure panics.
+    pub fn or_skip_as(
+        tag: &str,
+        token: &'static str,
+        nodes: usize,
+        test: &str,
+    ) -> Option<LaunchNet> {
+        Net::or_skip(tag, nodes, None, test).map(|net| LaunchNet { net, token })
+    }
+
+    /// [`LaunchNet::or_skip_as`] for the launch fault tests.
+    pub fn or_skip(nodes: usize, test: &str) -> Option<LaunchNet> {
+        LaunchNet::or_skip_as("f", "launch-faults-test", nodes, test)
+    }
+
+    /// `shardline launch` for `node` inside its namespace, with `launch_flags` before `--`
+    /// (`--nnodes` defaults to the number of namespaces).
+    pub fn launch(
+        &self,
+        node: usize,
+        nproc: usize,
+        port: u16,
+        launch_flags: &[&str],
+        args: &[String],
+    ) -> Child {
+        let mut cmd = self.net.command(node, shardline());
+        cmd.args(["launch", "--nproc-per-node", &nproc.to_string()]);
+        if !launch_flags.contains(&"--nnodes") {
+            cmd.args(["--nnodes", &self.net.nodes().to_string()]);
+        }
+        cmd.args(launch_flags)
+            .args(["--node-rank", &node.to_string()])
+            .args(["--rdzv", &format!("{}:{port}", self.net.addr(0))])
+            .args(["--token", self.token, "--"])
+            .args(args);
+        match Child::spawn(cmd, &format!("launch on node {node}")) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
