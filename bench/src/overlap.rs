@@ -15,21 +15,25 @@
 //! `--nodes N --link-rate R` (root) measures over a real network instead: N network-namespace
 //! nodes (the test harness's [`shardline_tests::netns`]) whose links are shaped to R by
 //! `tc ... tbf`, `shardline launch` in each with `--nproc-per-node` workers (shm inside a
-//! node, TCP across), one job per prefetch depth with `--log-json` and `--trace`. Per rank and step the figures come from
-//! the workers' traces (OVL-1): the step is the span between two optimizer ends, compute the
-//! forward, backward and optimizer spans in it, exposed the blocked waits, communication the
-//! union of the collectives' spans clipped to the step; per step the slowest rank's step time
-//! and the mean over ranks of the rest; medians over the steps after the warmup. OVL-2: the
-//! `optimizer` marks carry the process's CPU time, so each rank's CPU per step is known too;
-//! the ranks' CPU per step together over the machine's cores is a floor under the step while
-//! they share those cores (the network stack's work included). OVL-3: collective spans on
-//! the trace carry their buffer's size, so the bytes each rank sends per step are counted
-//! (ring factors), and their time at the link rate alone (the wire time) is a floor under
-//! the step's communication. The in-flight union reads lower than that on a shaped link (a
-//! peer's bytes can cross before this rank's op begins), so the check takes communication as
-//! the larger of the two: prefetch 1's step time within 1.15x max(compute, communication)
+//! node, TCP across), one job per prefetch depth with `--log-json` and `--trace`. Per rank and
+//! step the figures come from the workers' traces (OVL-1); the CPU per step and the wire time
+//! are floors under the step (OVL-2, OVL-3). The in-flight union reads lower than the wire
+//! time on a shaped link (a peer's bytes can cross before this rank's op begins), so the check
+//! takes communication as //! the larger of the two: prefetch 1's step time within 1.15x max(compute, communication)
 //! where the two are comparable (ratio within [0.5, 2]). Then busbw of all-reduce, reduce-scatter and
 //! all-gather over the same shaped links (`collectives --nodes`), against the link rate.
+//!
+//! Invariants:
+//! - OVL-1: the step is the span between two optimizer ends on a rank's trace; compute is the
+//!   forward, backward and optimizer spans in it, exposed the blocked waits, communication the
+//!   union of the collectives' spans clipped to the step; per step the slowest rank's step
+//!   time and the mean over ranks of the rest; medians over the steps after the warmup.
+//! - OVL-2: the `optimizer` marks carry the process's CPU time, so each rank's CPU per step is
+//!   known; the ranks' CPU per step together over the machine's cores is a floor under the
+//!   step while they share those cores (the network stack's work included).
+//! - OVL-3: collective spans on the trace carry their buffer's size, so the bytes each rank
+//!   sends per step are counted (ring factors), and their time at the link rate alone (the
+//!   wire time) is a floor under the step's communication.
 
 use crate::report;
 use anyhow::Context;
@@ -1199,8 +1203,7 @@ mod tests {
         assert_eq!(rank_steps(&evs, 1), vec![[0.05, 0.05, 0.0, 0.0]]);
     }
 
-    /// OVL-1: the slowest rank's step, the ranks' mean of the rest, medians after warmup.
-    /// OVL-2: CPU per step from the marks' process CPU times, against values by hand.
+    /// OVL-3: the bytes each collective sends, by its ring factor.
     #[test]
     fn wire_bytes_count_what_each_collective_sends() {
         let op = |rank, row, name: &str, start: f64, bytes: f64| Ev {
@@ -1229,6 +1232,7 @@ mod tests {
         assert!(rank_wire_bytes(&evs, 2, 4).is_empty());
     }
 
+    /// OVL-2: CPU per step from the marks' process CPU times, against values by hand.
     #[test]
     fn cpu_per_step_comes_from_consecutive_marks() {
         let mark = |rank, end: f64, cpu| Ev {
@@ -1266,6 +1270,7 @@ mod tests {
         assert!(cpu_per_step(&[vec![], vec![1.0]], 1, 2).is_none());
     }
 
+    /// OVL-1: the slowest rank's step, the ranks' mean of the rest, medians after warmup.
     #[test]
     fn combine_ranks_takes_the_slowest_step_and_mean_figures() {
         let r0 = vec![[100.0, 1.0, 1.0, 1.0], [10.0, 4.0, 2.0, 1.0], [20.0, 6.0, 4.0, 3.0]];

@@ -365,7 +365,8 @@ fn log_json_has_one_object_per_step_with_the_documented_keys() {
 
 /// Ctrl-C (SIGINT) in the middle of a run: the run stops after a whole step, writes a
 /// checkpoint of it, says so and exits 130; `--resume` then ends exactly where an
-/// uninterrupted run ends (INT-1; the handler only sets the flag the driver reads, INT-2).
+/// uninterrupted run ends (INT-1; the handler only sets the flag the driver reads, INT-2; the
+/// step the ranks agreed to stop at is checkpointed, DRIVE-2).
 #[test]
 fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
     let dir = tempfile::tempdir().expect("tempdir");

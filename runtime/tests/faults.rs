@@ -150,7 +150,8 @@ fn stall_under_the_timeout_is_not_a_failure() {
     assert!(bits_eq(&summary.final_params, &clean().final_params));
 }
 
-/// ACT-1, ACT-2 (the stalled rank's timeout is the root cause, not the aborts it causes) and ACT-4
+/// ACT-1, ACT-2 and DRIVE-3 (the stalled rank's timeout is the root cause, not the aborts it
+/// causes) and ACT-4
 /// (the dump at the failure names the rank behind).
 #[test]
 fn stall_over_the_timeout_is_a_timeout_naming_the_rank() {

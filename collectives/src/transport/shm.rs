@@ -1162,7 +1162,8 @@ mod tests {
         assert_eq!(default_spin(cores + 1), Duration::ZERO);
     }
 
-    /// TR-1, TR-2, TR-5
+    /// TR-1, TR-2, TR-5; SHM-1: sizes around the slot and chunk boundaries arrive complete and
+    /// in order through the one-writer, one-reader slot rings.
     #[test]
     fn shm_all_to_all_w2_w3() {
         suite::all_to_all(&make, 2);
@@ -1264,6 +1265,7 @@ mod tests {
         assert!(!std::path::Path::new(&path).exists(), "receiver unlinks the segment");
     }
 
+    /// SHM-3: a waiter's liveness check counts a zombie or missing process as dead.
     #[test]
     fn zombie_or_missing_pid_is_dead() {
         assert!(pid_alive(std::process::id() as i32));
