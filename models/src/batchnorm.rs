@@ -24,15 +24,17 @@
 //!   holding an f64, so the merge loses no precision to the f32 wire format and counts are
 //!   exact far beyond 2^24.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use crate::error::ModelError;
+use crate::error::{ModelError, StatsError};
 use crate::layers::check_len;
 use crate::spec::ParamSpec;
 use crate::tensor::Tensor;
 
 /// Reduces statistics across the ranks of a data-parallel group (the `stats` lane).
 /// Every rank calls the same methods in the same order with buffers of the same length.
+///
+/// The runtime hands the model one implementation that counts, traces and reduces on its
+/// stats lane; a failure is a typed [`StatsError`] (rank, lane, message, cause) that
+/// [`ModelError::Stats`] carries to the caller unchanged.
 pub trait StatsReducer {
     /// Number of ranks.
     fn world(&self) -> usize;
@@ -44,50 +46,9 @@ pub trait StatsReducer {
         buf: Vec<f32>,
         record_len: usize,
         combine: fn(&mut [f32], &[f32]),
-    ) -> Result<Vec<f32>, ModelError>;
+    ) -> Result<Vec<f32>, StatsError>;
     /// Elementwise sum across ranks; every rank gets the result.
-    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, ModelError>;
-}
-
-/// Wraps a reducer and counts the messages sent through it (one per reduction), so the
-/// runtime can report statistics messages per step.
-pub struct CountingReducer<'a> {
-    inner: &'a dyn StatsReducer,
-    messages: AtomicUsize,
-}
-
-impl<'a> CountingReducer<'a> {
-    /// Counts from zero.
-    pub fn new(inner: &'a dyn StatsReducer) -> Self {
-        CountingReducer { inner, messages: AtomicUsize::new(0) }
-    }
-    /// Messages sent so far.
-    pub fn messages(&self) -> usize {
-        self.messages.load(Ordering::Relaxed)
-    }
-    /// Returns the count and restarts it (e.g. once per step).
-    pub fn take_messages(&self) -> usize {
-        self.messages.swap(0, Ordering::Relaxed)
-    }
-}
-
-impl StatsReducer for CountingReducer<'_> {
-    fn world(&self) -> usize {
-        self.inner.world()
-    }
-    fn reduce_records(
-        &self,
-        buf: Vec<f32>,
-        record_len: usize,
-        combine: fn(&mut [f32], &[f32]),
-    ) -> Result<Vec<f32>, ModelError> {
-        self.messages.fetch_add(1, Ordering::Relaxed);
-        self.inner.reduce_records(buf, record_len, combine)
-    }
-    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, ModelError> {
-        self.messages.fetch_add(1, Ordering::Relaxed);
-        self.inner.reduce_sum(buf)
-    }
+    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, StatsError>;
 }
 
 /// Values per channel in a forward statistics message: count, mean and M2, each as an
@@ -379,12 +340,13 @@ impl BatchNorm {
         training: bool,
         reducer: Option<&dyn StatsReducer>,
     ) -> Result<(Tensor, BnSaved), ModelError> {
-        let mut out = batchnorm_forward_fused(
+        let out = batchnorm_forward_fused(
             vec![BnForward { name: "batchnorm", layer: self, params, buffers, input }],
             training,
             reducer,
         )?;
-        out.pop().ok_or_else(|| ModelError::Reduce("fused forward returned nothing".into()))
+        let [one] = fused_results("batchnorm forward", out)?;
+        Ok(one)
     }
 
     /// Backward of one layer (see [`batchnorm_backward_fused`] for several at once).
@@ -396,11 +358,12 @@ impl BatchNorm {
         grads_out: &mut [f32],
         reducer: Option<&dyn StatsReducer>,
     ) -> Result<Tensor, ModelError> {
-        let mut out = batchnorm_backward_fused(
+        let out = batchnorm_backward_fused(
             vec![BnBackward { layer: self, params, saved, grad_output, grads_out }],
             reducer,
         )?;
-        out.pop().ok_or_else(|| ModelError::Reduce("fused backward returned nothing".into()))
+        let [one] = fused_results("batchnorm backward", out)?;
+        Ok(one)
     }
 }
 
@@ -466,6 +429,15 @@ pub struct BnBackward<'a> {
     pub grad_output: &'a Tensor,
     /// `weight`, `bias` gradients: the local share is ADDED (LAYER-1, BN-3).
     pub grads_out: &'a mut [f32],
+}
+
+/// The `N` results of a fused call of `N` layers, as an array (one per layer, in order).
+pub(crate) fn fused_results<T, const N: usize>(
+    what: &str,
+    out: Vec<T>,
+) -> Result<[T; N], ModelError> {
+    let got = out.len();
+    out.try_into().map_err(|_| ModelError::shape(what, format!("{N} results"), got))
 }
 
 fn syncing(sync: bool, reducer: Option<&dyn StatsReducer>) -> Option<&dyn StatsReducer> {
@@ -632,7 +604,7 @@ pub fn batchnorm_backward_fused(
 #[allow(clippy::needless_range_loop)] // index loops over parallel arrays read best here
 mod tests {
     use super::*;
-    use crate::testing::{run_ranks, thread_reducers};
+    use crate::testing::{run_ranks, thread_reducers, CountingReducer};
     use crate::testutil::{check_grads, rand_tensor};
     use std::time::Duration;
 
@@ -869,6 +841,26 @@ mod tests {
             )
             .unwrap();
         assert!(y.data.iter().all(|v| v.is_finite()));
+    }
+
+    /// A failed statistics reduction reaches the caller typed: the reducer's [`StatsError`]
+    /// (rank, lane, message, cause) inside [`ModelError::Stats`], not a string.
+    #[test]
+    fn a_failed_reduction_is_a_typed_stats_error() {
+        use crate::error::{StatsFailure, StatsOp};
+        use crate::testing::THREAD_LANE;
+        let bn = BatchNorm { sync: true, ..BatchNorm::d1(2) };
+        // Rank 1 never arrives: rank 0's forward times out.
+        let reducers = thread_reducers(2, Duration::from_millis(20));
+        let x = rand_tensor(&[3, 2], 9);
+        let e = bn.forward(&bn.init_params(), &mut bn.init_buffers(), x, true, Some(&reducers[0]));
+        match e {
+            Err(ModelError::Stats(s)) => {
+                assert_eq!((s.rank, s.lane.as_str(), s.op), (0, THREAD_LANE, StatsOp::Forward));
+                assert!(matches!(s.what, StatsFailure::Timeout(_)), "{s}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

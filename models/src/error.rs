@@ -1,4 +1,9 @@
-//! The crate's one error type.
+//! The crate's error types: [`ModelError`], and [`StatsError`], the typed failure of a
+//! SyncBatchNorm statistics reduction that a [`crate::StatsReducer`] returns and
+//! [`ModelError::Stats`] carries on unchanged.
+
+use std::fmt;
+use std::time::Duration;
 
 use thiserror::Error;
 
@@ -27,9 +32,10 @@ pub enum ModelError {
         /// Values per channel in the global batch.
         count: usize,
     },
-    /// A statistics reduction across ranks failed.
-    #[error("statistics reduction failed: {0}")]
-    Reduce(String),
+    /// A SyncBatchNorm statistics reduction across ranks failed (rank, lane, which message,
+    /// and why, typed).
+    #[error(transparent)]
+    Stats(#[from] StatsError),
     /// A data file could not be read or parsed.
     #[error("data error in {source_name}: {msg}")]
     Data {
@@ -57,5 +63,81 @@ impl ModelError {
             expected: expected.to_string(),
             got: got.to_string(),
         }
+    }
+}
+
+/// Which SyncBatchNorm statistics message a [`StatsError`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatsOp {
+    /// Forward: the per-channel `(count, mean, M2)` records
+    /// ([`crate::StatsReducer::reduce_records`]).
+    Forward,
+    /// Backward: the per-channel gradient sums ([`crate::StatsReducer::reduce_sum`]).
+    Backward,
+}
+
+impl fmt::Display for StatsOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StatsOp::Forward => "forward",
+            StatsOp::Backward => "backward",
+        })
+    }
+}
+
+/// Why a statistics reduction failed.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum StatsFailure {
+    /// The collective under the reduction failed (a timeout, a lost peer, an abort...): its
+    /// own error, typed (the runtime's reducer puts a `CollectiveError` here; downcast it).
+    #[error(transparent)]
+    Collective(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// Ranks contributed buffers of different lengths.
+    #[error("ranks sent {ours} and {theirs} values")]
+    Length {
+        /// Values this rank (or the first rank folded) sent.
+        ours: usize,
+        /// Values another rank sent.
+        theirs: usize,
+    },
+    /// A record reduction got a buffer that is not a whole number of records.
+    #[error("{len} values are not whole records of {record_len}")]
+    Records {
+        /// Values in the buffer.
+        len: usize,
+        /// Values per record.
+        record_len: usize,
+    },
+    /// Some peer did not arrive before the reducer's deadline.
+    #[error("timed out after {0:?} waiting for peers")]
+    Timeout(Duration),
+    /// A peer panicked while holding the reducer's shared state (in-process reducers).
+    #[error("the reducer's shared state is poisoned (a peer panicked)")]
+    Poisoned,
+}
+
+/// A SyncBatchNorm statistics reduction that failed: which rank, on which lane (or
+/// in-process group), for which message, and why. Returned by every
+/// [`crate::StatsReducer`], carried by [`ModelError::Stats`] and converted with `From` by the
+/// runtime, so it stays typed from the reducer to the caller.
+#[derive(Debug, Error)]
+#[error("rank {rank}: SyncBatchNorm {op} statistics on lane '{lane}': {what}")]
+pub struct StatsError {
+    /// The rank that saw the failure.
+    pub rank: usize,
+    /// The lane (or in-process group) the reduction ran on.
+    pub lane: String,
+    /// Which message.
+    pub op: StatsOp,
+    /// Why.
+    #[source]
+    pub what: StatsFailure,
+}
+
+impl StatsError {
+    /// A failure of `op` on `rank`'s `lane`.
+    pub fn new(rank: usize, lane: impl Into<String>, op: StatsOp, what: StatsFailure) -> Self {
+        StatsError { rank, lane: lane.into(), op, what }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! Tensors, compute backends, layers as pure functions of `(params, input)`,
 //! BatchNorm/SyncBatchNorm, the model zoo and data sets. Models never spawn a thread or an
-//! actor; SyncBatchNorm reduces its statistics through a collectives lane it is handed.
+//! actor; SyncBatchNorm reduces its statistics through the [`StatsReducer`] it is handed (the
+//! runtime's, on its `stats` lane), whose failures are typed ([`StatsError`]). The crate
+//! depends on no transport.
 //!
 //! ```
 //! use shardline_models::{convert_sync_batchnorm, Cpu, Ctx, Dataset, MlpBn, softmax_cross_entropy};
@@ -31,7 +33,6 @@ pub mod conv;
 pub mod cuda;
 pub mod data;
 pub mod error;
-pub mod lane;
 pub mod layers;
 pub mod loss;
 pub mod model;
@@ -45,14 +46,15 @@ mod testutil;
 pub mod zoo;
 
 pub use backend::{gemm_gflops, Backend, Cpu};
-pub use batchnorm::{BatchNorm, BnKind, CountingReducer, StatsReducer};
+pub use batchnorm::{BatchNorm, BnKind, StatsReducer};
 pub use conv::Conv2d;
 pub use data::{Dataset, DistributedSampler, RankBatches};
-pub use error::ModelError;
-pub use lane::LaneReducer;
+pub use error::{ModelError, StatsError, StatsFailure, StatsOp};
 pub use layers::{Linear, MaxPool2d};
 pub use loss::softmax_cross_entropy;
-pub use model::{convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitSaved, WrapPolicy};
+pub use model::{
+    convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitBackward, UnitSaved, WrapPolicy,
+};
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
 pub use tensor::Tensor;
 pub use zoo::{ConvNetBn, MlpBn, WideMlp};

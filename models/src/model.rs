@@ -18,8 +18,8 @@ use std::ops::Range;
 
 use crate::backend::Backend;
 use crate::batchnorm::{
-    batchnorm_backward_fused, batchnorm_forward_fused, BatchNorm, BnBackward, BnForward, BnSaved,
-    StatsReducer,
+    batchnorm_backward_fused, batchnorm_forward_fused, fused_results, BatchNorm, BnBackward,
+    BnForward, BnSaved, StatsReducer,
 };
 use crate::conv::{Conv2d, ConvSaved};
 use crate::error::ModelError;
@@ -156,8 +156,8 @@ pub struct Ctx<'a> {
     /// Treat every BatchNorm as SyncBatchNorm (the runtime's `sync_bn = true`), whether or
     /// not the model was converted with [`convert_sync_batchnorm`].
     pub sync_bn: bool,
-    /// Statistics reducer across the data-parallel group (None: a single rank). Wrap it in a
-    /// [`crate::CountingReducer`] to count statistics messages per step.
+    /// Statistics reducer across the data-parallel group (None: a single rank). The runtime's
+    /// counts and traces its messages; its failures arrive as [`ModelError::Stats`].
     pub reducer: Option<&'a dyn StatsReducer>,
     /// Samples in the global batch (all ranks), for the loss (LOSS-1).
     pub global_batch: usize,
@@ -291,6 +291,25 @@ impl InputGrad {
     pub fn is_deferred(&self) -> bool {
         matches!(self, InputGrad::Deferred { .. })
     }
+}
+
+/// One unit's backward, as [`Model::backward_unit_split`] takes it: what it reads and what
+/// it writes.
+pub struct UnitBackward<'a> {
+    /// The unit.
+    pub unit: usize,
+    /// The unit's flat parameters (spec order).
+    pub params: &'a [f32],
+    /// What the unit's forward saved.
+    pub saved: &'a UnitSaved,
+    /// Gradient of the unit's output.
+    pub grad_output: Tensor,
+    /// The unit's parameter gradients (spec order), added or written as
+    /// [`Ctx::overwrite_grads`] says.
+    pub grads_out: &'a mut [f32],
+    /// Whether the input gradient is wanted; false for the model's first unit, whose input
+    /// is data.
+    pub input_grad: bool,
 }
 
 impl Model {
@@ -439,7 +458,8 @@ impl Model {
         let (mut p0, mut b0) = (0, 0);
         for b in blocks {
             let off = Self::offsets(b, p0, b0);
-            let (y, s) = forward_block(b, &off, params, buffers, x, ctx)?;
+            let (y, s) =
+                BlockRun { block: b, off: &off, params, buffers: &mut *buffers, ctx }.forward(x)?;
             x = y;
             saved.push(s);
             p0 += b.num_params();
@@ -459,7 +479,8 @@ impl Model {
         grads_out: &mut [f32],
         ctx: &Ctx<'_>,
     ) -> Result<Tensor, ModelError> {
-        let g = self.backward_unit_split(unit, params, saved, grad_output, grads_out, ctx, true)?;
+        let call = UnitBackward { unit, params, saved, grad_output, grads_out, input_grad: true };
+        let g = self.backward_unit_split(call, ctx)?;
         g.finish(ctx.backend, params)?
             .ok_or_else(|| ModelError::Config("input gradient asked for but skipped".into()))
     }
@@ -468,20 +489,15 @@ impl Model {
     /// complete (MODEL-3). Where the unit's first layer is linear, its input gradient
     /// `dX = dY W` (as much work as its weight gradient) is left in the returned
     /// [`InputGrad`], so that a caller can hand the gradients to their reduction before
-    /// computing it; `input_grad: false` (the model's first unit, whose input is data) skips
-    /// that product altogether. Gradients and input gradient are bitwise those of
+    /// computing it; [`UnitBackward::input_grad`] false (the model's first unit, whose input is
+    /// data) skips that product altogether. Gradients and input gradient are bitwise those of
     /// `backward_unit`: the same products, only in another order.
-    #[allow(clippy::too_many_arguments)]
     pub fn backward_unit_split(
         &self,
-        unit: usize,
-        params: &[f32],
-        saved: &UnitSaved,
-        grad_output: Tensor,
-        grads_out: &mut [f32],
+        call: UnitBackward<'_>,
         ctx: &Ctx<'_>,
-        input_grad: bool,
     ) -> Result<InputGrad, ModelError> {
+        let UnitBackward { unit, params, saved, grad_output, grads_out, input_grad } = call;
         let blocks = self.unit_blocks(unit)?;
         let np: usize = blocks.iter().map(Block::num_params).sum();
         layers::check_len(&format!("unit {unit} grads"), grads_out.len(), np)?;
@@ -508,16 +524,17 @@ impl Model {
         let mut g = grad_output;
         for (i, b) in blocks.iter().enumerate().skip(usize::from(split.is_some())).rev() {
             let off = Self::offsets(b, starts[i].0, starts[i].1);
-            g = backward_block(b, &off, params, &saved.blocks[i], g, grads_out, ctx)?;
+            let mut back = BlockBack { off: &off, params, grads: &mut *grads_out, ctx };
+            g = back.block(b, &saved.blocks[i], g)?;
         }
         let Some((b, s, l, ls)) = split else {
             return Ok(if input_grad { InputGrad::Ready(g) } else { InputGrad::Skipped });
         };
         let off = Self::offsets(b, starts[0].0, starts[0].1);
         // The block's layers after the linear one, then the linear layer's parameter half.
-        let nm = b.main.len();
-        let g = back_path(&b.post, 0..b.post.len(), nm, &off, params, &s.post, g, grads_out, ctx)?;
-        let g = back_path(&b.main, 1..nm, 0, &off, params, &s.main, g, grads_out, ctx)?;
+        let mut back = BlockBack { off: &off, params, grads: &mut *grads_out, ctx };
+        let g = back.path(Path::post(b), 0..b.post.len(), &s.post, g)?;
+        let g = back.path(Path::main(b), 1..b.main.len(), &s.main, g)?;
         let r = off.params[0].clone();
         l.backward_params(ctx.backend, ls, &g, &mut grads_out[r.clone()], !ctx.overwrite_grads)?;
         Ok(if input_grad {
@@ -625,13 +642,12 @@ fn run_layer(
         Layer::BatchNorm(bn) => {
             let name = format!("{}.{}", block.name, node.name);
             let bn = effective_bn(bn, ctx);
-            let mut out = batchnorm_forward_fused(
+            let out = batchnorm_forward_fused(
                 vec![BnForward { name: &name, layer: &bn, params: p, buffers: buf, input: x }],
                 ctx.training,
                 ctx.reducer,
             )?;
-            let (y, s) =
-                out.pop().ok_or_else(|| ModelError::Reduce("empty fused result".into()))?;
+            let [(y, s)] = fused_results("batchnorm forward", out)?;
             (y, Some(LayerSaved::Bn(s)))
         }
         Layer::Relu => {
@@ -688,286 +704,229 @@ fn last_bn(nodes: &[Node]) -> Option<usize> {
     nodes.iter().rposition(|n| matches!(n.layer, Layer::BatchNorm(_)))
 }
 
-/// Runs `nodes[range]` (node `i` of the path is node `base + i` of the block's offsets).
-#[allow(clippy::too_many_arguments)]
-fn run_path(
-    block: &Block,
-    nodes: &[Node],
-    range: Range<usize>,
+/// One path of a block (main, shortcut or post): its nodes, and where its node 0 sits among
+/// the block's nodes (the index into [`Offsets`]).
+#[derive(Clone, Copy)]
+struct Path<'a> {
+    nodes: &'a [Node],
     base: usize,
-    off: &Offsets,
-    params: &[f32],
-    buffers: &mut [f32],
-    mut x: Tensor,
-    saved: &mut [Option<LayerSaved>],
-    ctx: &Ctx<'_>,
-) -> Result<Tensor, ModelError> {
-    for i in range {
-        let k = base + i;
-        let (y, s) = run_layer(
-            block,
-            &nodes[i],
-            &params[off.params[k].clone()],
-            &mut buffers[off.buffers[k].clone()],
-            x,
-            ctx,
-        )?;
-        saved[i] = s;
-        x = y;
-    }
-    Ok(x)
 }
 
-fn forward_block(
-    block: &Block,
-    off: &Offsets,
-    params: &[f32],
-    buffers: &mut [f32],
-    x: Tensor,
-    ctx: &Ctx<'_>,
-) -> Result<(Tensor, BlockSaved), ModelError> {
-    let nm = block.main.len();
-    let sc_nodes: &[Node] = block.shortcut.as_deref().unwrap_or(&[]);
-    let ns = sc_nodes.len();
-    let mut s = BlockSaved {
-        main: vec![None; nm],
-        shortcut: vec![None; ns],
-        post: vec![None; block.post.len()],
-        fused: None,
-    };
-    let sc_input = block.shortcut.as_ref().map(|_| x.clone());
-    let fuse = match (last_bn(&block.main), last_bn(sc_nodes)) {
-        (Some(i), Some(j)) if ctx.training => Some((i, j)),
-        _ => None,
-    };
-    let y = match (fuse, sc_input) {
-        (Some((i, j)), Some(xs)) => {
-            let a =
-                run_path(block, &block.main, 0..i, 0, off, params, buffers, x, &mut s.main, ctx)?;
-            let b = run_path(
-                block,
-                sc_nodes,
-                0..j,
-                nm,
-                off,
-                params,
-                buffers,
-                xs,
-                &mut s.shortcut,
-                ctx,
-            )?;
-            let (ka, kb) = (i, nm + j);
-            let (bn_a, bn_b) = match (&block.main[i].layer, &sc_nodes[j].layer) {
-                (Layer::BatchNorm(p), Layer::BatchNorm(q)) => {
-                    (effective_bn(p, ctx), effective_bn(q, ctx))
-                }
-                _ => return Err(ModelError::Config("fusion points are not BatchNorm".into())),
-            };
-            let (na, nb) = (
-                format!("{}.{}", block.name, block.main[i].name),
-                format!("{}.{}", block.name, sc_nodes[j].name),
-            );
-            // The two BN layers' buffers are disjoint ranges of the unit's buffer.
-            let (ra, rb) = (off.buffers[ka].clone(), off.buffers[kb].clone());
-            let (lo, hi) = buffers.split_at_mut(rb.start);
-            let mut out = batchnorm_forward_fused(
-                vec![
-                    BnForward {
-                        name: &na,
-                        layer: &bn_a,
-                        params: &params[off.params[ka].clone()],
-                        buffers: &mut lo[ra],
-                        input: a,
-                    },
-                    BnForward {
-                        name: &nb,
-                        layer: &bn_b,
-                        params: &params[off.params[kb].clone()],
-                        buffers: &mut hi[..rb.len()],
-                        input: b,
-                    },
-                ],
-                true,
-                ctx.reducer,
-            )?;
-            let (yb, sb) =
-                out.pop().ok_or_else(|| ModelError::Reduce("empty fused result".into()))?;
-            let (ya, sa) =
-                out.pop().ok_or_else(|| ModelError::Reduce("empty fused result".into()))?;
-            s.main[i] = Some(LayerSaved::Bn(sa));
-            s.shortcut[j] = Some(LayerSaved::Bn(sb));
-            s.fused = Some((i, j));
-            let a = run_path(
-                block,
-                &block.main,
-                i + 1..nm,
-                0,
-                off,
-                params,
-                buffers,
-                ya,
-                &mut s.main,
-                ctx,
-            )?;
-            let b = run_path(
-                block,
-                sc_nodes,
-                j + 1..ns,
-                nm,
-                off,
-                params,
-                buffers,
-                yb,
-                &mut s.shortcut,
-                ctx,
-            )?;
-            layers::add_forward(ctx.backend, a, &b)?
-        }
-        (_, Some(xs)) => {
-            let a =
-                run_path(block, &block.main, 0..nm, 0, off, params, buffers, x, &mut s.main, ctx)?;
-            let b = run_path(
-                block,
-                sc_nodes,
-                0..ns,
-                nm,
-                off,
-                params,
-                buffers,
-                xs,
-                &mut s.shortcut,
-                ctx,
-            )?;
-            layers::add_forward(ctx.backend, a, &b)?
-        }
-        (_, None) => {
-            run_path(block, &block.main, 0..nm, 0, off, params, buffers, x, &mut s.main, ctx)?
-        }
-    };
-    let y = run_path(
-        block,
-        &block.post,
-        0..block.post.len(),
-        nm + ns,
-        off,
-        params,
-        buffers,
-        y,
-        &mut s.post,
-        ctx,
-    )?;
-    Ok((y, s))
+impl<'a> Path<'a> {
+    fn main(b: &'a Block) -> Self {
+        Path { nodes: &b.main, base: 0 }
+    }
+    fn shortcut(b: &'a Block) -> Self {
+        Path { nodes: b.shortcut.as_deref().unwrap_or(&[]), base: b.main.len() }
+    }
+    fn post(b: &'a Block) -> Self {
+        let ns = b.shortcut.as_ref().map_or(0, Vec::len);
+        Path { nodes: &b.post, base: b.main.len() + ns }
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn back_path(
-    nodes: &[Node],
-    range: Range<usize>,
-    base: usize,
-    off: &Offsets,
-    params: &[f32],
-    saved: &[Option<LayerSaved>],
-    mut g: Tensor,
-    grads: &mut [f32],
-    ctx: &Ctx<'_>,
-) -> Result<Tensor, ModelError> {
-    for i in range.rev() {
-        let k = base + i;
-        let s = saved[i]
-            .as_ref()
-            .ok_or_else(|| ModelError::Config(format!("no saved state for {}", nodes[i].name)))?;
-        g = back_layer(
-            &nodes[i],
-            &params[off.params[k].clone()],
-            s,
-            g,
-            &mut grads[off.params[k].clone()],
-            ctx,
-        )?;
-    }
-    Ok(g)
+/// One block's forward: the block, where its layers' parameters and buffers lie, the unit's
+/// buffers it updates, and the call's context.
+struct BlockRun<'a, 'c> {
+    block: &'a Block,
+    off: &'a Offsets,
+    params: &'a [f32],
+    buffers: &'a mut [f32],
+    ctx: &'a Ctx<'c>,
 }
 
-fn backward_block(
-    block: &Block,
-    off: &Offsets,
-    params: &[f32],
-    s: &BlockSaved,
-    g: Tensor,
-    grads: &mut [f32],
-    ctx: &Ctx<'_>,
-) -> Result<Tensor, ModelError> {
-    let nm = block.main.len();
-    let sc_nodes: &[Node] = block.shortcut.as_deref().unwrap_or(&[]);
-    let ns = sc_nodes.len();
-    let g =
-        back_path(&block.post, 0..block.post.len(), nm + ns, off, params, &s.post, g, grads, ctx)?;
-    if block.shortcut.is_none() {
-        return back_path(&block.main, 0..nm, 0, off, params, &s.main, g, grads, ctx);
+impl BlockRun<'_, '_> {
+    /// Runs `path.nodes[range]`, saving each layer's state into `saved` (the path's).
+    fn path(
+        &mut self,
+        path: Path<'_>,
+        range: Range<usize>,
+        mut x: Tensor,
+        saved: &mut [Option<LayerSaved>],
+    ) -> Result<Tensor, ModelError> {
+        for i in range {
+            let k = path.base + i;
+            let (y, s) = run_layer(
+                self.block,
+                &path.nodes[i],
+                &self.params[self.off.params[k].clone()],
+                &mut self.buffers[self.off.buffers[k].clone()],
+                x,
+                self.ctx,
+            )?;
+            saved[i] = s;
+            x = y;
+        }
+        Ok(x)
     }
-    let (ga, gb) = layers::add_backward(&g);
-    let (mut ga, gb) = match s.fused {
-        Some((i, j)) => {
-            let ga = back_path(&block.main, i + 1..nm, 0, off, params, &s.main, ga, grads, ctx)?;
-            let gb = back_path(sc_nodes, j + 1..ns, nm, off, params, &s.shortcut, gb, grads, ctx)?;
-            let (ka, kb) = (i, nm + j);
-            let (bn_a, bn_b) = match (&block.main[i].layer, &sc_nodes[j].layer) {
-                (Layer::BatchNorm(p), Layer::BatchNorm(q)) => {
-                    (effective_bn(p, ctx), effective_bn(q, ctx))
-                }
-                _ => return Err(ModelError::Config("fusion points are not BatchNorm".into())),
-            };
-            let (sa, sb) = match (&s.main[i], &s.shortcut[j]) {
-                (Some(LayerSaved::Bn(a)), Some(LayerSaved::Bn(b))) => (a, b),
-                _ => return Err(ModelError::Config("fused BatchNorm state missing".into())),
-            };
-            let (ra, rb) = (off.params[ka].clone(), off.params[kb].clone());
-            if ctx.overwrite_grads {
-                grads[ra.clone()].fill(0.0);
-                grads[rb.clone()].fill(0.0);
+
+    fn forward(mut self, x: Tensor) -> Result<(Tensor, BlockSaved), ModelError> {
+        let (block, off, ctx) = (self.block, self.off, self.ctx);
+        let (main, sc, post) = (Path::main(block), Path::shortcut(block), Path::post(block));
+        let (nm, ns) = (main.nodes.len(), sc.nodes.len());
+        let mut s = BlockSaved {
+            main: vec![None; nm],
+            shortcut: vec![None; ns],
+            post: vec![None; block.post.len()],
+            fused: None,
+        };
+        let sc_input = block.shortcut.as_ref().map(|_| x.clone());
+        let fuse = match (last_bn(main.nodes), last_bn(sc.nodes)) {
+            (Some(i), Some(j)) if ctx.training => Some((i, j)),
+            _ => None,
+        };
+        let y = match (fuse, sc_input) {
+            (Some((i, j)), Some(xs)) => {
+                let a = self.path(main, 0..i, x, &mut s.main)?;
+                let b = self.path(sc, 0..j, xs, &mut s.shortcut)?;
+                let (ka, kb) = (i, nm + j);
+                let (bn_a, bn_b) = match (&main.nodes[i].layer, &sc.nodes[j].layer) {
+                    (Layer::BatchNorm(p), Layer::BatchNorm(q)) => {
+                        (effective_bn(p, ctx), effective_bn(q, ctx))
+                    }
+                    _ => return Err(ModelError::Config("fusion points are not BatchNorm".into())),
+                };
+                let (na, nb) = (
+                    format!("{}.{}", block.name, main.nodes[i].name),
+                    format!("{}.{}", block.name, sc.nodes[j].name),
+                );
+                // The two BN layers' buffers are disjoint ranges of the unit's buffer.
+                let (ra, rb) = (off.buffers[ka].clone(), off.buffers[kb].clone());
+                let (lo, hi) = self.buffers.split_at_mut(rb.start);
+                let out = batchnorm_forward_fused(
+                    vec![
+                        BnForward {
+                            name: &na,
+                            layer: &bn_a,
+                            params: &self.params[off.params[ka].clone()],
+                            buffers: &mut lo[ra],
+                            input: a,
+                        },
+                        BnForward {
+                            name: &nb,
+                            layer: &bn_b,
+                            params: &self.params[off.params[kb].clone()],
+                            buffers: &mut hi[..rb.len()],
+                            input: b,
+                        },
+                    ],
+                    true,
+                    ctx.reducer,
+                )?;
+                let [(ya, sa), (yb, sb)] = fused_results("fused batchnorm forward", out)?;
+                s.main[i] = Some(LayerSaved::Bn(sa));
+                s.shortcut[j] = Some(LayerSaved::Bn(sb));
+                s.fused = Some((i, j));
+                let a = self.path(main, i + 1..nm, ya, &mut s.main)?;
+                let b = self.path(sc, j + 1..ns, yb, &mut s.shortcut)?;
+                layers::add_forward(ctx.backend, a, &b)?
             }
-            let (lo, hi) = grads.split_at_mut(rb.start);
-            let mut out = batchnorm_backward_fused(
-                vec![
-                    BnBackward {
-                        layer: &bn_a,
-                        params: &params[ra.clone()],
-                        saved: sa,
-                        grad_output: &ga,
-                        grads_out: &mut lo[ra],
-                    },
-                    BnBackward {
-                        layer: &bn_b,
-                        params: &params[rb.clone()],
-                        saved: sb,
-                        grad_output: &gb,
-                        grads_out: &mut hi[..rb.len()],
-                    },
-                ],
-                ctx.reducer,
-            )?;
-            let gb = out.pop().ok_or_else(|| ModelError::Reduce("empty fused result".into()))?;
-            let ga = out.pop().ok_or_else(|| ModelError::Reduce("empty fused result".into()))?;
-            (
-                back_path(&block.main, 0..i, 0, off, params, &s.main, ga, grads, ctx)?,
-                back_path(sc_nodes, 0..j, nm, off, params, &s.shortcut, gb, grads, ctx)?,
-            )
+            (_, Some(xs)) => {
+                let a = self.path(main, 0..nm, x, &mut s.main)?;
+                let b = self.path(sc, 0..ns, xs, &mut s.shortcut)?;
+                layers::add_forward(ctx.backend, a, &b)?
+            }
+            (_, None) => self.path(main, 0..nm, x, &mut s.main)?,
+        };
+        let y = self.path(post, 0..block.post.len(), y, &mut s.post)?;
+        Ok((y, s))
+    }
+}
+
+/// One block's backward: where its layers' parameters lie, the unit's gradients it writes,
+/// and the call's context.
+struct BlockBack<'a, 'c> {
+    off: &'a Offsets,
+    params: &'a [f32],
+    grads: &'a mut [f32],
+    ctx: &'a Ctx<'c>,
+}
+
+impl BlockBack<'_, '_> {
+    /// Backward through `path.nodes[range]` in reverse, from the path's saved states.
+    fn path(
+        &mut self,
+        path: Path<'_>,
+        range: Range<usize>,
+        saved: &[Option<LayerSaved>],
+        mut g: Tensor,
+    ) -> Result<Tensor, ModelError> {
+        for i in range.rev() {
+            let k = path.base + i;
+            let node = &path.nodes[i];
+            let s = saved[i]
+                .as_ref()
+                .ok_or_else(|| ModelError::Config(format!("no saved state for {}", node.name)))?;
+            let r = self.off.params[k].clone();
+            g = back_layer(node, &self.params[r.clone()], s, g, &mut self.grads[r], self.ctx)?;
         }
-        None => (
-            back_path(&block.main, 0..nm, 0, off, params, &s.main, ga, grads, ctx)?,
-            back_path(sc_nodes, 0..ns, nm, off, params, &s.shortcut, gb, grads, ctx)?,
-        ),
-    };
-    ctx.backend.axpy(1.0, &gb.data, &mut ga.data);
-    Ok(ga)
+        Ok(g)
+    }
+
+    fn block(&mut self, block: &Block, s: &BlockSaved, g: Tensor) -> Result<Tensor, ModelError> {
+        let (off, params, ctx) = (self.off, self.params, self.ctx);
+        let (main, sc, post) = (Path::main(block), Path::shortcut(block), Path::post(block));
+        let (nm, ns) = (main.nodes.len(), sc.nodes.len());
+        let g = self.path(post, 0..block.post.len(), &s.post, g)?;
+        if block.shortcut.is_none() {
+            return self.path(main, 0..nm, &s.main, g);
+        }
+        let (ga, gb) = layers::add_backward(&g);
+        let (mut ga, gb) = match s.fused {
+            Some((i, j)) => {
+                let ga = self.path(main, i + 1..nm, &s.main, ga)?;
+                let gb = self.path(sc, j + 1..ns, &s.shortcut, gb)?;
+                let (ka, kb) = (i, nm + j);
+                let (bn_a, bn_b) = match (&main.nodes[i].layer, &sc.nodes[j].layer) {
+                    (Layer::BatchNorm(p), Layer::BatchNorm(q)) => {
+                        (effective_bn(p, ctx), effective_bn(q, ctx))
+                    }
+                    _ => return Err(ModelError::Config("fusion points are not BatchNorm".into())),
+                };
+                let (sa, sb) = match (&s.main[i], &s.shortcut[j]) {
+                    (Some(LayerSaved::Bn(a)), Some(LayerSaved::Bn(b))) => (a, b),
+                    _ => return Err(ModelError::Config("fused BatchNorm state missing".into())),
+                };
+                let (ra, rb) = (off.params[ka].clone(), off.params[kb].clone());
+                if ctx.overwrite_grads {
+                    self.grads[ra.clone()].fill(0.0);
+                    self.grads[rb.clone()].fill(0.0);
+                }
+                let (lo, hi) = self.grads.split_at_mut(rb.start);
+                let out = batchnorm_backward_fused(
+                    vec![
+                        BnBackward {
+                            layer: &bn_a,
+                            params: &params[ra.clone()],
+                            saved: sa,
+                            grad_output: &ga,
+                            grads_out: &mut lo[ra],
+                        },
+                        BnBackward {
+                            layer: &bn_b,
+                            params: &params[rb.clone()],
+                            saved: sb,
+                            grad_output: &gb,
+                            grads_out: &mut hi[..rb.len()],
+                        },
+                    ],
+                    ctx.reducer,
+                )?;
+                let [ga, gb] = fused_results("fused batchnorm backward", out)?;
+                (self.path(main, 0..i, &s.main, ga)?, self.path(sc, 0..j, &s.shortcut, gb)?)
+            }
+            None => (self.path(main, 0..nm, &s.main, ga)?, self.path(sc, 0..ns, &s.shortcut, gb)?),
+        };
+        ctx.backend.axpy(1.0, &gb.data, &mut ga.data);
+        Ok(ga)
+    }
 }
 
 #[cfg(test)]
 #[allow(clippy::needless_range_loop)] // index loops over parallel arrays read best here
 mod tests {
     use super::*;
-    use crate::batchnorm::CountingReducer;
-    use crate::testing::{run_ranks, thread_reducers};
+    use crate::testing::{run_ranks, thread_reducers, CountingReducer};
     use crate::testutil::rand_tensor;
     use crate::zoo::{ConvNetBn, MlpBn, WideMlp};
     use crate::Cpu;
@@ -1125,16 +1084,21 @@ mod tests {
                 for u in (0..m.num_units()).rev() {
                     let p = &params[u];
                     gw = m.backward_unit(u, p, &saved[u], gw, &mut want[u], &c).unwrap();
-                    let split =
-                        m.backward_unit_split(u, p, &saved[u], gg, &mut got[u], &c, true).unwrap();
+                    let call = |grad_output, grads_out, input_grad| UnitBackward {
+                        unit: u,
+                        params: p,
+                        saved: &saved[u],
+                        grad_output,
+                        grads_out,
+                        input_grad,
+                    };
+                    let split = m.backward_unit_split(call(gg, &mut got[u], true), &c).unwrap();
                     // Every MLP unit starts with a linear layer; the conv net's units start
                     // with a convolution (its head with pooling).
                     assert_eq!(split.is_deferred(), *linear_first, "{} unit {u}", m.name);
                     gg = split.finish(&be, p).unwrap().expect("asked for");
                     assert_eq!(gg, gw, "{} unit {u}: input gradient", m.name);
-                    let skip = m
-                        .backward_unit_split(u, p, &saved[u], gs, &mut skipped[u], &c, u > 0)
-                        .unwrap();
+                    let skip = m.backward_unit_split(call(gs, &mut skipped[u], u > 0), &c).unwrap();
                     if u == 0 {
                         assert!(matches!(skip, InputGrad::Skipped), "{}", m.name);
                         gs = Tensor::default();

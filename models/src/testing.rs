@@ -1,11 +1,16 @@
 //! Test helpers for other crates (feature `test-utils`): an in-process [`StatsReducer`] over
-//! threads, with a deadline on every wait.
+//! threads, with a deadline on every wait, and a [`CountingReducer`] that counts the messages
+//! sent through another reducer.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::batchnorm::StatsReducer;
-use crate::error::ModelError;
+use crate::error::{StatsError, StatsFailure, StatsOp};
+
+/// The lane name a [`ThreadReducer`]'s errors give.
+pub const THREAD_LANE: &str = "threads";
 
 struct State {
     slots: Vec<Option<Vec<f32>>>,
@@ -46,15 +51,19 @@ pub fn thread_reducers(world: usize, timeout: Duration) -> Vec<ThreadReducer> {
 }
 
 impl ThreadReducer {
+    fn error(&self, op: StatsOp, what: StatsFailure) -> StatsError {
+        StatsError::new(self.rank, THREAD_LANE, op, what)
+    }
+
     fn round(
         &self,
+        op: StatsOp,
         buf: Vec<f32>,
         fold: &dyn Fn(&mut Vec<f32>, &[f32]),
-    ) -> Result<Vec<f32>, ModelError> {
+    ) -> Result<Vec<f32>, StatsError> {
         let g = &self.group;
         let deadline = Instant::now() + g.timeout;
-        let mut st =
-            g.state.lock().map_err(|_| ModelError::Reduce("reducer lock poisoned".into()))?;
+        let mut st = g.state.lock().map_err(|_| self.error(op, StatsFailure::Poisoned))?;
         st.slots[self.rank] = Some(buf);
         st.arrived += 1;
         let gen = st.generation;
@@ -64,11 +73,8 @@ impl ThreadReducer {
             let mut acc = slots.next().unwrap_or_default();
             for s in slots {
                 if s.len() != acc.len() {
-                    return Err(ModelError::Reduce(format!(
-                        "ranks sent {} and {} values",
-                        acc.len(),
-                        s.len()
-                    )));
+                    let what = StatsFailure::Length { ours: acc.len(), theirs: s.len() };
+                    return Err(self.error(op, what));
                 }
                 fold(&mut acc, &s);
             }
@@ -80,14 +86,11 @@ impl ThreadReducer {
             while st.generation == gen {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Err(ModelError::Reduce(format!(
-                        "rank {}: timed out after {:?} waiting for peers",
-                        self.rank, g.timeout
-                    )));
+                    return Err(self.error(op, StatsFailure::Timeout(g.timeout)));
                 }
                 st =
                     g.cv.wait_timeout(st, left)
-                        .map_err(|_| ModelError::Reduce("reducer lock poisoned".into()))?
+                        .map_err(|_| self.error(op, StatsFailure::Poisoned))?
                         .0;
             }
         }
@@ -104,22 +107,60 @@ impl StatsReducer for ThreadReducer {
         buf: Vec<f32>,
         record_len: usize,
         combine: fn(&mut [f32], &[f32]),
-    ) -> Result<Vec<f32>, ModelError> {
+    ) -> Result<Vec<f32>, StatsError> {
         if record_len == 0 || !buf.len().is_multiple_of(record_len) {
-            return Err(ModelError::Reduce(format!(
-                "{} values are not whole records of {record_len}",
-                buf.len()
-            )));
+            let what = StatsFailure::Records { len: buf.len(), record_len };
+            return Err(self.error(StatsOp::Forward, what));
         }
         // One record at a time, as a collective that splits the buffer between peers would.
-        self.round(buf, &|acc, o| {
+        self.round(StatsOp::Forward, buf, &|acc, o| {
             for (a, b) in acc.chunks_exact_mut(record_len).zip(o.chunks_exact(record_len)) {
                 combine(a, b);
             }
         })
     }
-    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, ModelError> {
-        self.round(buf, &|acc, o| acc.iter_mut().zip(o).for_each(|(a, b)| *a += b))
+    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, StatsError> {
+        self.round(StatsOp::Backward, buf, &|acc, o| {
+            acc.iter_mut().zip(o).for_each(|(a, b)| *a += b)
+        })
+    }
+}
+
+/// Wraps a reducer and counts the messages sent through it (one per reduction), for tests
+/// that check how many statistics messages a forward or backward sends (BN-2, MODEL-2). The
+/// runtime counts its own, in the one reducer it hands the model.
+pub struct CountingReducer<'a> {
+    inner: &'a dyn StatsReducer,
+    messages: AtomicUsize,
+}
+
+impl<'a> CountingReducer<'a> {
+    /// Counts from zero.
+    pub fn new(inner: &'a dyn StatsReducer) -> Self {
+        CountingReducer { inner, messages: AtomicUsize::new(0) }
+    }
+    /// Messages sent so far.
+    pub fn messages(&self) -> usize {
+        self.messages.load(Ordering::Relaxed)
+    }
+}
+
+impl StatsReducer for CountingReducer<'_> {
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    fn reduce_records(
+        &self,
+        buf: Vec<f32>,
+        record_len: usize,
+        combine: fn(&mut [f32], &[f32]),
+    ) -> Result<Vec<f32>, StatsError> {
+        self.messages.fetch_add(1, Ordering::Relaxed);
+        self.inner.reduce_records(buf, record_len, combine)
+    }
+    fn reduce_sum(&self, buf: Vec<f32>) -> Result<Vec<f32>, StatsError> {
+        self.messages.fetch_add(1, Ordering::Relaxed);
+        self.inner.reduce_sum(buf)
     }
 }
 

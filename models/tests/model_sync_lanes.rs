@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
+mod common;
+
+use common::LaneReducer;
 use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
-use shardline_models::{
-    convert_sync_batchnorm, ConvNetBn, CountingReducer, Cpu, Ctx, LaneReducer, Model, Tensor,
-};
+use shardline_models::testing::CountingReducer;
+use shardline_models::{convert_sync_batchnorm, ConvNetBn, Cpu, Ctx, Model, Tensor};
 
 fn init(m: &Model) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let p = (0..m.num_units()).map(|u| m.init_params(u, 11).expect("params")).collect();

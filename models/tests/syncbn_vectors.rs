@@ -14,10 +14,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+mod common;
+
+use common::LaneReducer;
 use serde_json::Value;
 use shardline_models::batchnorm::{BatchNorm, BnKind, StatsReducer};
 use shardline_models::testing::{run_ranks, thread_reducers};
-use shardline_models::{LaneReducer, Tensor};
+use shardline_models::Tensor;
 
 const TOL_FACTOR: f64 = 4.0;
 const TOL_FLOOR: f64 = 5e-8;

@@ -52,9 +52,14 @@ pub enum RuntimeError {
     /// without the feature); the text names what is missing.
     #[error("device unavailable: {0}")]
     DeviceUnavailable(String),
-    /// A model computation failed (shapes, BatchNorm on a single value, statistics reduction).
+    /// A model computation failed (shapes, BatchNorm on a single value).
     #[error("model: {0}")]
     Model(String),
+    /// A SyncBatchNorm statistics reduction failed: the rank, the lane, which message and
+    /// why, with the collective's own error as the cause (typed from the engine's reducer
+    /// through the model to here).
+    #[error(transparent)]
+    Stats(#[from] shardline_models::StatsError),
     /// The run was asked to stop by a signal (SIGINT, SIGTERM) and stopped after a whole
     /// step on every rank (INT-1), with a checkpoint of it when a checkpoint directory was
     /// given.
@@ -73,9 +78,13 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
-    /// Wraps a model error (kept as text: the models crate's error is not `Sync`-bound here).
+    /// Wraps a model error: a statistics reduction's stays typed ([`RuntimeError::Stats`]),
+    /// the others are kept as text.
     pub fn from_model(e: shardline_models::ModelError) -> Self {
-        RuntimeError::Model(e.to_string())
+        match e {
+            shardline_models::ModelError::Stats(s) => RuntimeError::Stats(s),
+            other => RuntimeError::Model(other.to_string()),
+        }
     }
 
     /// Shorthand for a [`RuntimeError::Checkpoint`] naming `file`.
@@ -86,6 +95,12 @@ impl RuntimeError {
     /// Shorthand for a [`RuntimeError::Config`].
     pub fn config(detail: impl Into<String>) -> Self {
         RuntimeError::Config(detail.into())
+    }
+}
+
+impl From<shardline_models::ModelError> for RuntimeError {
+    fn from(e: shardline_models::ModelError) -> Self {
+        RuntimeError::from_model(e)
     }
 }
 

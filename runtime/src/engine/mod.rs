@@ -1,0 +1,505 @@
+//! The per-rank training engine: the forward/backward schedule of each ZeRO stage.
+//!
+//! Stage 3 (FSDP full shard), per step (ARCHITECTURE.md, "Schedule"):
+//! - forward, unit i: wait gather(i) -> issue gather(i+1..=i+k) (prefetch depth k, bounded by
+//!   a byte budget) -> compute -> free the gathered parameters, unless they are kept for
+//!   backward (ENG-5: the head, and with prefetch >= 1 the last block, go from forward
+//!   straight into backward, so the first backward gather is not exposed);
+//! - backward, unit i (reverse): issue gather(i-1) before computing -> wait gather(i) ->
+//!   compute gradients -> free parameters -> issue reduce-scatter(grads i) on the `reduce` lane
+//!   and go on without waiting;
+//! - optimizer step on the own slices once every reduce-scatter is done.
+//!
+//! Stage 0 all-reduces each unit's gradients (one bucket per unit) as soon as backward has
+//! produced them; stages 1 and 2 reduce-scatter them, step the own slice and all-gather the
+//! updated parameters. Gathers, reductions and SyncBN statistics use three separate lanes.
+//!
+//! The engine is cut into pure cores, which decide, and a shell, which acts; the cores take
+//! completions and sizes as inputs, read no clock and issue no collective, so that a
+//! simulated device or a plan simulator can drive the same code:
+//! - `stage`: the rules of each ZeRO stage, one table per stage (what a rank keeps, what is
+//!   gathered before use, how gradients are reduced, what is stepped and gathered after);
+//! - `prefetch`: stage 3's gather plan and byte budget (ENG-5, ENG-6);
+//! - `reduction`: the reductions in flight, their budget, and when each unit steps (ENG-7,
+//!   ENG-8, ENG-10);
+//! - `clock`: the step's communication clock (ENG-4).
+//!
+//! The shell: `pass` runs one unit's forward and backward (ENG-9), `stats` is the SyncBN
+//! statistics path, `shard_state` what a rank keeps and checkpoints, `device` the compute
+//! backend; this module orchestrates a step.
+//!
+//! Invariants (each of the others is defined in the module that implements it):
+//! - ENG-1: the same seed, data and world size give bitwise-identical parameters with any
+//!   prefetch depth (prefetch changes when a gather is issued, never what is computed), and
+//!   the squared gradient norms are summed in unit order whatever the order in which the
+//!   reductions complete.
+//! - ENG-2: the loss reported for a step is the mean over the whole global batch, and the
+//!   gradient norm counts every element of the global gradient once; both are the same on
+//!   every rank.
+//! - ENG-3: every buffer the engine holds is registered with the rank's [`MemoryTracker`]
+//!   (model state, gathered units, unreduced gradients, activations).
+//!
+//! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
+//! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
+//! lane; `stats` the SyncBN reductions.
+
+mod clock;
+mod device;
+mod pass;
+mod prefetch;
+mod reduction;
+mod shard_state;
+mod stage;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+pub use device::{open_backend, Device};
+pub use stats::STATS_LANE;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clock::CommClock;
+use pass::PassCtx;
+use prefetch::{GatherPlan, Gathered, LaneGathers, PendingGather};
+use reduction::{ReduceIo, Reductions, StepIo};
+use shard_state::ShardState;
+use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
+use shardline_models::{softmax_cross_entropy, Backend, Dataset, DistributedSampler, Model};
+use shardline_models::{StatsReducer, Tensor};
+use stage::StageRules;
+use stats::StatsLane;
+
+use crate::error::{Result, RuntimeError};
+use crate::fault::Phase;
+use crate::memory::MemoryTracker;
+use crate::optim::{self, Optimizer};
+use crate::schedule::LrSchedule;
+use crate::shard::{ShardedModelLayout, Stage};
+use crate::telemetry::{Row, Trace};
+
+/// Lane names.
+pub const GATHER_LANE: &str = "gather";
+/// Lane of gradient reductions.
+pub const REDUCE_LANE: &str = "reduce";
+
+/// What the engine needs to know about the run.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// ZeRO stage.
+    pub stage: Stage,
+    /// How many units ahead to gather (stage 3). 0 disables prefetch.
+    pub prefetch: usize,
+    /// Most bytes of gathered parameters in flight or held at once (stage 3); the current
+    /// unit is always allowed.
+    pub prefetch_budget_bytes: u64,
+    /// Stages 2 and 3: most bytes of full, not yet reduced unit gradients in flight once a
+    /// unit's reduction is issued (the unit just computed always counts). When backward
+    /// outruns the reductions, the oldest is waited for, so peak memory stays within model
+    /// state + gathered units + this budget + the gradient of the unit being computed
+    /// (ENG-7). Two units' worth lets one reduction overlap the next unit's backward.
+    pub reduce_budget_bytes: u64,
+    /// Treat every BatchNorm as SyncBatchNorm.
+    pub sync_bn: bool,
+    /// Optimizer.
+    pub optimizer: Optimizer,
+    /// Learning-rate schedule.
+    pub lr: LrSchedule,
+    /// Clip the global gradient norm to this value.
+    pub clip_grad_norm: Option<f64>,
+    /// Parameter-init seed.
+    pub seed: u64,
+    /// Threads per rank for compute kernels (CPU backend).
+    pub threads: usize,
+    /// Where the kernels run.
+    pub device: Device,
+}
+
+/// Figures of one step on one rank.
+#[derive(Clone, Debug, Default)]
+pub struct StepStats {
+    /// Mean loss over the global batch (identical on every rank, ENG-2).
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Wall time of the step.
+    pub step_time: Duration,
+    /// Time spent computing (forward, backward, optimizer).
+    pub compute_time: Duration,
+    /// Time spent blocked waiting for communication (exposed communication).
+    pub comm_exposed: Duration,
+    /// Time in which any collective of the step was in flight on this rank, overlapped or
+    /// not (ENG-4).
+    pub comm_time: Duration,
+    /// Peak tracked bytes of this rank so far.
+    pub peak_bytes: u64,
+    /// SyncBatchNorm statistics messages this step.
+    pub stats_messages: usize,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Some rank asked to stop ([`RankEngine::request_stop`]) before this step's loss
+    /// reduction: every rank learns it from the same reduction, so all stop after this step
+    /// (INT-1).
+    pub stop: bool,
+}
+
+/// A step's (or an evaluation's) running figures.
+#[derive(Default)]
+pub(crate) struct StepState {
+    /// Blocked time and collective spans.
+    pub(crate) clock: CommClock,
+    /// Compute time.
+    pub(crate) compute: Duration,
+    /// Per-unit squared norms of the own reduced gradient slices, summed in unit order
+    /// (ENG-1).
+    pub(crate) unit_sq: Vec<f64>,
+    /// With clipping the norms are taken as the reductions finish; without, the updates
+    /// give them (ENG-8).
+    pub(crate) norms_when_reduced: bool,
+    /// The step's learning rate.
+    pub(crate) lr: f32,
+    /// The gradient scale of the updates (clipping; 1 otherwise).
+    pub(crate) coef: f32,
+    /// The updates' spans, for the trace.
+    pub(crate) opt_spans: Vec<(Instant, Instant)>,
+}
+
+/// One rank's engine: its shard state and the schedule that drives it.
+pub struct RankEngine {
+    rank: usize,
+    world: usize,
+    model: Arc<Model>,
+    layout: ShardedModelLayout,
+    cfg: EngineConfig,
+    /// The stage's rules.
+    rules: &'static StageRules,
+    /// Unit names, for the trace and the memory tracker.
+    labels: Vec<String>,
+    comm: Communicator,
+    gather: Lane,
+    reduce: Lane,
+    /// Shared so that a step can hand it to the model while the engine's other state changes.
+    stats: Arc<StatsLane>,
+    backend: Box<dyn Backend>,
+    mem: MemoryTracker,
+    trace: Trace,
+    /// What the rank keeps of every unit.
+    state: ShardState,
+    step: u64,
+    /// Fault injection points (`--fault`), none in a normal run.
+    fault_hook: Option<crate::fault::FaultHook>,
+    /// This rank asks the group to stop after the current step (INT-1).
+    stop_requested: bool,
+    /// Stage 3's gathers; between passes it holds the next pass's first gather (ENG-6).
+    plan: GatherPlan<PendingGather, Gathered>,
+}
+
+impl RankEngine {
+    /// Builds the rank's state: initial parameters (the same on every rank, from the seed),
+    /// sharded as the stage says, and opens the lanes (collective: every rank calls it).
+    pub fn new(
+        comm: Communicator,
+        model: Arc<Model>,
+        cfg: EngineConfig,
+        mem: MemoryTracker,
+        trace: Trace,
+    ) -> Result<Self> {
+        let (rank, world) = (comm.rank(), comm.world());
+        let layout = ShardedModelLayout::new(&model.spec(), world)?;
+        let gather = comm.lane(GATHER_LANE)?;
+        let reduce = comm.lane(REDUCE_LANE)?;
+        let stats = Arc::new(StatsLane::open(&comm, trace.clone())?);
+        let n = layout.units().len();
+        let labels: Vec<String> = (0..n).map(|u| model.unit_name(u)).collect();
+        let state = ShardState::init(&model, &layout, &cfg, rank, &mem, &labels)?;
+        let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
+        let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
+        let backend = open_backend(cfg.device, cfg.threads)?;
+        Ok(RankEngine {
+            rank,
+            world,
+            model,
+            layout,
+            rules: StageRules::of(cfg.stage),
+            cfg,
+            labels,
+            comm,
+            gather,
+            reduce,
+            stats,
+            backend,
+            mem,
+            trace,
+            state,
+            step: 0,
+            fault_hook: None,
+            stop_requested: false,
+            plan,
+        })
+    }
+
+    /// Installs the fault plan's hook, called at each phase of each step.
+    pub fn set_fault_hook(&mut self, hook: crate::fault::FaultHook) {
+        self.fault_hook = Some(hook);
+    }
+
+    /// A fault injection point of the step being run.
+    fn fault_point(&self, phase: Phase) {
+        if let Some(h) = &self.fault_hook {
+            h(self.rank, self.step + 1, phase);
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The rank's memory tracker.
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.mem
+    }
+
+    /// The model's sharded layout.
+    pub fn layout(&self) -> &ShardedModelLayout {
+        &self.layout
+    }
+
+    /// The communicator (for aborting from outside).
+    pub fn communicator(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The gather plan and the gather lane that carries out its decisions, borrowed apart.
+    fn gathers<'a>(
+        &'a mut self,
+        clock: &'a mut CommClock,
+    ) -> (&'a mut GatherPlan<PendingGather, Gathered>, LaneGathers<'a>) {
+        let io = LaneGathers {
+            rank: self.rank,
+            layout: &self.layout,
+            shards: &self.state.params,
+            comm: &self.comm,
+            lane: &self.gather,
+            mem: &self.mem,
+            trace: &self.trace,
+            labels: &self.labels,
+            clock,
+        };
+        (&mut self.plan, io)
+    }
+
+    /// The step's reduction I/O.
+    fn io<'a>(&'a mut self, st: &'a mut StepState) -> StepIo<'a> {
+        StepIo { eng: self, st }
+    }
+
+    /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
+    /// samples. Every rank of the group must call it with its own slice (possibly empty).
+    pub fn train_step(&mut self, x: Tensor, y: &[u32], global_batch: usize) -> Result<StepStats> {
+        let t_step = Instant::now();
+        let n = self.layout.units().len();
+        // ENG-8: without clipping each unit steps as soon as its reduction is in.
+        let early = self.cfg.clip_grad_norm.is_none();
+        // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
+        // count is 1-based (OPT-3).
+        let mut st = StepState {
+            unit_sq: vec![0.0; n],
+            norms_when_reduced: !early,
+            lr: self.cfg.lr.lr_at(self.step),
+            coef: 1.0,
+            ..StepState::default()
+        };
+        let stats = Arc::clone(&self.stats);
+        stats.begin_step();
+        let reducer = (self.world > 1).then_some(&*stats as &dyn StatsReducer);
+        let pass = PassCtx { training: true, sync_bn: self.cfg.sync_bn, reducer, global_batch };
+
+        // ---- forward ----
+        self.plan.begin_step();
+        self.fault_point(Phase::Forward);
+        let (mut x, mut saved) = (x, Vec::with_capacity(n));
+        for i in 0..n {
+            let (y, s) = self.forward_unit(i, x, pass, &mut st)?;
+            saved.push(s);
+            x = y;
+        }
+        let t0 = Instant::now();
+        let (local_loss, mut grad) = softmax_cross_entropy(&x, y, global_batch)?;
+        st.compute += t0.elapsed();
+
+        // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
+        let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
+        for i in n..2 * n {
+            let s = saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
+            grad = self.backward_unit(i, s, grad, pass, &mut st, &mut reds)?;
+            reds.bound(&mut self.io(&mut st))?; // ENG-7
+            if i == n {
+                self.fault_point(Phase::Backward);
+            }
+            // Reductions that already finished give their memory back now; never blocks.
+            reds.collect(&mut self.io(&mut st))?;
+        }
+        drop(grad);
+        let (plan, mut io) = self.gathers(&mut st.clock);
+        plan.end_pass(&mut io);
+        let stats_messages = stats.end_step(&mut st.clock);
+
+        // ---- updates as the reductions come in (ENG-8, ENG-10); with clipping, norms ----
+        self.fault_point(Phase::Reduce);
+        if early {
+            self.step += 1;
+            reds.update_as_reduced(n, &mut self.io(&mut st))?;
+        } else {
+            reds.finish_all(&mut self.io(&mut st))?;
+        }
+        let (loss, total_sq, stop) = self.reduce_loss_and_norm(local_loss, &mut st)?;
+        if let Some(max) = self.cfg.clip_grad_norm {
+            st.coef = optim::clip_coef(total_sq, max);
+            self.step += 1;
+            let mut io = self.io(&mut st);
+            (0..n).try_for_each(|u| io.update(u))?;
+        }
+        self.trace_updates(&mut st);
+        if self.rules.gather_after_update {
+            self.gather_updated(&mut st.clock)?;
+        }
+        Ok(StepStats {
+            loss,
+            lr: st.lr,
+            step_time: t_step.elapsed(),
+            compute_time: st.compute,
+            comm_exposed: st.clock.exposed,
+            comm_time: st.clock.comm_time(t_step),
+            peak_bytes: self.mem.peak_total(),
+            stats_messages,
+            grad_norm: total_sq.sqrt(),
+            stop,
+        })
+    }
+
+    /// The step's loss and squared gradient norm summed over the group in one small
+    /// all-reduce (ENG-2), the norms in unit order whatever the order of completion
+    /// (ENG-1); the third value carries whether some rank asked to stop (INT-1).
+    fn reduce_loss_and_norm(
+        &self,
+        local_loss: f32,
+        st: &mut StepState,
+    ) -> Result<(f32, f64, bool)> {
+        let sq: f64 = st.unit_sq.iter().sum();
+        // Waited for at once: a blocking call runs on this thread when the lane is idle.
+        let mut now = CallOptions::new();
+        now.blocking(true);
+        let stop = if self.stop_requested { 1.0 } else { 0.0 };
+        let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32, stop], ReduceOp::Sum, &now);
+        let sums = st.clock.wait(&self.trace, self.rank, w, Row::Reduce, "loss+norm")?;
+        Ok((sums[0], sums[1] as f64, sums[2] > 0.0))
+    }
+
+    /// Each unit's update is its own span; one `optimizer` mark at the end of the last
+    /// closes the step on the trace (tools split a rank's trace into steps at it) and
+    /// carries the process's CPU time (what a step cost the machine's cores).
+    fn trace_updates(&self, st: &mut StepState) {
+        let mut last = None::<Instant>;
+        for &(t0, t1) in &st.opt_spans {
+            st.compute += t1 - t0;
+            self.trace.record(self.rank, Row::Compute, "optimizer step", t0, t1);
+            last = Some(last.map_or(t1, |l| l.max(t1)));
+        }
+        if let Some(end) = last {
+            self.trace.mark_cpu(self.rank, Row::Compute, "optimizer", end);
+        }
+    }
+
+    /// Stages 1 and 2: all-gathers the updated parameters, in place (the updated own slice
+    /// already lies in the full buffer).
+    fn gather_updated(&mut self, clock: &mut CommClock) -> Result<()> {
+        let n = self.layout.units().len();
+        let mut works = Vec::with_capacity(n);
+        for u in 0..n {
+            let full = std::mem::take(&mut self.state.params[u]);
+            works.push((u, self.gather.all_gather_in_place(full)));
+        }
+        for (u, work) in works {
+            let what = format!("all-gather {}", self.labels[u]);
+            self.state.params[u] = clock.wait(&self.trace, self.rank, work, Row::Gather, &what)?;
+        }
+        Ok(())
+    }
+
+    /// Asks every rank to stop after the step in progress or the next one: the wish travels
+    /// with the step's loss reduction, so all ranks see it at the same step
+    /// ([`StepStats::stop`], INT-1).
+    pub fn request_stop(&mut self) {
+        self.stop_requested = true;
+    }
+
+    /// Evaluates this rank's slice in eval mode; returns (correct, count, summed loss over the
+    /// slice divided by `global_n`). Collective: every rank calls it.
+    pub fn eval(&mut self, x: Tensor, y: &[u32], global_n: usize) -> Result<(u64, u64, f32)> {
+        let mut st = StepState::default();
+        let pass = PassCtx {
+            training: false,
+            sync_bn: false,
+            reducer: None,
+            global_batch: global_n.max(1),
+        };
+        self.plan.begin_eval();
+        let mut x = x;
+        for i in 0..self.layout.units().len() {
+            x = self.forward_unit(i, x, pass, &mut st)?.0;
+        }
+        let classes = *x.shape.last().unwrap_or(&1);
+        let mut correct = 0u64;
+        for (i, &label) in y.iter().enumerate() {
+            let row = &x.data[i * classes..(i + 1) * classes];
+            let mut best = 0;
+            for (j, v) in row.iter().enumerate() {
+                if *v > row[best] {
+                    best = j;
+                }
+            }
+            correct += u64::from(best as u32 == label);
+        }
+        let (loss, _) = softmax_cross_entropy(&x, y, global_n.max(y.len()))?;
+        let sums = self
+            .reduce
+            .all_reduce(vec![correct as f32, y.len() as f32, loss], ReduceOp::Sum)
+            .wait()?;
+        Ok((sums[0] as u64, sums[1] as u64, sums[2]))
+    }
+
+    /// Evaluates this rank's share of `test` (its [`DistributedSampler::slice_range`]) in
+    /// forwards of at most `batch` samples, so that evaluation never holds more activations
+    /// than a training step of that per-rank batch; returns the global (correct, count,
+    /// mean loss). Collective: every rank runs the same number of forwards (a rank whose
+    /// share is one sample shorter runs an empty last one).
+    pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
+        let n = test.len();
+        let world = self.layout.world();
+        let mine: Vec<usize> = DistributedSampler::slice_range(n, world, self.rank).collect();
+        let batch = batch.max(1);
+        let forwards = n.div_ceil(world).div_ceil(batch).max(1);
+        let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
+        for k in 0..forwards {
+            let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
+            let (x, y) = test.batch(idx);
+            let (c, m, l) = self.eval(x, &y, n)?;
+            correct += c;
+            count += m;
+            loss += l;
+        }
+        Ok((correct, count, loss))
+    }
+}

@@ -1,0 +1,174 @@
+//! One unit's forward and backward on this rank: its parameters (resident, or gathered by
+//! the prefetch plan), the model's kernels, the compute spans, and the hand-off of its
+//! gradients to their reduction.
+//!
+//! Invariant:
+//! - ENG-9: a unit's gradients go to their reduction as soon as they are complete; where the
+//!   unit starts with a linear layer its input gradient is computed afterwards (an
+//!   `input grad` span), overlapping the reduction, and the first unit's input gradient (the
+//!   data's) is never computed. Gradients and results are bitwise unchanged (MODEL-3).
+
+use std::time::Instant;
+
+use shardline_models::{Backend, Ctx, StatsReducer, Tensor, UnitBackward, UnitSaved};
+
+use super::prefetch::Gathered;
+use super::reduction::{ReduceWork, Reductions};
+use super::stage::BeforeUse;
+use super::{RankEngine, StepState};
+use crate::error::Result;
+use crate::memory::{Allocation, Category};
+use crate::telemetry::Row;
+
+/// How a pass runs its units.
+#[derive(Clone, Copy)]
+pub(crate) struct PassCtx<'r> {
+    /// Training: batch statistics, compute timed and traced, activations counted. Otherwise
+    /// evaluation with the running statistics.
+    pub(crate) training: bool,
+    /// Treat every BatchNorm as SyncBatchNorm.
+    pub(crate) sync_bn: bool,
+    /// The statistics reducer (the engine's stats lane; none on one rank).
+    pub(crate) reducer: Option<&'r dyn StatsReducer>,
+    /// Samples in the global batch.
+    pub(crate) global_batch: usize,
+}
+
+impl<'r> PassCtx<'r> {
+    fn ctx<'a>(&self, backend: &'a dyn Backend, overwrite_grads: bool) -> Ctx<'a>
+    where
+        'r: 'a,
+    {
+        Ctx {
+            training: self.training,
+            sync_bn: self.sync_bn,
+            reducer: self.reducer,
+            global_batch: self.global_batch,
+            backend,
+            overwrite_grads,
+        }
+    }
+}
+
+/// What a training forward leaves for the unit's backward: the saved state, and the count of
+/// its activations (ENG-3).
+pub(crate) type Saved = (UnitSaved, Option<Allocation>);
+
+impl RankEngine {
+    /// Stage 3: the gathered parameters of use `i` of the pass (ENG-5); the other stages use
+    /// the parameters they keep.
+    fn gathered(&mut self, i: usize, st: &mut StepState) -> Result<Option<Gathered>> {
+        if self.rules.before_use != BeforeUse::Gather {
+            return Ok(None);
+        }
+        let (plan, mut io) = self.gathers(&mut st.clock);
+        plan.acquire(i, &mut io).map(Some)
+    }
+
+    /// After use `i`: the plan keeps or frees its gathered parameters (ENG-5).
+    fn done_with(&mut self, i: usize, gathered: Option<Gathered>, st: &mut StepState) {
+        if let Some(g) = gathered {
+            let (plan, mut io) = self.gathers(&mut st.clock);
+            plan.done_with(i, g, &mut io);
+        }
+    }
+
+    /// Use `i` of the pass: its unit's forward on `x`. Training also returns the count of its
+    /// activations (ENG-3), held until its backward.
+    pub(super) fn forward_unit(
+        &mut self,
+        i: usize,
+        x: Tensor,
+        pass: PassCtx<'_>,
+        st: &mut StepState,
+    ) -> Result<(Tensor, Saved)> {
+        let u = self.plan.unit_at(i);
+        let gathered = self.gathered(i, st)?;
+        let numel = self.layout.unit(u).numel();
+        let t0 = Instant::now();
+        let ctx = pass.ctx(&*self.backend, false);
+        let params: &[f32] = match &gathered {
+            Some(g) => &g.full[..numel],
+            None => &self.state.params[u][..numel],
+        };
+        let (y, saved) = self.model.forward_unit(u, params, &mut self.state.buffers[u], x, &ctx)?;
+        let mut act = None;
+        if pass.training {
+            let t1 = Instant::now();
+            st.compute += t1 - t0;
+            let label = &self.labels[u];
+            self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
+            act = Some(self.mem.alloc_f32(Category::Activations, y.data.len(), label)?);
+        }
+        self.done_with(i, gathered, st);
+        Ok((y, (saved, act)))
+    }
+
+    /// Use `i` of a training pass: its unit's backward from the output gradient `grad` and
+    /// what the forward saved, the gradients' reduction issued at once (ENG-9), then the
+    /// input gradient, which is returned.
+    pub(super) fn backward_unit(
+        &mut self,
+        i: usize,
+        (saved, act): Saved,
+        grad: Tensor,
+        pass: PassCtx<'_>,
+        st: &mut StepState,
+        reds: &mut Reductions<ReduceWork>,
+    ) -> Result<Tensor> {
+        let u = self.plan.unit_at(i);
+        // Backward prefetch: the previous units' gathers go out before computing.
+        let gathered = self.gathered(i, st)?;
+        let l = self.layout.unit(u);
+        let (numel, padded) = (l.numel(), l.padded_numel());
+        // A full persistent gradient buffer (stages 0 and 1) is what backward writes and the
+        // collective reduces in place of a second copy; otherwise the unit's full gradient
+        // is transient, held only until its reduce-scatter is done (ENG-7).
+        let (galloc, mut gfull) = if self.rules.transient_grads() {
+            let what = format!("{} (unreduced)", self.labels[u]);
+            let a = self.mem.alloc_f32(Category::Grads, padded, &what)?;
+            (Some(a), self.comm.pool().take(padded))
+        } else {
+            (None, std::mem::take(&mut self.state.grads[u]))
+        };
+        // Backward writes the gradients (no zeroing pass over the buffer first); only the
+        // padding, which no layer writes, is cleared.
+        gfull[numel..].fill(0.0);
+        let t0 = Instant::now();
+        let ctx = pass.ctx(&*self.backend, true);
+        let params: &[f32] = match &gathered {
+            Some(g) => &g.full[..numel],
+            None => &self.state.params[u][..numel],
+        };
+        // ENG-9: the first unit's input gradient (of the data) is never computed; where a
+        // unit starts with a linear layer its input gradient is computed after the unit's
+        // gradients have gone to their reduction, which it then overlaps.
+        let call = UnitBackward {
+            unit: u,
+            params,
+            saved: &saved,
+            grad_output: grad,
+            grads_out: &mut gfull[..numel],
+            input_grad: u > 0,
+        };
+        let input_grad = self.model.backward_unit_split(call, &ctx)?;
+        drop(saved);
+        drop(act);
+        let t1 = Instant::now();
+        st.compute += t1 - t0;
+        let label = &self.labels[u];
+        self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
+        // Reduce as soon as the unit's gradients exist; do not wait (overlap).
+        self.issue_reduction(reds, u, gfull, galloc);
+        let deferred = input_grad.is_deferred();
+        let t0 = Instant::now();
+        let grad = input_grad.finish(&*self.backend, params)?.unwrap_or_default();
+        if deferred {
+            let t1 = Instant::now();
+            st.compute += t1 - t0;
+            self.trace.record(self.rank, Row::Compute, format!("input grad {label}"), t0, t1);
+        }
+        self.done_with(i, gathered, st);
+        Ok(grad)
+    }
+}

@@ -1,0 +1,189 @@
+//! A rank's shard state: per unit, the parameters, gradients and optimizer state it keeps
+//! (full or its own shard, as the stage's rules say), and the replicated BatchNorm buffers.
+//! Built from the seed (the same on every rank), written to a checkpoint shard, restored
+//! from one (all-gathering the slices where the stage keeps full copies), and gathered whole
+//! for export.
+
+use super::stage::{Holding, StageRules};
+use super::{EngineConfig, RankEngine};
+use crate::checkpoint::{RankShard, UnitShard};
+use crate::error::{Result, RuntimeError};
+use crate::memory::{Allocation, Category, MemoryTracker};
+use crate::shard::ShardedModelLayout;
+use shardline_models::Model;
+
+/// What a rank keeps of every unit between steps.
+pub(crate) struct ShardState {
+    /// Stage 0-2: full padded flat parameters per unit; stage 3: this rank's shard.
+    pub(crate) params: Vec<Vec<f32>>,
+    /// Stage 0/1: full padded gradients; stage 2/3: this rank's shard.
+    pub(crate) grads: Vec<Vec<f32>>,
+    /// Optimizer state: full (stage 0) or shard (1-3), `k` values per element.
+    pub(crate) optim_state: Vec<Vec<f32>>,
+    /// Replicated BatchNorm buffers per unit.
+    pub(crate) buffers: Vec<Vec<f32>>,
+    /// The tracker's record of the three per-unit buffers above (ENG-3).
+    persistent: Vec<Allocation>,
+}
+
+impl ShardState {
+    /// The initial state of `rank`: parameters from the configuration's seed, kept as the
+    /// stage's rules say, zero gradients and optimizer state, initial buffers; every buffer
+    /// registered with `mem` under its unit's label (ENG-3).
+    pub(crate) fn init(
+        model: &Model,
+        layout: &ShardedModelLayout,
+        cfg: &EngineConfig,
+        rank: usize,
+        mem: &MemoryTracker,
+        labels: &[String],
+    ) -> Result<Self> {
+        let rules = StageRules::of(cfg.stage);
+        let (k, seed) = (cfg.optimizer.state_len_per_param(), cfg.seed);
+        let n = layout.units().len();
+        let mut st = ShardState {
+            params: Vec::with_capacity(n),
+            grads: Vec::with_capacity(n),
+            optim_state: Vec::with_capacity(n),
+            buffers: Vec::with_capacity(n),
+            persistent: Vec::with_capacity(3 * n),
+        };
+        for (u, name) in labels.iter().enumerate().take(n) {
+            let l = layout.unit(u);
+            let init = model.init_params(u, seed)?;
+            let mut full = vec![0.0f32; l.padded_numel()];
+            full[..init.len()].copy_from_slice(&init);
+            let (p, pcat) = match rules.params {
+                Holding::Full => (full, Category::FullParams),
+                Holding::Shard => (full[l.shard_range(rank)].to_vec(), Category::ShardParams),
+            };
+            st.persistent.push(mem.alloc_f32(pcat, p.len(), name)?);
+            let glen = rules.grads.len(l);
+            st.persistent.push(mem.alloc_f32(Category::Grads, glen, name)?);
+            let slen = rules.optim_state.len(l) * k;
+            st.persistent.push(mem.alloc_f32(Category::OptimizerState, slen, name)?);
+            st.params.push(p);
+            st.grads.push(vec![0.0; glen]);
+            st.optim_state.push(vec![0.0; slen]);
+            st.buffers.push(model.init_buffers(u)?);
+        }
+        Ok(st)
+    }
+
+    /// Frees everything but the buffers.
+    fn clear(&mut self) {
+        self.params.clear();
+        self.grads.clear();
+        self.optim_state.clear();
+        self.persistent.clear();
+    }
+}
+
+impl RankEngine {
+    /// Full (unpadded) parameters of every unit, gathered if sharded. Collective.
+    pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::new();
+        for u in 0..self.layout.units().len() {
+            let l = self.layout.unit(u);
+            let full = match self.rules.params {
+                Holding::Full => self.state.params[u].clone(),
+                Holding::Shard => {
+                    let (_, full) = self
+                        .gather
+                        .all_gather(self.state.params[u].clone(), vec![0.0; l.padded_numel()])
+                        .wait()?;
+                    full
+                }
+            };
+            out.push(full[..l.numel()].to_vec());
+        }
+        Ok(out)
+    }
+
+    /// Frees the state and returns pooled buffers; later steps fail. Idempotent.
+    pub fn shutdown(&mut self) {
+        self.plan.discard();
+        self.state.clear();
+    }
+
+    /// Replicated buffers (BatchNorm running statistics), per unit.
+    pub fn buffers(&self) -> &[Vec<f32>] {
+        &self.state.buffers
+    }
+
+    /// This rank's checkpoint content: its parameter and optimizer-state slices per unit.
+    pub fn shard_state(&self) -> RankShard {
+        let k = self.cfg.optimizer.state_len_per_param();
+        let units = (0..self.layout.units().len())
+            .map(|u| {
+                let r = self.layout.unit(u).shard_range(self.rank);
+                let params = match self.rules.params {
+                    Holding::Full => self.state.params[u][r.clone()].to_vec(),
+                    Holding::Shard => self.state.params[u].clone(),
+                };
+                let optim_state = match self.rules.optim_state {
+                    Holding::Shard => self.state.optim_state[u].clone(),
+                    Holding::Full => self.state.optim_state[u][r.start * k..r.end * k].to_vec(),
+                };
+                UnitShard { params, optim_state }
+            })
+            .collect();
+        RankShard { units }
+    }
+
+    /// Restores state from a checkpoint shard written for this world size (resharded by the
+    /// loader when it was written for another), the replicated buffers and the step count.
+    /// Stages that keep full copies all-gather the slices. Collective.
+    pub fn load_state(&mut self, shard: &RankShard, buffers: &[Vec<f32>], step: u64) -> Result<()> {
+        // A gather issued before the load carries the old parameters (ENG-6).
+        self.plan.discard();
+        let k = self.cfg.optimizer.state_len_per_param();
+        if shard.units.len() != self.layout.units().len()
+            || buffers.len() != self.state.buffers.len()
+        {
+            return Err(RuntimeError::config(
+                "checkpoint has another number of units than the model",
+            ));
+        }
+        for (u, us) in shard.units.iter().enumerate() {
+            let l = self.layout.unit(u);
+            if us.params.len() != l.shard_len() || us.optim_state.len() != l.shard_len() * k {
+                return Err(RuntimeError::config(format!(
+                    "checkpoint shard of unit {} has the wrong size",
+                    l.name()
+                )));
+            }
+            if buffers[u].len() != self.state.buffers[u].len() {
+                return Err(RuntimeError::config(format!(
+                    "checkpoint buffers of unit {} have the wrong size",
+                    l.name()
+                )));
+            }
+            self.state.params[u] = match self.rules.params {
+                Holding::Full => {
+                    let (_, full) = self
+                        .gather
+                        .all_gather(us.params.clone(), vec![0.0; l.padded_numel()])
+                        .wait()?;
+                    full
+                }
+                Holding::Shard => us.params.clone(),
+            };
+            self.state.optim_state[u] = match self.rules.optim_state {
+                Holding::Shard => us.optim_state.clone(),
+                Holding::Full => {
+                    let (_, full) = self
+                        .gather
+                        .all_gather(us.optim_state.clone(), vec![0.0; l.padded_numel() * k])
+                        .wait()?;
+                    // The gathered state is rank-major blocks of shard_len*k: the same layout
+                    // as the full interleaved state, because each rank's block is contiguous.
+                    full
+                }
+            };
+            self.state.buffers[u].copy_from_slice(&buffers[u]);
+        }
+        self.step = step;
+        Ok(())
+    }
+}
