@@ -28,11 +28,13 @@ const FRAME_MAGIC: u32 = u32::from_le_bytes(*b"SLTF");
 const VERSION: u16 = 1;
 
 /// Number of chunks (frames) of a message of `len` bytes; an empty message takes one.
+#[inline]
 pub(super) fn chunks_of(len: usize) -> usize {
     len.div_ceil(CHUNK_BYTES).max(1)
 }
 
 /// Offset and length of chunk `j` of a message of `len` bytes.
+#[inline]
 pub(super) fn chunk_range(len: usize, j: usize) -> (usize, usize) {
     let off = j * CHUNK_BYTES;
     (off, (len - off).min(CHUNK_BYTES))
