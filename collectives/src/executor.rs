@@ -110,24 +110,49 @@ impl SinkTarget {
     }
 }
 
+/// The op's own regions of the virtual array a schedule addresses (the executor adds its
+/// scratch between the work buffer and the input).
+pub(crate) struct Regions<'a> {
+    /// The work buffer, `sched.buf_len` elements.
+    pub buf: &'a mut [f32],
+    /// The op's input, `sched.input_len` elements, only read (EXEC-3).
+    pub input: &'a [f32],
+    /// The op's separate output, `sched.output_len` elements (ALGO-5).
+    pub output: &'a mut [f32],
+}
+
+impl<'a> Regions<'a> {
+    /// A work buffer alone: no separate input or output.
+    pub fn work(buf: &'a mut [f32]) -> Self {
+        Regions { buf, input: &[], output: &mut [] }
+    }
+}
+
+/// The op's identity and bounds on the wire: every exchange of its steps gets `tag` (with
+/// the step number filled in), `deadline` and `cancel`.
+#[derive(Clone, Copy)]
+pub(crate) struct WireCtx<'a> {
+    /// The op's tag; the executor fills in the step.
+    pub tag: Tag,
+    /// When the op must have finished.
+    pub deadline: Instant,
+    /// Set when the lane is aborted.
+    pub cancel: &'a AtomicBool,
+}
+
 impl Executor {
-    /// Runs `sched` over `buf` (length `sched.buf_len`). Message tags are `tag` with the step
-    /// number filled in.
-    // The step inputs (links, schedule, buffer, combine) and the op's identity (tag,
-    // deadline, cancel) are all distinct; bundling them would only add a throwaway struct.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs `sched` over the op's `regions`. Message tags are `wire.tag` with the step number
+    /// filled in.
     pub(crate) fn run(
         &mut self,
         links: &mut dyn LaneLinks,
         sched: &Schedule,
-        buf: &mut [f32],
-        input: &[f32],
-        output: &mut [f32],
+        regions: Regions<'_>,
         combine: Combine,
-        tag: Tag,
-        deadline: Instant,
-        cancel: &AtomicBool,
+        wire: WireCtx<'_>,
     ) -> Result<(), TransportError> {
+        let Regions { buf, input, output } = regions;
+        let WireCtx { tag, deadline, cancel } = wire;
         assert_eq!(buf.len(), sched.buf_len, "work buffer does not match its schedule");
         assert_eq!(input.len(), sched.input_len, "input does not match its schedule");
         assert_eq!(output.len(), sched.output_len, "output does not match its schedule");
@@ -286,6 +311,15 @@ mod tests {
         assert_eq!(buf, vec![1.0, 1.0, 11.0, 22.0, 33.0, 44.0]);
     }
 
+    /// A default tag and a deadline 10 s away.
+    fn wire(cancel: &AtomicBool) -> WireCtx<'_> {
+        WireCtx {
+            tag: Tag::default(),
+            deadline: Instant::now() + std::time::Duration::from_secs(10),
+            cancel,
+        }
+    }
+
     /// Runs `sched` over `buf` and `input` with links that deliver `payload` to every
     /// receive.
     fn run_canned(
@@ -297,13 +331,9 @@ mod tests {
         Executor::default().run(
             &mut Canned(payload),
             sched,
-            buf,
-            input,
-            &mut [],
+            Regions { buf, input, output: &mut [] },
             Combine::Op(ReduceOp::Sum),
-            Tag::default(),
-            Instant::now() + std::time::Duration::from_secs(10),
-            &AtomicBool::new(false),
+            wire(&AtomicBool::new(false)),
         )
     }
 
@@ -351,13 +381,9 @@ mod tests {
             Executor::default().run(
                 &mut Canned(vec![10.0, 20.0]),
                 sched,
-                buf,
-                &[7.0],
-                output,
+                Regions { buf, input: &[7.0], output },
                 Combine::Op(ReduceOp::Sum),
-                Tag::default(),
-                Instant::now() + std::time::Duration::from_secs(10),
-                &AtomicBool::new(false),
+                wire(&AtomicBool::new(false)),
             )
         };
         let mut buf = vec![1.0, 2.0, 3.0, 4.0];

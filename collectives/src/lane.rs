@@ -18,7 +18,7 @@
 use crate::algo::{self, Algorithm, Schedule};
 use crate::communicator::Shared;
 use crate::error::CollectiveError;
-use crate::executor::Executor;
+use crate::executor::{Executor, Regions, WireCtx};
 use crate::fingerprint::{self, describe, describe_pair, op_tag, parse_reason, OpKind, Reason};
 use crate::reduce::{scale_avg, Combine, ReduceOp};
 use crate::transport::{LaneLinks, Poison, Tag, TransportError};
@@ -669,7 +669,7 @@ impl Worker {
                     _ => algo::ring_all_reduce(rank, world, n),
                 });
                 let ctx = mk(self, OpKind::AllReduce, Some(op), algo, n, None);
-                let r = self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(op));
+                let r = self.execute(&ctx, &sched, Regions::work(&mut buf), Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut buf, world);
                 }
@@ -693,9 +693,7 @@ impl Worker {
                 let r = self.execute(
                     &ctx,
                     &sched,
-                    &mut buf,
-                    &[],
-                    &mut [],
+                    Regions::work(&mut buf),
                     Combine::Records { len: record_len, f: combine },
                 );
                 done.complete(r.map(|_| buf));
@@ -711,7 +709,12 @@ impl Worker {
                 let sched = self.schedule((OpKind::ReduceScatter, algo, n, 1), || {
                     algo::reduce_scatter_into((*rs).clone(), rank, n)
                 });
-                let r = self.execute(&ctx, &sched, &mut input, &[], &mut output, Combine::Op(op));
+                let r = self.execute(
+                    &ctx,
+                    &sched,
+                    Regions { buf: &mut input, input: &[], output: &mut output },
+                    Combine::Op(op),
+                );
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut output, world);
                 }
@@ -731,9 +734,7 @@ impl Worker {
                     self.execute(
                         &ctx,
                         &sched,
-                        &mut output,
-                        &input,
-                        &mut [],
+                        Regions { buf: &mut output, input: &input, output: &mut [] },
                         Combine::Op(ReduceOp::Sum),
                     )
                 } else {
@@ -741,9 +742,7 @@ impl Worker {
                     self.execute(
                         &ctx,
                         &sched,
-                        &mut output,
-                        &[],
-                        &mut [],
+                        Regions::work(&mut output),
                         Combine::Op(ReduceOp::Sum),
                     )
                 };
@@ -756,7 +755,7 @@ impl Worker {
                 let algo = self.resolve(job.algo, buf.len() * 4);
                 let sched = self.reduce_scatter_schedule(algo, n);
                 let ctx = mk(self, OpKind::ReduceScatter, Some(op), algo, buf.len(), None);
-                let r = self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(op));
+                let r = self.execute(&ctx, &sched, Regions::work(&mut buf), Combine::Op(op));
                 if r.is_ok() && op == ReduceOp::Avg {
                     scale_avg(&mut buf[rank * n..(rank + 1) * n], world);
                 }
@@ -771,7 +770,7 @@ impl Worker {
                 let sched = self.all_gather_schedule(algo, n, false);
                 let ctx = mk(self, OpKind::AllGather, None, algo, buf.len(), None);
                 let r =
-                    self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(ReduceOp::Sum));
+                    self.execute(&ctx, &sched, Regions::work(&mut buf), Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Broadcast { mut buf, root, done } => {
@@ -791,7 +790,7 @@ impl Worker {
                 });
                 let ctx = mk(self, OpKind::Broadcast, None, algo, n, Some(root));
                 let r =
-                    self.execute(&ctx, &sched, &mut buf, &[], &mut [], Combine::Op(ReduceOp::Sum));
+                    self.execute(&ctx, &sched, Regions::work(&mut buf), Combine::Op(ReduceOp::Sum));
                 done.complete(r.map(|_| buf));
             }
             Body::Barrier { done } => {
@@ -800,7 +799,7 @@ impl Worker {
                 });
                 let ctx = mk(self, OpKind::Barrier, None, Algorithm::Direct, 0, None);
                 let r =
-                    self.execute(&ctx, &sched, &mut [], &[], &mut [], Combine::Op(ReduceOp::Sum));
+                    self.execute(&ctx, &sched, Regions::work(&mut []), Combine::Op(ReduceOp::Sum));
                 done.complete(r);
             }
         }
@@ -875,16 +874,11 @@ impl Worker {
         s
     }
 
-    // The op's regions (work buffer, input, output) are distinct borrows; bundling them
-    // would only add a throwaway struct.
-    #[allow(clippy::too_many_arguments)]
     fn execute(
         &mut self,
         ctx: &OpCtx,
         sched: &Schedule,
-        buf: &mut [f32],
-        input: &[f32],
-        output: &mut [f32],
+        regions: Regions<'_>,
         combine: Combine,
     ) -> Result<(), CollectiveError> {
         if let Some(e) = &self.failed {
@@ -901,18 +895,9 @@ impl Worker {
             return Err(e);
         }
         let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
-        self.shared.recent.start(&self.name, ctx.seq, kind, buf.len() * 4);
-        let res = self.exec.run(
-            &mut *self.links,
-            sched,
-            buf,
-            input,
-            output,
-            combine,
-            ctx.tag,
-            ctx.deadline,
-            &self.shared.cancel,
-        );
+        self.shared.recent.start(&self.name, ctx.seq, kind, regions.buf.len() * 4);
+        let wire = WireCtx { tag: ctx.tag, deadline: ctx.deadline, cancel: &self.shared.cancel };
+        let res = self.exec.run(&mut *self.links, sched, regions, combine, wire);
         self.shared.recent.end(&self.name, ctx.seq, res.is_err());
         match res {
             Ok(()) => Ok(()),

@@ -224,19 +224,27 @@ impl Backend for Cpu {
     }
 }
 
+/// The shape of a matrix multiply `c = op(a) op(b)`, as [`Backend::gemm`] takes it: `op(a)`
+/// is `m x k` and `op(b)` is `k x n`; with `trans_a`, `a` is stored as `k x m`, with
+/// `trans_b`, `b` as `n x k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    /// Rows of `op(a)` and `c`.
+    pub m: usize,
+    /// Columns of `op(b)` and `c`.
+    pub n: usize,
+    /// Columns of `op(a)`, rows of `op(b)`.
+    pub k: usize,
+    /// `a` is stored transposed (`k x m`).
+    pub trans_a: bool,
+    /// `b` is stored transposed (`n x k`).
+    pub trans_b: bool,
+}
+
 /// Reference matrix multiply (`c = op(a) op(b)`), f64 accumulation; for tests and for the
 /// naive baseline of the comparison.
-#[allow(clippy::too_many_arguments)]
-pub fn naive_gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    trans_a: bool,
-    b: &[f32],
-    trans_b: bool,
-    c: &mut [f32],
-) {
+pub fn naive_gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let GemmShape { m, n, k, trans_a, trans_b } = shape;
     for i in 0..m {
         for j in 0..n {
             let mut s = 0.0f64;
@@ -321,7 +329,8 @@ mod tests {
                 for &tb in &[false, true] {
                     for threads in [1, 2] {
                         let mut want = vec![0.0; m * n];
-                        naive_gemm(m, n, k, &a, ta, &b, tb, &mut want);
+                        let shape = GemmShape { m, n, k, trans_a: ta, trans_b: tb };
+                        naive_gemm(shape, &a, &b, &mut want);
                         let mut got = vec![7.0; m * n];
                         Cpu::with_threads(threads).gemm(m, n, k, &a, ta, &b, tb, &mut got, false);
                         for (g, w) in got.iter().zip(&want) {

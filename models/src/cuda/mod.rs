@@ -24,7 +24,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::Backend;
+use crate::backend::{Backend, GemmShape};
 use crate::error::ModelError;
 
 /// The kernels' CUDA C source.
@@ -51,6 +51,65 @@ pub fn check_libraries() -> Result<(), ModelError> {
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> ModelError {
     ModelError::Device(format!("{what}: {e:?}"))
+}
+
+/// The layout `[n, c, s]` of a BatchNorm input: `n` samples, `c` channels, `s` values per
+/// channel and sample (1 for `[N, C]`, `H * W` for `[N, C, H, W]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BnShape {
+    /// Samples.
+    pub n: usize,
+    /// Channels.
+    pub c: usize,
+    /// Values per channel and sample.
+    pub s: usize,
+}
+
+/// The per-channel sums a BatchNorm backward needs for the input gradient (from
+/// [`Cuda::bn_backward_reduce_dev`], possibly reduced across ranks), and how many values
+/// per channel they cover.
+#[derive(Clone, Copy, Debug)]
+pub struct BnGradSums<'a> {
+    /// `sum dy` per channel.
+    pub sum_dy: &'a CudaSlice<f32>,
+    /// `sum dy * xhat` per channel.
+    pub sum_dy_xhat: &'a CudaSlice<f32>,
+    /// Values per channel in the (global) batch.
+    pub count: f32,
+}
+
+/// One `torch.optim.SGD` step: its hyper-parameters and its number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum (0: no momentum buffer).
+    pub momentum: f32,
+    /// Dampening of the momentum.
+    pub dampening: f32,
+    /// L2 weight decay, added to the gradient.
+    pub weight_decay: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// The step, 1-based.
+    pub step: u64,
+}
+
+/// One `torch.optim.AdamW` step: its hyper-parameters and its number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Decay of the first moment.
+    pub beta1: f32,
+    /// Decay of the second moment.
+    pub beta2: f32,
+    /// Added to the second moment's square root.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// The step, 1-based.
+    pub step: u64,
 }
 
 struct Kernels {
@@ -167,21 +226,17 @@ impl Cuda {
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))
     }
 
-    /// Row-major `c = op(a) op(b)` (or `+=`) on device buffers, same contract as
-    /// [`Backend::gemm`].
-    #[allow(clippy::too_many_arguments)]
+    /// Row-major `c = op(a) op(b)` (or `+=` when `accumulate`) on device buffers, same
+    /// contract as [`Backend::gemm`].
     pub fn gemm_dev(
         &self,
-        m: usize,
-        n: usize,
-        k: usize,
+        shape: GemmShape,
         a: &CudaSlice<f32>,
-        trans_a: bool,
         b: &CudaSlice<f32>,
-        trans_b: bool,
         c: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<(), ModelError> {
+        let GemmShape { m, n, k, trans_a, trans_b } = shape;
         if a.len() < m * k || b.len() < k * n || c.len() < m * n {
             return Err(ModelError::shape(
                 "gemm_dev",
@@ -265,10 +320,9 @@ impl Cuda {
     pub fn bn_stats_dev(
         &self,
         x: &CudaSlice<f32>,
-        n: usize,
-        c: usize,
-        s: usize,
+        shape: BnShape,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), ModelError> {
+        let BnShape { n, c, s } = shape;
         if x.len() != n * c * s {
             return Err(ModelError::shape("bn_stats", n * c * s, x.len()));
         }
@@ -287,7 +341,6 @@ impl Cuda {
 
     /// Normalises `x` in place to `xhat = (x - mean) * invstd` and returns
     /// `y = xhat * w + b`; `params` is `[w; c] ++ [b; c]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn bn_normalize_dev(
         &self,
         x: &mut CudaSlice<f32>,
@@ -295,10 +348,9 @@ impl Cuda {
         invstd: &CudaSlice<f32>,
         weight: &CudaSlice<f32>,
         bias: &CudaSlice<f32>,
-        n: usize,
-        c: usize,
-        s: usize,
+        shape: BnShape,
     ) -> Result<CudaSlice<f32>, ModelError> {
+        let BnShape { n, c, s } = shape;
         if x.len() != n * c * s || [mean.len(), invstd.len(), weight.len(), bias.len()] != [c; 4] {
             return Err(ModelError::shape("bn_normalize", format!("[{n}, {c}, {s}]"), x.len()));
         }
@@ -328,10 +380,9 @@ impl Cuda {
         &self,
         dy: &CudaSlice<f32>,
         xhat: &CudaSlice<f32>,
-        n: usize,
-        c: usize,
-        s: usize,
+        shape: BnShape,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), ModelError> {
+        let BnShape { n, c, s } = shape;
         if dy.len() != n * c * s || xhat.len() != dy.len() {
             return Err(ModelError::shape("bn_backward_reduce", n * c * s, dy.len()));
         }
@@ -348,21 +399,18 @@ impl Cuda {
     }
 
     /// The input gradient of BatchNorm in training mode, from the (possibly globally
-    /// reduced) sums and `count` values per channel in the global batch.
-    #[allow(clippy::too_many_arguments)]
+    /// reduced) sums and the number of values per channel in the global batch.
     pub fn bn_backward_dx_dev(
         &self,
         dy: &CudaSlice<f32>,
         xhat: &CudaSlice<f32>,
         invstd: &CudaSlice<f32>,
         weight: &CudaSlice<f32>,
-        sum_dy: &CudaSlice<f32>,
-        sum_dy_xhat: &CudaSlice<f32>,
-        count: f32,
-        n: usize,
-        c: usize,
-        s: usize,
+        sums: BnGradSums<'_>,
+        shape: BnShape,
     ) -> Result<CudaSlice<f32>, ModelError> {
+        let BnGradSums { sum_dy, sum_dy_xhat, count } = sums;
+        let BnShape { n, c, s } = shape;
         if dy.len() != n * c * s
             || xhat.len() != dy.len()
             || [invstd.len(), weight.len(), sum_dy.len(), sum_dy_xhat.len()] != [c; 4]
@@ -392,20 +440,15 @@ impl Cuda {
     }
 
     /// One `torch.optim.SGD` step on device buffers (`buf` is the momentum buffer; unused
-    /// and may be empty without momentum). `step` is 1-based.
-    #[allow(clippy::too_many_arguments)]
+    /// and may be empty without momentum).
     pub fn sgd_dev(
         &self,
         p: &mut CudaSlice<f32>,
         g: &CudaSlice<f32>,
         buf: &mut CudaSlice<f32>,
-        lr: f32,
-        momentum: f32,
-        dampening: f32,
-        weight_decay: f32,
-        nesterov: bool,
-        step: u64,
+        hp: SgdStep,
     ) -> Result<(), ModelError> {
+        let SgdStep { lr, momentum, dampening, weight_decay, nesterov, step } = hp;
         if g.len() != p.len() || (momentum != 0.0 && buf.len() != p.len()) {
             return Err(ModelError::shape("sgd", p.len(), g.len()));
         }
@@ -434,20 +477,15 @@ impl Cuda {
     }
 
     /// One `torch.optim.AdamW` step on device buffers; `state` interleaves `(m, v)` per
-    /// element. `step` is 1-based.
-    #[allow(clippy::too_many_arguments)]
+    /// element.
     pub fn adamw_dev(
         &self,
         p: &mut CudaSlice<f32>,
         g: &CudaSlice<f32>,
         state: &mut CudaSlice<f32>,
-        lr: f32,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
-        step: u64,
+        hp: AdamWStep,
     ) -> Result<(), ModelError> {
+        let AdamWStep { lr, beta1, beta2, eps, weight_decay, step } = hp;
         if g.len() != p.len() || state.len() != 2 * p.len() || step == 0 {
             return Err(ModelError::shape("adamw", p.len(), g.len()));
         }
@@ -507,7 +545,8 @@ impl Backend for Cuda {
             let da = self.upload(&a[..m * k])?;
             let db = self.upload(&b[..k * n])?;
             let mut dc = if accumulate { self.upload(&c[..m * n])? } else { self.zeros(m * n)? };
-            self.gemm_dev(m, n, k, &da, trans_a, &db, trans_b, &mut dc, accumulate)?;
+            let shape = GemmShape { m, n, k, trans_a, trans_b };
+            self.gemm_dev(shape, &da, &db, &mut dc, accumulate)?;
             let out = self.download(&dc)?;
             c[..m * n].copy_from_slice(&out);
             Ok(())
@@ -558,12 +597,13 @@ pub fn cublas_tflops(
     let a = cuda.upload(&(0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect::<Vec<_>>())?;
     let b = cuda.upload(&(0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect::<Vec<_>>())?;
     let mut c = cuda.zeros(m * n)?;
-    cuda.gemm_dev(m, n, k, &a, false, &b, false, &mut c, false)?;
+    let shape = GemmShape { m, n, k, trans_a: false, trans_b: false };
+    cuda.gemm_dev(shape, &a, &b, &mut c, false)?;
     cuda.synchronize()?;
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = std::time::Instant::now();
-        cuda.gemm_dev(m, n, k, &a, false, &b, false, &mut c, false)?;
+        cuda.gemm_dev(shape, &a, &b, &mut c, false)?;
         cuda.synchronize()?;
         best = best.min(t.elapsed().as_secs_f64());
     }

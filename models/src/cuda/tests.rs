@@ -2,7 +2,7 @@
 //! test opens the GPU first and prints `skipped: <reason>` when there is none.
 
 use super::*;
-use crate::backend::{naive_gemm, Cpu};
+use crate::backend::{naive_gemm, Cpu, GemmShape};
 use crate::batchnorm::{BatchNorm, BnKind};
 use crate::rng::SplitMix64;
 use crate::tensor::Tensor;
@@ -58,7 +58,7 @@ fn gemm_matches_cpu_for_every_transpose() {
         for ta in [false, true] {
             for tb in [false, true] {
                 let mut want = vec![0.0; m * n];
-                naive_gemm(m, n, k, &a, ta, &b, tb, &mut want);
+                naive_gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut want);
                 let mut got = vec![7.0; m * n];
                 cuda.gemm(m, n, k, &a, ta, &b, tb, &mut got, false);
                 assert_close(&format!("{m}x{n}x{k} ta={ta} tb={tb}"), &got, &want, 1e-4);
@@ -111,6 +111,7 @@ fn batchnorm_statistics_normalisation_and_backward_match_the_cpu_layer() {
     {
         let (n, c) = (shape[0], shape[1]);
         let s: usize = shape[2..].iter().product();
+        let bn = BnShape { n, c, s };
         let layer = BatchNorm { num_features: c, eps: 1e-5, momentum: 0.1, kind, sync: false };
         let mut params = randn(&mut rng, 2 * c);
         params[..c].iter_mut().for_each(|w| *w += 1.0);
@@ -119,7 +120,7 @@ fn batchnorm_statistics_normalisation_and_backward_match_the_cpu_layer() {
 
         let stats = layer.local_stats(&input).unwrap();
         let dx = cuda.upload(&x).unwrap();
-        let (mean, m2) = cuda.bn_stats_dev(&dx, n, c, s).unwrap();
+        let (mean, m2) = cuda.bn_stats_dev(&dx, bn).unwrap();
         let (mean, m2) = (cuda.download(&mean).unwrap(), cuda.download(&m2).unwrap());
         let want_mean: Vec<f32> = stats.iter().map(|st| st.mean as f32).collect();
         let want_m2: Vec<f32> = stats.iter().map(|st| st.m2 as f32).collect();
@@ -135,7 +136,7 @@ fn batchnorm_statistics_normalisation_and_backward_match_the_cpu_layer() {
         let (d_mean, d_invstd) = (cuda.upload(&want_mean).unwrap(), cuda.upload(&invstd).unwrap());
         let (w, b) = (cuda.upload(&params[..c]).unwrap(), cuda.upload(&params[c..]).unwrap());
         let mut xhat = cuda.upload(&x).unwrap();
-        let y = cuda.bn_normalize_dev(&mut xhat, &d_mean, &d_invstd, &w, &b, n, c, s).unwrap();
+        let y = cuda.bn_normalize_dev(&mut xhat, &d_mean, &d_invstd, &w, &b, bn).unwrap();
         assert_close("y", &cuda.download(&y).unwrap(), &y_cpu.data, 1e-5);
 
         let dy_host = randn(&mut rng, n * c * s);
@@ -143,29 +144,18 @@ fn batchnorm_statistics_normalisation_and_backward_match_the_cpu_layer() {
         let mut grads = vec![0.0f32; 2 * c];
         let dx_cpu = layer.backward(&params, &saved, &grad_out, &mut grads, None).unwrap();
         let dy = cuda.upload(&dy_host).unwrap();
-        let (sdy, sdyx) = cuda.bn_backward_reduce_dev(&dy, &xhat, n, c, s).unwrap();
+        let (sdy, sdyx) = cuda.bn_backward_reduce_dev(&dy, &xhat, bn).unwrap();
         assert_close("grad weight", &cuda.download(&sdyx).unwrap(), &grads[..c], 1e-4);
         assert_close("grad bias", &cuda.download(&sdy).unwrap(), &grads[c..], 1e-4);
-        let dx_gpu = cuda
-            .bn_backward_dx_dev(&dy, &xhat, &d_invstd, &w, &sdy, &sdyx, count as f32, n, c, s)
-            .unwrap();
+        let sums = BnGradSums { sum_dy: &sdy, sum_dy_xhat: &sdyx, count: count as f32 };
+        let dx_gpu = cuda.bn_backward_dx_dev(&dy, &xhat, &d_invstd, &w, sums, bn).unwrap();
         assert_close("dx", &cuda.download(&dx_gpu).unwrap(), &dx_cpu.data, 1e-4);
     }
 }
 
 /// torch.optim.SGD, written out independently of the kernel.
-#[allow(clippy::too_many_arguments)]
-fn sgd_ref(
-    p: &mut [f32],
-    g: &[f32],
-    buf: &mut [f32],
-    lr: f32,
-    mom: f32,
-    damp: f32,
-    wd: f32,
-    nest: bool,
-    step: u64,
-) {
+fn sgd_ref(p: &mut [f32], g: &[f32], buf: &mut [f32], hp: SgdStep) {
+    let SgdStep { lr, momentum: mom, dampening: damp, weight_decay: wd, nesterov: nest, step } = hp;
     for i in 0..p.len() {
         let mut d = g[i] + wd * p[i];
         if mom != 0.0 {
@@ -177,18 +167,8 @@ fn sgd_ref(
 }
 
 /// torch.optim.AdamW (state interleaved m, v), in f64 for the reference.
-#[allow(clippy::too_many_arguments)]
-fn adamw_ref(
-    p: &mut [f32],
-    g: &[f32],
-    st: &mut [f32],
-    lr: f32,
-    b1: f32,
-    b2: f32,
-    eps: f32,
-    wd: f32,
-    step: u64,
-) {
+fn adamw_ref(p: &mut [f32], g: &[f32], st: &mut [f32], hp: AdamWStep) {
+    let AdamWStep { lr, beta1: b1, beta2: b2, eps, weight_decay: wd, step } = hp;
     let t = step as i32;
     for i in 0..p.len() {
         let (b1, b2, gi) = (b1 as f64, b2 as f64, g[i] as f64);
@@ -212,7 +192,7 @@ fn optimizer_kernels_match_the_reference_over_several_steps() {
     };
     let mut rng = SplitMix64::new(6);
     let n = 1000;
-    for (mom, damp, wd, nest) in
+    for (momentum, dampening, weight_decay, nesterov) in
         [(0.0, 0.0, 0.0, false), (0.9, 0.1, 1e-2, false), (0.9, 0.0, 0.0, true)]
     {
         let mut p = randn(&mut rng, n);
@@ -221,9 +201,10 @@ fn optimizer_kernels_match_the_reference_over_several_steps() {
         let mut dbuf = cuda.zeros(n).unwrap();
         for step in 1..=5 {
             let g = randn(&mut rng, n);
-            sgd_ref(&mut p, &g, &mut buf, 0.05, mom, damp, wd, nest, step);
+            let hp = SgdStep { lr: 0.05, momentum, dampening, weight_decay, nesterov, step };
+            sgd_ref(&mut p, &g, &mut buf, hp);
             let dg = cuda.upload(&g).unwrap();
-            cuda.sgd_dev(&mut dp, &dg, &mut dbuf, 0.05, mom, damp, wd, nest, step).unwrap();
+            cuda.sgd_dev(&mut dp, &dg, &mut dbuf, hp).unwrap();
         }
         assert_close("sgd params", &cuda.download(&dp).unwrap(), &p, 1e-5);
     }
@@ -233,9 +214,11 @@ fn optimizer_kernels_match_the_reference_over_several_steps() {
     let mut dst = cuda.zeros(2 * n).unwrap();
     for step in 1..=5 {
         let g = randn(&mut rng, n);
-        adamw_ref(&mut p, &g, &mut st, 1e-3, 0.9, 0.999, 1e-8, 0.01, step);
+        let hp =
+            AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step };
+        adamw_ref(&mut p, &g, &mut st, hp);
         let dg = cuda.upload(&g).unwrap();
-        cuda.adamw_dev(&mut dp, &dg, &mut dst, 1e-3, 0.9, 0.999, 1e-8, 0.01, step).unwrap();
+        cuda.adamw_dev(&mut dp, &dg, &mut dst, hp).unwrap();
     }
     assert_close("adamw params", &cuda.download(&dp).unwrap(), &p, 1e-5);
     assert_close("adamw state", &cuda.download(&dst).unwrap(), &st, 1e-4);

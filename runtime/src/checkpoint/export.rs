@@ -1,0 +1,212 @@
+//! Export of a checkpoint's consolidated model to safetensors, and a human summary of a
+//! checkpoint ([`inspect`]).
+//!
+//! # Invariants
+//!
+//! - **CKPT-4**: the export holds every parameter and buffer once, under its stable spec
+//!   name, in its original shape, equal to the consolidated flat buffer.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+
+use super::codec::push_f32s;
+use super::{Checkpoint, MANIFEST};
+use crate::error::{Result, RuntimeError};
+use crate::memory::format_bytes;
+use crate::shard::FlatLayout;
+
+/// Writes the consolidated model of the checkpoint at `dir` (a `step-N` directory or a root,
+/// meaning its newest) to a safetensors file: every parameter and buffer under its stable
+/// spec name and original shape (CKPT-4). Returns the number of tensors written.
+pub fn export_safetensors(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<usize> {
+    let ck = Checkpoint::open(dir)?;
+    ck.export_safetensors(out)
+}
+
+impl Checkpoint {
+    /// See [`export_safetensors`].
+    pub fn export_safetensors(&self, out: impl AsRef<Path>) -> Result<usize> {
+        let out = out.as_ref();
+        let units = self.consolidate()?;
+        let buffers = self.buffers()?;
+        let m = self.manifest();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for ((u, spec), b) in units.iter().zip(&m.model.units).zip(&buffers) {
+            let layout = FlatLayout::new(spec, 1)?;
+            for (slot, view) in layout.params().iter().zip(layout.views(&u.params)) {
+                let mut bytes = Vec::new();
+                push_f32s(&mut bytes, view);
+                tensors.push((slot.name.clone(), slot.shape.clone(), bytes));
+            }
+            let mut off = 0;
+            for buf in &spec.buffers {
+                let n = buf.numel();
+                let mut bytes = Vec::new();
+                push_f32s(&mut bytes, &b[off..off + n]);
+                off += n;
+                tensors.push((buf.name.clone(), buf.shape.clone(), bytes));
+            }
+        }
+        let mut seen = HashSet::new();
+        for (name, _, _) in &tensors {
+            if !seen.insert(name.as_str()) {
+                return Err(RuntimeError::checkpoint(
+                    self.dir().join(MANIFEST),
+                    format!("tensor name '{name}' appears twice; cannot export"),
+                ));
+            }
+        }
+        let views = tensors
+            .iter()
+            .map(|(n, shape, bytes)| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .map(|v| (n.clone(), v))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| RuntimeError::checkpoint(out, format!("safetensors: {e}")))?;
+        let meta: HashMap<String, String> = [
+            ("format".to_string(), "pt".to_string()),
+            ("model".to_string(), m.model.name.clone()),
+            ("step".to_string(), m.step.to_string()),
+        ]
+        .into_iter()
+        .collect();
+        safetensors::serialize_to_file(views, Some(meta), out)
+            .map_err(|e| RuntimeError::checkpoint(out, format!("safetensors: {e}")))?;
+        Ok(tensors.len())
+    }
+}
+
+/// A human summary of the checkpoint at `dir` (a `step-N` directory or a root). Reads the
+/// manifest and checks each file's size, without reading the data.
+pub fn inspect(dir: impl AsRef<Path>) -> Result<String> {
+    let ck = Checkpoint::open(dir)?;
+    let m = ck.manifest();
+    let mut s = String::new();
+    let _ = writeln!(s, "checkpoint {}", ck.dir().display());
+    let _ = writeln!(
+        s,
+        "  format {}, step {}, world {}, stage {}",
+        m.format_version, m.step, m.world, m.stage
+    );
+    let _ = writeln!(
+        s,
+        "  optimizer {} ({} state values per parameter)",
+        m.optimizer.name(),
+        m.state_len_per_param
+    );
+    let params: usize = m.units.iter().map(|u| u.numel).sum();
+    let bufs: usize = m.model.units.iter().map(|u| u.buffer_numel()).sum();
+    let _ = writeln!(
+        s,
+        "  model {}: {} units, {} parameters, {} buffer values",
+        m.model.name,
+        m.units.len(),
+        params,
+        bufs
+    );
+    let _ = writeln!(s, "  config hash {}", m.config_hash);
+    let d = m.data_loader;
+    let _ = writeln!(s, "  data loader: epoch {}, step {}, seed {}", d.epoch, d.step, d.seed);
+    let _ = writeln!(s, "  units:");
+    for u in &m.units {
+        let _ = writeln!(
+            s,
+            "    {}: {} elements, padded {}, {} per rank",
+            u.name,
+            u.numel,
+            u.padded_numel,
+            u.padded_numel / m.world
+        );
+        for p in &u.params {
+            let _ = writeln!(s, "      {} {:?} @ {}", p.name, p.shape, p.offset);
+        }
+        for b in &u.buffers {
+            let _ = writeln!(s, "      {} {:?} (buffer)", b.name, b.shape);
+        }
+    }
+    let _ = writeln!(s, "  files:");
+    for f in m.files.iter().chain(std::iter::once(&m.buffers)) {
+        let on_disk = fs::metadata(ck.dir().join(&f.file)).map(|md| md.len()).ok();
+        let state = match on_disk {
+            Some(n) if n == f.bytes => "ok".to_string(),
+            Some(n) => format!("SIZE MISMATCH: {n} bytes on disk"),
+            None => "MISSING".to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "    {} {} crc32 {:08x} sha256 {}.. {}",
+            f.file,
+            format_bytes(f.bytes),
+            f.crc32,
+            &f.sha256[..f.sha256.len().min(16)],
+            state
+        );
+    }
+    if !m.extra.is_empty() {
+        let _ = writeln!(s, "  extra:");
+        for (k, v) in &m.extra {
+            let _ = writeln!(s, "    {k} = {v}");
+        }
+    }
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::fixtures::{saved_once, spec};
+
+    /// CKPT-4.
+    #[test]
+    fn export_safetensors_equals_consolidated() {
+        let (tmp, dir) = saved_once();
+        let out = tmp.path().join("model.safetensors");
+        let n = export_safetensors(tmp.path(), &out).unwrap();
+        assert_eq!(n, 6);
+        let bytes = fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let units = ck.consolidate().unwrap();
+        let spec = spec();
+        let mut seen = 0;
+        for (u, unit) in units.iter().zip(&spec.units) {
+            let mut off = 0;
+            for param in &unit.params {
+                let t = st.tensor(&param.name).unwrap();
+                assert_eq!(t.shape(), param.shape.as_slice());
+                let vals: Vec<f32> = t
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                assert_eq!(vals, u.params[off..off + param.numel()], "{}", param.name);
+                off += param.numel();
+                seen += 1;
+            }
+        }
+        let rm = st.tensor("blocks.0.bn.running_var").unwrap();
+        assert_eq!(rm.shape(), &[5]);
+        assert_eq!(&rm.data()[..4], &6.0f32.to_le_bytes());
+        assert_eq!(seen + 2, st.len());
+    }
+
+    #[test]
+    fn inspect_summarizes() {
+        let (_tmp, dir) = saved_once();
+        let text = inspect(&dir).unwrap();
+        for want in [
+            "step 5, world 3, stage 3",
+            "adamw",
+            "blocks.0.fc.weight [5, 3] @ 0",
+            "blocks.0.bn.running_mean [5] (buffer)",
+            "shard-00002.bin",
+            "rng = [1,2,3]",
+            "seed 42",
+        ] {
+            assert!(text.contains(want), "missing '{want}' in\n{text}");
+        }
+    }
+}
