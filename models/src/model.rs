@@ -13,6 +13,8 @@
 //!   message (forward and backward), so a residual block with SyncBN sends 2 forward
 //!   messages (one for the first BN, one fused) instead of 3.
 //! - `MODEL-3`: building a spec allocates no parameter memory.
+//! - `MODEL-4`: [`Model::backward_unit_split`] gives bitwise the parameter and input gradients
+//!   of [`Model::backward_unit`] (the same products, in another order).
 
 use std::ops::Range;
 
@@ -486,7 +488,7 @@ impl Model {
     }
 
     /// [`Model::backward_unit`] that returns as soon as the unit's parameter gradients are
-    /// complete (MODEL-3). Where the unit's first layer is linear, its input gradient
+    /// complete (MODEL-4). Where the unit's first layer is linear, its input gradient
     /// `dX = dY W` (as much work as its weight gradient) is left in the returned
     /// [`InputGrad`], so that a caller can hand the gradients to their reduction before
     /// computing it; [`UnitBackward::input_grad`] false (the model's first unit, whose input is
@@ -1041,7 +1043,7 @@ mod tests {
         model_gradcheck(&m, 3, 2);
     }
 
-    /// MODEL-3: the split backward gives bitwise the gradients and input gradients of
+    /// MODEL-4: the split backward gives bitwise the gradients and input gradients of
     /// `backward_unit`, defers exactly where a unit starts with a linear layer, and skipping
     /// the input gradient changes no parameter gradient.
     #[test]

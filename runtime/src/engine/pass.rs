@@ -6,7 +6,7 @@
 //! - ENG-9: a unit's gradients go to their reduction as soon as they are complete; where the
 //!   unit starts with a linear layer its input gradient is computed afterwards (an
 //!   `input grad` span), overlapping the reduction, and the first unit's input gradient (the
-//!   data's) is never computed. Gradients and results are bitwise unchanged (MODEL-3).
+//!   data's) is never computed. Gradients and results are bitwise unchanged (MODEL-4).
 
 use std::time::Instant;
 
