@@ -11,8 +11,11 @@
 //! - [`checkpoint`]: sharded, atomic, reshardable checkpoints; safetensors export.
 //! - [`error`]: the crate's error type, [`RuntimeError`].
 //!
-//! The engine (forward/backward schedule per stage), the actors (`RankActor`,
-//! `Coordinator`), telemetry and the `shardline` CLI build on these modules.
+//! On these build [`engine`] (the per-rank schedule of each stage: pure stage, prefetch and
+//! reduction cores under a thin shell), [`actors`] (`RankActor`, `Coordinator`), [`driver`]
+//! (the one training loop, for ranks in one process and launched ranks alike), [`launch`]
+//! (worker environment, rendezvous and the node agent), [`fault`], telemetry and the
+//! `shardline` CLI. ARCHITECTURE.md maps every concept to its file.
 //!
 //! ```
 //! use shardline_models::{ModelSpec, ParamSpec, UnitSpec};
