@@ -2,15 +2,14 @@
 //! without a launch environment).
 
 use super::{Engines, Job, Placement, Ranks};
-use crate::actors::{Buffers, RankData, Save};
+use crate::actors::{Buffers, Save};
 use crate::checkpoint::{CheckpointMeta, PendingCheckpoint};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
-use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
+use crate::train::{self, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
 use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
-use shardline_models::DistributedSampler;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,22 +55,9 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
     if !opts.quiet {
         train::print_header(&cfg, &p);
     }
-    let JobPlan {
-        train,
-        test,
-        model,
-        stage,
-        sync,
-        total_steps,
-        steps_per_epoch,
-        optimizer,
-        engine: ecfg,
-        hash,
-        ..
-    } = p;
-    let sampler = DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
-        .map_err(RuntimeError::from_model)?;
-    let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+    let ecfg = p.engine.clone();
+    let (job, data) = Job::from_plan(cfg, opts.clone(), p)?;
+    let (cfg, model) = (&job.cfg, Arc::clone(&job.model));
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
     if cfg.link_rate.is_some() {
@@ -116,27 +102,6 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
         checkpoint_hook: opts.faults.as_ref().map(|f| f.hook()),
         dump_on_failure: opts.dump_on_failure.clone(),
     };
-    let job = Job {
-        cfg,
-        opts: opts.clone(),
-        model,
-        stage,
-        optimizer,
-        hash,
-        total_steps,
-        steps_per_epoch,
-        sync,
-    };
     let result = super::run(job, ranks, InProcess);
-    if let (Some(path), true) = (&opts.trace, trace.enabled()) {
-        trace
-            .write_chrome(path)
-            .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
-    }
-    let mut summary = result?;
-    super::add_memory(&mut summary, &trackers);
-    if !opts.quiet {
-        train::print_summary(&summary, &trackers);
-    }
-    Ok(summary)
+    super::finish(result, &trace, opts.trace.as_deref(), &trackers, !opts.quiet)
 }

@@ -26,10 +26,11 @@ use crate::fault::{FaultHook, FaultInjector};
 use crate::memory::MemoryTracker;
 use crate::optim::Optimizer;
 use crate::shard::Stage;
-use crate::train::{self, RunOptions, Summary, TrainConfig};
+use crate::telemetry::Trace;
+use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
 use actix::prelude::*;
 use shardline_collectives::Communicator;
-use shardline_models::Model;
+use shardline_models::{DistributedSampler, Model};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -58,6 +59,34 @@ pub struct Job {
 }
 
 impl Job {
+    /// Splits a rank's plan into what the loop needs and the data its ranks read (the
+    /// training set behind the job's distributed sampler).
+    pub fn from_plan(
+        cfg: TrainConfig,
+        opts: RunOptions,
+        plan: JobPlan,
+    ) -> Result<(Job, Arc<RankData>)> {
+        let JobPlan {
+            train,
+            test,
+            model,
+            stage,
+            sync,
+            total_steps,
+            steps_per_epoch,
+            optimizer,
+            hash,
+            ..
+        } = plan;
+        let sampler =
+            DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
+                .map_err(RuntimeError::from_model)?;
+        let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+        let job =
+            Job { cfg, opts, model, stage, optimizer, hash, total_steps, steps_per_epoch, sync };
+        Ok((job, data))
+    }
+
     /// The manifest fields of a checkpoint whose loader stands after batch `next_index - 1`
     /// of `epoch`.
     pub fn checkpoint_meta(&self, epoch: u64, next_index: u64) -> CheckpointMeta {
@@ -472,8 +501,30 @@ async fn steps<P: Placement>(
     })
 }
 
+/// After a run: writes the trace to `trace_path` (when one was asked for), fills the summary's
+/// memory fields from this process's trackers and prints the summary where `speak`.
+pub fn finish(
+    result: Result<Summary>,
+    trace: &Trace,
+    trace_path: Option<&Path>,
+    trackers: &[MemoryTracker],
+    speak: bool,
+) -> Result<Summary> {
+    if let (Some(path), true) = (trace_path, trace.enabled()) {
+        trace
+            .write_chrome(path)
+            .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
+    }
+    let mut summary = result?;
+    add_memory(&mut summary, trackers);
+    if speak {
+        train::print_summary(&summary, trackers);
+    }
+    Ok(summary)
+}
+
 /// Fills a summary's memory fields from the trackers of this process's ranks.
-pub fn add_memory(summary: &mut Summary, trackers: &[MemoryTracker]) {
+fn add_memory(summary: &mut Summary, trackers: &[MemoryTracker]) {
     summary.peak_bytes = trackers.iter().map(|t| t.peak_total()).collect();
     summary.peak_by_category = trackers
         .iter()

@@ -5,7 +5,7 @@
 
 use super::env::WorkerEnv;
 use super::rendezvous::{join_job, store_err, Joined};
-use crate::actors::{Buffers, RankData, Save};
+use crate::actors::{Buffers, Save};
 use crate::checkpoint::{CheckpointMeta, FileEntry, PendingCheckpoint};
 use crate::driver::{self, Engines, Job, Placement, Ranks};
 use crate::engine::RankEngine;
@@ -15,7 +15,6 @@ use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
 use crate::train::{self, RunOptions, Summary, TrainConfig};
 use shardline_collectives::{Lane, Store};
-use shardline_models::DistributedSampler;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,27 +71,12 @@ fn run_rank(
         engine.set_fault_hook(Arc::clone(h));
     }
     let tracker = engine.memory().clone();
-    let sampler =
-        DistributedSampler::new(plan.train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
-            .map_err(RuntimeError::from_model)?;
-    let train::JobPlan {
-        train,
-        test,
-        model,
-        stage,
-        sync,
-        total_steps,
-        steps_per_epoch,
-        optimizer,
-        hash,
-        ..
-    } = plan;
-    let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+    let (job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
     let placement = Launched {
         rank,
-        world: cfg.world,
+        world: job.cfg.world,
         job: env.job.clone(),
-        wait: Duration::from_secs(cfg.timeout_s),
+        wait: Duration::from_secs(job.cfg.timeout_s),
         store: Arc::clone(&joined.store),
         control,
         progress: (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job)),
@@ -105,31 +89,9 @@ fn run_rank(
         checkpoint_hook: hook,
         dump_on_failure: opts.dump_on_failure.clone(),
     };
-    let job = Job {
-        cfg,
-        opts: opts.clone(),
-        model,
-        stage,
-        optimizer,
-        hash,
-        total_steps,
-        steps_per_epoch,
-        sync,
-    };
     let result = driver::run(job, engines, placement);
-    if let (Some(path), true) = (&opts.trace, trace.enabled()) {
-        let path = path.with_extension(format!("rank{rank}.json"));
-        trace
-            .write_chrome(&path)
-            .map_err(|e| RuntimeError::config(format!("writing trace {}: {e}", path.display())))?;
-    }
-    let mut summary = result?;
-    let trackers = [tracker];
-    driver::add_memory(&mut summary, &trackers);
-    if rank == 0 && !opts.quiet {
-        train::print_summary(&summary, &trackers);
-    }
-    Ok(summary)
+    let path = opts.trace.as_ref().map(|p| p.with_extension(format!("rank{rank}.json")));
+    driver::finish(result, &trace, path.as_deref(), &[tracker], rank == 0 && !opts.quiet)
 }
 
 /// One process per rank: rank 0 speaks for the job; checkpoints go through the store.
