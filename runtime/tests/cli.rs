@@ -6,59 +6,9 @@ use common::*;
 use shardline_runtime::checkpoint::{self, shard_file_name, Checkpoint};
 use shardline_runtime::shard::FlatLayout;
 use shardline_runtime::train::RunOptions;
-use std::io::Read;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Every process these tests start is killed after this.
-const PROCESS_DEADLINE: Duration = Duration::from_secs(60);
-
-struct Out {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `shardline ARGS` with a deadline; kills it and fails the test if it overruns.
-fn shardline(args: &[&str]) -> Out {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start shardline");
-    let mut so = child.stdout.take().expect("stdout pipe");
-    let mut se = child.stderr.take().expect("stderr pipe");
-    let ro = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = so.read_to_string(&mut s);
-        s
-    });
-    let re = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = se.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait for shardline") {
-            break st;
-        }
-        if t0.elapsed() > PROCESS_DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("shardline {args:?} did not exit within {PROCESS_DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Out {
-        code: status.code(),
-        stdout: ro.join().unwrap_or_default(),
-        stderr: re.join().unwrap_or_default(),
-    }
-}
 
 /// Flags of a small, fast training run.
 const SMALL: &[&str] = &[

@@ -3,52 +3,18 @@
 //! both, so their `--log-json` logs have the same keys and bitwise the same job figures on
 //! every line (DRIVE-1).
 
-use std::io::Read;
+mod common;
+use common::shardline;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// Every process these tests start is killed after this.
-const DEADLINE: Duration = Duration::from_secs(120);
 
 /// The figures of a step that are the job's, not a rank's or a clock's.
 const JOB_FIGURES: [&str; 6] = ["step", "epoch", "loss", "lr", "grad_norm", "stats_messages"];
 
-/// Runs `shardline ARGS` with a deadline; panics with its output unless it exits 0.
-fn shardline(args: &[String]) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start shardline");
-    let mut se = child.stderr.take().expect("stderr pipe");
-    let mut so = child.stdout.take().expect("stdout pipe");
-    let re = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = se.read_to_string(&mut s);
-        s
-    });
-    let ro = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = so.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait for shardline") {
-            break st;
-        }
-        if t0.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("shardline {args:?} did not exit within {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let (out, err) = (ro.join().unwrap_or_default(), re.join().unwrap_or_default());
-    assert!(status.success(), "shardline {args:?}: {status}\n{out}\n{err}");
+/// Runs `shardline ARGS` with the common deadline; panics with its output unless it exits 0.
+fn run(args: &[String]) {
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = shardline(&refs);
+    assert_eq!(o.code, Some(0), "shardline {args:?}\n{}\n{}", o.stdout, o.stderr);
 }
 
 fn read_log(path: &Path) -> Vec<serde_json::Map<String, serde_json::Value>> {
@@ -100,14 +66,14 @@ fn in_process_and_launched_agree(world: usize, stage: &str) {
     let launched = dir.path().join("launched.jsonl");
     let mut a = train.clone();
     a.extend(["--world".into(), world.to_string(), "--log-json".into(), path(&local)]);
-    shardline(&a);
+    run(&a);
     let mut b: Vec<String> = ["launch", "--nproc-per-node", &world.to_string(), "--"]
         .iter()
         .map(|s| s.to_string())
         .collect();
     b.extend(train);
     b.extend(["--log-json".into(), path(&launched)]);
-    shardline(&b);
+    run(&b);
 
     let (la, lb) = (read_log(&local), read_log(&launched));
     assert_eq!(la.len(), 4, "one line per step in one process");

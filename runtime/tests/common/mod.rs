@@ -3,8 +3,10 @@
 
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{self, RunOptions, StageChoice, Summary, SyncBnMode, TrainConfig};
+use std::io::Read;
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Every run in these tests ends well within this; a hang fails the test instead.
 pub const RUN_DEADLINE: Duration = Duration::from_secs(120);
@@ -86,4 +88,54 @@ pub fn bits_eq(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
 /// Bitwise equality of two loss curves.
 pub fn losses_bits_eq(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+}
+
+/// Every process these tests start is killed after this.
+pub const PROCESS_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What a `shardline` process left: its exit code and output.
+pub struct Out {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `shardline ARGS` with a deadline; kills it and fails the test if it overruns.
+pub fn shardline(args: &[&str]) -> Out {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start shardline");
+    let mut so = child.stdout.take().expect("stdout pipe");
+    let mut se = child.stderr.take().expect("stderr pipe");
+    let ro = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = so.read_to_string(&mut s);
+        s
+    });
+    let re = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = se.read_to_string(&mut s);
+        s
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for shardline") {
+            break st;
+        }
+        if t0.elapsed() > PROCESS_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("shardline {args:?} did not exit within {PROCESS_DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Out {
+        code: status.code(),
+        stdout: ro.join().unwrap_or_default(),
+        stderr: re.join().unwrap_or_default(),
+    }
 }
