@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p shardline-models --example gemm_compare`
 
-use shardline_models::backend::{gemm_gflops, matrixmultiply_gflops, Backend, Cpu};
+use shardline_models::backend::{gemm_gflops, matrixmultiply_gflops, Backend, Cpu, GemmShape};
 use std::time::Instant;
 
 fn best_of<F: FnMut()>(reps: usize, mut f: F) -> f64 {
@@ -56,7 +56,9 @@ fn main() {
     let a: Vec<f32> = vec![0.5; k * m];
     let b: Vec<f32> = vec![0.25; k * n];
     let mut c = vec![0.0f32; m * n];
-    let t = best_of(5, || be.gemm(m, n, k, &a, true, &b, false, &mut c, false));
+    let t = best_of(5, || {
+        be.gemm(GemmShape { m, n, k, trans_a: true, trans_b: false }, &a, &b, &mut c, false)
+    });
     println!(
         "gemm with transposed A (1024x1024x256): {:.1} GF",
         2.0 * (m * n * k) as f64 / t / 1e9

@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p shardline-models --example gemm_shapes -- [n] [in] [out]`
 
-use shardline_models::{Backend, Cpu};
+use shardline_models::{Backend, Cpu, GemmShape};
 use std::time::Instant;
 
 fn main() {
@@ -31,12 +31,44 @@ fn main() {
         ts.sort_by(f64::total_cmp);
         ts[ts.len() / 2]
     };
-    let t = time(&mut || be.gemm(n, o, i, &x, false, &w, true, &mut y, false));
+    let t = time(&mut || {
+        be.gemm(
+            GemmShape { m: n, n: o, k: i, trans_a: false, trans_b: true },
+            &x,
+            &w,
+            &mut y,
+            false,
+        )
+    });
     println!("forward  y[n,o] = x w^T      {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
-    let t = time(&mut || be.gemm(o, i, n, &dy, true, &x, false, &mut gw, false));
+    let t = time(&mut || {
+        be.gemm(
+            GemmShape { m: o, n: i, k: n, trans_a: true, trans_b: false },
+            &dy,
+            &x,
+            &mut gw,
+            false,
+        )
+    });
     println!("weight   dW[o,i] = dy^T x    {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
-    let t = time(&mut || be.gemm(o, i, n, &dy, true, &x, false, &mut gw, true));
+    let t = time(&mut || {
+        be.gemm(
+            GemmShape { m: o, n: i, k: n, trans_a: true, trans_b: false },
+            &dy,
+            &x,
+            &mut gw,
+            true,
+        )
+    });
     println!("weight+  dW += dy^T x        {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
-    let t = time(&mut || be.gemm(n, i, o, &dy, false, &w, false, &mut gx, false));
+    let t = time(&mut || {
+        be.gemm(
+            GemmShape { m: n, n: i, k: o, trans_a: false, trans_b: false },
+            &dy,
+            &w,
+            &mut gx,
+            false,
+        )
+    });
     println!("input    dx[n,i] = dy w      {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
 }

@@ -29,19 +29,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `c = op(a) * op(b)` (or `c += ...` when `accumulate`), where `op(a)` is `m x k` and
     /// `op(b)` is `k x n`. With `trans_a`, `a` is stored as `k x m`; with `trans_b`, `b` is
     /// stored as `n x k`. Panics when a slice is shorter than its matrix (a caller bug).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        trans_a: bool,
-        b: &[f32],
-        trans_b: bool,
-        c: &mut [f32],
-        accumulate: bool,
-    );
+    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool);
 
     /// `dst += alpha * src`.
     fn axpy(&self, alpha: f32, src: &[f32], dst: &mut [f32]) {
@@ -141,18 +129,8 @@ impl Backend for Cpu {
         "cpu-gemm"
     }
 
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        trans_a: bool,
-        b: &[f32],
-        trans_b: bool,
-        c: &mut [f32],
-        accumulate: bool,
-    ) {
+    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
+        let GemmShape { m, n, k, trans_a, trans_b } = shape;
         assert!(a.len() >= m * k, "gemm: a has {} values, needs {}", a.len(), m * k);
         assert!(b.len() >= k * n, "gemm: b has {} values, needs {}", b.len(), k * n);
         assert!(c.len() >= m * n, "gemm: c has {} values, needs {}", c.len(), m * n);
@@ -264,11 +242,11 @@ pub fn gemm_gflops(backend: &dyn Backend, m: usize, n: usize, k: usize, reps: us
     let a: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let b: Vec<f32> = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
     let mut c = vec![0.0f32; m * n];
-    backend.gemm(m, n, k, &a, false, &b, false, &mut c, false);
+    backend.gemm(GemmShape { m, n, k, trans_a: false, trans_b: false }, &a, &b, &mut c, false);
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        backend.gemm(m, n, k, &a, false, &b, false, &mut c, false);
+        backend.gemm(GemmShape { m, n, k, trans_a: false, trans_b: false }, &a, &b, &mut c, false);
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (m * n * k) as f64 / best.max(1e-12) / 1e9
@@ -332,7 +310,13 @@ mod tests {
                         let shape = GemmShape { m, n, k, trans_a: ta, trans_b: tb };
                         naive_gemm(shape, &a, &b, &mut want);
                         let mut got = vec![7.0; m * n];
-                        Cpu::with_threads(threads).gemm(m, n, k, &a, ta, &b, tb, &mut got, false);
+                        Cpu::with_threads(threads).gemm(
+                            GemmShape { m, n, k, trans_a: ta, trans_b: tb },
+                            &a,
+                            &b,
+                            &mut got,
+                            false,
+                        );
                         for (g, w) in got.iter().zip(&want) {
                             assert!(
                                 (g - w).abs() < 1e-4,
@@ -341,7 +325,13 @@ mod tests {
                         }
                         // accumulate adds onto what is there
                         let mut acc = vec![1.0; m * n];
-                        Cpu::new().gemm(m, n, k, &a, ta, &b, tb, &mut acc, true);
+                        Cpu::new().gemm(
+                            GemmShape { m, n, k, trans_a: ta, trans_b: tb },
+                            &a,
+                            &b,
+                            &mut acc,
+                            true,
+                        );
                         for (g, w) in acc.iter().zip(&want) {
                             assert!((g - (w + 1.0)).abs() < 1e-4);
                         }

@@ -1,6 +1,6 @@
 //! 2-D convolution over NCHW tensors, as im2col + one matrix multiply per sample.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, GemmShape};
 use crate::error::ModelError;
 use crate::layers::check_len;
 use crate::spec::ParamSpec;
@@ -160,7 +160,13 @@ impl Conv2d {
                     plane.fill(*bv);
                 }
             }
-            be.gemm(self.out_channels, p, kk, w, false, &col, false, o, self.bias);
+            be.gemm(
+                GemmShape { m: self.out_channels, n: p, k: kk, trans_a: false, trans_b: false },
+                w,
+                &col,
+                o,
+                self.bias,
+            );
         }
         Ok((
             Tensor { shape: vec![g.n, self.out_channels, g.ho, g.wo], data: out },
@@ -193,14 +199,26 @@ impl Conv2d {
             let dy = &grad_output.data[s * out_len..(s + 1) * out_len];
             self.im2col(&g, &saved.input.data[s * in_len..(s + 1) * in_len], &mut col);
             // dW += dY_s [out, p] * col^T [p, kk]
-            be.gemm(self.out_channels, kk, p, dy, false, &col, true, gw, true);
+            be.gemm(
+                GemmShape { m: self.out_channels, n: kk, k: p, trans_a: false, trans_b: true },
+                dy,
+                &col,
+                gw,
+                true,
+            );
             if self.bias {
                 for (gbv, plane) in gb.iter_mut().zip(dy.chunks_exact(p.max(1))) {
                     *gbv += plane.iter().sum::<f32>();
                 }
             }
             // dcol = W^T [kk, out] * dY_s [out, p]
-            be.gemm(kk, p, self.out_channels, w, true, dy, false, &mut dcol, false);
+            be.gemm(
+                GemmShape { m: kk, n: p, k: self.out_channels, trans_a: true, trans_b: false },
+                w,
+                dy,
+                &mut dcol,
+                false,
+            );
             self.col2im(&g, &dcol, &mut gx.data[s * in_len..(s + 1) * in_len]);
         }
         Ok(gx)

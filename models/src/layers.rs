@@ -15,7 +15,7 @@
 //! - `LAYER-3`: inputs are consumed by value: a layer that needs its input in backward keeps
 //!   it in `saved` without copying.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, GemmShape};
 use crate::error::ModelError;
 use crate::spec::ParamSpec;
 use crate::tensor::Tensor;
@@ -92,7 +92,13 @@ impl Linear {
                 row.copy_from_slice(b);
             }
         }
-        be.gemm(n, o, i, &input.data, false, w, true, &mut out, self.bias);
+        be.gemm(
+            GemmShape { m: n, n: o, k: i, trans_a: false, trans_b: true },
+            &input.data,
+            w,
+            &mut out,
+            self.bias,
+        );
         Ok((Tensor { shape: vec![n, o], data: out }, LinearSaved { input }))
     }
 
@@ -138,7 +144,13 @@ impl Linear {
         let (o, i) = (self.out_features, self.in_features);
         check_len("linear grad_output", grad_output.numel(), n * o)?;
         let (gw, gb) = grads_out.split_at_mut(o * i);
-        be.gemm(o, i, n, &grad_output.data, true, &saved.input.data, false, gw, accumulate);
+        be.gemm(
+            GemmShape { m: o, n: i, k: n, trans_a: true, trans_b: false },
+            &grad_output.data,
+            &saved.input.data,
+            gw,
+            accumulate,
+        );
         if !accumulate {
             gb.fill(0.0);
         }
@@ -170,7 +182,13 @@ impl Linear {
         }
         let n = grad_output.shape[0];
         let mut gx = vec![0.0f32; n * i];
-        be.gemm(n, i, o, &grad_output.data, false, &params[..o * i], false, &mut gx, false);
+        be.gemm(
+            GemmShape { m: n, n: i, k: o, trans_a: false, trans_b: false },
+            &grad_output.data,
+            &params[..o * i],
+            &mut gx,
+            false,
+        );
         Ok(Tensor { shape: vec![n, i], data: gx })
     }
 }

@@ -45,7 +45,7 @@ pub mod testing;
 mod testutil;
 pub mod zoo;
 
-pub use backend::{gemm_gflops, Backend, Cpu};
+pub use backend::{gemm_gflops, Backend, Cpu, GemmShape};
 pub use batchnorm::{BatchNorm, BnKind, StatsReducer};
 pub use conv::Conv2d;
 pub use data::{Dataset, DistributedSampler, RankBatches};

@@ -528,24 +528,13 @@ impl Backend for Cuda {
         "cuda-cublas"
     }
 
-    fn gemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        trans_a: bool,
-        b: &[f32],
-        trans_b: bool,
-        c: &mut [f32],
-        accumulate: bool,
-    ) {
+    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
+        let GemmShape { m, n, k, .. } = shape;
         assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n, "gemm: short slices");
         Self::must((|| {
             let da = self.upload(&a[..m * k])?;
             let db = self.upload(&b[..k * n])?;
             let mut dc = if accumulate { self.upload(&c[..m * n])? } else { self.zeros(m * n)? };
-            let shape = GemmShape { m, n, k, trans_a, trans_b };
             self.gemm_dev(shape, &da, &db, &mut dc, accumulate)?;
             let out = self.download(&dc)?;
             c[..m * n].copy_from_slice(&out);

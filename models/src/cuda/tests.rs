@@ -60,12 +60,18 @@ fn gemm_matches_cpu_for_every_transpose() {
                 let mut want = vec![0.0; m * n];
                 naive_gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut want);
                 let mut got = vec![7.0; m * n];
-                cuda.gemm(m, n, k, &a, ta, &b, tb, &mut got, false);
+                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut got, false);
                 assert_close(&format!("{m}x{n}x{k} ta={ta} tb={tb}"), &got, &want, 1e-4);
                 let mut cpu = vec![1.0; m * n];
-                Cpu::new().gemm(m, n, k, &a, ta, &b, tb, &mut cpu, true);
+                Cpu::new().gemm(
+                    GemmShape { m, n, k, trans_a: ta, trans_b: tb },
+                    &a,
+                    &b,
+                    &mut cpu,
+                    true,
+                );
                 let mut acc = vec![1.0; m * n];
-                cuda.gemm(m, n, k, &a, ta, &b, tb, &mut acc, true);
+                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut acc, true);
                 assert_close("accumulate", &acc, &cpu, 1e-4);
             }
         }
