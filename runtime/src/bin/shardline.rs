@@ -260,7 +260,8 @@ struct TrainArgs {
     /// Write the summary as JSON to this file.
     #[arg(long)]
     summary_json: Option<PathBuf>,
-    /// No progress bar.
+    /// No progress display (by default a bar on a terminal, else a line every ten steps;
+    /// launched, rank 0 alone shows it).
     #[arg(long)]
     no_progress: bool,
     /// Inject a fault (repeatable): kill:rank=R:step=S[:phase=forward|backward|reduce|checkpoint],
