@@ -299,6 +299,8 @@ impl Lane {
             && bytes <= inner.inline_bytes
             && inner.pending.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
         {
+            // Waits on the peers here, on the issuing thread (BLOCK-1).
+            let _blocked = crate::blocked::on_op(inner.name.clone(), seq);
             let mut w = inner.worker.lock().unwrap_or_else(|e| e.into_inner());
             w.next_seq = job.seq + 1;
             w.handle(job);

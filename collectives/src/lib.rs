@@ -9,6 +9,7 @@
 //! - [`algo`]: pure schedules (ring, direct, hierarchical) checked without I/O.
 //! - [`Communicator`] and [`Lane`]: ops issued in order on a lane's own progress thread,
 //!   returning [`Work`] handles that hand the owned buffers back.
+//! - [`blocked`]: what this process's threads wait for now (a watchdog names it on a stop).
 //!
 //! ```
 //! use shardline_collectives::{local_group, ReduceOp};
@@ -31,6 +32,7 @@
 
 pub mod algo;
 pub mod arena;
+pub mod blocked;
 pub mod communicator;
 pub mod config;
 pub mod error;
@@ -56,6 +58,6 @@ pub use error::CollectiveError;
 pub use lane::{CallOptions, Lane};
 pub use pool::BufferPool;
 pub use reduce::ReduceOp;
-pub use store::{MemStore, Store, StoreError, TcpStoreClient, TcpStoreServer};
+pub use store::{MemStore, Store, StoreError, TcpStoreClient, TcpStoreServer, TorchStoreClient};
 pub use topology::Topology;
 pub use work::Work;

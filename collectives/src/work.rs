@@ -129,6 +129,7 @@ impl<T> Work<T> {
     /// Blocks until the op completes. The op's own deadline bounds the wait.
     pub fn wait(self) -> Result<T, CollectiveError> {
         self.poll_briefly();
+        let _blocked = self.register_block();
         let mut st = self.slot.lock();
         loop {
             if let State::Done(_) = &*st {
@@ -146,6 +147,7 @@ impl<T> Work<T> {
     pub fn wait_timeout(self, d: Duration) -> Result<T, CollectiveError> {
         let end = crate::config::deadline_after(d);
         self.poll_briefly();
+        let _blocked = self.register_block();
         let mut st = self.slot.lock();
         loop {
             if let State::Done(_) = &*st {
@@ -162,6 +164,13 @@ impl<T> Work<T> {
             }
             st = self.slot.cv.wait_timeout(st, end - now).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+
+    /// Registers the wait in [`crate::blocked`] when the op is still pending after the poll
+    /// (BLOCK-1): a watchdog can then name it.
+    fn register_block(&self) -> Option<crate::blocked::Blocked> {
+        (!self.slot.done.load(Ordering::Acquire))
+            .then(|| crate::blocked::on_op(self.lane.clone(), self.seq))
     }
 
     fn poll_briefly(&self) {

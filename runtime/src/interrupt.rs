@@ -12,9 +12,15 @@
 //!
 //! `shardline launch`'s agent uses the same handler (without the second-signal exit): it
 //! forwards the signal to its workers and kills them on a second one.
+//!
+//! A launched worker also runs [`watch_waits`]: a stop must not wait on a peer that is gone
+//! (torchrun and Slurm signal every worker when one fails, then kill them 30 s later).
+//! LAUNCH-13 in `launch` says how long each kind of wait may go on.
 
 use crate::error::{Result, RuntimeError};
+use shardline_collectives::blocked;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 /// The signal last received (0: none yet).
 static STOP: AtomicI32 = AtomicI32::new(0);
@@ -64,4 +70,38 @@ pub fn count() -> u32 {
 pub fn signal_name(sig: i32) -> String {
     nix::sys::signal::Signal::try_from(sig)
         .map_or_else(|_| format!("signal {sig}"), |s| s.to_string())
+}
+
+/// How often the watchdog of [`watch_waits`] looks.
+const WATCH_TICK: Duration = Duration::from_millis(20);
+
+/// Starts the watchdog of a worker process: once a signal asked it to stop, a wait in
+/// [`shardline_collectives::blocked`] that outlasts its grace (BLOCK-2) ends the process with
+/// 128 + the signal, after one line on stderr, `{label}: stopped by SIGTERM while waiting
+/// for <what> (<seconds> s)`.
+pub fn watch_waits(label: String) -> Result<()> {
+    std::thread::Builder::new()
+        .name("stop-watchdog".into())
+        .spawn(move || {
+            let mut stop_at = None;
+            loop {
+                std::thread::sleep(WATCH_TICK);
+                let Some(sig) = requested() else { continue };
+                let since = *stop_at.get_or_insert_with(Instant::now);
+                if let Some((what, waited)) = blocked::overdue(since, Instant::now()) {
+                    let line = format!(
+                        "{label}: stopped by {} while waiting for {what} ({:.1} s)\n",
+                        signal_name(sig),
+                        waited.as_secs_f64()
+                    );
+                    use std::io::Write as _;
+                    let _ = std::io::stderr().write_all(line.as_bytes());
+                    // Other threads are blocked on peers that will not answer: end here,
+                    // without unwinding them. SAFETY: `_exit` takes no locks.
+                    unsafe { libc::_exit(128 + sig) };
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| RuntimeError::config(format!("starting the stop watchdog: {e}")))
 }

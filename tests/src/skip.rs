@@ -5,11 +5,24 @@
 //! write to the stderr handle itself is not captured: [`skip`] writes there, and appends
 //! the same line to the file [`SKIP_LOG_ENV`] names, if any (`.ci/run` sets it, prints
 //! the skips after the tests and fails a run as root that skipped a namespace test).
+//!
+//! A test that needs an optional peer tool that CI does not install (torch's `torchrun`,
+//! about 4 GB) skips through [`skip_optional`]: its line starts with [`OPTIONAL`], which
+//! `.ci/run` prints and does not count against a run as root.
 
 use std::io::Write;
 
 /// Names a file to which every [`skip`] appends one line, `<test>: <reason>`.
 pub const SKIP_LOG_ENV: &str = "SHARDLINE_SKIP_LOG";
+
+/// The prefix of an optional tool's skip in the log.
+pub const OPTIONAL: &str = "optional: ";
+
+/// Reports that `test` is skipped because an optional tool is missing: `SKIPPED (optional)
+/// <test>: <reason>` on stderr, and `optional: <test>: <reason>` in the log.
+pub fn skip_optional(test: &str, reason: &str) {
+    log_skip(test, reason, OPTIONAL, "SKIPPED (optional) ");
+}
 
 /// Reports that `test` is skipped because of `reason`: `SKIPPED <test>: <reason>` on
 /// stderr (not captured by libtest, so shown for a passing test too), and the same line
@@ -17,10 +30,14 @@ pub const SKIP_LOG_ENV: &str = "SHARDLINE_SKIP_LOG";
 ///
 /// Panics when the log cannot be written: a skip that CI would not count must not pass.
 pub fn skip(test: &str, reason: &str) {
+    log_skip(test, reason, "", "SKIPPED ");
+}
+
+fn log_skip(test: &str, reason: &str, tag: &str, shown: &str) {
     // One line each, so that the log has one line per skip.
     let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
-    let line = format!("{test}: {reason}\n");
-    let _ = std::io::stderr().write_all(format!("SKIPPED {line}").as_bytes());
+    let line = format!("{tag}{test}: {reason}\n");
+    let _ = std::io::stderr().write_all(format!("{shown}{test}: {reason}\n").as_bytes());
     let Some(path) = std::env::var_os(SKIP_LOG_ENV).filter(|p| !p.is_empty()) else {
         return;
     };

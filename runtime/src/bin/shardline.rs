@@ -585,7 +585,11 @@ fn worker_mode(
     let mut opts = opts.clone();
     opts.progress = opts.progress && env.rank == 0;
     // The agent forwards SIGINT/SIGTERM: stop with the group after a step, checkpoint it.
-    if let Err(e) = shardline_runtime::interrupt::install(false) {
+    // LAUNCH-13: a wait that outlasts its grace after the signal ends the worker.
+    let installed = shardline_runtime::interrupt::install(false).and_then(|_| {
+        shardline_runtime::interrupt::watch_waits(format!("shardline: rank {}", env.rank))
+    });
+    if let Err(e) = installed {
         eprintln!("error: rank {}: {e}", env.rank);
         return 1;
     }

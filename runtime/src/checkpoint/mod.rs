@@ -204,7 +204,7 @@ pub fn config_hash<T: Serialize>(config: &T) -> Result<String> {
 }
 
 /// SHA-256, lowercase hex, as [`FileEntry::sha256`] holds it.
-fn sha256_hex(bytes: &[u8]) -> String {
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
     let mut s = String::with_capacity(64);
     for b in digest {

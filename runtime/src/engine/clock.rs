@@ -52,7 +52,11 @@ impl CommClock {
         what: &str,
     ) -> Result<T> {
         let t0 = Instant::now();
+        // Named for a stop's watchdog while it blocks (BLOCK-1).
+        let blocked = (!w.is_done())
+            .then(|| shardline_collectives::blocked::on(format!("{what} (rank {rank})")));
         let (r, span) = w.wait_timed();
+        drop(blocked);
         let t1 = Instant::now();
         self.exposed += t1 - t0;
         if t1 - t0 >= Duration::from_micros(1) {

@@ -22,13 +22,32 @@ pub struct WorkerEnv {
     pub token: String,
     /// Job name (store keys, shm segment names).
     pub job: String,
-    /// Whether this process hosts the store (rank 0 outside `shardline launch`).
-    pub host_store: bool,
+    /// Which store the job meets in, and whether this process serves it.
+    pub store: StoreAt,
     /// Which convention the variables followed: `shardline`, `torchrun` or `slurm`.
     pub source: &'static str,
     /// Restart generation of the worker group (`SHARDLINE_GENERATION`, 0 for the first
     /// start; LAUNCH-7).
     pub generation: u64,
+}
+
+/// Where a job's rendezvous store is, as seen from one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreAt {
+    /// Shardline's own store, hosted by this process at `rdzv`'s port (rank 0 under Slurm or
+    /// a torchrun-style environment without an agent store).
+    Host,
+    /// Shardline's own store, hosted by another process (`shardline launch`'s agent of node
+    /// 0, or rank 0).
+    Connect,
+    /// The torch `TCPStore` that torchrun's agent serves at `MASTER_ADDR:MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`); nobody binds a second store on its port.
+    TorchAgent,
+}
+
+/// Makes `s` safe inside store keys and shm segment names.
+fn job_label(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
 }
 
 fn parse_var(get: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<usize>> {
@@ -65,7 +84,8 @@ impl WorkerEnv {
         let master = || -> Option<String> {
             Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
         };
-        let (rank, world, local_rank, local_world, node, rdzv, host, source);
+        let (rank, world, local_rank, local_world, node, rdzv, store, source);
+        let (mut job, mut generation) = (get("SHARDLINE_JOB"), None);
         if get("SHARDLINE_RANK").is_some() {
             rank = need(get, "SHARDLINE_RANK")?;
             world = need(get, "SHARDLINE_WORLD_SIZE")?;
@@ -74,7 +94,7 @@ impl WorkerEnv {
             node = need(get, "SHARDLINE_NODE_RANK")?.to_string();
             rdzv = get("SHARDLINE_RDZV")
                 .ok_or_else(|| RuntimeError::config("launch environment without SHARDLINE_RDZV"))?;
-            host = false;
+            store = StoreAt::Connect;
             source = "shardline";
         } else if get("RANK").is_some() && get("WORLD_SIZE").is_some() {
             rank = need(get, "RANK")?;
@@ -85,7 +105,22 @@ impl WorkerEnv {
             rdzv = master().ok_or_else(|| {
                 RuntimeError::config("torchrun-style environment without MASTER_ADDR/MASTER_PORT")
             })?;
-            host = rank == 0;
+            let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+                .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+            store = match (agent_store, rank) {
+                (true, _) => StoreAt::TorchAgent,
+                (false, 0) => StoreAt::Host,
+                (false, _) => StoreAt::Connect,
+            };
+            // LAUNCH-11: torchrun's run id and restart count name the job, so that two jobs
+            // on one host, or two attempts of one job, share no keys or segments.
+            let restart = parse_var(get, "TORCHELASTIC_RESTART_COUNT")?;
+            if let Some(r) = restart {
+                let base =
+                    job.take().or_else(|| get("TORCHELASTIC_RUN_ID").map(|id| job_label(&id)));
+                job = Some(format!("{}g{r}", base.unwrap_or_else(|| "job".into())));
+                generation = Some(r as u64);
+            }
             source = "torchrun";
         } else if get("SLURM_PROCID").is_some() && get("SLURM_NTASKS").is_some() {
             rank = need(get, "SLURM_PROCID")?;
@@ -98,7 +133,7 @@ impl WorkerEnv {
                     "Slurm environment: set SHARDLINE_RDZV=HOST:PORT (or MASTER_ADDR and MASTER_PORT) for the store",
                 )
             })?;
-            host = rank == 0;
+            store = if rank == 0 { StoreAt::Host } else { StoreAt::Connect };
             source = "slurm";
         } else {
             return Ok(None);
@@ -106,8 +141,11 @@ impl WorkerEnv {
         if world == 0 || rank >= world {
             return Err(RuntimeError::config(format!("rank {rank} out of world size {world}")));
         }
-        let job = get("SHARDLINE_JOB").unwrap_or_else(|| "job".into());
-        let generation = parse_var(get, "SHARDLINE_GENERATION")?.unwrap_or(0) as u64;
+        let job = job.unwrap_or_else(|| "job".into());
+        let generation = match generation {
+            Some(g) => g,
+            None => parse_var(get, "SHARDLINE_GENERATION")?.unwrap_or(0) as u64,
+        };
         Ok(Some(WorkerEnv {
             generation,
             rank,
@@ -118,7 +156,7 @@ impl WorkerEnv {
             rdzv,
             token: token()?,
             job,
-            host_store: host,
+            store,
             source,
         }))
     }

@@ -6,12 +6,15 @@
 //!   `SHARDLINE_LOCAL_WORLD_SIZE`, `SHARDLINE_NODE_RANK`, `SHARDLINE_RDZV`, `SHARDLINE_TOKEN`,
 //!   `SHARDLINE_JOB`; the agent of node 0 hosts the rendezvous store.
 //! - torchrun style: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
-//!   `MASTER_PORT` (node from `GROUP_RANK` or `NODE_RANK`, else the host name);
+//!   `MASTER_PORT` (node from `GROUP_RANK` or `NODE_RANK`, else the host name). Under
+//!   torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks meet in the torch `TCPStore`
+//!   its agent serves at `MASTER_ADDR:MASTER_PORT`; elsewhere rank 0 hosts Shardline's store
+//!   on `MASTER_PORT`.
 //! - Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, and the store at
-//!   `SHARDLINE_RDZV` (or `MASTER_ADDR`:`MASTER_PORT`).
+//!   `SHARDLINE_RDZV` (or `MASTER_ADDR`:`MASTER_PORT`), hosted by rank 0.
 //!
-//! In the last two, rank 0 hosts the store, and the token comes from `SHARDLINE_TOKEN`
-//! (required: the store refuses connections without it).
+//! The token comes from `SHARDLINE_TOKEN` in every environment (required: Shardline's store
+//! refuses connections without it, and ranks check each other's, LAUNCH-12).
 //!
 //! Invariants:
 //! - LAUNCH-1: every rank of a job runs the same configuration: each publishes the hash of
@@ -45,6 +48,18 @@
 //!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
 //!   nodes; a node whose agent is back (fresh heartbeat) rejoins at the next restart. A
 //!   fixed-size job instead waits for the missing node to come back before restarting.
+//! - LAUNCH-11: under torchrun, the job's store keys and shm segments are named after
+//!   `TORCHELASTIC_RUN_ID` (unless `SHARDLINE_JOB` is set) and the restart count
+//!   (`TORCHELASTIC_RESTART_COUNT`, which is also the generation of LAUNCH-8): two jobs on one
+//!   host, or two attempts of one job, share nothing.
+//! - LAUNCH-12: every rank publishes a digest of `SHARDLINE_TOKEN` with its hello; a rank
+//!   whose digest differs from this rank's fails the start-up, naming it. A store that checks
+//!   no token (torch's) thus still keeps another job's ranks out.
+//! - LAUNCH-13: on SIGTERM or SIGINT a worker still stops after a step with its group
+//!   (INT-1), but no wait holds it past its grace (BLOCK-2): a rendezvous wait (the store,
+//!   the other ranks' hellos, the links) ends the process at once, a collective of a step
+//!   after 0.5 s, a checkpoint's barrier after 20 s; the process then exits with 128 + the
+//!   signal, naming what it waited for.
 /// Writes one line to stderr in a single write, so that it never interleaves with the
 /// workers' lines.
 macro_rules! say {
@@ -63,7 +78,7 @@ mod store_link;
 mod worker;
 
 pub use agent::run_agent;
-pub use env::WorkerEnv;
+pub use env::{StoreAt, WorkerEnv};
 pub use options::{parse_nnodes, LaunchOptions};
 pub use rendezvous::RENDEZVOUS_TIMEOUT;
 pub use worker::{progress_key, run_worker, unix_ms};

@@ -1,7 +1,7 @@
 //! A worker's rendezvous: the store, the job's configuration check (LAUNCH-1), the topology
 //! and the transports (LAUNCH-2), ending in the rank's communicator.
 
-use super::env::WorkerEnv;
+use super::env::{StoreAt, WorkerEnv};
 use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
 use crate::train::TrainConfig;
@@ -9,7 +9,8 @@ use shardline_collectives::transport::select::{open_for_job, Selection, Transpor
 use shardline_collectives::transport::tcp::TcpOptions;
 use shardline_collectives::transport::Transport;
 use shardline_collectives::{
-    CommOptions, Communicator, Store, TcpStoreClient, TcpStoreServer, Topology,
+    blocked, CommOptions, Communicator, Store, TcpStoreClient, TcpStoreServer, Topology,
+    TorchStoreClient,
 };
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
@@ -46,6 +47,13 @@ pub(super) fn store_err(
 struct Hello {
     node: String,
     config_hash: String,
+    /// SHA-256 of the job and its token (LAUNCH-12): a store that checks no token (torch's)
+    /// still keeps ranks of another job or token out.
+    token_digest: String,
+}
+
+fn token_digest(env: &WorkerEnv) -> String {
+    checkpoint::sha256_hex(format!("shardline-token\0{}", env.token).as_bytes())
 }
 
 /// A worker's connection to its job: the store (and the server, when hosted here), the
@@ -60,7 +68,10 @@ pub(super) struct Joined {
 }
 
 pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
-    let server = if env.host_store {
+    // LAUNCH-13: nothing is kept by waiting out a stop here, so a signal ends these waits
+    // at once.
+    let _grace = blocked::with_grace(Duration::ZERO);
+    let server = if env.store == StoreAt::Host {
         let port = env.rdzv.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok()).ok_or_else(
             || RuntimeError::config(format!("store address {} has no port", env.rdzv)),
         )?;
@@ -71,24 +82,56 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     } else {
         None
     };
-    let mut client = TcpStoreClient::connect(env.rdzv.as_str(), &env.token, RENDEZVOUS_TIMEOUT)
-        .map_err(store_err("connecting"))?;
-    // Once connected, a request the store does not answer fails within the collective
-    // timeout like a collective would (a partitioned rank then reports it instead of
-    // waiting out the rendezvous deadline in a checkpoint's store write).
-    client.set_request_timeout(Duration::from_secs(cfg.timeout_s.max(1)));
-    let store: Arc<dyn Store> = Arc::new(client);
+    let store: Arc<dyn Store> = {
+        let _b = blocked::on(format!("the rendezvous store at {} ({})", env.rdzv, env.source));
+        // Once connected, a request the store does not answer fails within the collective
+        // timeout like a collective would (a partitioned rank then reports it instead of
+        // waiting out the rendezvous deadline in a checkpoint's store write).
+        let request_timeout = Duration::from_secs(cfg.timeout_s.max(1));
+        match env.store {
+            StoreAt::TorchAgent => {
+                let c = TorchStoreClient::connect(env.rdzv.as_str(), RENDEZVOUS_TIMEOUT)
+                    .map_err(store_err("connecting to torchrun's agent store"))?;
+                Arc::new(c)
+            }
+            StoreAt::Host | StoreAt::Connect => {
+                let mut c =
+                    TcpStoreClient::connect(env.rdzv.as_str(), &env.token, RENDEZVOUS_TIMEOUT)
+                        .map_err(store_err("connecting"))?;
+                c.set_request_timeout(request_timeout);
+                Arc::new(c)
+            }
+        }
+    };
     let key = |r: usize| format!("launch/{}/hello/{r}", env.job);
-    let mine = Hello { node: env.node.clone(), config_hash: checkpoint::config_hash(cfg)? };
+    let mine = Hello {
+        node: env.node.clone(),
+        config_hash: checkpoint::config_hash(cfg)?,
+        token_digest: token_digest(env),
+    };
     let text = serde_json::to_vec(&mine)
         .map_err(|e| RuntimeError::config(format!("encoding hello: {e}")))?;
     store.set(&key(env.rank), &text).map_err(store_err("publishing"))?;
     let mut hellos = Vec::with_capacity(env.world);
     for r in 0..env.world {
+        let _b = blocked::on(format!(
+            "rank {r} of {} to join in the store at {} (rendezvous)",
+            env.world, env.rdzv
+        ));
         let v = store.get(&key(r), RENDEZVOUS_TIMEOUT).map_err(store_err("waiting for ranks"))?;
         let h: Hello = serde_json::from_slice(&v)
             .map_err(|e| RuntimeError::config(format!("rank {r} published a bad hello: {e}")))?;
         hellos.push(h);
+    }
+    // LAUNCH-12.
+    let strangers: Vec<usize> =
+        (0..env.world).filter(|&r| hellos[r].token_digest != mine.token_digest).collect();
+    if !strangers.is_empty() {
+        return Err(RuntimeError::config(format!(
+            "rank(s) {strangers:?} joined with another SHARDLINE_TOKEN than rank {} \
+             (every rank of a job needs the same token)",
+            env.rank
+        )));
     }
     // LAUNCH-1.
     let differ: Vec<usize> =
@@ -114,6 +157,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
         .advertise(local_ip_towards(&env.rdzv)?.to_string());
     let choice = TransportChoice::from_env()
         .map_err(|e| RuntimeError::config(format!("SHARDLINE_TRANSPORT: {e}")))?;
+    let links = blocked::on(format!("links with the other ranks (rendezvous via {})", env.rdzv));
     let (transport, selection) = open_for_job(
         choice,
         env.rank,
@@ -124,6 +168,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
         RENDEZVOUS_TIMEOUT,
     )
     .map_err(|e| RuntimeError::config(format!("rank {}: transport setup failed: {e}", env.rank)))?;
+    drop(links);
     if env.rank == 0 {
         for note in &selection.notes {
             say!("shardline: {note}");

@@ -14,7 +14,7 @@ use crate::fault::{FaultHook, FaultSpec, Phase};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
 use crate::train::{self, RunOptions, Summary, TrainConfig};
-use shardline_collectives::{Lane, Store};
+use shardline_collectives::{blocked, Lane, Store};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,7 +127,7 @@ impl Placement for Launched {
         barrier.timeout(self.wait);
         let rank = self.rank;
         let pending = if rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
-        self.control.barrier_opts(&barrier).wait()?;
+        self.barrier(&barrier, step, "begun")?;
         let pending = Arc::new(match pending {
             Some(p) => p,
             None => PendingCheckpoint::join(dir, step)?,
@@ -140,10 +140,12 @@ impl Placement for Launched {
         let text = serde_json::to_vec(&entry)
             .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
         self.store.set(&key(rank), &text).map_err(store_err("publishing a shard"))?;
-        self.control.barrier_opts(&barrier).wait()?;
+        self.barrier(&barrier, step, "written by every rank")?;
         if rank == 0 {
             let mut files = Vec::with_capacity(self.world);
+            let grace = blocked::with_grace(CHECKPOINT_GRACE);
             for r in 0..self.world {
+                let _b = blocked::on(format!("rank {r}'s shard entry of step {step}"));
                 let v =
                     self.store.get(&key(r), self.wait).map_err(store_err("collecting shards"))?;
                 let f: FileEntry = serde_json::from_slice(&v).map_err(|e| {
@@ -151,6 +153,7 @@ impl Placement for Launched {
                 })?;
                 files.push(f);
             }
+            drop(grace);
             let buffers = ranks.addrs()[0]
                 .send(Buffers)
                 .await
@@ -160,7 +163,25 @@ impl Placement for Launched {
             pending.commit(meta, files, &buffers)?;
         }
         // Nobody begins the next checkpoint (or reads this one) before it is committed.
-        self.control.barrier_opts(&barrier).wait()?;
+        self.barrier(&barrier, step, "committed")?;
+        Ok(())
+    }
+}
+
+/// How long a checkpoint's barrier may go on after a stop was asked (LAUNCH-13): the other
+/// ranks may still be writing their shards of the step the stop is saving.
+const CHECKPOINT_GRACE: Duration = Duration::from_secs(20);
+
+impl Launched {
+    fn barrier(
+        &self,
+        opts: &shardline_collectives::CallOptions,
+        step: u64,
+        what: &str,
+    ) -> Result<()> {
+        let _grace = blocked::with_grace(CHECKPOINT_GRACE);
+        let _b = blocked::on(format!("the checkpoint of step {step} to be {what}"));
+        self.control.barrier_opts(opts).wait()?;
         Ok(())
     }
 }
