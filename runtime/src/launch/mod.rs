@@ -7,8 +7,13 @@
 //!   `SHARDLINE_JOB`; the agent of node 0 hosts the rendezvous store.
 //! - torchrun style: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //!   `MASTER_PORT` (node from `GROUP_RANK` or `NODE_RANK`, else the host name);
-//! - Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, and the store at
-//!   `SHARDLINE_RDZV` (or `MASTER_ADDR`:`MASTER_PORT`).
+//! - Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID` (local
+//!   world from `SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` or
+//!   `SLURM_NTASKS_PER_NODE`), and the store at `SHARDLINE_RDZV`, else
+//!   `MASTER_ADDR`:`MASTER_PORT` when both are set, else on the first host of
+//!   `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, `SLURM_NODELIST`) at port 15000 + the
+//!   last four digits of `SLURM_JOB_ID` (SLURM-1 in `slurm.rs`), so `srun shardline train`
+//!   needs only `SHARDLINE_TOKEN`.
 //!
 //! In the last two, rank 0 hosts the store, and the token comes from `SHARDLINE_TOKEN`
 //! (required: the store refuses connections without it).
@@ -59,6 +64,7 @@ mod agent;
 mod env;
 mod options;
 mod rendezvous;
+mod slurm;
 mod store_link;
 mod worker;
 
