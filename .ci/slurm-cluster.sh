@@ -72,17 +72,25 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
 chmod 400 /etc/munge/munge.key
 
-# A daemon given by its pid file: running or not.
-running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Whether the daemon of pid file $1 runs (an exited one not yet reaped does not).
+running() {
+    local pid
+    pid=$(cat "$1" 2>/dev/null) || return 1
+    [ -n "$pid" ] && [ -r "/proc/$pid/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status"
+}
 
-if ! pgrep -x munged >/dev/null; then
+if ! running /run/munge/munged.pid; then
     su -s /bin/sh munge -c /usr/sbin/munged
 fi
 if [ "$changed" -eq 1 ]; then
     for pid_file in /run/slurmd.pid /run/slurmctld.pid; do
         if running "$pid_file"; then
             kill "$(cat "$pid_file")"
-            while running "$pid_file"; do sleep 0.1; done
+            for _ in $(seq 1 100); do
+                running "$pid_file" || break
+                sleep 0.1
+            done
+            if running "$pid_file"; then kill -9 "$(cat "$pid_file")"; fi
         fi
     done
 fi
