@@ -34,11 +34,18 @@ enum Cmd {
     /// With no flags: mlp-bn on the bundled digits data, 4 ranks, ZeRO stage 3, SyncBN chosen
     /// automatically.
     ///
+    /// Under srun (SLURM_PROCID and SLURM_NTASKS set) this process is one rank of the job step,
+    /// and rank 0 hosts the store at SHARDLINE_RDZV (HOST:PORT), else MASTER_ADDR:MASTER_PORT
+    /// when both are set, else on the first host of SLURM_STEP_NODELIST (else
+    /// SLURM_JOB_NODELIST, SLURM_NODELIST) at port 15000 + the last four digits of
+    /// SLURM_JOB_ID. SHARDLINE_TOKEN (the job token) is required.
+    ///
     /// Examples:
     ///   shardline train
     ///   shardline train --stage auto --device-memory 64M --model wide-mlp --params 20M --dataset synthetic --steps 5
     ///   shardline train --model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --world 2 --steps 20
     ///   shardline train --checkpoint-dir ckpt --checkpoint-every 20 --resume
+    ///   SHARDLINE_TOKEN=T srun --nodes 2 --ntasks-per-node 4 shardline train --steps 50
     #[command(verbatim_doc_comment)]
     Train(Box<TrainArgs>),
     /// Inspect or export checkpoints.

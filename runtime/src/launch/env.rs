@@ -126,13 +126,9 @@ impl WorkerEnv {
             rank = need(get, "SLURM_PROCID")?;
             world = need(get, "SLURM_NTASKS")?;
             local_rank = parse_var(get, "SLURM_LOCALID")?.unwrap_or(0);
-            local_world = 0;
+            local_world = super::slurm::local_world(get)?.unwrap_or(0);
             node = get("SLURM_NODEID").unwrap_or_else(host_name);
-            rdzv = get("SHARDLINE_RDZV").or_else(master).ok_or_else(|| {
-                RuntimeError::config(
-                    "Slurm environment: set SHARDLINE_RDZV=HOST:PORT (or MASTER_ADDR and MASTER_PORT) for the store",
-                )
-            })?;
+            rdzv = super::slurm::store_address(get)?;
             store = if rank == 0 { StoreAt::Host } else { StoreAt::Connect };
             source = "slurm";
         } else {

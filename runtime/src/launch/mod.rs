@@ -10,8 +10,13 @@
 //!   torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks meet in the torch `TCPStore`
 //!   its agent serves at `MASTER_ADDR:MASTER_PORT`; elsewhere rank 0 hosts Shardline's store
 //!   on `MASTER_PORT`.
-//! - Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, and the store at
-//!   `SHARDLINE_RDZV` (or `MASTER_ADDR`:`MASTER_PORT`), hosted by rank 0.
+//! - Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID` (local
+//!   world from `SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` or
+//!   `SLURM_NTASKS_PER_NODE`), and the store at `SHARDLINE_RDZV`, else
+//!   `MASTER_ADDR`:`MASTER_PORT` when both are set, else on the first host of
+//!   `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, `SLURM_NODELIST`) at port 15000 + the
+//!   last four digits of `SLURM_JOB_ID` (SLURM-1 in `slurm.rs`), so `srun shardline train`
+//!   needs only `SHARDLINE_TOKEN`.
 //!
 //! The token comes from `SHARDLINE_TOKEN` in every environment (required: Shardline's store
 //! refuses connections without it, and ranks check each other's, LAUNCH-12).
@@ -74,6 +79,7 @@ mod agent;
 mod env;
 mod options;
 mod rendezvous;
+mod slurm;
 mod store_link;
 mod worker;
 

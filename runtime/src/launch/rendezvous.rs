@@ -67,6 +67,28 @@ pub(super) struct Joined {
     pub(super) selection: Selection,
 }
 
+/// Where a Slurm job's store is when no variable names it (SLURM-1), for the errors.
+const SLURM_RULE: &str = "without SHARDLINE_RDZV or MASTER_ADDR/MASTER_PORT a Slurm job's store \
+     is on the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) at port 15000 + the \
+     last four digits of SLURM_JOB_ID";
+
+/// Fails at once, saying so, when the store's host name does not resolve here.
+fn check_resolves(env: &WorkerEnv) -> Result<()> {
+    let why = match env.rdzv.to_socket_addrs().map(|mut addrs| addrs.next()) {
+        Ok(Some(_)) => return Ok(()),
+        Ok(None) => "it resolves to no address".to_string(),
+        Err(e) => e.to_string(),
+    };
+    let hint = match env.source {
+        "slurm" => format!(
+            "; {SLURM_RULE}: that host name must resolve on every node (DNS or /etc/hosts), \
+             or set SHARDLINE_RDZV=HOST:PORT"
+        ),
+        _ => String::new(),
+    };
+    Err(RuntimeError::config(format!("cannot resolve the store address {}: {why}{hint}", env.rdzv)))
+}
+
 pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     // LAUNCH-13: nothing is kept by waiting out a stop here, so a signal ends these waits
     // at once.
@@ -75,13 +97,21 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
         let port = env.rdzv.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok()).ok_or_else(
             || RuntimeError::config(format!("store address {} has no port", env.rdzv)),
         )?;
-        Some(
-            TcpStoreServer::bind(("0.0.0.0", port), &env.token)
-                .map_err(store_err("hosting the store"))?,
-        )
+        let hint = match env.source {
+            "slurm" => format!(
+                "; {SLURM_RULE} (another job whose id ends in the same four digits, or another \
+                 step of this job, may hold the port): set SHARDLINE_RDZV=HOST:PORT to choose \
+                 another"
+            ),
+            _ => String::new(),
+        };
+        Some(TcpStoreServer::bind(("0.0.0.0", port), &env.token).map_err(|e| {
+            RuntimeError::config(format!("rendezvous failed (hosting the store): {e}{hint}"))
+        })?)
     } else {
         None
     };
+    check_resolves(env)?;
     let store: Arc<dyn Store> = {
         let _b = blocked::on(format!("the rendezvous store at {} ({})", env.rdzv, env.source));
         // Once connected, a request the store does not answer fails within the collective
