@@ -42,6 +42,15 @@ pub enum RuntimeError {
         /// What is wrong with it.
         detail: String,
     },
+    /// `--resume` found committed checkpoints under `root` but none verifies (CKPT-5): each
+    /// one, newest first, with why.
+    #[error("{}", no_verified_checkpoint(root, skipped))]
+    NoVerifiedCheckpoint {
+        /// The checkpoint directory given (`--checkpoint-dir`).
+        root: PathBuf,
+        /// Every committed checkpoint there, newest first, with its verify error.
+        skipped: Vec<crate::checkpoint::Skipped>,
+    },
     /// An impossible or inconsistent configuration (world 0, unknown stage, mismatched sizes).
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -102,6 +111,22 @@ impl From<shardline_models::ModelError> for RuntimeError {
     fn from(e: shardline_models::ModelError) -> Self {
         RuntimeError::from_model(e)
     }
+}
+
+/// The text of [`RuntimeError::NoVerifiedCheckpoint`]: one line per checkpoint.
+fn no_verified_checkpoint(
+    root: &std::path::Path,
+    skipped: &[crate::checkpoint::Skipped],
+) -> String {
+    let mut s = format!(
+        "cannot resume: none of the {} checkpoint(s) in {} verifies",
+        skipped.len(),
+        root.display()
+    );
+    for k in skipped {
+        s.push_str(&format!("\n  {}: {}", k.dir.display(), k.reason));
+    }
+    s
 }
 
 /// Result alias of the runtime.

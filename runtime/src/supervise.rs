@@ -169,7 +169,7 @@ pub fn run_supervised(
 fn is_usage(e: &RuntimeError) -> bool {
     match e {
         RuntimeError::Config(m) => !m.contains("failed"),
-        RuntimeError::Checkpoint { .. } => true,
+        RuntimeError::Checkpoint { .. } | RuntimeError::NoVerifiedCheckpoint { .. } => true,
         _ => false,
     }
 }

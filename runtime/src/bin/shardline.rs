@@ -246,7 +246,11 @@ struct TrainArgs {
     /// Checkpoint every N steps (and always at the end when --checkpoint-dir is set).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
-    /// Resume from the latest checkpoint in --checkpoint-dir.
+    /// Resume from the newest checkpoint in --checkpoint-dir whose files verify (sizes,
+    /// CRC32, SHA-256); each newer one that does not is named on stderr with why and moved
+    /// aside to damaged-step-N. Refused: a checkpoint of another configuration, model or
+    /// format version (exit 1), and checkpoints none of which verifies (exit 2). With no
+    /// checkpoint there, start fresh.
     #[arg(long)]
     resume: bool,
     /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
@@ -371,6 +375,8 @@ fn exit_for(e: &RuntimeError) -> i32 {
     match e {
         RuntimeError::Config(msg) if !msg.contains("failed") => 2,
         RuntimeError::DeviceUnavailable(_) => 2,
+        // `--resume` over checkpoints none of which verifies (CKPT-5).
+        RuntimeError::NoVerifiedCheckpoint { .. } => 2,
         // As a shell reports a process ended by the signal.
         RuntimeError::Interrupted { signal, .. } => 128 + signal,
         RuntimeError::OutOfMemory { .. } => 1,

@@ -3,8 +3,9 @@
 //! One concept per file: this one holds the on-disk layout, its names and the manifest
 //! types; `codec` the binary format of the shard and buffers files; `write` the atomic write
 //! protocol ([`PendingCheckpoint`], CKPT-1); `read` opening, verifying, consolidating and
-//! resharding ([`Checkpoint`], [`latest`], CKPT-2 and CKPT-3); `export` the safetensors
-//! export and [`inspect`] (CKPT-4).
+//! resharding ([`Checkpoint`], [`latest`], CKPT-2 and CKPT-3); `resume` the choice of the
+//! checkpoint to resume from ([`newest_verified`], [`set_aside`], CKPT-5 and CKPT-6); `export` the safetensors export
+//! and [`inspect`] (CKPT-4).
 //!
 //! # Layout
 //!
@@ -36,13 +37,15 @@ use crate::shard::{ParamSlot, ShardedModelLayout, Stage};
 mod codec;
 mod export;
 mod read;
+mod resume;
 mod write;
 
 #[cfg(test)]
 mod fixtures;
 
 pub use export::{export_safetensors, inspect};
-pub use read::{latest, Checkpoint, ConsolidatedUnit};
+pub use read::{committed, latest, Checkpoint, ConsolidatedUnit};
+pub use resume::{newest_verified, set_aside, Resumable, Skipped};
 pub use write::{CheckpointMeta, PendingCheckpoint};
 
 /// Version of the on-disk format written by this code.

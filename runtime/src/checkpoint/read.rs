@@ -21,17 +21,17 @@ use super::{
 use crate::error::{Result, RuntimeError};
 use crate::shard::{self, ShardedModelLayout};
 
-/// The newest committed checkpoint under `root` (CKPT-1: temporary directories and
-/// directories without a manifest are ignored). `None` if there is none or `root` does
-/// not exist.
-pub fn latest(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+/// Every committed checkpoint under `root`, newest first, as (step, directory) (CKPT-1:
+/// temporary directories and directories without a manifest are ignored). Empty if there is
+/// none or `root` does not exist.
+pub fn committed(root: impl AsRef<Path>) -> Result<Vec<(u64, PathBuf)>> {
     let root = root.as_ref();
     let rd = match fs::read_dir(root) {
         Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(io_err(root, "cannot list", e)),
     };
-    let mut best: Option<(u64, PathBuf)> = None;
+    let mut found = Vec::new();
     for entry in rd {
         let entry = entry.map_err(|e| io_err(root, "cannot list", e))?;
         let name = entry.file_name();
@@ -43,14 +43,43 @@ pub fn latest(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
             continue;
         };
         let path = entry.path();
-        if !path.join(MANIFEST).is_file() {
-            continue;
-        }
-        if best.as_ref().is_none_or(|(s, _)| step > *s) {
-            best = Some((step, path));
+        if path.join(MANIFEST).is_file() {
+            found.push((step, path));
         }
     }
-    Ok(best.map(|(_, p)| p))
+    // Newest first; equal steps (`step-7` beside `step-00000007`) in a fixed order too.
+    found.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(found)
+}
+
+/// The newest committed checkpoint under `root` (see [`committed`]). `None` if there is
+/// none or `root` does not exist.
+pub fn latest(root: impl AsRef<Path>) -> Result<Option<PathBuf>> {
+    Ok(committed(root)?.into_iter().next().map(|(_, p)| p))
+}
+
+/// Why a checkpoint directory could not be opened.
+#[derive(Debug)]
+pub(super) enum OpenError {
+    /// The manifest is unreadable, not a manifest, or disagrees with itself: damage.
+    Damaged(RuntimeError),
+    /// The manifest is of another on-disk format version: written by another build.
+    Format(RuntimeError),
+}
+
+impl From<OpenError> for RuntimeError {
+    fn from(e: OpenError) -> Self {
+        match e {
+            OpenError::Damaged(e) | OpenError::Format(e) => e,
+        }
+    }
+}
+
+/// The one field read before the rest of a manifest, so that another format version is
+/// told apart from damage whatever its other fields are.
+#[derive(serde::Deserialize)]
+struct FormatOnly {
+    format_version: u32,
 }
 
 /// A consolidated unit: unpadded flat params and optimizer state.
@@ -81,21 +110,31 @@ impl Checkpoint {
                 RuntimeError::checkpoint(path, "no committed checkpoint (no manifest.json)")
             })?
         };
+        Self::open_dir(dir).map_err(RuntimeError::from)
+    }
+
+    /// Opens the checkpoint directory `dir`: reads the manifest and checks it against
+    /// itself and this build's format version.
+    pub(super) fn open_dir(dir: PathBuf) -> std::result::Result<Self, OpenError> {
         let mpath = dir.join(MANIFEST);
-        let bytes = fs::read(&mpath).map_err(|e| io_err(&mpath, "cannot read", e))?;
-        let manifest: Manifest = serde_json::from_slice(&bytes)
-            .map_err(|e| RuntimeError::checkpoint(&mpath, format!("invalid manifest: {e}")))?;
-        if manifest.format_version != FORMAT_VERSION {
-            return Err(RuntimeError::checkpoint(
+        let damaged = |d: String| OpenError::Damaged(RuntimeError::checkpoint(&mpath, d));
+        let bytes =
+            fs::read(&mpath).map_err(|e| OpenError::Damaged(io_err(&mpath, "cannot read", e)))?;
+        let version: FormatOnly = serde_json::from_slice(&bytes)
+            .map_err(|e| damaged(format!("invalid manifest: {e}")))?;
+        if version.format_version != FORMAT_VERSION {
+            return Err(OpenError::Format(RuntimeError::checkpoint(
                 &mpath,
                 format!(
                     "format version {}, this build reads {FORMAT_VERSION}",
-                    manifest.format_version
+                    version.format_version
                 ),
-            ));
+            )));
         }
+        let manifest: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| damaged(format!("invalid manifest: {e}")))?;
         let ck = Checkpoint { dir, manifest };
-        ck.check_manifest_consistent()?;
+        ck.check_manifest_consistent().map_err(OpenError::Damaged)?;
         Ok(ck)
     }
 

@@ -346,22 +346,37 @@ impl StepFigures {
     }
 }
 
-/// Loads the newest checkpoint into every rank when `--resume` asks; the steps it holds.
-async fn resume(job: &Job, ranks: &Ranks, speak: bool) -> Result<u64> {
+/// Loads the newest checkpoint that verifies into every rank when `--resume` asks (CKPT-5);
+/// the steps it holds. Each process selects on its own: every rank, in this process or in
+/// its own, runs the same selection over the same files, so all load the same checkpoint.
+/// The lead process names each checkpoint skipped on stderr, whether or not it is quiet,
+/// and moves it aside (CKPT-6).
+async fn resume(job: &Job, ranks: &Ranks, lead: bool, speak: bool) -> Result<u64> {
     let dir = job
         .opts
         .checkpoint_dir
         .as_ref()
         .ok_or_else(|| RuntimeError::config("--resume needs --checkpoint-dir"))?;
-    let Some(latest) = checkpoint::latest(dir)? else {
+    let Some(found) = checkpoint::newest_verified(dir, &job.hash, &job.model.spec())? else {
         if speak {
             println!("  no checkpoint in {} yet; starting fresh", dir.display());
         }
         return Ok(0);
     };
-    let ck = checkpoint::Checkpoint::open(&latest)?;
-    ck.check_config_hash(&job.hash)?;
-    ck.check_model(&job.model.spec())?;
+    if lead {
+        for s in &found.skipped {
+            // One write per line.
+            let line =
+                format!("shardline: skipping checkpoint {}: {}\n", s.dir.display(), s.reason);
+            eprint!("{line}");
+            // CKPT-6: the run will write this step again.
+            let to = checkpoint::set_aside(&s.dir)?;
+            let line = format!("shardline: moved {} to {}\n", s.dir.display(), to.display());
+            eprint!("{line}");
+        }
+    }
+    let ck = found.checkpoint;
+    let latest = ck.dir().to_path_buf();
     let buffers = ck.buffers()?;
     let step = ck.manifest().step;
     let world = job.cfg.world;
@@ -410,7 +425,7 @@ async fn steps<P: Placement>(
     let (cfg, opts) = (&job.cfg, &job.opts);
     let lead = placement.lead();
     let speak = lead && !opts.quiet;
-    let mut done = if opts.resume { resume(job, ranks, speak).await? } else { 0 };
+    let mut done = if opts.resume { resume(job, ranks, lead, speak).await? } else { 0 };
     let mut log = StepLog::open(opts.log_json.as_deref().filter(|_| lead))?;
     let remaining = job.total_steps.saturating_sub(done);
     let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));
