@@ -361,6 +361,19 @@ fn resume_refuses_with_exit_2_when_no_checkpoint_verifies() {
         assert!(step(n).is_dir(), "step {n} was moved");
     }
     assert!(!o.stdout.contains("resumed from"), "{}", o.stdout);
+
+    // LAUNCH-6: launched with restarts, the job gives up at once: every generation would
+    // fail the same way.
+    let mut launched: Vec<String> =
+        ["launch", "--nproc-per-node", "2", "--max-restarts", "2", "--"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    launched.extend(job_args(&dir, &log, &["--resume"]));
+    let o = run_cli(&launched);
+    assert_eq!(o.code, Some(1), "{}\n{}", o.stdout, o.stderr);
+    assert!(o.stderr.contains("a restart would fail the same way"), "{}", o.stderr);
+    assert!(!o.stderr.contains("restart 1/2"), "{}", o.stderr);
 }
 
 /// CKPT-5: a checkpoint of another configuration is refused as before (exit 1, naming its

@@ -86,9 +86,9 @@ struct LaunchArgs {
     /// Seconds the other workers get to exit on their own after one died.
     #[arg(long, default_value_t = 2.0)]
     grace_s: f64,
-    /// Restart the worker group (on every node) from the last committed checkpoint up to N
-    /// times after a worker dies or a node is lost; needs --checkpoint-dir in the train
-    /// arguments.
+    /// Restart the worker group (on every node) from the newest checkpoint that verifies, up
+    /// to N times, after a worker dies or a node is lost (not after a worker's exit code 2,
+    /// invalid input); needs --checkpoint-dir in the train arguments.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
     /// Seconds without a heartbeat after which node 0's agent counts a node as lost.
@@ -620,10 +620,24 @@ fn worker_mode(
         Err(e) => {
             // One write, so that the lines of ranks sharing a terminal never interleave.
             use std::io::Write;
-            let kind = if matches!(e, RuntimeError::Interrupted { .. }) { "" } else { "error: " };
-            let line = format!("{kind}rank {}: {e}\n", env.rank);
+            let interrupted = matches!(e, RuntimeError::Interrupted { .. });
+            // A failure after a stop was asked (a peer that stopped first closed the store or a
+            // link) is the stop's doing: reported, and ended, as the stop.
+            let stopped = shardline_runtime::interrupt::requested().filter(|_| !interrupted);
+            let line = match stopped {
+                Some(sig) => format!(
+                    "rank {}: stopped by {}; meanwhile: {e}\n",
+                    env.rank,
+                    shardline_runtime::interrupt::signal_name(sig)
+                ),
+                None if interrupted => format!("rank {}: {e}\n", env.rank),
+                None => format!("error: rank {}: {e}\n", env.rank),
+            };
             let _ = std::io::stderr().write_all(line.as_bytes());
-            exit_for(&e)
+            if env.source == "torchrun" {
+                shardline_runtime::launch::record_torchrun_error(line.trim_end());
+            }
+            stopped.map_or_else(|| exit_for(&e), |sig| 128 + sig)
         }
     }
 }

@@ -154,7 +154,7 @@ impl Agent<'_> {
         })?;
         let world = g.nodes.len() * o.nproc_per_node;
         let mut args = o.worker_args.clone();
-        // LAUNCH-6: a restarted group goes on from the last committed checkpoint.
+        // LAUNCH-6: a restarted group goes on from the newest checkpoint that verifies.
         if g.gen > 0 && !args.iter().any(|a| a == "--resume") {
             args.push("--resume".into());
         }
@@ -421,6 +421,16 @@ impl Agent<'_> {
                 )?;
                 // As a shell reports a process ended by the signal.
                 return Ok(128 + sig);
+            }
+            // A worker's exit code 2 is invalid input (flags, configuration, no checkpoint
+            // that verifies): a new generation would fail the same way.
+            if workers.iter().any(|w| w.status.and_then(|s| s.code()) == Some(2)) {
+                return give_up(
+                    "a worker exited with code 2 (invalid input or configuration): a restart would fail the same way".into(),
+                    self,
+                    &mut g,
+                    &mut beats,
+                );
             }
             if restarts >= o.max_restarts {
                 return give_up(

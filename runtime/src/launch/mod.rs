@@ -39,8 +39,10 @@
 //! - LAUNCH-6: with `--max-restarts N` a failure (a worker's exit or signal, a node's report,
 //!   a node's silence) does not end the job: node 0's agent decides a new generation in the
 //!   store (`agent/JOB/gen`: number, nodes, state), every agent stops its workers and starts
-//!   the new generation's, which resume from the last committed checkpoint (`--resume`), up
-//!   to N times. Only node 0's agent writes the generation, so the agents cannot disagree.
+//!   the new generation's, which resume from the newest checkpoint that verifies
+//!   (`--resume`), up to N times. Only node 0's agent writes the generation, so the agents
+//!   cannot disagree. A worker's exit code 2 (invalid input or configuration) ends the job
+//!   without a restart: the next generation would fail the same way.
 //! - LAUNCH-7: a generation's workers use the job name `JOBgN`: fresh store keys and shm
 //!   segment names, so nothing of a dead generation is read by the next.
 //! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
@@ -81,10 +83,12 @@ mod options;
 mod rendezvous;
 mod slurm;
 mod store_link;
+mod torchrun;
 mod worker;
 
 pub use agent::run_agent;
 pub use env::{StoreAt, WorkerEnv};
 pub use options::{parse_nnodes, LaunchOptions};
 pub use rendezvous::RENDEZVOUS_TIMEOUT;
+pub use torchrun::record_error as record_torchrun_error;
 pub use worker::{progress_key, run_worker, unix_ms};
