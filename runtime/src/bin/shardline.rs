@@ -34,11 +34,8 @@ enum Cmd {
     /// With no flags: mlp-bn on the bundled digits data, 4 ranks, ZeRO stage 3, SyncBN chosen
     /// automatically.
     ///
-    /// Under srun (SLURM_PROCID and SLURM_NTASKS set) this process is one rank of the job step,
-    /// and rank 0 hosts the store at SHARDLINE_RDZV (HOST:PORT), else MASTER_ADDR:MASTER_PORT
-    /// when both are set, else on the first host of SLURM_STEP_NODELIST (else
-    /// SLURM_JOB_NODELIST, SLURM_NODELIST) at port 15000 + the last four digits of
-    /// SLURM_JOB_ID. SHARDLINE_TOKEN (the job token) is required.
+    /// Under a launcher (shardline launch, torchrun or srun; see `shardline launch --help`)
+    /// this process is one rank of the job. SHARDLINE_TOKEN (the job token) is required.
     ///
     /// Examples:
     ///   shardline train
@@ -46,6 +43,7 @@ enum Cmd {
     ///   shardline train --model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --world 2 --steps 20
     ///   shardline train --checkpoint-dir ckpt --checkpoint-every 20 --resume
     ///   SHARDLINE_TOKEN=T srun --nodes 2 --ntasks-per-node 4 shardline train --steps 50
+    ///   SHARDLINE_TOKEN=T torchrun --no-python --nproc-per-node 4 shardline train --steps 50
     #[command(verbatim_doc_comment)]
     Train(Box<TrainArgs>),
     /// Inspect or export checkpoints.
@@ -58,9 +56,33 @@ enum Cmd {
     },
     /// Start one `train` process per rank on this node (run one agent per node).
     ///
-    /// Examples:
-    ///   shardline launch --nproc-per-node 4 -- train --steps 50
-    ///   shardline launch --nproc-per-node 2 --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T -- train
+    /// A job of several processes starts in one of three ways. Each rank is a `shardline
+    /// train` process, and every rank needs the same SHARDLINE_TOKEN (the job's secret).
+    ///
+    /// 1. This launcher, one agent per node; node 0's agent hosts the rendezvous store:
+    ///      shardline launch --nproc-per-node 4 -- train --steps 50
+    ///      shardline launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T \
+    ///          --nproc-per-node 4 -- train --steps 50      (--node-rank 1 on the other node)
+    ///
+    /// 2. torchrun (also what Kubernetes PyTorchJob runs): the ranks meet in the TCPStore
+    ///    torchrun's agent serves at MASTER_ADDR:MASTER_PORT; one node, then several:
+    ///      SHARDLINE_TOKEN=T torchrun --no-python --nproc-per-node 4 shardline train --steps 50
+    ///      SHARDLINE_TOKEN=T torchrun --no-python --nnodes 2 --nproc-per-node 4 \
+    ///          --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 \
+    ///          shardline train --steps 50                  (the same on every node)
+    ///    With torchrun's --max-restarts, add --checkpoint-dir D --resume to the train flags
+    ///    so that a restarted group goes on from the newest checkpoint that verifies.
+    ///
+    /// 3. Slurm, one task per rank; rank 0 hosts the store on the step's first node at port
+    ///    15000 + the last four digits of SLURM_JOB_ID (SHARDLINE_RDZV=HOST:PORT, or
+    ///    MASTER_ADDR with MASTER_PORT, names another):
+    ///      SHARDLINE_TOKEN=T srun --nodes 2 --ntasks-per-node 4 shardline train --steps 50
+    ///
+    /// On SIGTERM or SIGINT the ranks stop together after the step in progress (and
+    /// checkpoint it with --checkpoint-dir). A rank still waiting after the signal ends
+    /// instead, naming what it waited for: in rendezvous at once, on a step's collective
+    /// after 0.5 s, on a checkpoint's barrier after 20 s.
+    #[command(verbatim_doc_comment)]
     Launch(LaunchArgs),
 }
 
