@@ -1,6 +1,8 @@
 //! torch's TCPStore protocol without torch: the exchange recorded between torch 2.15's own
 //! client and server (`fixtures/torch_store/transcript.json`, made by `record.py` there) is
-//! replayed against our client (STORE-3, STORE-4) and our test server.
+//! replayed against our client (STORE-3, STORE-4) and our test server; the exchange between a
+//! real torchrun job's Shardline workers and its agent's store (`torchrun_job.json`, made by
+//! `record_torchrun.py`) is replayed against our test server.
 
 use serde_json::Value;
 use shardline_collectives::store::TorchStoreServer;
@@ -225,4 +227,36 @@ fn an_oversize_reply_fails_the_request_and_closes_the_connection() {
     let again = c.add("n", 1).unwrap_err();
     assert!(again.to_string().contains("connection closed"), "{again}");
     assert!(h.join().unwrap().is_empty(), "nothing was sent after the failed request");
+}
+
+#[test]
+fn the_test_server_answers_our_workers_as_torchruns_agent_store_did() {
+    // Every worker connection's messages are replayed in the order they crossed: a request
+    // goes to our server on that connection, and where the agent answered, our server must
+    // answer the same bytes (waits included: a wait answered after another rank's set is
+    // read only after that set was sent).
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/torch_store/torchrun_job.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert!(text(&v["torch"]).starts_with("2.15"), "recorded with torch {}", v["torch"]);
+    let server = TorchStoreServer::bind("127.0.0.1:0").unwrap();
+    let mut conns: std::collections::HashMap<(u64, u64), TcpStream> = Default::default();
+    let messages = v["messages"].as_array().unwrap();
+    let mut answered = 0;
+    for (i, m) in messages.iter().enumerate() {
+        let id = (m["rank"].as_u64().unwrap(), m["conn"].as_u64().unwrap());
+        let s = conns.entry(id).or_insert_with(|| {
+            let s = TcpStream::connect(server.addr()).unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            s
+        });
+        let bytes = hex(text(&m["hex"]));
+        if m["from"] == "client" {
+            s.write_all(&bytes).unwrap();
+        } else {
+            let what = format!("message {i} (rank {}, connection {})", id.0, id.1);
+            assert_eq!(read_n(s, bytes.len(), &what), bytes, "{what}: our answer differs");
+            answered += 1;
+        }
+    }
+    assert!(conns.len() >= 2 && answered >= 20, "{} connections, {answered} answers", conns.len());
 }
