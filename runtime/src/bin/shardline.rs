@@ -59,24 +59,24 @@ enum Cmd {
     /// A job of several processes starts in one of three ways. Each rank is a `shardline
     /// train` process, and every rank needs the same SHARDLINE_TOKEN (the job's secret).
     ///
-    /// 1. This launcher, one agent per node; node 0's agent hosts the rendezvous store:
-    ///      shardline launch --nproc-per-node 4 -- train --steps 50
-    ///      shardline launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T \
-    ///          --nproc-per-node 4 -- train --steps 50      (--node-rank 1 on the other node)
+    /// With this launcher, one agent per node; node 0's agent hosts the rendezvous store:
+    ///   shardline launch --nproc-per-node 4 -- train --steps 50
+    ///   shardline launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T \
+    ///       --nproc-per-node 4 -- train --steps 50      (--node-rank 1 on the other node)
     ///
-    /// 2. torchrun (also what Kubernetes PyTorchJob runs): the ranks meet in the TCPStore
-    ///    torchrun's agent serves at MASTER_ADDR:MASTER_PORT; one node, then several:
-    ///      SHARDLINE_TOKEN=T torchrun --no-python --nproc-per-node 4 shardline train --steps 50
-    ///      SHARDLINE_TOKEN=T torchrun --no-python --nnodes 2 --nproc-per-node 4 \
-    ///          --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 \
-    ///          shardline train --steps 50                  (the same on every node)
-    ///    With torchrun's --max-restarts, add --checkpoint-dir D --resume to the train flags
-    ///    so that a restarted group goes on from the newest checkpoint that verifies.
+    /// With torchrun (also what Kubernetes PyTorchJob runs): the ranks meet in the TCPStore
+    /// torchrun's agent serves at MASTER_ADDR:MASTER_PORT; one node, then several:
+    ///   SHARDLINE_TOKEN=T torchrun --no-python --nproc-per-node 4 shardline train --steps 50
+    ///   SHARDLINE_TOKEN=T torchrun --no-python --nnodes 2 --nproc-per-node 4 \
+    ///       --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job1 \
+    ///       shardline train --steps 50                  (the same on every node)
+    /// With torchrun's --max-restarts, add --checkpoint-dir D --resume to the train flags so
+    /// that a restarted group goes on from the newest checkpoint that verifies.
     ///
-    /// 3. Slurm, one task per rank; rank 0 hosts the store on the step's first node at port
-    ///    15000 + the last four digits of SLURM_JOB_ID (SHARDLINE_RDZV=HOST:PORT, or
-    ///    MASTER_ADDR with MASTER_PORT, names another):
-    ///      SHARDLINE_TOKEN=T srun --nodes 2 --ntasks-per-node 4 shardline train --steps 50
+    /// With Slurm, one task per rank; rank 0 hosts the store on the step's first node at
+    /// port 15000 + the last four digits of SLURM_JOB_ID (SHARDLINE_RDZV=HOST:PORT, or
+    /// MASTER_ADDR with MASTER_PORT, names another):
+    ///   SHARDLINE_TOKEN=T srun --nodes 2 --ntasks-per-node 4 shardline train --steps 50
     ///
     /// On SIGTERM or SIGINT the ranks stop together after the step in progress (and
     /// checkpoint it with --checkpoint-dir). A rank still waiting after the signal ends
