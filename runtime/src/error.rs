@@ -54,6 +54,10 @@ pub enum RuntimeError {
     /// An impossible or inconsistent configuration (world 0, unknown stage, mismatched sizes).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A failure while running that is not the configuration's: a step or a checkpoint that
+    /// failed on some rank (named), a rendezvous that did not complete.
+    #[error("{0}")]
+    Failed(String),
     /// A collective operation failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),

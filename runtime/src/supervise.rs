@@ -167,9 +167,10 @@ pub fn run_supervised(
 
 /// Usage errors (bad flags, a mismatched checkpoint) are not retried.
 fn is_usage(e: &RuntimeError) -> bool {
-    match e {
-        RuntimeError::Config(m) => !m.contains("failed"),
-        RuntimeError::Checkpoint { .. } | RuntimeError::NoVerifiedCheckpoint { .. } => true,
-        _ => false,
-    }
+    matches!(
+        e,
+        RuntimeError::Config(_)
+            | RuntimeError::Checkpoint { .. }
+            | RuntimeError::NoVerifiedCheckpoint { .. }
+    )
 }

@@ -395,7 +395,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
 fn exit_for(e: &RuntimeError) -> i32 {
     // Configuration mistakes are usage errors (2); failures while running are 1.
     match e {
-        RuntimeError::Config(msg) if !msg.contains("failed") => 2,
+        RuntimeError::Config(_) => 2,
         RuntimeError::DeviceUnavailable(_) => 2,
         // `--resume` over checkpoints none of which verifies (CKPT-5).
         RuntimeError::NoVerifiedCheckpoint { .. } => 2,

@@ -158,7 +158,7 @@ impl Ranks {
                 Some((rank, c)) => format!("{what} failed: rank {rank} failed first: {c}"),
                 None => format!("{what} failed: {e}"),
             };
-            return Err(RuntimeError::config(msg));
+            return Err(RuntimeError::Failed(msg));
         }
         Ok(out)
     }

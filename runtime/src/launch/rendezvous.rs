@@ -39,7 +39,7 @@ fn local_ip_towards(rdzv: &str) -> Result<std::net::IpAddr> {
 pub(super) fn store_err(
     what: &str,
 ) -> impl Fn(shardline_collectives::StoreError) -> RuntimeError + '_ {
-    move |e| RuntimeError::config(format!("rendezvous failed ({what}): {e}"))
+    move |e| RuntimeError::Failed(format!("rendezvous failed ({what}): {e}"))
 }
 
 /// What a worker publishes about itself at start-up.
@@ -106,7 +106,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
             _ => String::new(),
         };
         Some(TcpStoreServer::bind(("0.0.0.0", port), &env.token).map_err(|e| {
-            RuntimeError::config(format!("rendezvous failed (hosting the store): {e}{hint}"))
+            RuntimeError::Failed(format!("rendezvous failed (hosting the store): {e}{hint}"))
         })?)
     } else {
         None
@@ -197,7 +197,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
         tcp,
         RENDEZVOUS_TIMEOUT,
     )
-    .map_err(|e| RuntimeError::config(format!("rank {}: transport setup failed: {e}", env.rank)))?;
+    .map_err(|e| RuntimeError::Failed(format!("rank {}: transport setup failed: {e}", env.rank)))?;
     drop(links);
     if env.rank == 0 {
         for note in &selection.notes {
