@@ -17,6 +17,11 @@
 //!   initializes its momentum buffer to the gradient at step 1 (PyTorch's first-step rule).
 //! - **OPT-4**: [`Optimizer::step_sq_norm`] leaves parameters and state bitwise as `step`
 //!   does and returns bitwise [`sq_norm`] of the gradients.
+//! - **OPT-5**: weight decay by parameter group, as `torch.optim` parameter groups give it
+//!   (nanoGPT decays only matrices): stepping a slice with no-decay ranges
+//!   ([`Optimizer::step_groups`]) equals stepping every element of those ranges with
+//!   `weight_decay = 0` and every other element with the configured decay, bitwise, at any
+//!   offset of the slice in its unit; its squared norm is still bitwise [`sq_norm`].
 //!
 //! ```
 //! use shardline_runtime::optim::{Optimizer, SgdConfig};
@@ -30,6 +35,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, RuntimeError};
+use std::ops::Range;
 
 /// SGD hyper-parameters (PyTorch `torch.optim.SGD`, without the learning rate, which comes
 /// from the schedule at each step).
@@ -68,6 +74,78 @@ impl Default for AdamWConfig {
     fn default() -> Self {
         AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
     }
+}
+
+/// Which parameters weight decay applies to (`--weight-decay-on`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDecayOn {
+    /// Every parameter (PyTorch's default for one parameter group).
+    #[default]
+    All,
+    /// Parameters of two or more dimensions only: weight matrices and embeddings, not
+    /// biases or norm gains (nanoGPT's two groups).
+    Matrices,
+}
+
+impl WeightDecayOn {
+    /// Whether this is the default, [`WeightDecayOn::All`].
+    pub fn is_all(&self) -> bool {
+        *self == WeightDecayOn::All
+    }
+
+    /// The element ranges of a unit's flat parameter buffer that get no weight decay, in
+    /// order and merged where adjacent.
+    pub fn no_decay_ranges(&self, unit: &shardline_models::UnitSpec) -> Vec<Range<usize>> {
+        let mut out: Vec<Range<usize>> = Vec::new();
+        if *self == WeightDecayOn::All {
+            return out;
+        }
+        let mut at = 0;
+        for p in &unit.params {
+            let r = at..at + p.numel();
+            at = r.end;
+            if p.shape.len() >= 2 || r.is_empty() {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => out.push(r),
+            }
+        }
+        out
+    }
+}
+
+/// Where a slice sits in its unit, and which of the unit's elements get no weight decay.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Groups<'a> {
+    /// The slice's first element in the unit's flat buffer.
+    pub offset: usize,
+    /// The unit's no-decay ranges ([`WeightDecayOn::no_decay_ranges`]), unit coordinates.
+    pub no_decay: &'a [Range<usize>],
+}
+
+/// Splits a slice `offset..offset + len` of a unit into runs that are decayed or not, given
+/// the unit's no-decay ranges: `(start, end, decayed)` relative to the slice, in order.
+fn decay_runs(offset: usize, len: usize, no_decay: &[Range<usize>]) -> Vec<(usize, usize, bool)> {
+    let mut runs = Vec::new();
+    let mut at = 0;
+    for r in no_decay {
+        let (a, b) = (r.start.max(offset), r.end.min(offset + len));
+        if a >= b {
+            continue;
+        }
+        if a - offset > at {
+            runs.push((at, a - offset, true));
+        }
+        runs.push((a - offset, b - offset, false));
+        at = b - offset;
+    }
+    if at < len {
+        runs.push((at, len, true));
+    }
+    runs
 }
 
 /// An optimizer over flat slices.
@@ -164,6 +242,50 @@ impl Optimizer {
             self.step(lr, step, p, g, st)?;
         }
         Ok(acc.iter().sum::<f64>() + tail)
+    }
+}
+
+impl Optimizer {
+    /// This optimizer without weight decay.
+    fn without_decay(&self) -> Optimizer {
+        match *self {
+            Optimizer::Sgd(c) => Optimizer::Sgd(SgdConfig { weight_decay: 0.0, ..c }),
+            Optimizer::AdamW(c) => Optimizer::AdamW(AdamWConfig { weight_decay: 0.0, ..c }),
+        }
+    }
+
+    /// [`Optimizer::step`] (with `sq_norm_too`: [`Optimizer::step_sq_norm`]) over a slice of
+    /// a unit placed by `groups` (OPT-5). Returns the squared norm of `grads` when
+    /// `sq_norm_too` is set, else 0.
+    pub fn step_groups(
+        &self,
+        lr: f32,
+        step: u64,
+        slice: (&mut [f32], &[f32], &mut [f32]),
+        groups: Groups<'_>,
+        sq_norm_too: bool,
+    ) -> Result<f64> {
+        let (params, grads, state) = slice;
+        let runs = decay_runs(groups.offset, params.len(), groups.no_decay);
+        if runs.iter().all(|r| r.2) {
+            return if sq_norm_too {
+                self.step_sq_norm(lr, step, params, grads, state)
+            } else {
+                self.step(lr, step, params, grads, state).map(|()| 0.0)
+            };
+        }
+        let k = self.state_len_per_param();
+        if grads.len() != params.len() || state.len() != params.len() * k {
+            // The plain step reports the mismatch.
+            return self.step(lr, step, params, grads, state).map(|()| 0.0);
+        }
+        let plain = self.without_decay();
+        for (a, b, decayed) in runs {
+            let opt = if decayed { self } else { &plain };
+            opt.step(lr, step, &mut params[a..b], &grads[a..b], &mut state[a * k..b * k])?;
+        }
+        // One pass more over the gradients: the runs' own sums would group differently.
+        Ok(if sq_norm_too { sq_norm(grads) } else { 0.0 })
     }
 }
 
@@ -486,5 +608,93 @@ mod tests {
             prop_assert!(full_p[numel..].iter().all(|v| *v == 0.0));
             prop_assert!(full_s[numel * k..].iter().all(|v| *v == 0.0));
         }
+    }
+
+    fn unit_of(shapes: &[&[usize]]) -> shardline_models::UnitSpec {
+        shardline_models::UnitSpec {
+            name: "u".into(),
+            params: shapes
+                .iter()
+                .enumerate()
+                .map(|(i, sh)| shardline_models::ParamSpec {
+                    name: format!("p{i}"),
+                    shape: sh.to_vec(),
+                })
+                .collect(),
+            buffers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn matrices_only_leaves_vectors_undecayed_and_merges_neighbours() {
+        // weight [4, 3], bias [4], gain [4], weight [2, 4], bias [2]
+        let u = unit_of(&[&[4, 3], &[4], &[4], &[2, 4], &[2]]);
+        assert_eq!(WeightDecayOn::Matrices.no_decay_ranges(&u), vec![12..20, 28..30]);
+        assert!(WeightDecayOn::All.no_decay_ranges(&u).is_empty());
+    }
+
+    proptest! {
+        /// OPT-5: grouped steps equal per-element steps with or without decay, bitwise, for
+        /// any slice of the unit; the squared norm is bitwise `sq_norm`.
+        #[test]
+        fn grouped_steps_equal_per_element_steps(
+            seed in 0u64..1000,
+            start in 0usize..30,
+            len in 0usize..30,
+            adam in any::<bool>(),
+        ) {
+            let u = unit_of(&[&[4, 3], &[4], &[4], &[2, 4], &[2], &[3, 3]]);
+            let n = u.numel();
+            let (start, len) = (start.min(n), len.min(n - start.min(n)));
+            let no_decay = WeightDecayOn::Matrices.no_decay_ranges(&u);
+            let opt = if adam {
+                Optimizer::AdamW(AdamWConfig { weight_decay: 0.3, ..AdamWConfig::default() })
+            } else {
+                Optimizer::Sgd(SgdConfig { momentum: 0.9, weight_decay: 0.3, ..SgdConfig::default() })
+            };
+            let k = opt.state_len_per_param();
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 2000) as f32 / 1000.0 - 1.0
+            };
+            let p0: Vec<f32> = (0..len).map(|_| rnd()).collect();
+            let mut want = p0.clone();
+            let mut want_st = vec![0.0f32; len * k];
+            let mut got = p0.clone();
+            let mut got_st = vec![0.0f32; len * k];
+            for step in 1..=3u64 {
+                let g: Vec<f32> = (0..len).map(|_| rnd()).collect();
+                for i in 0..len {
+                    let at = start + i;
+                    let plain = no_decay.iter().any(|r| r.contains(&at));
+                    let o = if plain { opt.without_decay() } else { opt };
+                    o.step(0.05, step, &mut want[i..i + 1], &g[i..i + 1], &mut want_st[i * k..(i + 1) * k]).unwrap();
+                }
+                let groups = Groups { offset: start, no_decay: &no_decay };
+                let sq = opt
+                    .step_groups(0.05, step, (&mut got, &g, &mut got_st), groups, true)
+                    .unwrap();
+                prop_assert_eq!(sq.to_bits(), sq_norm(&g).to_bits());
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&got), bits(&want));
+            prop_assert_eq!(bits(&got_st), bits(&want_st));
+        }
+    }
+
+    #[test]
+    fn a_grouped_step_decays_matrices_and_not_vectors() {
+        // OPT-5 against the definition: zero gradients, AdamW: only the decay moves a weight.
+        let u = unit_of(&[&[2, 2], &[2]]);
+        let no_decay = WeightDecayOn::Matrices.no_decay_ranges(&u);
+        let opt = Optimizer::AdamW(AdamWConfig { weight_decay: 0.5, ..AdamWConfig::default() });
+        let mut p = vec![1.0f32; 6];
+        let mut st = vec![0.0f32; 12];
+        let groups = Groups { offset: 0, no_decay: &no_decay };
+        opt.step_groups(0.1, 1, (&mut p, &[0.0; 6], &mut st), groups, false).unwrap();
+        assert_eq!(p, vec![0.95, 0.95, 0.95, 0.95, 1.0, 1.0]);
     }
 }

@@ -8,7 +8,7 @@ use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
 use crate::engine::{EngineConfig, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
-use crate::optim::{AdamWConfig, Optimizer, SgdConfig};
+use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use serde::{Deserialize, Serialize};
@@ -63,6 +63,9 @@ pub struct TrainConfig {
     pub momentum: f32,
     /// Weight decay.
     pub weight_decay: f32,
+    /// Which parameters the weight decay applies to (OPT-5).
+    #[serde(default, skip_serializing_if = "WeightDecayOn::is_all")]
+    pub weight_decay_on: WeightDecayOn,
     /// Warmup steps of the LR schedule.
     pub warmup_steps: u64,
     /// Cosine decay after warmup (else constant).
@@ -155,6 +158,7 @@ impl Default for TrainConfig {
             optimizer: "sgd".into(),
             momentum: 0.9,
             weight_decay: 0.0,
+            weight_decay_on: WeightDecayOn::All,
             warmup_steps: 0,
             cosine: true,
             clip_grad_norm: None,
@@ -399,6 +403,9 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
         optimizer: &'a str,
         momentum: f32,
         wd: f32,
+        /// Absent for the default (every parameter), so earlier checkpoints still match.
+        #[serde(skip_serializing_if = "WeightDecayOn::is_all")]
+        wd_on: WeightDecayOn,
         seed: u64,
         hidden: Option<usize>,
         depth: Option<usize>,
@@ -422,6 +429,7 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
         optimizer: &cfg.optimizer,
         momentum: cfg.momentum,
         wd: cfg.weight_decay,
+        wd_on: cfg.weight_decay_on,
         seed: cfg.seed,
         hidden: cfg.hidden,
         depth: cfg.depth,
@@ -526,6 +534,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         reduce_budget_bytes: reduce_budget(&layout),
         sync_bn: sync,
         optimizer,
+        weight_decay_on: cfg.weight_decay_on,
         lr,
         clip_grad_norm: cfg.clip_grad_norm,
         seed: cfg.seed,

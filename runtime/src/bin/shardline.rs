@@ -3,6 +3,7 @@
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::Device;
+use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
 use shardline_runtime::RuntimeError;
@@ -142,6 +143,13 @@ enum CheckpointCmd {
     },
 }
 
+/// `--weight-decay-on`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DecayOnArg {
+    All,
+    Matrices,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum OnOffAuto {
     On,
@@ -199,6 +207,10 @@ struct TrainArgs {
     /// Weight decay (coupled for SGD, decoupled for AdamW).
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f32,
+    /// Which parameters --weight-decay applies to: all, or matrices (parameters of two or
+    /// more dimensions; biases and norm gains get none, as nanoGPT's AdamW groups do).
+    #[arg(long, value_enum, default_value_t = DecayOnArg::All)]
+    weight_decay_on: DecayOnArg,
     /// Linear warmup steps before the cosine decay.
     #[arg(long, default_value_t = 0)]
     warmup_steps: u64,
@@ -365,6 +377,10 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         optimizer: a.optimizer.clone(),
         momentum: a.momentum,
         weight_decay: a.weight_decay,
+        weight_decay_on: match a.weight_decay_on {
+            DecayOnArg::All => WeightDecayOn::All,
+            DecayOnArg::Matrices => WeightDecayOn::Matrices,
+        },
         warmup_steps: a.warmup_steps,
         cosine: !a.constant_lr,
         clip_grad_norm: a.clip_grad_norm,

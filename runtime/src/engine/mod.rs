@@ -74,7 +74,7 @@ use stats::StatsLane;
 use crate::error::{Result, RuntimeError};
 use crate::fault::Phase;
 use crate::memory::MemoryTracker;
-use crate::optim::{self, Optimizer};
+use crate::optim::{self, Optimizer, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use crate::telemetry::{Row, Trace};
@@ -104,6 +104,8 @@ pub struct EngineConfig {
     pub sync_bn: bool,
     /// Optimizer.
     pub optimizer: Optimizer,
+    /// Which parameters its weight decay applies to (OPT-5).
+    pub weight_decay_on: WeightDecayOn,
     /// Learning-rate schedule.
     pub lr: LrSchedule,
     /// Clip the global gradient norm to this value.
@@ -193,6 +195,8 @@ pub struct RankEngine {
     stop_requested: bool,
     /// Stage 3's gathers; between passes it holds the next pass's first gather (ENG-6).
     plan: GatherPlan<PendingGather, Gathered>,
+    /// Per unit, the flat ranges that get no weight decay (OPT-5).
+    no_decay: Vec<Vec<std::ops::Range<usize>>>,
 }
 
 impl RankEngine {
@@ -206,7 +210,9 @@ impl RankEngine {
         trace: Trace,
     ) -> Result<Self> {
         let (rank, world) = (comm.rank(), comm.world());
-        let layout = ShardedModelLayout::new(&model.spec(), world)?;
+        let spec = model.spec();
+        let layout = ShardedModelLayout::new(&spec, world)?;
+        let no_decay = spec.units.iter().map(|u| cfg.weight_decay_on.no_decay_ranges(u)).collect();
         let gather = comm.lane(GATHER_LANE)?;
         let reduce = comm.lane(REDUCE_LANE)?;
         let stats = Arc::new(StatsLane::open(&comm, trace.clone())?);
@@ -236,6 +242,7 @@ impl RankEngine {
             fault_hook: None,
             stop_requested: false,
             plan,
+            no_decay,
         })
     }
 

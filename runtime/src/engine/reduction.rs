@@ -317,6 +317,7 @@ impl RankEngine {
         let sq = self.rules.update_unit(
             &update,
             &own,
+            &self.no_decay[u],
             &mut s.params[u],
             &mut s.grads[u],
             &mut s.optim_state[u],

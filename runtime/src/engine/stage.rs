@@ -193,11 +193,13 @@ impl StageRules {
     /// `update.coef` (unless 1), steps the parameters the stage steps, and returns the squared
     /// norm of the rank's own gradient slice after scaling, taken in the update's pass where
     /// the update reads just that slice (OPT-4). `params`, `grads` and `state` are what the
-    /// rank keeps of the unit, `own` its shard range.
+    /// rank keeps of the unit, `own` its shard range, `no_decay` the unit's elements that get
+    /// no weight decay (OPT-5).
     pub(crate) fn update_unit(
         &self,
         update: &Update<'_>,
         own: &Range<usize>,
+        no_decay: &[Range<usize>],
         params: &mut [f32],
         grads: &mut [f32],
         state: &mut [f32],
@@ -208,11 +210,18 @@ impl StageRules {
         if coef != 1.0 {
             optim::scale(g, coef);
         }
+        // Where the stepped slice starts in the unit: the whole unit, or this rank's shard
+        // (kept alone, or cut from the full buffer).
+        let offset = match (self.params, self.step_params) {
+            (Holding::Full, Region::Whole) => 0,
+            _ => own.start,
+        };
+        let groups = optim::Groups { offset, no_decay };
         if self.replicated_update {
-            opt.step(lr, step, p, g, state)?;
+            opt.step_groups(lr, step, (p, g, state), groups, false)?;
             Ok(optim::sq_norm(self.own_grads(grads, own)))
         } else {
-            opt.step_sq_norm(lr, step, p, g, state)
+            opt.step_groups(lr, step, (p, g, state), groups, true)
         }
     }
 }
@@ -252,7 +261,8 @@ mod tests {
 
     /// Every stage steps each element of a unit exactly as stage 0 does (bitwise: the
     /// optimizer is elementwise), and the ranks' squared norms add up to the whole gradient's
-    /// (each element counted once over the group; ENG-2's norm).
+    /// (each element counted once over the group; ENG-2's norm). With a no-decay range that
+    /// crosses shard boundaries too: each rank places its slice in the unit (OPT-5).
     #[test]
     fn every_stage_updates_its_range_as_stage_zero_and_counts_each_element_once() {
         let world = 3;
@@ -261,33 +271,39 @@ mod tests {
         let n = unit.padded_numel();
         let p0: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 1.0).collect();
         let g0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin()).collect();
-        let opt = Optimizer::AdamW(Default::default());
+        let opt =
+            Optimizer::AdamW(crate::optim::AdamWConfig { weight_decay: 0.5, ..Default::default() });
         let k = opt.state_len_per_param();
         let (lr, coef) = (0.01, 0.5);
-        // Stage 0 on one rank: the reference update.
-        let update = Update { opt: &opt, lr, step: 1, coef };
-        let (mut want_p, mut want_g, mut st) = (p0.clone(), g0.clone(), vec![0.0; n * k]);
-        let full_sq =
-            ZERO0.update_unit(&update, &(0..n), &mut want_p, &mut want_g, &mut st).unwrap();
-        for stage in Stage::ALL {
-            let r = StageRules::of(stage);
-            let mut sq = 0.0;
-            for rank in 0..world {
-                let own = unit.shard_range(rank);
-                let keep = |h: Holding, v: &[f32]| match h {
-                    Holding::Full => v.to_vec(),
-                    Holding::Shard => v[own.clone()].to_vec(),
-                };
-                let (mut p, mut g) = (keep(r.params, &p0), keep(r.grads, &g0));
-                let mut st = vec![0.0; r.optim_state.len(&unit) * k];
-                sq += r.update_unit(&update, &own, &mut p, &mut g, &mut st).unwrap();
-                let mine = if r.params == Holding::Full { &p[own.clone()] } else { &p[..] };
-                assert!(
-                    mine.iter().zip(&want_p[own.clone()]).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{stage:?} rank {rank}"
-                );
+        for no_decay in [Vec::new(), Vec::from([3..7])] {
+            // Stage 0 on one rank: the reference update.
+            let update = Update { opt: &opt, lr, step: 1, coef };
+            let (mut want_p, mut want_g, mut st) = (p0.clone(), g0.clone(), vec![0.0; n * k]);
+            let full_sq = ZERO0
+                .update_unit(&update, &(0..n), &no_decay, &mut want_p, &mut want_g, &mut st)
+                .unwrap();
+            for stage in Stage::ALL {
+                let r = StageRules::of(stage);
+                let mut sq = 0.0;
+                for rank in 0..world {
+                    let own = unit.shard_range(rank);
+                    let keep = |h: Holding, v: &[f32]| match h {
+                        Holding::Full => v.to_vec(),
+                        Holding::Shard => v[own.clone()].to_vec(),
+                    };
+                    let (mut p, mut g) = (keep(r.params, &p0), keep(r.grads, &g0));
+                    let mut st = vec![0.0; r.optim_state.len(&unit) * k];
+                    sq += r.update_unit(&update, &own, &no_decay, &mut p, &mut g, &mut st).unwrap();
+                    let mine = if r.params == Holding::Full { &p[own.clone()] } else { &p[..] };
+                    assert!(
+                        mine.iter()
+                            .zip(&want_p[own.clone()])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{stage:?} rank {rank} no-decay {no_decay:?}"
+                    );
+                }
+                assert!((sq - full_sq).abs() <= 1e-12 * full_sq, "{stage:?}: {sq} vs {full_sq}");
             }
-            assert!((sq - full_sq).abs() <= 1e-12 * full_sq, "{stage:?}: {sq} vs {full_sq}");
         }
     }
 }

@@ -115,6 +115,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         reduce_budget_bytes: 1 << 20,
         sync_bn: false,
         optimizer: Optimizer::Sgd(crate::optim::SgdConfig::default()),
+        weight_decay_on: crate::optim::WeightDecayOn::All,
         lr: LrSchedule::constant(0.1),
         clip_grad_norm: None,
         seed,
