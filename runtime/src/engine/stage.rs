@@ -275,7 +275,7 @@ mod tests {
             Optimizer::AdamW(crate::optim::AdamWConfig { weight_decay: 0.5, ..Default::default() });
         let k = opt.state_len_per_param();
         let (lr, coef) = (0.01, 0.5);
-        for no_decay in [Vec::new(), Vec::from([3..7])] {
+        for no_decay in [vec![], vec![3..7, 9..10]] {
             // Stage 0 on one rank: the reference update.
             let update = Update { opt: &opt, lr, step: 1, coef };
             let (mut want_p, mut want_g, mut st) = (p0.clone(), g0.clone(), vec![0.0; n * k]);
