@@ -36,6 +36,18 @@ pub enum ModelError {
     /// and why, typed).
     #[error(transparent)]
     Stats(#[from] StatsError),
+    /// An index (a token id) is not below the number of entries of the table it indexes.
+    #[error("{what}: index {index} at position {position} is out of range for {len} entries")]
+    OutOfRange {
+        /// Which operation or table.
+        what: String,
+        /// The index found.
+        index: u64,
+        /// Where it was in the list of indices.
+        position: usize,
+        /// Entries in the table (valid indices are below it).
+        len: usize,
+    },
     /// A data file could not be read or parsed.
     #[error("data error in {source_name}: {msg}")]
     Data {

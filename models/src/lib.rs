@@ -1,10 +1,10 @@
 //! # shardline-models
 //!
 //! Tensors, compute backends, layers as pure functions of `(params, input)`,
-//! BatchNorm/SyncBatchNorm, the model zoo and data sets. Models never spawn a thread or an
-//! actor; SyncBatchNorm reduces its statistics through the [`StatsReducer`] it is handed (the
-//! runtime's, on its `stats` lane), whose failures are typed ([`StatsError`]). The crate
-//! depends on no transport.
+//! BatchNorm/SyncBatchNorm, transformer kernels ([`nn`]), the model zoo and data sets.
+//! Models never spawn a thread or an actor; SyncBatchNorm reduces its statistics through the
+//! [`StatsReducer`] it is handed (the runtime's, on its `stats` lane), whose failures are
+//! typed ([`StatsError`]). The crate depends on no transport.
 //!
 //! ```
 //! use shardline_models::{convert_sync_batchnorm, Cpu, Ctx, Dataset, MlpBn, softmax_cross_entropy};
@@ -36,6 +36,7 @@ pub mod error;
 pub mod layers;
 pub mod loss;
 pub mod model;
+pub mod nn;
 pub mod rng;
 pub mod spec;
 pub mod tensor;

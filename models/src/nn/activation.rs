@@ -1,0 +1,336 @@
+//! Elementwise activations of transformer MLPs, with PyTorch's definitions: GELU (exact, and
+//! the tanh form of `approximate='tanh'`) and SiLU. Backward takes the saved INPUT (all three
+//! derivatives are functions of `x`, not of `y`), so the caller keeps the input, not the
+//! output.
+//!
+//! The exact GELU needs `erf`, which stable Rust's `std` lacks and [`num_traits::Float`] does
+//! not provide. It comes from `libm` (the Rust port of FreeBSD's msun, kept with the Rust
+//! compiler's builtins): `erf` for `f64` and `erff` for `f32`, each within an ulp or so.
+//! `libm` is not generic, so [`Erf`] maps each float type to its function. A hand-written
+//! approximation (Abramowitz-Stegun 7.1.26, about `1e-7` absolute) would not do: its error
+//! would exceed the `f64` gradient check's tolerance and the agreement with torch in `f64`.
+//!
+//! Invariants:
+//! - `ACTIV-1`: [`Activation::Gelu`] is `torch.nn.functional.gelu(x)`:
+//!   `y = x / 2 * (1 + erf(x / sqrt(2)))`, derivative `Phi(x) + x * phi(x)`.
+//! - `ACTIV-2`: [`Activation::GeluTanh`] is `torch.nn.functional.gelu(x, approximate='tanh')`:
+//!   `y = x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))`.
+//! - `ACTIV-3`: [`Activation::Silu`] is `torch.nn.functional.silu(x)`: `y = x * sigmoid(x)`.
+//! - `ACTIV-4`: every forward and derivative is finite for every finite input, `f32` and
+//!   `f64`, up to `+-MAX` (the tanh form's derivative would give `0 * inf` there: it is
+//!   taken as 0, its limit).
+
+use num_traits::Float;
+
+use super::{lit, same_len};
+use crate::error::ModelError;
+
+/// A float type with an error function: `f32` and `f64`, through `libm`.
+pub trait Erf: Float {
+    /// The error function, `2 / sqrt(pi) * integral from 0 to x of exp(-t^2) dt`.
+    fn erf(self) -> Self;
+}
+
+impl Erf for f32 {
+    fn erf(self) -> f32 {
+        libm::erff(self)
+    }
+}
+
+impl Erf for f64 {
+    fn erf(self) -> f64 {
+        libm::erf(self)
+    }
+}
+
+/// An elementwise activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// Exact GELU, `x * Phi(x)` (ACTIV-1).
+    Gelu,
+    /// GELU's tanh approximation, torch's `approximate='tanh'` (ACTIV-2).
+    GeluTanh,
+    /// SiLU (swish), `x * sigmoid(x)` (ACTIV-3).
+    Silu,
+}
+
+impl Activation {
+    /// The activation of one value.
+    pub fn value<T: Erf>(self, x: T) -> T {
+        match self {
+            Activation::Gelu => gelu(x),
+            Activation::GeluTanh => gelu_tanh(x),
+            Activation::Silu => silu(x),
+        }
+    }
+
+    /// The derivative at one value.
+    pub fn derivative<T: Erf>(self, x: T) -> T {
+        match self {
+            Activation::Gelu => gelu_derivative(x),
+            Activation::GeluTanh => gelu_tanh_derivative(x),
+            Activation::Silu => silu_derivative(x),
+        }
+    }
+
+    /// Writes the activation of every element of `x` into `y` (same length).
+    pub fn forward<T: Erf>(self, x: &[T], y: &mut [T]) -> Result<(), ModelError> {
+        same_len(&[("activation output", y.len())], x.len())?;
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = self.value(v);
+        }
+        Ok(())
+    }
+
+    /// Writes `dx = dy * f'(x)` from the saved input `x` (NN-3).
+    pub fn backward<T: Erf>(self, x: &[T], dy: &[T], dx: &mut [T]) -> Result<(), ModelError> {
+        same_len(&[("activation dy", dy.len()), ("activation dx", dx.len())], x.len())?;
+        for ((g, &v), &d) in dx.iter_mut().zip(x).zip(dy) {
+            *g = d * self.derivative(v);
+        }
+        Ok(())
+    }
+}
+
+/// `Phi(x) = (1 + erf(x / sqrt(2))) / 2`, the standard normal CDF.
+fn normal_cdf<T: Erf>(x: T) -> T {
+    lit::<T>(0.5) * (T::one() + (x * lit(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+/// Exact GELU: `x * Phi(x)`, computed as torch does, `x / 2 * (1 + erf(x / sqrt(2)))`
+/// (halving first, so that `x` near `MAX` does not overflow).
+pub fn gelu<T: Erf>(x: T) -> T {
+    lit::<T>(0.5) * x * (T::one() + (x * lit(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+/// `d/dx gelu = Phi(x) + x * phi(x)`, `phi(x) = exp(-x^2 / 2) / sqrt(2 pi)`.
+pub fn gelu_derivative<T: Erf>(x: T) -> T {
+    // 1 / sqrt(2 pi)
+    let inv_sqrt_2pi = lit::<T>(0.398_942_280_401_432_7);
+    normal_cdf(x) + x * (lit::<T>(-0.5) * x * x).exp() * inv_sqrt_2pi
+}
+
+/// `sqrt(2 / pi)` and the cubic coefficient of GELU's tanh form (torch's constants).
+const TANH_BETA: f64 = 0.797_884_560_802_865_4;
+const TANH_KAPPA: f64 = 0.044_715;
+
+/// GELU's tanh form: `x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))`.
+pub fn gelu_tanh<T: Float>(x: T) -> T {
+    let inner = lit::<T>(TANH_BETA) * (x + lit::<T>(TANH_KAPPA) * x * x * x);
+    lit::<T>(0.5) * x * (T::one() + inner.tanh())
+}
+
+/// Derivative of [`gelu_tanh`]:
+/// `(1 + t) / 2 + x / 2 * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 x^2)`, `t = tanh(..)`.
+pub fn gelu_tanh_derivative<T: Float>(x: T) -> T {
+    let inner = lit::<T>(TANH_BETA) * (x + lit::<T>(TANH_KAPPA) * x * x * x);
+    let t = inner.tanh();
+    let sech2 = T::one() - t * t;
+    let left = lit::<T>(0.5) * x;
+    // Where tanh has saturated, sech^2 is 0 and the cubic's slope may be inf: 0 (ACTIV-4).
+    let right = if sech2 == T::zero() {
+        T::zero()
+    } else {
+        let slope = lit::<T>(TANH_BETA) * (T::one() + lit::<T>(3.0 * TANH_KAPPA) * x * x);
+        left * sech2 * slope
+    };
+    lit::<T>(0.5) * (T::one() + t) + right
+}
+
+/// `sigmoid(x) = 1 / (1 + exp(-x))`; exact limits 0 and 1 where `exp` overflows or vanishes.
+fn sigmoid<T: Float>(x: T) -> T {
+    (T::one() + (-x).exp()).recip()
+}
+
+/// SiLU: `x * sigmoid(x)`.
+pub fn silu<T: Float>(x: T) -> T {
+    x * sigmoid(x)
+}
+
+/// `d/dx silu = sigmoid(x) * (1 + x * (1 - sigmoid(x)))`.
+pub fn silu_derivative<T: Float>(x: T) -> T {
+    let s = sigmoid(x);
+    s * (T::one() + x * (T::one() - s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::gradcheck::{
+        assert_close, assert_f32_close, assert_grads, randn, to_f32, to_f64,
+    };
+
+    const ALL: [Activation; 3] = [Activation::Gelu, Activation::GeluTanh, Activation::Silu];
+
+    // A = torch.tensor([-6.0, -3.5, -1.0, -0.25, 0.0, 0.3, 1.0, 2.5, 5.0],
+    //                  dtype=torch.float64, requires_grad=True)
+    // For each activation f below: y = f(A); (dx,) = torch.autograd.grad(y, (A,), torch.ones_like(A))
+    // (PyTorch 2.15), so dx is the derivative at A.
+    const A: [f64; 9] = [-6.0, -3.5, -1.0, -0.25, 0.0, 0.3, 1.0, 2.5, 5.0];
+    // f = torch.nn.functional.gelu
+    const GELU_Y: [f64; 9] = [
+        -5.919525869479969e-09,
+        -0.0008142017766243903,
+        -0.15865525393145702,
+        -0.10032341857926907,
+        0.0,
+        0.1853734266566858,
+        0.841344746068543,
+        2.4844758366855597,
+        4.999998566742141,
+    ];
+    const GELU_DX: [f64; 9] = [
+        -3.546870945402639e-08,
+        -0.0028217603536246205,
+        -0.08331547058768635,
+        0.304626645116364,
+        0.5,
+        0.7323277668271099,
+        1.0833154705876864,
+        1.037611085908145,
+        1.000007146946002,
+    ];
+    // f = lambda a: torch.nn.functional.gelu(a, approximate='tanh')
+    const GELU_TANH_Y: [f64; 9] = [
+        -8.43964897967453e-11,
+        -0.0006161976553737403,
+        -0.15880800939172324,
+        -0.100324649298315,
+        0.0,
+        0.18537092354275922,
+        0.8411919906082768,
+        2.484915733910001,
+        4.999999770820381,
+    ];
+    const GELU_TANH_DX: [f64; 9] = [
+        -7.709976012836329e-10,
+        -0.0024226437601167334,
+        -0.08296408384578252,
+        0.30464590484893955,
+        0.5,
+        0.7322954516388018,
+        1.0829640838457826,
+        1.037951576212666,
+        1.000001546361988,
+    ];
+    // f = torch.nn.functional.silu
+    const SILU_Y: [f64; 9] = [
+        -0.014835738939808647,
+        -0.10259280762974712,
+        -0.2689414213699951,
+        -0.10945587477855048,
+        0.0,
+        0.1723327550434977,
+        0.7310585786300049,
+        2.3103545499468914,
+        4.966535745378576,
+    ];
+    const SILU_DX: [f64; 9] = [
+        -0.012326432591525513,
+        -0.07027335282771814,
+        0.07232948812851325,
+        0.37628997842980233,
+        0.5,
+        0.6477800103188829,
+        0.9276705118714869,
+        1.0994011113415267,
+        1.0265474324296655,
+    ];
+
+    /// Agreement with torch's float64 results: a few ulps.
+    const TORCH_TOL: f64 = 1e-15;
+
+    fn run<T: Erf>(act: Activation, x: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
+        let (mut y, mut dx) = (vec![T::zero(); x.len()], vec![T::zero(); x.len()]);
+        act.forward(x, &mut y).expect("forward");
+        act.backward(x, dy, &mut dx).expect("backward");
+        (y, dx)
+    }
+
+    /// ACTIV-1, ACTIV-2, ACTIV-3: values and derivatives equal torch's.
+    #[test]
+    fn activations_match_torch() {
+        let cases = [
+            (Activation::Gelu, &GELU_Y, &GELU_DX),
+            (Activation::GeluTanh, &GELU_TANH_Y, &GELU_TANH_DX),
+            (Activation::Silu, &SILU_Y, &SILU_DX),
+        ];
+        for (act, want_y, want_dx) in cases {
+            let (y, dx) = run(act, &A, &[1.0; 9]);
+            assert_close(&format!("{act:?} y"), &y, want_y, TORCH_TOL);
+            assert_close(&format!("{act:?} dx"), &dx, want_dx, TORCH_TOL);
+            // The f32 instance, against the same float64 values (NN-2).
+            let (y32, dx32) = run(act, &to_f32(&A), &[1.0f32; 9]);
+            assert_f32_close(&format!("{act:?} y f32"), &y32, want_y);
+            assert_f32_close(&format!("{act:?} dx f32"), &dx32, want_dx);
+        }
+    }
+
+    #[test]
+    fn activation_gradients_match_finite_differences_nn_1() {
+        for (k, act) in ALL.into_iter().enumerate() {
+            // Spread over [-6, 6]: the tails, where the derivatives are smallest, included.
+            let x: Vec<f64> = randn(3 * 7, 30 + k as u64).iter().map(|v| 2.5 * v).collect();
+            let r = randn(x.len(), 40 + k as u64);
+            let (_, dx) = run(act, &x, &r);
+            let f = |a: &[Vec<f64>]| {
+                let mut y = vec![0.0; a[0].len()];
+                act.forward(&a[0], &mut y).unwrap();
+                y
+            };
+            assert_grads(&["x"], &[x], &r, &f, &[dx]);
+        }
+    }
+
+    #[test]
+    fn f32_and_f64_agree_to_f32_rounding_nn_2() {
+        let x = to_f32(&randn(200, 50).iter().map(|v| 3.0 * v).collect::<Vec<_>>());
+        let dy = to_f32(&randn(200, 51));
+        for act in ALL {
+            let (y32, dx32) = run(act, &x, &dy);
+            let (y64, dx64) = run(act, &to_f64(&x), &to_f64(&dy));
+            assert_f32_close(&format!("{act:?} y"), &y32, &y64);
+            assert_f32_close(&format!("{act:?} dx"), &dx32, &dx64);
+        }
+    }
+
+    #[test]
+    fn backward_writes_and_checks_lengths_nn_3_4() {
+        let x = [0.5, -1.0, 2.0];
+        let mut dx = [f64::NAN; 3];
+        Activation::Silu.backward(&x, &[1.0; 3], &mut dx).unwrap();
+        assert!(dx.iter().zip(&x).all(|(g, &v)| *g == silu_derivative(v)), "written over NaN");
+        let mut out = [7.0; 3];
+        let e1 = Activation::Gelu.forward(&x, &mut out[..2]);
+        let e2 = Activation::Gelu.backward(&x, &[1.0; 2], &mut out);
+        let e3 = Activation::Gelu.backward(&x, &[1.0; 3], &mut out[..1]);
+        for e in [e1, e2, e3] {
+            assert!(matches!(e, Err(ModelError::Shape { .. })), "{e:?}");
+        }
+        assert_eq!(out, [7.0; 3], "nothing written");
+    }
+
+    fn finite_everywhere<T: Erf + std::fmt::Debug>(extremes: &[T]) {
+        for act in ALL {
+            for &x in extremes {
+                for v in [x, -x] {
+                    let (y, d) = (act.value(v), act.derivative(v));
+                    assert!(y.is_finite() && d.is_finite(), "{act:?} at {v:?}: {y:?}, {d:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn finite_for_every_finite_input_activ_4() {
+        finite_everywhere(&[0.0f32, 1e-30, 9.0, 20.0, 89.0, 1e10, 1e13, 1e20, 1e30, f32::MAX]);
+        finite_everywhere(&[0.0f64, 1e-300, 9.0, 40.0, 710.0, 1e100, 1e103, 1e200, f64::MAX]);
+        // The limits: x at +inf, 0 at -inf, derivatives 1 and 0.
+        for act in ALL {
+            assert_eq!(act.value(f32::MAX), f32::MAX, "{act:?}");
+            assert_eq!(act.value(-f32::MAX), 0.0, "{act:?}");
+            assert_eq!(act.derivative(f32::MAX), 1.0, "{act:?}");
+            assert_eq!(act.derivative(-f32::MAX), 0.0, "{act:?}");
+        }
+    }
+}
