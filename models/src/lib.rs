@@ -36,6 +36,7 @@ pub mod error;
 pub mod layers;
 pub mod loss;
 pub mod model;
+pub mod nn;
 pub mod rng;
 pub mod spec;
 pub mod tensor;

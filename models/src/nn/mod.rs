@@ -1,0 +1,3 @@
+//! Transformer building blocks as pure, float-generic kernels.
+
+pub mod attention;
