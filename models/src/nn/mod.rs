@@ -15,6 +15,8 @@
 //! - [`norm`]: LayerNorm and RMSNorm.
 //! - [`activation`]: GELU (exact and tanh), SiLU.
 //! - [`embedding`]: token embedding lookup.
+//! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
+//!   q/k/v split and head merge.
 //!
 //! Invariants:
 //! - `NN-1`: every backward is the exact derivative of its forward: each input and parameter
@@ -29,6 +31,7 @@
 //!   [`ModelError::Shape`], returned before anything is written.
 
 pub mod activation;
+pub mod attention;
 pub mod embedding;
 #[cfg(test)]
 pub(crate) mod gradcheck;
