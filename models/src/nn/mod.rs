@@ -15,6 +15,7 @@
 //! - [`norm`]: LayerNorm and RMSNorm.
 //! - [`activation`]: GELU (exact and tanh), SiLU.
 //! - [`embedding`]: token embedding lookup.
+//! - [`dropout`]: dropout whose mask depends on the element's place in the global batch.
 //! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
 //!   q/k/v split and head merge.
 //!
@@ -32,6 +33,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod dropout;
 pub mod embedding;
 #[cfg(test)]
 pub(crate) mod gradcheck;
