@@ -212,7 +212,7 @@ mod tests {
         assert!(Dropout::new(-0.1, 4).is_err());
         assert!(Dropout::new(1.5, 4).is_err());
         let d = Dropout::new(0.5, 4).unwrap();
-        let mut y = vec![0.0f32; 8];
+        let mut y = [0.0f32; 8];
         assert!(d.forward(KEY, 0, &[1.0f32; 6], &mut y[..6]).is_err(), "6 is not whole samples");
         assert!(d.forward(KEY, 0, &[1.0f32; 8], &mut y[..4]).is_err(), "output too short");
     }
