@@ -1,7 +1,8 @@
 //! # shardline-models
 //!
 //! Tensors, compute backends, layers as pure functions of `(params, input)`,
-//! BatchNorm/SyncBatchNorm, transformer kernels ([`nn`]), the model zoo and data sets.
+//! BatchNorm/SyncBatchNorm, transformer kernels ([`nn`]), the model zoo, data sets and text
+//! corpora for language models ([`text`]).
 //! Models never spawn a thread or an actor; SyncBatchNorm reduces its statistics through the
 //! [`StatsReducer`] it is handed (the runtime's, on its `stats` lane), whose failures are
 //! typed ([`StatsError`]). The crate depends on no transport.
@@ -44,6 +45,7 @@ pub mod tensor;
 pub mod testing;
 #[cfg(test)]
 mod testutil;
+pub mod text;
 pub mod zoo;
 
 pub use backend::{gemm_gflops, Backend, Cpu, GemmShape};
