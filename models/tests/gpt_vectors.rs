@@ -157,18 +157,19 @@ fn cases() -> Vec<Case> {
     case_dirs().iter().map(|d| load(d)).collect()
 }
 
-/// The worst element of `got` against `want` under `tol(want)`: `Err` names it (and how
-/// many exceed), `Ok` gives the largest absolute difference. `skip(i)` leaves element `i`
-/// out.
+/// The largest absolute difference of `got` from `want`, and, when some element exceeds
+/// `tol(want)`, a line naming the worst one (and how many exceed). `skip(i)` leaves element
+/// `i` out.
 fn compare(
     what: &str,
     got: &[f64],
     want: &[f64],
     tol: impl Fn(f64) -> f64,
     skip: impl Fn(usize) -> bool,
-) -> Result<f64, String> {
+) -> (f64, Option<String>) {
     if got.len() != want.len() {
-        return Err(format!("{what}: {} values, expected {}", got.len(), want.len()));
+        let line = format!("{what}: {} values, expected {}", got.len(), want.len());
+        return (f64::INFINITY, Some(line));
     }
     let (mut max_err, mut bad, mut worst) = (0.0f64, 0usize, None::<(f64, usize)>);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
@@ -186,16 +187,16 @@ fn compare(
             }
         }
     }
-    match worst {
-        None => Ok(max_err),
-        Some((_, i)) => Err(format!(
+    let line = worst.map(|(_, i)| {
+        format!(
             "{what}[{i}]: got {:e}, want {:e}, |diff| {:e} > tolerance {:e} ({bad} elements out)",
             got[i],
             want[i],
             (got[i] - want[i]).abs(),
             tol(want[i])
-        )),
-    }
+        )
+    });
+    (max_err, line)
 }
 
 /// Compares a flat buffer tensor by tensor, naming the tensor and its element on failure;
@@ -215,10 +216,9 @@ fn compare_params(
         let n = s.numel();
         let what = format!("case {}: {label}.{}", case.name, s.name);
         let r = at..at + n;
-        match compare(&what, &got[r.clone()], &want[r], tol, |i| skip(at + i)) {
-            Ok(e) => max_err = max_err.max(e),
-            Err(e) => failures.push(e),
-        }
+        let (err, line) = compare(&what, &got[r.clone()], &want[r], tol, |i| skip(at + i));
+        max_err = max_err.max(err);
+        failures.extend(line);
         at += n;
     }
     max_err
@@ -232,13 +232,15 @@ fn params_as<T: Float>(w: &[f32]) -> Vec<T> {
     w.iter().map(|&x| T::from(x).unwrap()).collect()
 }
 
-/// Forward and backward in `T`: logits, loss and gradients against the expected float64
-/// values; returns (max logits error, max gradient error).
+/// Forward and backward in `T`: logits (`logits_tol` of the expected value), loss
+/// (`loss_tol`, relative) and gradients (`grad_tol`) against the expected float64 values;
+/// returns (max logits error, max gradient error).
 fn check_forward_backward<T: Erf + Default>(
     case: &Case,
     label: &str,
-    logits_tol: f64,
+    logits_tol: impl Fn(f64) -> f64 + Copy,
     grad_tol: impl Fn(f64) -> f64 + Copy,
+    loss_tol: f64,
     failures: &mut Vec<String>,
 ) -> (f64, f64) {
     let cfg = &case.cfg;
@@ -246,16 +248,12 @@ fn check_forward_backward<T: Erf + Default>(
     let (logits, _) = cfg.forward(&params, &case.tokens).unwrap();
     let want = case.expected("logits");
     let what = format!("case {}: {label} logits", case.name);
-    let logits_err =
-        compare(&what, &widen(&logits), want, |w| logits_tol * w.abs().max(1.0), |_| false)
-            .unwrap_or_else(|e| {
-                failures.push(e);
-                f64::NAN
-            });
+    let (logits_err, line) = compare(&what, &widen(&logits), want, logits_tol, |_| false);
+    failures.extend(line);
     let (loss, grads) = cfg.loss_and_grads(&params, &case.tokens, &case.targets).unwrap();
     let want_loss = case.f64_field(&["loss"]);
     let loss = loss.to_f64().unwrap();
-    if (loss - want_loss).abs() > logits_tol * want_loss.abs().max(1.0) {
+    if (loss - want_loss).abs() > loss_tol * want_loss.abs() {
         failures.push(format!("case {}: {label} loss {loss:e}, want {want_loss:e}", case.name));
     }
     let want = case.expected_flat("grad");
@@ -276,21 +274,18 @@ fn check_forward_backward<T: Erf + Default>(
 fn gpt_forward_and_backward_match_torch_gpt_4() {
     let mut failures = Vec::new();
     for case in cases() {
-        let (l64, g64) = check_forward_backward::<f64>(
-            &case,
-            "f64",
-            F64_TOL,
-            |w| F64_TOL * w.abs().max(1.0),
-            &mut failures,
-        );
+        let f64_tol = |w: f64| F64_TOL * w.abs().max(1.0);
+        let (l64, g64) =
+            check_forward_backward::<f64>(&case, "f64", f64_tol, f64_tol, F64_TOL, &mut failures);
         let torch_logits = case.f64_field(&["torch_f32", "logits_max_abs_err"]);
         let torch_grads = case.f64_field(&["torch_f32", "grad_max_abs_err"]);
-        // Absolute, as torch's own figures are; the loss shares the logits' tolerance.
+        // Absolute, as torch's own figures are; the loss as the AdamW losses.
         let (l32, g32) = check_forward_backward::<f32>(
             &case,
             "f32",
-            F32_FACTOR * torch_logits,
+            |_| F32_FACTOR * torch_logits,
             |_| F32_FACTOR * torch_grads,
+            F32_LOSS_TOL,
             &mut failures,
         );
         println!(
@@ -388,7 +383,7 @@ fn matrices(s: &ParamSpec) -> bool {
 
 /// The AdamW checks of one run: the losses (relative `loss_tol`), then the weights (absolute
 /// `weight_tol`) where the float64 gradient is at least `TINY_GRAD`; returns the largest
-/// weight difference.
+/// weight difference and the largest relative loss difference.
 fn check_adamw(
     case: &Case,
     label: &str,
@@ -396,7 +391,7 @@ fn check_adamw(
     loss_tol: f64,
     weight_tol: f64,
     failures: &mut Vec<String>,
-) -> f64 {
+) -> (f64, f64) {
     let want: Vec<f64> = serde_json::from_value(case.json["adamw"]["losses"].clone()).unwrap();
     if losses.len() != want.len() {
         failures.push(format!(
@@ -406,7 +401,9 @@ fn check_adamw(
             want.len()
         ));
     }
+    let mut loss_err = 0.0f64;
     for (i, (l, w)) in losses.iter().zip(&want).enumerate() {
+        loss_err = loss_err.max((l - w).abs() / w.abs());
         if (l - w).abs() > loss_tol * w.abs() {
             failures.push(format!(
                 "case {}: {label} AdamW loss before step {}: {l:e}, want {w:e}",
@@ -418,7 +415,9 @@ fn check_adamw(
     let grad = case.expected_flat("grad");
     let want = case.expected_flat("adamw");
     let skip = |i: usize| grad[i].abs() < TINY_GRAD;
-    compare_params(case, &format!("{label} adamw"), &weights, &want, |_| weight_tol, skip, failures)
+    let label = format!("{label} adamw");
+    let weight_err = compare_params(case, &label, &weights, &want, |_| weight_tol, skip, failures);
+    (weight_err, loss_err)
 }
 
 /// GPT-4: the AdamW steps in f32 (and f64) follow torch's, for every case.
@@ -426,7 +425,7 @@ fn check_adamw(
 fn gpt_adamw_steps_match_torch_gpt_4() {
     let mut failures = Vec::new();
     for case in cases() {
-        let e32 = check_adamw(
+        let (e32, loss32) = check_adamw(
             &case,
             "f32",
             run_adamw::<f32>(&case, matrices),
@@ -434,7 +433,7 @@ fn gpt_adamw_steps_match_torch_gpt_4() {
             F32_ADAMW_TOL,
             &mut failures,
         );
-        let e64 = check_adamw(
+        let (e64, loss64) = check_adamw(
             &case,
             "f64",
             run_adamw::<f64>(&case, matrices),
@@ -444,8 +443,9 @@ fn gpt_adamw_steps_match_torch_gpt_4() {
         );
         let skipped = case.expected_flat("grad").iter().filter(|g| g.abs() < TINY_GRAD).count();
         println!(
-            "case {}: AdamW weights max |diff| f32 {e32:.2e}, f64 {e64:.2e} ({skipped} of {} elements \
-             with |grad| < {TINY_GRAD:e} not compared)",
+            "case {}: AdamW losses max relative diff f32 {loss32:.2e}, f64 {loss64:.2e}; weights \
+             max |diff| f32 {e32:.2e}, f64 {e64:.2e} ({skipped} of {} elements with |grad| < \
+             {TINY_GRAD:e} not compared)",
             case.name,
             case.weights.len()
         );
