@@ -601,7 +601,7 @@ mod tests {
 
     #[test]
     fn names_shapes_and_order_are_nanogpts_gpt_1() {
-        let cfg = GptConfig { n_layer: 2, ..config(true, 2) };
+        let cfg = config(true, 2);
         let specs = cfg.param_specs();
         let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         let mut want = vec!["transformer.wte.weight", "transformer.wpe.weight"];
