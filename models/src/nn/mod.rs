@@ -18,6 +18,9 @@
 //! - [`dropout`]: dropout whose mask depends on the element's place in the global batch.
 //! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
 //!   q/k/v split and head merge.
+//! - [`linear`]: fully connected kernel, `y = x W^T + b`.
+//! - [`cross_entropy`]: token-level cross-entropy of logits against targets.
+//! - [`gpt`]: a nanoGPT decoder built from the kernels above, with nanoGPT's parameter names.
 //!
 //! Invariants:
 //! - `NN-1`: every backward is the exact derivative of its forward: each input and parameter
@@ -33,14 +36,20 @@
 
 pub mod activation;
 pub mod attention;
+pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod gpt;
 #[cfg(test)]
 pub(crate) mod gradcheck;
+pub mod linear;
 pub mod norm;
 
 pub use activation::{Activation, Erf};
+pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward, CrossEntropySaved};
 pub use embedding::Embedding;
+pub use gpt::{GptConfig, GptSaved};
+pub use linear::Linear;
 pub use norm::{LayerNorm, LayerNormSaved, RmsNorm, RmsNormSaved};
 
 use num_traits::Float;
