@@ -64,7 +64,7 @@ pub mod env {
     pub const DIE_AFTER_MS: &str = "SHARDLINE_TEST_DIE_AFTER_MS";
 }
 
-/// Configuration of one rank process, read from the environment (see [`env`]).
+/// Configuration of one rank process, read from the environment (see [`env`](mod@env)).
 #[derive(Clone, Debug)]
 pub struct RankConfig {
     /// This rank.
