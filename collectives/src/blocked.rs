@@ -104,12 +104,16 @@ pub fn with_grace(grace: Duration) -> GraceGuard {
     GraceGuard { previous: GRACE.with(|g| g.replace(grace)) }
 }
 
-/// The first wait that is overdue at `now` for a stop requested at `stop` (BLOCK-2): what it
-/// waits for and how long it has waited.
+/// A wait that is overdue at `now` for a stop requested at `stop` (BLOCK-2): what it waits
+/// for and how long it has waited. A described wait (a rendezvous step, an engine's named
+/// op) is preferred to a bare op of a lane, which says less.
 pub fn overdue(stop: Instant, now: Instant) -> Option<(String, Duration)> {
-    entries()
-        .iter()
-        .find(|e| is_overdue(e.since, e.grace, stop, now))
+    let list = entries();
+    let late: Vec<&Entry> =
+        list.iter().filter(|e| is_overdue(e.since, e.grace, stop, now)).collect();
+    late.iter()
+        .find(|e| matches!(e.what, What::Text(_)))
+        .or(late.first())
         .map(|e| (e.what.text(), now.saturating_duration_since(e.since)))
 }
 
@@ -159,6 +163,11 @@ mod tests {
 
     #[test]
     fn a_grace_guard_applies_to_waits_registered_under_it_and_then_restores() {
+        // Registered first: a bare op, which the report passes over for a described wait.
+        let _op = {
+            let _grace = with_grace(Duration::ZERO);
+            on_op(Arc::from("blocked-test-lane"), 7)
+        };
         let _a = {
             let _grace = with_grace(Duration::ZERO);
             on("blocked-test: rendezvous")
@@ -166,7 +175,8 @@ mod tests {
         let _b = on("blocked-test: default grace");
         assert_eq!(mine("blocked-test: rendezvous").unwrap().1, Duration::ZERO);
         assert_eq!(mine("blocked-test: default grace").unwrap().1, DEFAULT_GRACE);
-        // A zero-grace wait is reported once a stop has come.
+        // A zero-grace wait is reported once a stop has come, a described one before a
+        // bare op registered earlier.
         let now = Instant::now();
         let (w, _) = overdue(now, now).unwrap();
         assert!(w.starts_with("blocked-test: "), "{w}");
