@@ -12,6 +12,7 @@
 //! such a key returns e.g. `b"3"`.
 
 use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,31 @@ pub use tcp::{TcpStoreClient, TcpStoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};
 pub use torch::TorchStoreClient;
 #[cfg(any(test, feature = "test-utils"))]
 pub use torch_server::TorchStoreServer;
+
+/// Connects to the first address of `addr`, retrying until `deadline` while the server may
+/// still be starting; `who` prefixes the errors (both clients connect this way).
+fn connect_until(
+    addr: impl ToSocketAddrs,
+    deadline: Instant,
+    who: &str,
+) -> Result<(TcpStream, SocketAddr), StoreError> {
+    let first = addr
+        .to_socket_addrs()
+        .map_err(|e| StoreError::Io(format!("{who}resolve: {e}")))?
+        .next()
+        .ok_or_else(|| StoreError::Io(format!("{who}no address to connect to")))?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match TcpStream::connect_timeout(&first, left.max(Duration::from_millis(10))) {
+            Ok(s) => return Ok((s, first)),
+            Err(e) if Instant::now() + Duration::from_millis(50) < deadline => {
+                tracing::debug!("{who}connect to {first}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(StoreError::Io(format!("{who}connect {first}: {e}"))),
+        }
+    }
+}
 
 /// Errors of the rendezvous store.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]

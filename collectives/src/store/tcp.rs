@@ -344,23 +344,8 @@ impl TcpStoreClient {
         token: &str,
         timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let deadline = Instant::now() + timeout;
-        let addrs: Vec<SocketAddr> =
-            addr.to_socket_addrs().map_err(|e| StoreError::Io(format!("resolve: {e}")))?.collect();
-        let first =
-            *addrs.first().ok_or_else(|| StoreError::Io("no address to connect to".into()))?;
         // The server may still be starting: retry until the deadline.
-        let mut s = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&first, left.max(Duration::from_millis(10))) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() + Duration::from_millis(50) < deadline => {
-                    tracing::debug!("store: connect to {first}: {e}; retrying");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => return Err(StoreError::Io(format!("connect {first}: {e}"))),
-            }
-        };
+        let (mut s, _) = super::connect_until(addr, Instant::now() + timeout, "")?;
         let io = |e: std::io::Error| StoreError::Io(e.to_string());
         s.set_nodelay(true).map_err(io)?;
         s.set_read_timeout(Some(timeout.max(Duration::from_millis(1)))).map_err(io)?;

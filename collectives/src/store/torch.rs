@@ -169,23 +169,7 @@ impl TorchStoreClient {
     /// validates the connection and checks it with a ping, as torch's client does. `timeout`
     /// also bounds every later request other than a wait.
     pub fn connect(addr: impl ToSocketAddrs, timeout: Duration) -> Result<Self, StoreError> {
-        let deadline = Instant::now() + timeout;
-        let addr = addr
-            .to_socket_addrs()
-            .map_err(|e| StoreError::Io(format!("torch store: resolve: {e}")))?
-            .next()
-            .ok_or_else(|| StoreError::Io("torch store: no address to connect to".into()))?;
-        let mut s = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(10))) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() + Duration::from_millis(50) < deadline => {
-                    tracing::debug!("torch store: connect to {addr}: {e}; retrying");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => return Err(StoreError::Io(format!("torch store: connect {addr}: {e}"))),
-            }
-        };
+        let (mut s, addr) = super::connect_until(addr, Instant::now() + timeout, "torch store: ")?;
         let limit = timeout.max(Duration::from_millis(1));
         s.set_nodelay(true).map_err(io("connect"))?;
         s.set_read_timeout(Some(limit)).map_err(io("connect"))?;
