@@ -110,3 +110,59 @@ impl LaunchNet {
         }
     }
 }
+
+/// The figures of a `--log-json` step line that are the job's, not a rank's or a clock's:
+/// equal, bitwise, however the job's ranks were started.
+pub const JOB_FIGURES: [&str; 6] = ["step", "epoch", "loss", "lr", "grad_norm", "stats_messages"];
+
+/// The [`JOB_FIGURES`] of every line of a `--log-json` file, each as exact text (a float as
+/// the bits of the f64 it was logged as); panics naming the file on a bad or incomplete line.
+pub fn job_figures(log: &Path) -> Vec<Vec<String>> {
+    let text =
+        std::fs::read_to_string(log).unwrap_or_else(|e| panic!("reading {}: {e}", log.display()));
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("{} line {}: {e}: {l}", log.display(), i + 1));
+            JOB_FIGURES
+                .iter()
+                .map(|k| match &v[k] {
+                    serde_json::Value::Null => {
+                        panic!("{} line {}: {k} missing", log.display(), i + 1)
+                    }
+                    serde_json::Value::Number(n) if n.is_f64() => {
+                        format!("{:x}", n.as_f64().unwrap_or(0.0).to_bits())
+                    }
+                    other => other.to_string(),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `train` flags of the small job the launcher tests start (mlp-bn on digits, stage 3,
+/// SyncBN on, AdamW, no progress bar), for `steps` steps.
+pub fn small_train_args(steps: u64) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "train",
+        "--hidden",
+        "32",
+        "--depth",
+        "2",
+        "--batch-size",
+        "48",
+        "--stage",
+        "3",
+        "--sync-bn",
+        "on",
+        "--optimizer",
+        "adamw",
+        "--no-progress",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(["--steps".into(), steps.to_string()]);
+    a
+}

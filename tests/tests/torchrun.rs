@@ -7,7 +7,9 @@
 
 use shardline_collectives::store::TorchStoreServer;
 use shardline_collectives::{Store, TcpStoreClient, TorchStoreClient};
-use shardline_tests::launch::{shardline, spawn, wait_output, Child};
+use shardline_tests::launch::{
+    job_figures, shardline, small_train_args, spawn, wait_output, Child,
+};
 use shardline_tests::netns::Net;
 use shardline_tests::skip::skip_optional;
 use std::path::Path;
@@ -19,48 +21,14 @@ const DEADLINE: Duration = Duration::from_secs(120);
 /// LAUNCH-13's bound: a waiting worker ends within a second of the signal.
 const PROMPT: Duration = Duration::from_secs(1);
 const TOKEN: &str = "torchrun-test";
-/// Figures of a step that are the job's, not a rank's or a clock's.
-const JOB_FIGURES: [&str; 5] = ["step", "epoch", "loss", "lr", "grad_norm"];
-
 fn train_args(steps: u64, log: &Path) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "train",
-        "--hidden",
-        "32",
-        "--depth",
-        "2",
-        "--batch-size",
-        "48",
-        "--stage",
-        "3",
-        "--sync-bn",
-        "on",
-        "--optimizer",
-        "adamw",
-        "--no-progress",
-        "--timeout",
-        "20",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend(["--steps".into(), steps.to_string(), "--log-json".into(), path(log)]);
+    let mut a = small_train_args(steps);
+    a.extend(["--timeout".into(), "20".into(), "--log-json".into(), path(log)]);
     a
 }
 
 fn path(p: &Path) -> String {
     p.to_str().expect("utf-8 path").to_owned()
-}
-
-/// The job figures of every line of a `--log-json` file, as exact text.
-fn figures(log: &Path) -> Vec<Vec<String>> {
-    let text = std::fs::read_to_string(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("log line");
-            JOB_FIGURES.iter().map(|k| v[k].to_string()).collect()
-        })
-        .collect()
 }
 
 /// `shardline train --world 2` in one process: the reference.
@@ -70,7 +38,7 @@ fn in_process(steps: u64, dir: &Path) -> Vec<Vec<String>> {
     cmd.args(train_args(steps, &log)).args(["--world", "2"]);
     let out = wait_output(spawn(cmd), Instant::now() + DEADLINE, "in-process run");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    figures(&log)
+    job_figures(&log)
 }
 
 /// A worker with the variables torchrun gives its workers (recorded from torch 2.15's
@@ -119,7 +87,7 @@ fn workers_meet_in_the_agents_torch_store_and_train_as_in_process() {
         let out = wait_output(c, Instant::now() + DEADLINE, &format!("rank {r}"));
         assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
     }
-    assert_eq!(figures(&log), reference, "torchrun-style ranks differ from the in-process run");
+    assert_eq!(job_figures(&log), reference, "torchrun-style ranks differ from the in-process run");
     // The hellos are in the agent's store, under the run id and restart count (LAUNCH-11).
     let c = TorchStoreClient::connect(store.addr(), DEADLINE).unwrap();
     for r in 0..2 {
@@ -273,7 +241,7 @@ fn real_torchrun_trains_as_in_process() {
     let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "torchrun:\n{err}");
     assert!(text.contains("on 1 node(s) (torchrun)"), "not run as torchrun's workers:\n{text}");
-    assert_eq!(figures(&log), reference, "torchrun's ranks differ from the in-process run");
+    assert_eq!(job_figures(&log), reference, "torchrun's ranks differ from the in-process run");
 }
 
 #[test]
@@ -325,7 +293,7 @@ fn real_torchrun_across_two_namespace_nodes_trains_as_in_process() {
         assert!(o.status.success(), "torchrun on node {k} failed:\n{all}");
     }
     assert!(all.contains("on 2 node(s) (torchrun)"), "not two nodes:\n{all}");
-    assert_eq!(figures(&log), reference, "torchrun's ranks differ from the in-process run");
+    assert_eq!(job_figures(&log), reference, "torchrun's ranks differ from the in-process run");
 }
 
 #[test]
