@@ -218,19 +218,19 @@ impl BatchNorm {
     /// `(N, S)`: batch and values per channel per sample, after checking the input's rank.
     fn layout(&self, t: &Tensor) -> Result<(usize, usize), ModelError> {
         let ok = match self.kind {
-            BnKind::D1 => t.shape.len() == 2 || t.shape.len() == 3,
-            BnKind::D2 => t.shape.len() == 4,
+            BnKind::D1 => t.shape().len() == 2 || t.shape().len() == 3,
+            BnKind::D2 => t.shape().len() == 4,
         };
-        if !ok || t.shape[1] != self.num_features {
+        if !ok || t.shape()[1] != self.num_features {
             let want = match self.kind {
                 BnKind::D1 => {
                     format!("[N, {}] or [N, {}, L]", self.num_features, self.num_features)
                 }
                 BnKind::D2 => format!("[N, {}, H, W]", self.num_features),
             };
-            return Err(ModelError::shape("batchnorm input", want, format!("{:?}", t.shape)));
+            return Err(ModelError::shape("batchnorm input", want, format!("{:?}", t.shape())));
         }
-        Ok((t.shape[0], t.shape[2..].iter().product()))
+        Ok((t.shape()[0], t.shape()[2..].iter().product()))
     }
 
     /// Per-channel statistics of this rank's slice (two passes, f64).
@@ -241,12 +241,12 @@ impl BatchNorm {
             // [N, C]: walk rows so the per-channel accumulators vectorise.
             let count = n as f64;
             let mut sum = vec![0.0f64; c];
-            for row in input.data.chunks_exact(c.max(1)) {
+            for row in input.as_f32()?.chunks_exact(c.max(1)) {
                 sum.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
             }
             let mean: Vec<f64> = sum.iter().map(|v| if n == 0 { 0.0 } else { v / count }).collect();
             let mut m2 = vec![0.0f64; c];
-            for row in input.data.chunks_exact(c.max(1)) {
+            for row in input.as_f32()?.chunks_exact(c.max(1)) {
                 m2.iter_mut()
                     .zip(row)
                     .zip(&mean)
@@ -257,8 +257,9 @@ impl BatchNorm {
                 .collect());
         }
         let mut out = Vec::with_capacity(c);
+        let xs = input.as_f32()?;
         for ch in 0..c {
-            let planes = (0..n).map(|i| &input.data[(i * c + ch) * s..][..s]);
+            let planes = (0..n).map(|i| &xs[(i * c + ch) * s..][..s]);
             let count = (n * s) as f64;
             if count == 0.0 {
                 out.push(ChannelStats::default());
@@ -303,10 +304,10 @@ impl BatchNorm {
             buffers[c + ch] = ((1.0 - mom) * buffers[c + ch] as f64 + mom * var_unbiased) as f32;
         }
         buffers[2 * c] += 1.0;
-        let output = Tensor {
-            shape: input.shape.clone(),
-            data: normalize(n, c, s, &mut input.data, &mean, &invstd, params),
-        };
+        let output = Tensor::new(
+            input.shape().to_vec(),
+            normalize(n, c, s, input.as_f32_mut()?, &mean, &invstd, params),
+        )?;
         Ok((output, BnSaved { xhat: input, invstd, count, training: true, sync: self.sync }))
     }
 
@@ -321,10 +322,10 @@ impl BatchNorm {
         let invstd: Vec<f32> = (0..c)
             .map(|ch| (1.0 / (buffers[c + ch] as f64 + self.eps as f64).sqrt()) as f32)
             .collect();
-        let output = Tensor {
-            shape: input.shape.clone(),
-            data: normalize(n, c, s, &mut input.data, &buffers[..c], &invstd, params),
-        };
+        let output = Tensor::new(
+            input.shape().to_vec(),
+            normalize(n, c, s, input.as_f32_mut()?, &buffers[..c], &invstd, params),
+        )?;
         Ok((
             output,
             BnSaved { xhat: input, invstd, count: (n * s) as f64, training: false, sync: false },
@@ -510,9 +511,9 @@ pub fn batchnorm_backward_fused(
         if s == 1 {
             for (dr, xr) in it
                 .grad_output
-                .data
+                .as_f32()?
                 .chunks_exact(c.max(1))
-                .zip(it.saved.xhat.data.chunks_exact(c.max(1)))
+                .zip(it.saved.xhat.as_f32()?.chunks_exact(c.max(1)))
             {
                 for ch in 0..c {
                     sdy[ch] += dr[ch] as f64;
@@ -523,8 +524,8 @@ pub fn batchnorm_backward_fused(
             for i in 0..n {
                 for ch in 0..c {
                     let off = (i * c + ch) * s;
-                    let dy = &it.grad_output.data[off..off + s];
-                    let xh = &it.saved.xhat.data[off..off + s];
+                    let dy = &it.grad_output.as_f32()?[off..off + s];
+                    let xh = &it.saved.xhat.as_f32()?[off..off + s];
                     let (mut a, mut b) = (0.0f32, 0.0f32);
                     for (d, x) in dy.iter().zip(xh) {
                         a += d;
@@ -575,8 +576,10 @@ pub fn batchnorm_backward_fused(
             }
         }
         if s == 1 {
-            for (gr, xr) in
-                gx.data.chunks_exact_mut(c.max(1)).zip(it.saved.xhat.data.chunks_exact(c.max(1)))
+            for (gr, xr) in gx
+                .as_f32_mut()?
+                .chunks_exact_mut(c.max(1))
+                .zip(it.saved.xhat.as_f32()?.chunks_exact(c.max(1)))
             {
                 for ch in 0..c {
                     gr[ch] = av[ch] * (gr[ch] - bv[ch] - xr[ch] * kv[ch]);
@@ -587,8 +590,9 @@ pub fn batchnorm_backward_fused(
                 for ch in 0..c {
                     let off = (i * c + ch) * s;
                     let (a, b, k) = (av[ch], bv[ch], kv[ch]);
-                    for (g, x) in
-                        gx.data[off..off + s].iter_mut().zip(&it.saved.xhat.data[off..off + s])
+                    for (g, x) in gx.as_f32_mut()?[off..off + s]
+                        .iter_mut()
+                        .zip(&it.saved.xhat.as_f32()?[off..off + s])
                     {
                         *g = a * (*g - b - x * k);
                     }
@@ -610,14 +614,14 @@ mod tests {
 
     /// Direct f64 formulas of training-mode BatchNorm on a whole batch.
     fn naive_bn(x: &Tensor, w: &[f32], b: &[f32], eps: f64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-        let (n, c) = (x.shape[0], x.shape[1]);
-        let s: usize = x.shape[2..].iter().product();
+        let (n, c) = (x.shape()[0], x.shape()[1]);
+        let s: usize = x.shape()[2..].iter().product();
         let mut y = vec![0.0; x.numel()];
         let (mut means, mut vars) = (vec![0.0; c], vec![0.0; c]);
         for ch in 0..c {
             let vals: Vec<f64> = (0..n)
                 .flat_map(|i| (0..s).map(move |j| (i, j)))
-                .map(|(i, j)| x.data[(i * c + ch) * s + j] as f64)
+                .map(|(i, j)| x.as_f32().unwrap()[(i * c + ch) * s + j] as f64)
                 .collect();
             let m = vals.iter().sum::<f64>() / vals.len() as f64;
             let v = vals.iter().map(|v| (v - m).powi(2)).sum::<f64>() / vals.len() as f64;
@@ -626,7 +630,8 @@ mod tests {
             for i in 0..n {
                 for j in 0..s {
                     let k = (i * c + ch) * s + j;
-                    y[k] = (x.data[k] as f64 - m) / (v + eps).sqrt() * w[ch] as f64 + b[ch] as f64;
+                    y[k] = (x.as_f32().unwrap()[k] as f64 - m) / (v + eps).sqrt() * w[ch] as f64
+                        + b[ch] as f64;
                 }
             }
         }
@@ -641,7 +646,7 @@ mod tests {
         let mut buf = bn.init_buffers();
         let (y, _) = bn.forward(&p, &mut buf, x.clone(), true, None).unwrap();
         let (want, means, vars) = naive_bn(&x, &p[..3], &p[3..], 1e-5);
-        for (a, b) in y.data.iter().zip(&want) {
+        for (a, b) in y.as_f32().unwrap().iter().zip(&want) {
             assert!((*a as f64 - b).abs() < 1e-5);
         }
         let cnt = 24.0;
@@ -654,8 +659,9 @@ mod tests {
         let (ye, _) = bn.forward(&p, &mut buf.clone(), x.clone(), false, None).unwrap();
         let k = 5;
         let ch = (k / 6) % 3;
-        let want = (x.data[k] - buf[ch]) / (buf[3 + ch] + 1e-5).sqrt() * p[ch] + p[3 + ch];
-        assert!((ye.data[k] - want).abs() < 1e-5);
+        let want =
+            (x.as_f32().unwrap()[k] - buf[ch]) / (buf[3 + ch] + 1e-5).sqrt() * p[ch] + p[3 + ch];
+        assert!((ye.as_f32().unwrap()[k] - want).abs() < 1e-5);
     }
 
     #[test]
@@ -687,14 +693,15 @@ mod tests {
     }
 
     fn slices(x: &Tensor, sizes: &[usize]) -> Vec<Tensor> {
-        let per: usize = x.shape[1..].iter().product();
+        let per: usize = x.shape()[1..].iter().product();
         let mut at = 0;
         sizes
             .iter()
             .map(|&n| {
-                let mut shape = x.shape.clone();
+                let mut shape = x.shape().to_vec();
                 shape[0] = n;
-                let t = Tensor { shape, data: x.data[at * per..(at + n) * per].to_vec() };
+                let t = Tensor::new(shape, x.as_f32().unwrap()[at * per..(at + n) * per].to_vec())
+                    .unwrap();
                 at += n;
                 t
             })
@@ -726,12 +733,12 @@ mod tests {
             let gx = bn.backward(&p, &s, &gys[r], &mut gp, Some(&counter)).unwrap();
             (y, gx, gp, buf, counter.messages())
         });
-        let ys: Vec<f32> = results.iter().flat_map(|r| r.0.data.clone()).collect();
-        let gxs: Vec<f32> = results.iter().flat_map(|r| r.1.data.clone()).collect();
-        assert!(ys.iter().zip(&want_y.data).all(|(a, b)| (a - b).abs() < 1e-5));
-        assert!(gxs.iter().zip(&want_gx.data).all(|(a, b)| (a - b).abs() < 1e-5));
+        let ys: Vec<f32> = results.iter().flat_map(|r| r.0.as_f32().unwrap().to_vec()).collect();
+        let gxs: Vec<f32> = results.iter().flat_map(|r| r.1.as_f32().unwrap().to_vec()).collect();
+        assert!(ys.iter().zip(want_y.as_f32().unwrap()).all(|(a, b)| (a - b).abs() < 1e-5));
+        assert!(gxs.iter().zip(want_gx.as_f32().unwrap()).all(|(a, b)| (a - b).abs() < 1e-5));
         for (r, res) in results.iter().enumerate() {
-            assert_eq!(res.0.shape[0], sizes[r]);
+            assert_eq!(res.0.shape()[0], sizes[r]);
             assert!(
                 res.3.iter().zip(&want_buf).all(|(a, b)| (a - b).abs() < 1e-6),
                 "running stats rank {r}"
@@ -840,7 +847,7 @@ mod tests {
                 None,
             )
             .unwrap();
-        assert!(y.data.iter().all(|v| v.is_finite()));
+        assert!(y.as_f32().unwrap().iter().all(|v| v.is_finite()));
     }
 
     /// A failed statistics reduction reaches the caller typed: the reducer's [`StatsError`]

@@ -72,18 +72,18 @@ impl Conv2d {
     }
 
     fn geom(&self, input: &Tensor) -> Result<Geom, ModelError> {
-        if input.shape.len() != 4 || input.shape[1] != self.in_channels {
+        if input.shape().len() != 4 || input.shape()[1] != self.in_channels {
             return Err(ModelError::shape(
                 "conv2d input",
                 format!("[N, {}, H, W]", self.in_channels),
-                format!("{:?}", input.shape),
+                format!("{:?}", input.shape()),
             ));
         }
         if self.stride == 0 || self.kernel == 0 {
             return Err(ModelError::Config("conv2d kernel and stride must be positive".into()));
         }
-        let (h, w) = (input.shape[2], input.shape[3]);
-        Ok(Geom { n: input.shape[0], h, w, ho: self.out_size(h), wo: self.out_size(w) })
+        let (h, w) = (input.shape()[2], input.shape()[3]);
+        Ok(Geom { n: input.shape()[0], h, w, ho: self.out_size(h), wo: self.out_size(w) })
     }
 
     /// Fills `col [in*k*k, ho*wo]` from one sample `x [in, h, w]`.
@@ -154,7 +154,7 @@ impl Conv2d {
         let mut col = vec![0.0f32; kk * p];
         let in_len = self.in_channels * g.h * g.w;
         for (s, o) in out.chunks_exact_mut((self.out_channels * p).max(1)).take(g.n).enumerate() {
-            self.im2col(&g, &input.data[s * in_len..(s + 1) * in_len], &mut col);
+            self.im2col(&g, &input.as_f32()?[s * in_len..(s + 1) * in_len], &mut col);
             if self.bias {
                 for (plane, bv) in o.chunks_exact_mut(p.max(1)).zip(b) {
                     plane.fill(*bv);
@@ -168,10 +168,7 @@ impl Conv2d {
                 self.bias,
             );
         }
-        Ok((
-            Tensor { shape: vec![g.n, self.out_channels, g.ho, g.wo], data: out },
-            ConvSaved { input },
-        ))
+        Ok((Tensor::new(vec![g.n, self.out_channels, g.ho, g.wo], out)?, ConvSaved { input }))
     }
 
     /// Gradient of the input; adds weight and bias gradients into `grads_out`.
@@ -192,12 +189,12 @@ impl Conv2d {
         let w = &params[..self.weight_len()];
         let (gw, gb) = grads_out.split_at_mut(self.weight_len());
         let in_len = self.in_channels * g.h * g.w;
-        let mut gx = Tensor::zeros(&saved.input.shape);
+        let mut gx = Tensor::zeros(saved.input.shape());
         let mut col = vec![0.0f32; kk * p];
         let mut dcol = vec![0.0f32; kk * p];
         for s in 0..g.n {
-            let dy = &grad_output.data[s * out_len..(s + 1) * out_len];
-            self.im2col(&g, &saved.input.data[s * in_len..(s + 1) * in_len], &mut col);
+            let dy = &grad_output.as_f32()?[s * out_len..(s + 1) * out_len];
+            self.im2col(&g, &saved.input.as_f32()?[s * in_len..(s + 1) * in_len], &mut col);
             // dW += dY_s [out, p] * col^T [p, kk]
             be.gemm(
                 GemmShape { m: self.out_channels, n: kk, k: p, trans_a: false, trans_b: true },
@@ -219,7 +216,7 @@ impl Conv2d {
                 &mut dcol,
                 false,
             );
-            self.col2im(&g, &dcol, &mut gx.data[s * in_len..(s + 1) * in_len]);
+            self.col2im(&g, &dcol, &mut gx.as_f32_mut()?[s * in_len..(s + 1) * in_len]);
         }
         Ok(gx)
     }
@@ -233,7 +230,7 @@ mod tests {
 
     /// Direct 7-loop convolution, the independent reference.
     fn naive_conv(c: &Conv2d, p: &[f32], x: &Tensor) -> Tensor {
-        let (n, h, w) = (x.shape[0], x.shape[2], x.shape[3]);
+        let (n, h, w) = (x.shape()[0], x.shape()[2], x.shape()[3]);
         let (ho, wo, k) = (c.out_size(h), c.out_size(w), c.kernel);
         let mut out = Tensor::zeros(&[n, c.out_channels, ho, wo]);
         for s in 0..n {
@@ -248,16 +245,18 @@ mod tests {
                                     let ix = (ox * c.stride + kx) as isize - c.padding as isize;
                                     if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w
                                     {
-                                        let xv =
-                                            x.data[((s * c.in_channels + i) * h + iy as usize) * w
-                                                + ix as usize];
+                                        let xv = x.as_f32().unwrap()[((s * c.in_channels + i) * h
+                                            + iy as usize)
+                                            * w
+                                            + ix as usize];
                                         acc += xv as f64
                                             * p[((o * c.in_channels + i) * k + ky) * k + kx] as f64;
                                     }
                                 }
                             }
                         }
-                        out.data[((s * c.out_channels + o) * ho + oy) * wo + ox] = acc as f32;
+                        out.as_f32_mut().unwrap()[((s * c.out_channels + o) * ho + oy) * wo + ox] =
+                            acc as f32;
                     }
                 }
             }
@@ -306,11 +305,11 @@ mod tests {
     fn conv_matches_direct_convolution() {
         let be = Cpu::new();
         for (i, c) in configs().into_iter().enumerate() {
-            let p = rand_tensor(&[c.num_params()], 40 + i as u64).data;
+            let p = rand_tensor(&[c.num_params()], 40 + i as u64).into_f32().unwrap();
             let x = rand_tensor(&[2, c.in_channels, 5, 6], 50 + i as u64);
             let (y, _) = c.forward(&be, &p, x.clone()).unwrap();
             let want = naive_conv(&c, &p, &x);
-            assert_eq!(y.shape, want.shape);
+            assert_eq!(y.shape(), want.shape());
             assert!(y.max_abs_diff(&want) < 1e-5, "config {i}");
         }
     }

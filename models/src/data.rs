@@ -150,12 +150,20 @@ impl Dataset {
         }
         let mut shape = vec![idx.len()];
         shape.extend_from_slice(&self.sample_shape);
-        (Tensor { shape, data: x }, idx.iter().map(|&i| self.y[i]).collect())
+        (
+            Tensor::new(shape, x).expect("batch: sample shape times count"),
+            idx.iter().map(|&i| self.y[i]).collect(),
+        )
     }
 
     fn subset(&self, idx: &[usize]) -> Dataset {
         let (x, y) = self.batch(idx);
-        Dataset { x: x.data, y, sample_shape: self.sample_shape.clone(), classes: self.classes }
+        Dataset {
+            x: x.into_f32().expect("an f32 batch"),
+            y,
+            sample_shape: self.sample_shape.clone(),
+            classes: self.classes,
+        }
     }
 
     /// Stratified split: within each class, a seeded shuffle puts `round(test_fraction *

@@ -56,6 +56,14 @@ pub enum ModelError {
         /// What went wrong (line numbers where known).
         msg: String,
     },
+    /// A tensor of another element type than the operation computes on (TENSOR-2).
+    #[error("element type mismatch: expected a {expected} tensor, got {got}")]
+    DType {
+        /// The type the operation needs.
+        expected: crate::tensor::DType,
+        /// The tensor's type.
+        got: crate::tensor::DType,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -75,14 +75,14 @@ impl Linear {
         input: Tensor,
     ) -> Result<(Tensor, LinearSaved), ModelError> {
         check_len("linear params", params.len(), self.num_params())?;
-        if input.shape.len() != 2 || input.shape[1] != self.in_features {
+        if input.shape().len() != 2 || input.shape()[1] != self.in_features {
             return Err(ModelError::shape(
                 "linear input",
                 format!("[N, {}]", self.in_features),
-                format!("{:?}", input.shape),
+                format!("{:?}", input.shape()),
             ));
         }
-        let n = input.shape[0];
+        let n = input.shape()[0];
         let (o, i) = (self.out_features, self.in_features);
         let w = &params[..o * i];
         let mut out = vec![0.0f32; n * o];
@@ -94,12 +94,12 @@ impl Linear {
         }
         be.gemm(
             GemmShape { m: n, n: o, k: i, trans_a: false, trans_b: true },
-            &input.data,
+            input.as_f32()?,
             w,
             &mut out,
             self.bias,
         );
-        Ok((Tensor { shape: vec![n, o], data: out }, LinearSaved { input }))
+        Ok((Tensor::new(vec![n, o], out)?, LinearSaved { input }))
     }
 
     /// Gradient of the input; adds `dW = dY^T X` and `db = sum dY` into `grads_out` (LAYER-1).
@@ -140,14 +140,14 @@ impl Linear {
         accumulate: bool,
     ) -> Result<(), ModelError> {
         check_len("linear grads", grads_out.len(), self.num_params())?;
-        let n = saved.input.shape[0];
+        let n = saved.input.shape()[0];
         let (o, i) = (self.out_features, self.in_features);
         check_len("linear grad_output", grad_output.numel(), n * o)?;
         let (gw, gb) = grads_out.split_at_mut(o * i);
         be.gemm(
             GemmShape { m: o, n: i, k: n, trans_a: true, trans_b: false },
-            &grad_output.data,
-            &saved.input.data,
+            grad_output.as_f32()?,
+            saved.input.as_f32()?,
             gw,
             accumulate,
         );
@@ -155,7 +155,7 @@ impl Linear {
             gb.fill(0.0);
         }
         if self.bias {
-            for row in grad_output.data.chunks_exact(o) {
+            for row in grad_output.as_f32()?.chunks_exact(o) {
                 for (g, d) in gb.iter_mut().zip(row) {
                     *g += d;
                 }
@@ -173,23 +173,23 @@ impl Linear {
     ) -> Result<Tensor, ModelError> {
         check_len("linear params", params.len(), self.num_params())?;
         let (o, i) = (self.out_features, self.in_features);
-        if grad_output.shape.len() != 2 || grad_output.shape[1] != o {
+        if grad_output.shape().len() != 2 || grad_output.shape()[1] != o {
             return Err(ModelError::shape(
                 "linear grad_output",
                 format!("[N, {o}]"),
-                format!("{:?}", grad_output.shape),
+                format!("{:?}", grad_output.shape()),
             ));
         }
-        let n = grad_output.shape[0];
+        let n = grad_output.shape()[0];
         let mut gx = vec![0.0f32; n * i];
         be.gemm(
             GemmShape { m: n, n: i, k: o, trans_a: false, trans_b: false },
-            &grad_output.data,
+            grad_output.as_f32()?,
             &params[..o * i],
             &mut gx,
             false,
         );
-        Ok(Tensor { shape: vec![n, i], data: gx })
+        Ok(Tensor::new(vec![n, i], gx)?)
     }
 }
 
@@ -200,10 +200,13 @@ pub struct ReluSaved {
 }
 
 /// `max(x, 0)`, in place on the consumed input.
-pub fn relu_forward(be: &dyn Backend, mut input: Tensor) -> (Tensor, ReluSaved) {
-    be.relu(&mut input.data);
+pub fn relu_forward(
+    be: &dyn Backend,
+    mut input: Tensor,
+) -> Result<(Tensor, ReluSaved), ModelError> {
+    be.relu(input.as_f32_mut()?);
     let saved = ReluSaved { output: input.clone() };
-    (input, saved)
+    Ok((input, saved))
 }
 
 /// Gradient of ReLU (0 where the output was 0; PyTorch's convention at 0).
@@ -213,7 +216,7 @@ pub fn relu_backward(
     mut grad_output: Tensor,
 ) -> Result<Tensor, ModelError> {
     check_len("relu grad_output", grad_output.numel(), saved.output.numel())?;
-    be.relu_backward(&saved.output.data, &mut grad_output.data);
+    be.relu_backward(saved.output.as_f32()?, grad_output.as_f32_mut()?);
     Ok(grad_output)
 }
 
@@ -235,10 +238,10 @@ pub struct MaxPoolSaved {
 }
 
 fn nchw(what: &str, t: &Tensor) -> Result<(usize, usize, usize, usize), ModelError> {
-    if t.shape.len() != 4 {
-        return Err(ModelError::shape(what, "[N, C, H, W]", format!("{:?}", t.shape)));
+    if t.shape().len() != 4 {
+        return Err(ModelError::shape(what, "[N, C, H, W]", format!("{:?}", t.shape())));
     }
-    Ok((t.shape[0], t.shape[1], t.shape[2], t.shape[3]))
+    Ok((t.shape()[0], t.shape()[1], t.shape()[2], t.shape()[3]))
 }
 
 impl MaxPool2d {
@@ -261,7 +264,7 @@ impl MaxPool2d {
         let mut out = vec![0.0f32; n * c * ho * wo];
         let mut argmax = vec![0u32; out.len()];
         for plane in 0..n * c {
-            let src = &input.data[plane * h * w..(plane + 1) * h * w];
+            let src = &input.as_f32()?[plane * h * w..(plane + 1) * h * w];
             for oy in 0..ho {
                 for ox in 0..wo {
                     let mut best = f32::NEG_INFINITY;
@@ -282,8 +285,8 @@ impl MaxPool2d {
             }
         }
         Ok((
-            Tensor { shape: vec![n, c, ho, wo], data: out },
-            MaxPoolSaved { input_shape: input.shape, argmax },
+            Tensor::new(vec![n, c, ho, wo], out)?,
+            MaxPoolSaved { input_shape: input.shape().to_vec(), argmax },
         ))
     }
 
@@ -295,8 +298,8 @@ impl MaxPool2d {
     ) -> Result<Tensor, ModelError> {
         check_len("maxpool grad_output", grad_output.numel(), saved.argmax.len())?;
         let mut gx = Tensor::zeros(&saved.input_shape);
-        for (g, &a) in grad_output.data.iter().zip(&saved.argmax) {
-            gx.data[a as usize] += g;
+        for (g, &a) in grad_output.as_f32()?.iter().zip(&saved.argmax) {
+            gx.as_f32_mut()?[a as usize] += g;
         }
         Ok(gx)
     }
@@ -314,12 +317,12 @@ pub fn global_avg_pool_forward(input: Tensor) -> Result<(Tensor, ShapeSaved), Mo
     let hw = h * w;
     let inv = if hw == 0 { 0.0 } else { 1.0 / hw as f64 };
     let data = input
-        .data
+        .as_f32()?
         .chunks_exact(hw.max(1))
         .take(n * c)
         .map(|p| (p.iter().map(|&v| v as f64).sum::<f64>() * inv) as f32)
         .collect();
-    Ok((Tensor { shape: vec![n, c], data }, ShapeSaved { input_shape: input.shape }))
+    Ok((Tensor::new(vec![n, c], data)?, ShapeSaved { input_shape: input.shape().to_vec() }))
 }
 
 /// Gradient of global average pooling: each position gets `g / (H W)`.
@@ -333,7 +336,7 @@ pub fn global_avg_pool_backward(
     let mut gx = Tensor::zeros(s);
     if hw > 0 {
         let inv = 1.0 / hw as f32;
-        for (plane, g) in gx.data.chunks_exact_mut(hw).zip(&grad_output.data) {
+        for (plane, g) in gx.as_f32_mut()?.chunks_exact_mut(hw).zip(grad_output.as_f32()?) {
             plane.fill(g * inv);
         }
     }
@@ -343,8 +346,8 @@ pub fn global_avg_pool_backward(
 /// Flatten: `[N, ...]` -> `[N, prod(...)]` (no copy).
 pub fn flatten_forward(input: Tensor) -> Result<(Tensor, ShapeSaved), ModelError> {
     let n = input.batch();
-    let rest: usize = input.shape.iter().skip(1).product();
-    let input_shape = input.shape.clone();
+    let rest: usize = input.shape().iter().skip(1).product();
+    let input_shape = input.shape().to_vec();
     Ok((input.reshape(vec![n, rest])?, ShapeSaved { input_shape }))
 }
 
@@ -355,10 +358,14 @@ pub fn flatten_backward(saved: &ShapeSaved, grad_output: Tensor) -> Result<Tenso
 
 /// Residual add: `a + b` (same shapes), consuming `a`.
 pub fn add_forward(be: &dyn Backend, mut a: Tensor, b: &Tensor) -> Result<Tensor, ModelError> {
-    if a.shape != b.shape {
-        return Err(ModelError::shape("add", format!("{:?}", a.shape), format!("{:?}", b.shape)));
+    if a.shape() != b.shape() {
+        return Err(ModelError::shape(
+            "add",
+            format!("{:?}", a.shape()),
+            format!("{:?}", b.shape()),
+        ));
     }
-    be.axpy(1.0, &b.data, &mut a.data);
+    be.axpy(1.0, b.as_f32()?, a.as_f32_mut()?);
     Ok(a)
 }
 
@@ -379,10 +386,14 @@ mod tests {
         let be = Cpu::new();
         let l = Linear::new(5, 3);
         let params = vec![0.5f32; l.num_params()];
-        let x = Tensor { shape: vec![4, 5], data: (0..20).map(|i| i as f32).collect() };
-        let ptr = x.data.as_ptr();
+        let x = Tensor::new(vec![4, 5], (0..20).map(|i| i as f32).collect()).unwrap();
+        let ptr = x.as_f32().unwrap().as_ptr();
         let (_, saved) = l.forward(&be, &params, x).expect("forward");
-        assert_eq!(saved.input.data.as_ptr(), ptr, "the saved input is the caller's buffer");
+        assert_eq!(
+            saved.input.as_f32().unwrap().as_ptr(),
+            ptr,
+            "the saved input is the caller's buffer"
+        );
     }
 
     #[test]
@@ -423,8 +434,9 @@ mod tests {
         for n in 0..2 {
             for o in 0..2 {
                 let want: f32 =
-                    (0..3).map(|i| x.data[n * 3 + i] * p[o * 3 + i]).sum::<f32>() + p[6 + o];
-                assert!((y.data[n * 2 + o] - want).abs() < 1e-6);
+                    (0..3).map(|i| x.as_f32().unwrap()[n * 3 + i] * p[o * 3 + i]).sum::<f32>()
+                        + p[6 + o];
+                assert!((y.as_f32().unwrap()[n * 2 + o] - want).abs() < 1e-6);
             }
         }
     }
@@ -433,7 +445,7 @@ mod tests {
     fn relu_maxpool_pool_flatten_add_gradients() {
         let be = Cpu::new();
         check_grads(0, &[3, 7], 1, &|_p, x, gy, _gp| {
-            let (y, s) = relu_forward(&be, x);
+            let (y, s) = relu_forward(&be, x).unwrap();
             Ok((
                 y,
                 match gy {
@@ -476,7 +488,7 @@ mod tests {
         });
         check_grads(0, &[2, 3, 2, 2], 5, &|_p, x, gy, _gp| {
             let (y, s) = flatten_forward(x)?;
-            assert_eq!(y.shape, vec![2, 12]);
+            assert_eq!(y.shape(), vec![2, 12]);
             Ok((
                 y,
                 match gy {
@@ -487,15 +499,23 @@ mod tests {
         });
         // add: y = x + 2x (as a residual of the input with itself scaled), d/dx = 3
         check_grads(0, &[2, 4], 6, &|_p, x, gy, _gp| {
-            let twice =
-                Tensor { shape: x.shape.clone(), data: x.data.iter().map(|v| 2.0 * v).collect() };
+            let twice = Tensor::new(
+                x.shape().to_vec(),
+                x.as_f32().unwrap().iter().map(|v| 2.0 * v).collect(),
+            )?;
             let y = add_forward(&be, x, &twice)?;
             let gx = gy.map(|gy| {
                 let (a, b) = add_backward(gy);
-                Tensor {
-                    shape: a.shape.clone(),
-                    data: a.data.iter().zip(&b.data).map(|(p, q)| p + 2.0 * q).collect(),
-                }
+                Tensor::new(
+                    a.shape().to_vec(),
+                    a.as_f32()
+                        .unwrap()
+                        .iter()
+                        .zip(b.as_f32().unwrap())
+                        .map(|(p, q)| p + 2.0 * q)
+                        .collect(),
+                )
+                .unwrap()
             });
             Ok((y, gx))
         });
@@ -505,6 +525,6 @@ mod tests {
     fn maxpool_picks_window_maxima() {
         let x = Tensor::new(vec![1, 1, 2, 4], vec![1., 5., 2., 0., 3., 4., 8., -1.]).unwrap();
         let (y, _) = MaxPool2d { kernel: 2, stride: 2 }.forward(x).unwrap();
-        assert_eq!(y.data, vec![5., 8.]);
+        assert_eq!(y.as_f32().unwrap(), &[5., 8.]);
     }
 }

@@ -59,5 +59,5 @@ pub use model::{
     convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitBackward, UnitSaved, WrapPolicy,
 };
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
-pub use tensor::Tensor;
+pub use tensor::{DType, Placement, Tensor};
 pub use zoo::{ConvNetBn, MlpBn, WideMlp};

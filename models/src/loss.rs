@@ -15,11 +15,11 @@ pub fn softmax_cross_entropy(
     labels: &[u32],
     global_batch: usize,
 ) -> Result<(f32, Tensor), ModelError> {
-    if logits.shape.len() != 2 || logits.shape[0] != labels.len() {
+    if logits.shape().len() != 2 || logits.shape()[0] != labels.len() {
         return Err(ModelError::shape(
             "cross-entropy logits",
             format!("[{}, K]", labels.len()),
-            format!("{:?}", logits.shape),
+            format!("{:?}", logits.shape()),
         ));
     }
     if global_batch < labels.len() || (global_batch == 0 && !labels.is_empty()) {
@@ -28,11 +28,11 @@ pub fn softmax_cross_entropy(
             labels.len()
         )));
     }
-    let k = logits.shape[1];
+    let k = logits.shape()[1];
     let scale = if global_batch == 0 { 0.0 } else { 1.0 / global_batch as f64 };
     let mut grad = logits.clone();
     let mut loss = 0.0f64;
-    for (row, &y) in grad.data.chunks_exact_mut(k.max(1)).zip(labels) {
+    for (row, &y) in grad.as_f32_mut()?.chunks_exact_mut(k.max(1)).zip(labels) {
         let y = y as usize;
         if y >= k {
             return Err(ModelError::Config(format!("label {y} out of range for {k} classes")));
@@ -49,10 +49,10 @@ pub fn softmax_cross_entropy(
 }
 
 /// Number of rows whose largest logit is at the label.
-pub fn correct_count(logits: &Tensor, labels: &[u32]) -> usize {
-    let k = logits.shape.get(1).copied().unwrap_or(0).max(1);
-    logits
-        .data
+pub fn correct_count(logits: &Tensor, labels: &[u32]) -> Result<usize, ModelError> {
+    let k = logits.shape().get(1).copied().unwrap_or(0).max(1);
+    Ok(logits
+        .as_f32()?
         .chunks_exact(k)
         .zip(labels)
         .filter(|(row, &y)| {
@@ -65,7 +65,7 @@ pub fn correct_count(logits: &Tensor, labels: &[u32]) -> usize {
             });
             best.0 == y as usize
         })
-        .count()
+        .count())
 }
 
 #[cfg(test)]
@@ -79,12 +79,15 @@ mod tests {
         let labels = [2u32, 0, 1];
         check_grads(0, &[3, 4], 9, &|_p, x, gy, _gp| {
             let (l, g) = softmax_cross_entropy(&x, &labels, 5)?;
-            let y = Tensor { shape: vec![1], data: vec![l] };
+            let y = Tensor::new(vec![1], vec![l])?;
             Ok((
                 y,
-                gy.map(|gy| Tensor {
-                    shape: g.shape.clone(),
-                    data: g.data.iter().map(|v| v * gy.data[0]).collect(),
+                gy.map(|gy| {
+                    Tensor::new(
+                        g.shape().to_vec(),
+                        g.as_f32().unwrap().iter().map(|v| v * gy.as_f32().unwrap()[0]).collect(),
+                    )
+                    .unwrap()
                 }),
             ))
         });
@@ -99,17 +102,18 @@ mod tests {
         let mut sum = 0.0;
         let mut grads = Vec::new();
         for (a, b) in [(0, 2), (2, 2), (2, 5)] {
-            let part = Tensor { shape: vec![b - a, 3], data: x.data[a * 3..b * 3].to_vec() };
+            let part =
+                Tensor::new(vec![b - a, 3], x.as_f32().unwrap()[a * 3..b * 3].to_vec()).unwrap();
             let (l, gp) = softmax_cross_entropy(&part, &labels[a..b], 5).unwrap();
             sum += l;
-            grads.extend(gp.data);
+            grads.extend(gp.into_f32().unwrap());
         }
         assert!((sum - whole).abs() < 1e-6);
-        assert!(grads.iter().zip(&g.data).all(|(a, b)| (a - b).abs() < 1e-7));
+        assert!(grads.iter().zip(g.as_f32().unwrap()).all(|(a, b)| (a - b).abs() < 1e-7));
         // the direct formula: mean of -log softmax at the label
         let want: f64 = (0..5)
             .map(|i| {
-                let row = &x.data[i * 3..i * 3 + 3];
+                let row = &x.as_f32().unwrap()[i * 3..i * 3 + 3];
                 let z: f64 = row.iter().map(|&v| (v as f64).exp()).sum();
                 -((row[labels[i] as usize] as f64).exp() / z).ln()
             })

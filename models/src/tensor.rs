@@ -1,38 +1,148 @@
-//! Dense tensors: a shape and contiguous row-major `f32` storage in host memory.
+//! Dense tensors: a shape, an element type ([`DType`]) and where the values live
+//! ([`Placement`]), over contiguous row-major storage.
+//!
+//! Layers and modules take and return [`Tensor`]s, never bare slices, so that another element
+//! type (bf16) or device memory is a new storage variant, not a new public API: a kernel asks
+//! for the view it can compute on ([`Tensor::as_f32`], [`Tensor::as_u32`]) and a tensor of
+//! another type or place answers [`ModelError::DType`] or [`ModelError::Placement`] instead of
+//! being misread.
+//!
+//! Invariants:
+//! - `TENSOR-1`: a tensor's storage always holds `shape.iter().product()` elements; every
+//!   constructor checks it, and [`Tensor::reshape`] keeps it.
+//! - `TENSOR-2`: a typed view of the wrong element type is an error naming both types, never
+//!   a reinterpretation of the bytes.
 
 use crate::error::ModelError;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// IEEE 754 single precision: activations, parameters, gradients.
+    F32,
+    /// Unsigned 32-bit integers: token ids and class labels.
+    U32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::U32 => "u32",
+        })
+    }
+}
+
+/// Where a tensor's values live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Placement {
+    /// Host memory, computed on by the CPU backend.
+    #[default]
+    Host,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Storage {
+    F32(Vec<f32>),
+    U32(Vec<u32>),
+}
+
+impl Default for Storage {
+    fn default() -> Self {
+        Storage::F32(Vec::new())
+    }
+}
+
+impl Storage {
+    fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::U32(v) => v.len(),
+        }
+    }
+    fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::U32(_) => DType::U32,
+        }
+    }
+}
 
 /// A dense, contiguous, row-major tensor.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct Tensor {
-    /// Dimensions, outermost first (NCHW for images, NC for features).
-    pub shape: Vec<usize>,
-    /// `shape.iter().product()` values, row-major.
-    pub data: Vec<f32>,
+    shape: Vec<usize>,
+    storage: Storage,
+    placement: Placement,
+}
+
+fn check(what: &str, shape: &[usize], len: usize) -> Result<(), ModelError> {
+    let n: usize = shape.iter().product();
+    if n != len {
+        return Err(ModelError::shape(what, format!("{n} values for {shape:?}"), len));
+    }
+    Ok(())
 }
 
 impl Tensor {
-    /// A tensor from a shape and data; fails when the lengths disagree.
+    /// An `f32` host tensor from a shape and data; fails when the lengths disagree
+    /// (TENSOR-1).
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self, ModelError> {
-        let n: usize = shape.iter().product();
-        if n != data.len() {
-            return Err(ModelError::shape(
-                "Tensor::new",
-                format!("{n} values for {shape:?}"),
-                data.len(),
-            ));
-        }
-        Ok(Tensor { shape, data })
+        check("Tensor::new", &shape, data.len())?;
+        Ok(Tensor { shape, storage: Storage::F32(data), placement: Placement::Host })
     }
 
-    /// A zero tensor.
+    /// A `u32` host tensor (token ids, labels) from a shape and data (TENSOR-1).
+    pub fn from_u32(shape: Vec<usize>, data: Vec<u32>) -> Result<Self, ModelError> {
+        check("Tensor::from_u32", &shape, data.len())?;
+        Ok(Tensor { shape, storage: Storage::U32(data), placement: Placement::Host })
+    }
+
+    /// A zero `f32` host tensor.
     pub fn zeros(shape: &[usize]) -> Self {
-        Tensor { shape: shape.to_vec(), data: vec![0.0; shape.iter().product()] }
+        let n = shape.iter().product();
+        Tensor {
+            shape: shape.to_vec(),
+            storage: Storage::F32(vec![0.0; n]),
+            placement: Placement::Host,
+        }
+    }
+
+    /// Dimensions, outermost first (NCHW for images, NC for features, `[batch, seq]` for
+    /// tokens).
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Where the values live.
+    pub fn placement(&self) -> Placement {
+        self.placement
     }
 
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.data.len()
+        self.storage.len()
+    }
+
+    /// Bytes of the values.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype().size()
     }
 
     /// Size of the leading (batch) dimension; 0 for a scalar.
@@ -40,13 +150,50 @@ impl Tensor {
         self.shape.first().copied().unwrap_or(0)
     }
 
-    /// Same data, another shape with the same number of elements.
+    fn wrong(&self, want: DType) -> ModelError {
+        ModelError::DType { expected: want, got: self.dtype() }
+    }
+
+    /// The values as `f32`, or [`ModelError::DType`] for another type (TENSOR-2).
+    pub fn as_f32(&self) -> Result<&[f32], ModelError> {
+        match &self.storage {
+            Storage::F32(v) => Ok(v),
+            _ => Err(self.wrong(DType::F32)),
+        }
+    }
+
+    /// The values as mutable `f32` (TENSOR-2).
+    pub fn as_f32_mut(&mut self) -> Result<&mut [f32], ModelError> {
+        let got = self.storage.dtype();
+        match &mut self.storage {
+            Storage::F32(v) => Ok(v),
+            _ => Err(ModelError::DType { expected: DType::F32, got }),
+        }
+    }
+
+    /// The `f32` values, taking the tensor (TENSOR-2).
+    pub fn into_f32(self) -> Result<Vec<f32>, ModelError> {
+        match self.storage {
+            Storage::F32(v) => Ok(v),
+            s => Err(ModelError::DType { expected: DType::F32, got: s.dtype() }),
+        }
+    }
+
+    /// The values as `u32` (TENSOR-2).
+    pub fn as_u32(&self) -> Result<&[u32], ModelError> {
+        match &self.storage {
+            Storage::U32(v) => Ok(v),
+            _ => Err(self.wrong(DType::U32)),
+        }
+    }
+
+    /// Same values, another shape with the same number of elements (TENSOR-1).
     pub fn reshape(mut self, shape: Vec<usize>) -> Result<Self, ModelError> {
         let n: usize = shape.iter().product();
-        if n != self.data.len() {
+        if n != self.numel() {
             return Err(ModelError::shape(
                 "Tensor::reshape",
-                format!("{} values", self.data.len()),
+                format!("{} values", self.numel()),
                 format!("{shape:?}"),
             ));
         }
@@ -54,9 +201,60 @@ impl Tensor {
         Ok(self)
     }
 
-    /// Largest absolute elementwise difference (for tests and diagnostics).
+    /// Rows `a..b` of the leading dimension, copied.
+    pub fn rows(&self, a: usize, b: usize) -> Result<Tensor, ModelError> {
+        if a > b || b > self.batch() {
+            return Err(ModelError::shape(
+                "Tensor::rows",
+                format!("rows within {}", self.batch()),
+                format!("{a}..{b}"),
+            ));
+        }
+        let per: usize = self.shape[1..].iter().product();
+        let mut shape = self.shape.clone();
+        shape[0] = b - a;
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::F32(v[a * per..b * per].to_vec()),
+            Storage::U32(v) => Storage::U32(v[a * per..b * per].to_vec()),
+        };
+        Ok(Tensor { shape, storage, placement: self.placement })
+    }
+
+    /// Largest absolute elementwise difference of two `f32` tensors of one shape (for tests
+    /// and diagnostics); infinite when they are not comparable.
     pub fn max_abs_diff(&self, other: &Tensor) -> f32 {
-        assert_eq!(self.shape, other.shape, "max_abs_diff: shapes differ");
-        self.data.iter().zip(&other.data).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+        match (self.as_f32(), other.as_f32()) {
+            (Ok(a), Ok(b)) if self.shape == other.shape => {
+                a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+            }
+            _ => f32::INFINITY,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_1_constructors_check_the_element_count() {
+        assert!(Tensor::new(vec![2, 3], vec![0.0; 5]).is_err());
+        assert!(Tensor::from_u32(vec![4], vec![1; 3]).is_err());
+        let t = Tensor::new(vec![2, 3], vec![1.0; 6]).unwrap();
+        assert!(t.clone().reshape(vec![4]).is_err());
+        assert_eq!(t.reshape(vec![3, 2]).unwrap().shape(), &[3, 2]);
+        let r = Tensor::from_u32(vec![3, 2], (0..6).collect()).unwrap().rows(1, 3).unwrap();
+        assert_eq!((r.shape(), r.as_u32().unwrap()), (&[2usize, 2][..], &[2u32, 3, 4, 5][..]));
+    }
+
+    #[test]
+    fn tensor_2_a_view_of_the_wrong_type_is_an_error() {
+        let ids = Tensor::from_u32(vec![2], vec![7, 9]).unwrap();
+        let e = ids.as_f32().unwrap_err().to_string();
+        assert!(e.contains("f32") && e.contains("u32"), "{e}");
+        assert!(Tensor::zeros(&[2]).as_u32().is_err());
+        assert_eq!(ids.dtype(), DType::U32);
+        assert_eq!(ids.placement(), Placement::Host);
+        assert_eq!(ids.nbytes(), 8);
     }
 }

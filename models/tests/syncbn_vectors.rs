@@ -91,10 +91,10 @@ fn layer(case: &Value) -> BatchNorm {
 }
 
 fn params_and_buffers(case: &Value) -> (Vec<f32>, Vec<f32>) {
-    let mut p = tensor(&case["weight"]).data;
-    p.extend(tensor(&case["bias"]).data);
-    let mut b = tensor(&case["running_mean_init"]).data;
-    b.extend(tensor(&case["running_var_init"]).data);
+    let mut p = tensor(&case["weight"]).into_f32().unwrap();
+    p.extend(tensor(&case["bias"]).into_f32().unwrap());
+    let mut b = tensor(&case["running_mean_init"]).into_f32().unwrap();
+    b.extend(tensor(&case["running_var_init"]).into_f32().unwrap());
     b.push(case["num_batches_tracked_init"].as_f64().unwrap_or(0.0) as f32);
     (p, b)
 }
@@ -131,16 +131,16 @@ fn run_case_sync(case: &Value, name: &str, reducers: &[&(dyn StatsReducer + Sync
                     Some(reducers[r]),
                 )
                 .expect("backward");
-            assert_eq!(y.shape, tensor(&rk["expected_output"]).shape);
+            assert_eq!(y.shape(), tensor(&rk["expected_output"]).shape());
             worst = worst.max(check(
                 &what("output"),
-                &y.data,
+                y.as_f32().unwrap(),
                 &vals(&rk["expected_output"]),
                 err(step, "y"),
             ));
             worst = worst.max(check(
                 &what("grad_input"),
-                &gx.data,
+                gx.as_f32().unwrap(),
                 &vals(&rk["expected_grad_input"]),
                 err(step, "grad_input"),
             ));
@@ -182,7 +182,7 @@ fn run_case_sync(case: &Value, name: &str, reducers: &[&(dyn StatsReducer + Sync
             .expect("eval forward");
         check(
             &format!("{name} eval rank {r}"),
-            &y.data,
+            y.as_f32().unwrap(),
             &vals(&ev["expected_output"]),
             case["torch_f32_max_abs_err"]["y"].as_f64().unwrap_or(0.0),
         );
@@ -193,9 +193,9 @@ fn run_case_sync(case: &Value, name: &str, reducers: &[&(dyn StatsReducer + Sync
 
 fn concat(ts: Vec<Tensor>) -> Tensor {
     let mut shape =
-        ts.iter().find(|t| !t.shape.is_empty()).map(|t| t.shape.clone()).expect("shape");
-    shape[0] = ts.iter().map(|t| t.shape[0]).sum();
-    Tensor { shape, data: ts.into_iter().flat_map(|t| t.data).collect() }
+        ts.iter().find(|t| !t.shape().is_empty()).map(|t| t.shape().to_vec()).expect("shape");
+    shape[0] = ts.iter().map(|t| t.shape()[0]).sum();
+    Tensor::new(shape, ts.into_iter().flat_map(|t| t.into_f32().unwrap()).collect()).unwrap()
 }
 
 fn run_case_plain(case: &Value, name: &str) {
@@ -213,8 +213,8 @@ fn run_case_plain(case: &Value, name: &str) {
         let (y, saved) = bn.forward(&params, &mut buffers, x, true, None).expect("forward");
         let mut grads = vec![0.0f32; 2 * c];
         let gx = bn.backward(&params, &saved, &gy, &mut grads, None).expect("backward");
-        check(&what("output"), &y.data, &want_y, err(step, "y"));
-        check(&what("grad_input"), &gx.data, &want_gx, err(step, "grad_input"));
+        check(&what("output"), y.as_f32().unwrap(), &want_y, err(step, "y"));
+        check(&what("grad_input"), gx.as_f32().unwrap(), &want_gx, err(step, "grad_input"));
         let ex = &step["expected"];
         check(
             &what("grad_weight"),
@@ -243,7 +243,7 @@ fn run_case_plain(case: &Value, name: &str) {
     let (y, _) = bn.forward(&params, &mut buffers, x, false, None).expect("eval");
     check(
         &format!("{name} W=1 eval"),
-        &y.data,
+        y.as_f32().unwrap(),
         &want,
         case["torch_f32_max_abs_err"]["y"].as_f64().unwrap_or(0.0),
     );
@@ -315,7 +315,8 @@ fn per_rank_statistics_do_not_match_the_vectors() {
     let (y, _) =
         bn.forward(&params, &mut buffers, tensor(&rk["input"]), true, None).expect("forward");
     let worst = y
-        .data
+        .as_f32()
+        .unwrap()
         .iter()
         .zip(vals(&rk["expected_output"]))
         .map(|(a, b)| (*a as f64 - b).abs())

@@ -467,10 +467,10 @@ impl RankEngine {
         for i in 0..self.layout.units().len() {
             x = self.forward_unit(i, x, pass, &mut st)?.0;
         }
-        let classes = *x.shape.last().unwrap_or(&1);
+        let classes = *x.shape().last().unwrap_or(&1);
         let mut correct = 0u64;
         for (i, &label) in y.iter().enumerate() {
-            let row = &x.data[i * classes..(i + 1) * classes];
+            let row = &x.as_f32()?[i * classes..(i + 1) * classes];
             let mut best = 0;
             for (j, v) in row.iter().enumerate() {
                 if *v > row[best] {

@@ -98,7 +98,7 @@ impl RankEngine {
             st.compute += t1 - t0;
             let label = &self.labels[u];
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
-            act = Some(self.mem.alloc_f32(Category::Activations, y.data.len(), label)?);
+            act = Some(self.mem.alloc_f32(Category::Activations, y.as_f32()?.len(), label)?);
         }
         self.done_with(i, gathered, st);
         Ok((y, (saved, act)))
