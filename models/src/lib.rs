@@ -37,6 +37,8 @@ pub mod error;
 pub mod layers;
 pub mod loss;
 pub mod model;
+pub mod module;
+pub mod network;
 pub mod nn;
 pub mod rng;
 pub mod spec;
@@ -58,6 +60,7 @@ pub use loss::softmax_cross_entropy;
 pub use model::{
     convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitBackward, UnitSaved, WrapPolicy,
 };
+pub use network::{CallBackward, ModuleNet, Network};
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
 pub use tensor::{DType, Placement, Tensor};
 pub use zoo::{ConvNetBn, MlpBn, WideMlp};

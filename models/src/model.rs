@@ -169,6 +169,12 @@ pub struct Ctx<'a> {
     /// them (LAYER-1), so the caller need not zero the buffer first: for a gradient buffer
     /// that is fresh every step. Off: gradients are added.
     pub overwrite_grads: bool,
+    /// The run's seed (dropout masks, DROP-1).
+    pub seed: u64,
+    /// The step being computed, 1-based (dropout masks).
+    pub step: u64,
+    /// Global index of the first sample of this rank's slice of the batch (dropout masks).
+    pub first_sample: usize,
 }
 
 impl<'a> Ctx<'a> {
@@ -181,6 +187,9 @@ impl<'a> Ctx<'a> {
             global_batch,
             backend,
             overwrite_grads: false,
+            seed: 0,
+            step: 0,
+            first_sample: 0,
         }
     }
     /// With a statistics reducer across the data-parallel group.
@@ -940,14 +949,7 @@ mod tests {
         reducer: Option<&'a dyn StatsReducer>,
         gb: usize,
     ) -> Ctx<'a> {
-        Ctx {
-            training,
-            sync_bn: false,
-            reducer,
-            global_batch: gb,
-            backend: be,
-            overwrite_grads: false,
-        }
+        Ctx { sync_bn: false, reducer, ..Ctx::new(be, training, gb) }
     }
 
     fn init(m: &Model, seed: u64) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {

@@ -1,0 +1,167 @@
+//! Composition: a sequence of named children, and a residual connection.
+
+use std::ops::Range;
+
+use super::{numel, unsave, Buffers, Grads, Module, Param, Params, Saved};
+use crate::error::ModelError;
+use crate::model::Ctx;
+use crate::tensor::Tensor;
+
+/// Children run in order; child `name`'s parameters are named `name.<param>` (MODULE-3; an
+/// empty name adds no prefix, for a child that is only structure, like a residual).
+#[derive(Debug, Default)]
+pub struct Sequential {
+    children: Vec<(String, Box<dyn Module>)>,
+}
+
+impl Sequential {
+    /// An empty sequence.
+    pub fn new() -> Self {
+        Sequential::default()
+    }
+
+    /// Appends `module` as child `name`.
+    pub fn push(mut self, name: &str, module: impl Module + 'static) -> Self {
+        self.children.push((name.to_string(), Box::new(module)));
+        self
+    }
+
+    /// Appends a boxed `module` as child `name`.
+    pub fn push_boxed(mut self, name: &str, module: Box<dyn Module>) -> Self {
+        self.children.push((name.to_string(), module));
+        self
+    }
+
+    /// The children, in order.
+    pub fn children(&self) -> &[(String, Box<dyn Module>)] {
+        &self.children
+    }
+
+    /// Per child, where its parameters and buffers lie in the sequence's views.
+    fn ranges(&self) -> Vec<(Range<usize>, Range<usize>)> {
+        let (mut p, mut b) = (0, 0);
+        self.children
+            .iter()
+            .map(|(_, m)| {
+                let (np, nb) = (numel(&m.params()), numel(&m.buffers()));
+                let r = (p..p + np, b..b + nb);
+                p += np;
+                b += nb;
+                r
+            })
+            .collect()
+    }
+}
+
+impl Module for Sequential {
+    fn params(&self) -> Vec<Param> {
+        self.children
+            .iter()
+            .flat_map(|(n, m)| m.params().into_iter().map(move |p| p.prefixed(n)))
+            .collect()
+    }
+
+    fn buffers(&self) -> Vec<Param> {
+        self.children
+            .iter()
+            .flat_map(|(n, m)| m.buffers().into_iter().map(move |p| p.prefixed(n)))
+            .collect()
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        mut b: Buffers<'_>,
+        mut x: Tensor,
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Saved), ModelError> {
+        let ranges = self.ranges();
+        let mut saved = Vec::with_capacity(self.children.len());
+        for ((_, m), (rp, rb)) in self.children.iter().zip(ranges) {
+            let (y, s) = m.forward(p.slice(rp)?, b.slice(rb)?, x, ctx)?;
+            saved.push(s);
+            x = y;
+        }
+        Ok((x, Box::new(saved)))
+    }
+
+    fn backward(
+        &self,
+        p: Params<'_>,
+        saved: Saved,
+        mut dy: Tensor,
+        mut g: Grads<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor, ModelError> {
+        let mut saved: Vec<Saved> = unsave(saved, "Sequential")?;
+        let ranges = self.ranges();
+        for ((_, m), (rp, _)) in self.children.iter().zip(ranges).rev() {
+            let s = saved.pop().ok_or_else(|| ModelError::Config("Sequential: saved".into()))?;
+            dy = m.backward(p.slice(rp.clone())?, s, dy, g.slice(rp)?, ctx)?;
+        }
+        Ok(dy)
+    }
+}
+
+/// `x + f(x)`: the residual connection of a transformer or ResNet block.
+#[derive(Debug)]
+pub struct Residual {
+    inner: Box<dyn Module>,
+}
+
+impl Residual {
+    /// `x + inner(x)`.
+    pub fn new(inner: impl Module + 'static) -> Self {
+        Residual { inner: Box::new(inner) }
+    }
+}
+
+fn add_into(a: &mut Tensor, b: &Tensor) -> Result<(), ModelError> {
+    if a.shape() != b.shape() {
+        return Err(ModelError::shape(
+            "residual add",
+            format!("{:?}", a.shape()),
+            format!("{:?}", b.shape()),
+        ));
+    }
+    let bv = b.as_f32()?;
+    for (x, y) in a.as_f32_mut()?.iter_mut().zip(bv) {
+        *x += y;
+    }
+    Ok(())
+}
+
+impl Module for Residual {
+    fn params(&self) -> Vec<Param> {
+        self.inner.params()
+    }
+
+    fn buffers(&self) -> Vec<Param> {
+        self.inner.buffers()
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        b: Buffers<'_>,
+        x: Tensor,
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Saved), ModelError> {
+        let (mut y, s) = self.inner.forward(p, b, x.clone(), ctx)?;
+        add_into(&mut y, &x)?;
+        Ok((y, s))
+    }
+
+    fn backward(
+        &self,
+        p: Params<'_>,
+        saved: Saved,
+        dy: Tensor,
+        g: Grads<'_>,
+        ctx: &Ctx,
+    ) -> Result<Tensor, ModelError> {
+        let mut dx = self.inner.backward(p, saved, dy.clone(), g, ctx)?;
+        add_into(&mut dx, &dy)?;
+        Ok(dx)
+    }
+}
