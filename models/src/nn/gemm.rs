@@ -67,6 +67,9 @@ fn transpose_into<T: Float>(t: &[T], m: usize, n: usize, c: &mut [T], accumulate
     }
 }
 
+/// Multiply-adds from which an `a b^T` product copies `b` transposed rather than `c`.
+const COPY_B_MIN: usize = 64 * 64 * 64;
+
 /// [`Gemm::gemm`] for a float type the `gemm` crate handles, with that type's scratch.
 fn product<T: Float + 'static>(
     shape: GemmShape,
@@ -90,14 +93,15 @@ fn product<T: Float + 'static>(
         return;
     }
     let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
-    let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
-    // `op(a) op(b)` into `dst` (m * n values), row-major or column-major.
-    let multiply = |dst: &mut [T], col_major: bool, read_dst: bool| {
+    // `op(a) rhs` into `dst` (m * n values), row-major or column-major, where `rhs` is `op(b)`
+    // with row and column strides `rhs_rs`, `rhs_cs`.
+    let multiply = |dst: &mut [T], col_major: bool, read_dst: bool, rhs: &[T], rhs_rs, rhs_cs| {
         assert!(dst.len() >= m * n, "gemm: destination has {} values", dst.len());
+        assert!(rhs.len() >= k * n, "gemm: b has {} values, needs {}", rhs.len(), k * n);
         let (dst_rs, dst_cs) = if col_major { (1, m as isize) } else { (n as isize, 1) };
-        // SAFETY: the asserts above guarantee that every index the strides reach (row < m,
-        // col < n, inner < k) lies inside the slices; `dst` is borrowed mutably and does not
-        // alias `a` or `b`. `T` is f32 or f64 (the `Gemm` impls), which `gemm` supports.
+        // SAFETY: the asserts guarantee that every index the strides reach (row < m, col < n,
+        // inner < k) lies inside the slices; `dst` is borrowed mutably and does not alias `a`
+        // or `rhs`. `T` is f32 or f64 (the `Gemm` impls), which `gemm` supports.
         unsafe {
             gemm::gemm(
                 m,
@@ -110,9 +114,9 @@ fn product<T: Float + 'static>(
                 a.as_ptr(),
                 a_cs,
                 a_rs,
-                b.as_ptr(),
-                b_cs,
-                b_rs,
+                rhs.as_ptr(),
+                rhs_cs,
+                rhs_rs,
                 T::one(),
                 T::one(),
                 false,
@@ -123,17 +127,29 @@ fn product<T: Float + 'static>(
         }
     };
     if trans_b && !trans_a {
-        // `a b^T` (a linear forward, attention's scores) runs much faster into a
-        // column-major destination than into a row-major one (`examples/gemm_shapes.rs`, as
-        // in `Cpu::gemm`): multiply into a column-major scratch, then transpose it into `c`.
-        if scratch.len() < m * n {
-            scratch.resize(m * n, T::zero());
+        // `a b^T` (a linear forward, attention's scores) into a row-major `c` is the slow
+        // case of `gemm` (`examples/gemm_shapes.rs`: about 60% of the rate of `a b`). For a
+        // large product with `k <= m` (a linear forward over many rows), `b` is copied
+        // transposed (`k x n` values, fewer than `c`'s), which makes it `a b`. Otherwise
+        // the product goes into a column-major scratch that is then transposed into `c`, as
+        // `Cpu::gemm` does: on small products the two cost the same, and this one stays the
+        // closer to the `f64` result on the small test models (NN-2).
+        let copy_b = k <= m && m * n * k >= COPY_B_MIN;
+        let want = if copy_b { k * n } else { m * n };
+        if scratch.len() < want {
+            scratch.resize(want, T::zero());
         }
-        let t = &mut scratch[..m * n];
-        multiply(t, true, false);
-        transpose_into(t, m, n, &mut c[..m * n], accumulate);
+        let t = &mut scratch[..want];
+        if copy_b {
+            transpose_into(b, k, n, t, false);
+            multiply(c, false, accumulate, t, n as isize, 1);
+        } else {
+            multiply(t, true, false, b, 1, k as isize);
+            transpose_into(t, m, n, &mut c[..m * n], accumulate);
+        }
     } else {
-        multiply(c, false, accumulate);
+        let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
+        multiply(c, false, accumulate, b, b_rs, b_cs);
     }
 }
 
@@ -162,9 +178,16 @@ mod tests {
 
     fn check<T: Gemm + std::fmt::Debug>(conv: impl Fn(Vec<f64>) -> Vec<T>, tol: f64) {
         let mut seed = 1;
-        for (m, n, k) in
-            [(1, 1, 1), (3, 5, 7), (17, 9, 33), (64, 40, 1), (70, 45, 20), (0, 3, 2), (2, 3, 0)]
-        {
+        for (m, n, k) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 9, 33),
+            (64, 40, 1),
+            (70, 45, 20),
+            (130, 40, 64),
+            (0, 3, 2),
+            (2, 3, 0),
+        ] {
             for (trans_a, trans_b) in [(false, false), (false, true), (true, false), (true, true)] {
                 let shape = GemmShape { m, n, k, trans_a, trans_b };
                 seed += 3;
