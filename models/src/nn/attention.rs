@@ -4,7 +4,7 @@
 //! (batch, head), `scores = q k^T / sqrt(head_dim)`, key `j` is masked for query `i` when
 //! `j > i`, each row goes through a softmax over the keys and the output is `softmax(scores)
 //! v`: nanoGPT's attention (and `torch.nn.functional.scaled_dot_product_attention` with
-//! `is_causal=True`). The kernel is generic over the float type ([`num_traits::Float`]):
+//! `is_causal=True`). The kernel is generic over the float type ([`Gemm`]):
 //! f64 for gradient checks, f32 for training. [`split_qkv`] and [`merge_heads`] (with their
 //! backwards) convert from and to nanoGPT's layout: the fused `c_attn` output `[batch, seq,
 //! 3 * embd]` (q, k, v in that order, head `h` in columns `h * head_dim..(h + 1) * head_dim` of
@@ -25,10 +25,8 @@
 //! 0); then `dV_j += P^T dO_i`, `dP = dO_i V_j^T`, `dS = P * (dP - D)`, `dQ_i += scale * dS
 //! K_j` and `dK_j += scale * dS^T Q_i`.
 //!
-//! Every block product is a product of contiguous row-major blocks in the form of
-//! [`crate::Backend::gemm`] (a [`GemmShape`] with the same meaning); they are plain loops in
-//! `block_gemm` for now, and `block_gemm` is the one place where an f32 instantiation can hand
-//! them to the backend.
+//! Every block product is a product of contiguous row-major blocks, one [`Gemm::gemm`] call
+//! (a [`GemmShape`] with [`crate::Backend::gemm`]'s meaning), in `f32` and `f64` alike.
 //!
 //! Invariants:
 //! - `ATTN-1`: what [`attention_forward`] saves for [`attention_backward`] is `q`, `k`, `v`
@@ -46,6 +44,7 @@
 
 use num_traits::Float;
 
+use super::gemm::Gemm;
 use crate::backend::GemmShape;
 use crate::error::ModelError;
 
@@ -152,27 +151,6 @@ fn constant<F: Float>(x: f64) -> F {
     F::from(x).expect("a float type represents every f64 value approximately")
 }
 
-/// `c = op(a) op(b)` (or `c += ...` when `accumulate`) on contiguous row-major blocks, with
-/// [`GemmShape`]'s meaning: `op(a)` is `m x k`, `op(b)` is `k x n`, `a` stored `k x m` with
-/// `trans_a`, `b` stored `n x k` with `trans_b`. Plain loops; this is the call that an f32
-/// instantiation can route through [`crate::Backend::gemm`] (same arguments).
-fn block_gemm<F: Float>(shape: GemmShape, a: &[F], b: &[F], c: &mut [F], accumulate: bool) {
-    let GemmShape { m, n, k, trans_a, trans_b } = shape;
-    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    for i in 0..m {
-        for j in 0..n {
-            let mut s = F::zero();
-            for p in 0..k {
-                let av = if trans_a { a[p * m + i] } else { a[i * k + p] };
-                let bv = if trans_b { b[j * k + p] } else { b[p * n + j] };
-                s = s + av * bv;
-            }
-            let cij = &mut c[i * n + j];
-            *cij = if accumulate { *cij + s } else { s };
-        }
-    }
-}
-
 fn check_block(block: usize, shape: &AttnShape) -> Result<(), ModelError> {
     if block == 0 {
         return Err(ModelError::Config("attention block size must be positive".into()));
@@ -186,7 +164,7 @@ fn check_block(block: usize, shape: &AttnShape) -> Result<(), ModelError> {
 /// Causal attention over `qkv` (each `[batch, heads, seq, head_dim]`, consumed and kept for
 /// backward without copying), with the softmax computed online over key blocks of `block`
 /// keys (queries go in blocks of the same size). The output is [`AttnSaved::output`].
-pub fn attention_forward<F: Float>(
+pub fn attention_forward<F: Gemm>(
     shape: AttnShape,
     block: usize,
     qkv: Qkv<F>,
@@ -224,7 +202,7 @@ pub fn attention_forward<F: Float>(
                 let vj = &vh[j0 * d..(j0 + bc) * d];
                 let sij = &mut s[..br * bc];
                 // S = Q_i K_j^T
-                block_gemm(
+                F::gemm(
                     GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
                     qi,
                     kj,
@@ -256,7 +234,7 @@ pub fn attention_forward<F: Float>(
                     }
                 }
                 // O_i += P V_j
-                block_gemm(
+                F::gemm(
                     GemmShape { m: br, n: d, k: bc, trans_a: false, trans_b: false },
                     sij,
                     vj,
@@ -278,7 +256,7 @@ pub fn attention_forward<F: Float>(
 
 /// Gradients of q, k and v from the gradient of the output (`[batch, heads, seq, head_dim]`),
 /// recomputing the probabilities block by block from the saved logsumexp.
-pub fn attention_backward<F: Float>(
+pub fn attention_backward<F: Gemm>(
     saved: &AttnSaved<F>,
     grad_output: &[F],
 ) -> Result<AttnGrads<F>, ModelError> {
@@ -324,7 +302,7 @@ pub fn attention_backward<F: Float>(
                 let pij = &mut p[..br * bc];
                 let dpij = &mut dp[..br * bc];
                 // S = Q_i K_j^T, then P = exp(S * scale - lse), masked entries 0.
-                block_gemm(
+                F::gemm(
                     GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
                     qi,
                     kj,
@@ -342,7 +320,7 @@ pub fn attention_backward<F: Float>(
                     }
                 }
                 // dV_j += P^T dO_i
-                block_gemm(
+                F::gemm(
                     GemmShape { m: bc, n: d, k: br, trans_a: true, trans_b: false },
                     pij,
                     doi,
@@ -350,7 +328,7 @@ pub fn attention_backward<F: Float>(
                     true,
                 );
                 // dP = dO_i V_j^T
-                block_gemm(
+                F::gemm(
                     GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
                     doi,
                     vj,
@@ -366,7 +344,7 @@ pub fn attention_backward<F: Float>(
                     }
                 }
                 // dQ_i += dS K_j
-                block_gemm(
+                F::gemm(
                     GemmShape { m: br, n: d, k: bc, trans_a: false, trans_b: false },
                     dpij,
                     kj,
@@ -374,7 +352,7 @@ pub fn attention_backward<F: Float>(
                     true,
                 );
                 // dK_j += dS^T Q_i
-                block_gemm(
+                F::gemm(
                     GemmShape { m: bc, n: d, k: br, trans_a: true, trans_b: false },
                     dpij,
                     qi,

@@ -17,8 +17,8 @@
 //! [`GptConfig::loss_and_grads`] adds the token-level cross-entropy of
 //! [`super::cross_entropy`].
 //!
-//! The matrix products are the [`super::linear`] kernel's plain loops and the attention
-//! kernel's `block_gemm`; an `f32` model hands them to [`crate::Backend::gemm`] there.
+//! The matrix products are the [`super::linear`] and attention kernels' [`Gemm`] calls, so
+//! `T` is a float type with [`Erf`] and [`Gemm`]: `f32` and `f64`.
 //!
 //! Invariants:
 //! - `GPT-1`: the parameters are nanoGPT's, by name, shape and order:
@@ -60,6 +60,7 @@ use super::attention::{
 };
 use super::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use super::embedding::Embedding;
+use super::gemm::Gemm;
 use super::linear::Linear;
 use super::lit;
 use super::norm::{LayerNorm, LayerNormSaved};
@@ -405,7 +406,7 @@ impl GptConfig {
 
     /// The logits `[batch, seq, vocab]` of `tokens [batch][seq]` under `params` (the flat
     /// buffer, GPT-1), and what [`GptConfig::backward`] needs.
-    pub fn forward<T: Erf + Default, S: AsRef<[u32]>>(
+    pub fn forward<T: Erf + Gemm + Default, S: AsRef<[u32]>>(
         &self,
         params: &[T],
         tokens: &[S],
@@ -462,7 +463,7 @@ impl GptConfig {
 
     /// The gradient of every parameter (the flat layout of `params`, GPT-1) from the
     /// gradient of the logits `[batch, seq, vocab]`; `params` are those `saved` came from.
-    pub fn backward<T: Erf + Default>(
+    pub fn backward<T: Erf + Gemm + Default>(
         &self,
         params: &[T],
         saved: &GptSaved<T>,
@@ -538,7 +539,7 @@ impl GptConfig {
 
     /// The mean token cross-entropy of the logits of `tokens` against `targets` (both
     /// `[batch][seq]`) and the gradient of every parameter.
-    pub fn loss_and_grads<T: Erf + Default, S: AsRef<[u32]>>(
+    pub fn loss_and_grads<T: Erf + Gemm + Default, S: AsRef<[u32]>>(
         &self,
         params: &[T],
         tokens: &[S],

@@ -4,9 +4,7 @@
 //! [`crate::layers::Linear`] is the `f32` layer of the model zoo, running on a
 //! [`crate::Backend`]; this kernel is the float-generic form the transformer kernels are
 //! built from, so that a whole decoder can be checked in `f64`. Its three products
-//! (`x W^T`, `dy W`, `dy^T x`) are plain loops for now; each is one [`crate::Backend::gemm`]
-//! call of the shape noted at its loop, which is where an `f32` instantiation will hand them
-//! to the backend.
+//! (`x W^T`, `dy W`, `dy^T x`) are one [`Gemm::gemm`] each, in `f32` and `f64` alike.
 //!
 //! Invariants:
 //! - `LIN-1`: forward is `torch.nn.functional.linear(x, weight, bias)`: `y[r, o] = b[o] +
@@ -15,9 +13,9 @@
 //!   `db += sum_rows dy` into the caller's gradient buffer, laid out as the parameters
 //!   (NN-3).
 
-use num_traits::Float;
-
+use super::gemm::Gemm;
 use super::{rows, same_len};
+use crate::backend::GemmShape;
 use crate::error::ModelError;
 use crate::layers::check_len;
 use crate::spec::ParamSpec;
@@ -56,26 +54,24 @@ impl Linear {
     }
 
     /// Writes `y = x W^T + b` into `y [rows, out_dim]` (LIN-1).
-    pub fn forward<T: Float>(&self, params: &[T], x: &[T], y: &mut [T]) -> Result<(), ModelError> {
+    pub fn forward<T: Gemm>(&self, params: &[T], x: &[T], y: &mut [T]) -> Result<(), ModelError> {
         let (ni, no) = (self.in_dim, self.out_dim);
         let n = rows("linear input", x.len(), ni)?;
         check_len("linear params", params.len(), self.num_params())?;
         check_len("linear output", y.len(), n * no)?;
         let (w, b) = params.split_at(no * ni);
-        // Backend::gemm: GemmShape { m: rows, n: out, k: in, trans_a: false, trans_b: true }.
-        for (xr, yr) in x.chunks_exact(ni).zip(y.chunks_exact_mut(no.max(1))) {
-            for (o, out) in yr.iter_mut().enumerate() {
-                let wr = &w[o * ni..(o + 1) * ni];
-                let s = xr.iter().zip(wr).fold(T::zero(), |s, (&a, &c)| s + a * c);
-                *out = if self.bias { s + b[o] } else { s };
-            }
+        // With a bias, every row starts as `b` and the product is added onto it.
+        if self.bias {
+            y.chunks_exact_mut(no.max(1)).for_each(|yr| yr.copy_from_slice(b));
         }
+        let shape = GemmShape { m: n, n: no, k: ni, trans_a: false, trans_b: true };
+        T::gemm(shape, x, w, y, self.bias);
         Ok(())
     }
 
     /// Writes `dx = dy W` into `dx` when given and ADDS `dW += dy^T x`, `db += sum_rows dy`
     /// into `grads` (LIN-2).
-    pub fn backward<T: Float>(
+    pub fn backward<T: Gemm>(
         &self,
         params: &[T],
         x: &[T],
@@ -93,27 +89,14 @@ impl Linear {
         }
         let w = &params[..no * ni];
         if let Some(dx) = dx {
-            // Backend::gemm: GemmShape { m: rows, n: in, k: out, trans_a: false, trans_b: false }.
-            for (dxr, dyr) in dx.chunks_exact_mut(ni).zip(dy.chunks_exact(no.max(1))) {
-                dxr.fill(T::zero());
-                for (o, &g) in dyr.iter().enumerate() {
-                    for (d, &wv) in dxr.iter_mut().zip(&w[o * ni..(o + 1) * ni]) {
-                        *d = *d + g * wv;
-                    }
-                }
-            }
+            let shape = GemmShape { m: n, n: ni, k: no, trans_a: false, trans_b: false };
+            T::gemm(shape, dy, w, dx, false);
         }
         let (dw, db) = grads.split_at_mut(no * ni);
-        // Backend::gemm: GemmShape { m: out, n: in, k: rows, trans_a: true, trans_b: false },
-        // accumulating.
-        for (xr, dyr) in x.chunks_exact(ni.max(1)).zip(dy.chunks_exact(no.max(1))).take(n) {
-            for (o, &g) in dyr.iter().enumerate() {
-                for (d, &xv) in dw[o * ni..(o + 1) * ni].iter_mut().zip(xr) {
-                    *d = *d + g * xv;
-                }
-                if self.bias {
-                    db[o] = db[o] + g;
-                }
+        T::gemm(GemmShape { m: no, n: ni, k: n, trans_a: true, trans_b: false }, dy, x, dw, true);
+        if self.bias {
+            for dyr in dy.chunks_exact(no.max(1)).take(n) {
+                db.iter_mut().zip(dyr).for_each(|(d, &g)| *d = *d + g);
             }
         }
         Ok(())

@@ -8,9 +8,10 @@
 //! forward is returned as a small value (per-row statistics), so that a layer can wrap a
 //! kernel without copying.
 //!
-//! The kernels are generic over [`num_traits::Float`]: the same code trains in `f32` and is
-//! checked in `f64`, where a central finite difference is accurate enough to catch a single
-//! wrong gradient element (an `f32` difference is not).
+//! The kernels are generic over [`num_traits::Float`] (with [`Gemm`] where they multiply
+//! matrices): the same code trains in `f32` and is checked in `f64`, where a central finite
+//! difference is accurate enough to catch a single wrong gradient element (an `f32`
+//! difference is not).
 //!
 //! - [`norm`]: LayerNorm and RMSNorm.
 //! - [`activation`]: GELU (exact and tanh), SiLU.
@@ -18,6 +19,7 @@
 //! - [`dropout`]: dropout whose mask depends on the element's place in the global batch.
 //! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
 //!   q/k/v split and head merge.
+//! - [`gemm`]: the matrix products of the kernels (`f32` and `f64`) through the `gemm` crate.
 //! - [`linear`]: fully connected kernel, `y = x W^T + b`.
 //! - [`cross_entropy`]: token-level cross-entropy of logits against targets.
 //! - [`gpt`]: a nanoGPT decoder built from the kernels above, with nanoGPT's parameter names.
@@ -39,6 +41,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod gemm;
 pub mod gpt;
 #[cfg(test)]
 pub(crate) mod gradcheck;
@@ -48,6 +51,7 @@ pub mod norm;
 pub use activation::{Activation, Erf};
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward, CrossEntropySaved};
 pub use embedding::Embedding;
+pub use gemm::Gemm;
 pub use gpt::{GptConfig, GptSaved};
 pub use linear::Linear;
 pub use norm::{LayerNorm, LayerNormSaved, RmsNorm, RmsNormSaved};

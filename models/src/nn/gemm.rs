@@ -1,0 +1,229 @@
+//! Matrix products of the float-generic kernels, `c (+)= op(a) op(b)` on row-major buffers,
+//! through the `gemm` crate (the crate [`crate::backend`] chose, for the reasons given there),
+//! for both float types the kernels run in: `f32` for training, `f64` for the gradient checks,
+//! so that the checked code is the code that trains (NN-2).
+//!
+//! Products run on the calling thread (`Parallelism::None`): in data-parallel training the
+//! ranks are the parallelism, one per core, and a product that spread over every core would
+//! fight with the other ranks.
+//!
+//! Invariants:
+//! - `GEMM-1`: [`Gemm::gemm`] with a [`GemmShape`] computes what [`crate::Backend::gemm`]
+//!   computes with it: `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate`, `op(a)`
+//!   `m x k` (stored `k x m` with `trans_a`), `op(b)` `k x n` (stored `n x k` with
+//!   `trans_b`), `c` row-major `m x n`; it equals the plain triple loop to float rounding for
+//!   every transpose, in `f32` and `f64`, including `k = 0` (zeros, or `c` unchanged when
+//!   accumulating) and empty `m` or `n` (nothing written).
+//! - `GEMM-2`: only the first `m * n` values of `c` are written; longer slices are fine,
+//!   shorter ones are a caller bug and panic before anything is written.
+
+use std::cell::RefCell;
+
+use num_traits::Float;
+
+use crate::backend::GemmShape;
+
+/// A float type whose matrix products go through the `gemm` crate: `f32` and `f64`.
+pub trait Gemm: Float + 'static {
+    /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate` (GEMM-1), on this thread.
+    fn gemm(shape: GemmShape, a: &[Self], b: &[Self], c: &mut [Self], accumulate: bool);
+}
+
+thread_local! {
+    /// Column-major scratch of the `a b^T` products, one per float type (grown, never shrunk:
+    /// no allocation per call).
+    static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Gemm for f32 {
+    fn gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
+        SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+    }
+}
+
+impl Gemm for f64 {
+    fn gemm(shape: GemmShape, a: &[f64], b: &[f64], c: &mut [f64], accumulate: bool) {
+        SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+    }
+}
+
+/// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one, in
+/// 32 x 32 tiles so that both sides stay in cache.
+fn transpose_into<T: Float>(t: &[T], m: usize, n: usize, c: &mut [T], accumulate: bool) {
+    const B: usize = 32;
+    for i0 in (0..m).step_by(B) {
+        for j0 in (0..n).step_by(B) {
+            for i in i0..(i0 + B).min(m) {
+                let row = &mut c[i * n + j0..i * n + (j0 + B).min(n)];
+                let col = t[j0 * m + i..].iter().step_by(m);
+                if accumulate {
+                    row.iter_mut().zip(col).for_each(|(x, &v)| *x = *x + v);
+                } else {
+                    row.iter_mut().zip(col).for_each(|(x, &v)| *x = v);
+                }
+            }
+        }
+    }
+}
+
+/// Multiply-adds from which an `a b^T` product copies `b` transposed rather than `c`.
+const COPY_B_MIN: usize = 64 * 64 * 64;
+
+/// [`Gemm::gemm`] for a float type the `gemm` crate handles, with that type's scratch.
+fn product<T: Float + 'static>(
+    shape: GemmShape,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    accumulate: bool,
+    scratch: &mut Vec<T>,
+) {
+    let GemmShape { m, n, k, trans_a, trans_b } = shape;
+    assert!(a.len() >= m * k, "gemm: a has {} values, needs {}", a.len(), m * k);
+    assert!(b.len() >= k * n, "gemm: b has {} values, needs {}", b.len(), k * n);
+    assert!(c.len() >= m * n, "gemm: c has {} values, needs {}", c.len(), m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(T::zero());
+        }
+        return;
+    }
+    let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
+    // `op(a) rhs` into `dst` (m * n values), row-major or column-major, where `rhs` is `op(b)`
+    // with row and column strides `rhs_rs`, `rhs_cs`.
+    let multiply = |dst: &mut [T], col_major: bool, read_dst: bool, rhs: &[T], rhs_rs, rhs_cs| {
+        assert!(dst.len() >= m * n, "gemm: destination has {} values", dst.len());
+        assert!(rhs.len() >= k * n, "gemm: b has {} values, needs {}", rhs.len(), k * n);
+        let (dst_rs, dst_cs) = if col_major { (1, m as isize) } else { (n as isize, 1) };
+        // SAFETY: the asserts guarantee that every index the strides reach (row < m, col < n,
+        // inner < k) lies inside the slices; `dst` is borrowed mutably and does not alias `a`
+        // or `rhs`. `T` is f32 or f64 (the `Gemm` impls), which `gemm` supports.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                dst_cs,
+                dst_rs,
+                read_dst,
+                a.as_ptr(),
+                a_cs,
+                a_rs,
+                rhs.as_ptr(),
+                rhs_cs,
+                rhs_rs,
+                T::one(),
+                T::one(),
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    if trans_b && !trans_a {
+        // `a b^T` (a linear forward, attention's scores) into a row-major `c` is the slow
+        // case of `gemm` (`examples/gemm_shapes.rs`: about 60% of the rate of `a b`). For a
+        // large product with `k <= m` (a linear forward over many rows), `b` is copied
+        // transposed (`k x n` values, fewer than `c`'s), which makes it `a b`. Otherwise
+        // the product goes into a column-major scratch that is then transposed into `c`, as
+        // `Cpu::gemm` does: on small products the two cost the same, and this one stays the
+        // closer to the `f64` result on the small test models (NN-2).
+        let copy_b = k <= m && m * n * k >= COPY_B_MIN;
+        let want = if copy_b { k * n } else { m * n };
+        if scratch.len() < want {
+            scratch.resize(want, T::zero());
+        }
+        let t = &mut scratch[..want];
+        if copy_b {
+            transpose_into(b, k, n, t, false);
+            multiply(c, false, accumulate, t, n as isize, 1);
+        } else {
+            multiply(t, true, false, b, 1, k as isize);
+            transpose_into(t, m, n, &mut c[..m * n], accumulate);
+        }
+    } else {
+        let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
+        multiply(c, false, accumulate, b, b_rs, b_cs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::gradcheck::{randn, to_f32};
+
+    /// The plain triple loop, summed in `f64`.
+    fn naive<T: Float>(shape: GemmShape, a: &[T], b: &[T], c: &mut [T], accumulate: bool) {
+        let GemmShape { m, n, k, trans_a, trans_b } = shape;
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    let av = if trans_a { a[p * m + i] } else { a[i * k + p] };
+                    let bv = if trans_b { b[j * k + p] } else { b[p * n + j] };
+                    s += av.to_f64().unwrap() * bv.to_f64().unwrap();
+                }
+                let s = T::from(s).unwrap();
+                let cij = &mut c[i * n + j];
+                *cij = if accumulate { *cij + s } else { s };
+            }
+        }
+    }
+
+    fn check<T: Gemm + std::fmt::Debug>(conv: impl Fn(Vec<f64>) -> Vec<T>, tol: f64) {
+        let mut seed = 1;
+        for (m, n, k) in [
+            (1, 1, 1),
+            (3, 5, 7),
+            (17, 9, 33),
+            (64, 40, 1),
+            (70, 45, 20),
+            (130, 40, 64),
+            (0, 3, 2),
+            (2, 3, 0),
+        ] {
+            for (trans_a, trans_b) in [(false, false), (false, true), (true, false), (true, true)] {
+                let shape = GemmShape { m, n, k, trans_a, trans_b };
+                seed += 3;
+                let (a, b) = (conv(randn(m * k, seed)), conv(randn(k * n, seed + 1)));
+                // Two values past the matrix, which GEMM-2 leaves alone.
+                let c0 = conv(randn(m * n + 2, seed + 2));
+                for accumulate in [false, true] {
+                    let mut want = c0.clone();
+                    naive(shape, &a, &b, &mut want, accumulate);
+                    let mut got = c0.clone();
+                    T::gemm(shape, &a, &b, &mut got, accumulate);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let (g, w) = (g.to_f64().unwrap(), w.to_f64().unwrap());
+                        assert!(
+                            (g - w).abs() <= tol * (1.0 + w.abs()),
+                            "{shape:?} accumulate {accumulate}: c[{i}] {g} vs {w}"
+                        );
+                    }
+                    assert_eq!(got[m * n..], c0[m * n..], "{shape:?}: past the matrix");
+                }
+            }
+        }
+    }
+
+    /// GEMM-1, GEMM-2: f64 to 1e-13, f32 to its rounding, against the triple loop.
+    #[test]
+    fn matches_the_triple_loop_gemm_1_2() {
+        check::<f64>(|v| v, 1e-13);
+        check::<f32>(|v| to_f32(&v), 1e-5);
+    }
+
+    /// GEMM-2: a destination shorter than `m * n` panics.
+    #[test]
+    #[should_panic(expected = "gemm: c has")]
+    fn short_destination_panics_gemm_2() {
+        let shape = GemmShape { m: 2, n: 2, k: 1, trans_a: false, trans_b: false };
+        f64::gemm(shape, &[1.0, 2.0], &[3.0, 4.0], &mut [0.0; 3], false);
+    }
+}
