@@ -157,6 +157,7 @@ impl RankActor {
         if m.stop {
             self.engine.request_stop();
         }
+        let y = shardline_models::Tensor::from_u32(vec![y.len()], y)?;
         self.engine.train_step(x, &y, *global)
     }
 

@@ -12,7 +12,7 @@ use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use serde::{Deserialize, Serialize};
-use shardline_models::{convert_sync_batchnorm, zoo, Dataset, Model, WrapPolicy};
+use shardline_models::{convert_sync_batchnorm, zoo, Dataset, Model, Network, WrapPolicy};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -339,7 +339,7 @@ fn optimizer_of(cfg: &TrainConfig) -> Optimizer {
 
 /// Per-stage per-rank memory estimate: model state plus gathered units (stage 3) or the full
 /// unsharded working copy.
-pub fn stage_estimates(model: &Model, cfg: &TrainConfig) -> Result<Vec<(Stage, u64)>> {
+pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(Stage, u64)>> {
     let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
     let opt = optimizer_of(cfg);
     let unit = layout.max_unit_padded_numel() as u64 * 4;
@@ -360,7 +360,7 @@ pub fn stage_estimates(model: &Model, cfg: &TrainConfig) -> Result<Vec<(Stage, u
 }
 
 /// Resolves `--stage auto`; returns the stage and the explanation lines.
-pub fn choose_stage(model: &Model, cfg: &TrainConfig) -> Result<(Stage, Vec<String>)> {
+pub fn choose_stage(model: &dyn Network, cfg: &TrainConfig) -> Result<(Stage, Vec<String>)> {
     match cfg.stage {
         StageChoice::Fixed(s) => Ok((s, vec![])),
         StageChoice::Auto => {
@@ -463,7 +463,7 @@ pub struct JobPlan {
     /// Test split.
     pub test: Dataset,
     /// The model (SyncBatchNorm already converted when on).
-    pub model: Arc<Model>,
+    pub model: Arc<dyn Network>,
     /// The stage used.
     pub stage: Stage,
     /// Lines explaining `--stage auto`.
@@ -508,7 +508,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     } else if cfg.world > 1 && model.has_local_batchnorm() {
         tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
     }
-    let model = Arc::new(model);
+    let model: Arc<dyn Network> = Arc::new(model);
     if train.is_empty() {
         return Err(RuntimeError::config(format!(
             "the training set of '{}' is empty (--samples {}): nothing to train on",
@@ -559,11 +559,12 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
 
 /// Prints the job's header lines (what `shardline train` shows before the first step).
 pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
+    let spec = p.model.spec();
     println!(
         "shardline train: {} ({} params, {} units) on {} ({} train / {} test), world {}, stage {}, global batch {}, {} steps",
-        p.model.name,
-        p.model.num_params(),
-        p.model.num_units(),
+        spec.name,
+        spec.numel(),
+        spec.units.len(),
         cfg.dataset,
         p.train.len(),
         p.test.len(),
@@ -604,7 +605,7 @@ pub fn checkpoint_meta(
     stage: Stage,
     hash: &str,
     optimizer: Optimizer,
-    model: &Model,
+    model: &dyn Network,
     position: DataLoaderState,
 ) -> CheckpointMeta {
     CheckpointMeta {

@@ -30,7 +30,7 @@ use crate::telemetry::Trace;
 use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
 use actix::prelude::*;
 use shardline_collectives::Communicator;
-use shardline_models::{DistributedSampler, Model};
+use shardline_models::{DistributedSampler, Network};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -43,7 +43,7 @@ pub struct Job {
     /// Outputs and run length.
     pub opts: RunOptions,
     /// The model (SyncBatchNorm converted when on).
-    pub model: Arc<Model>,
+    pub model: Arc<dyn Network>,
     /// The stage used.
     pub stage: Stage,
     /// The optimizer.
@@ -97,7 +97,7 @@ impl Job {
             self.stage,
             &self.hash,
             self.optimizer,
-            &self.model,
+            &*self.model,
             position,
         )
     }

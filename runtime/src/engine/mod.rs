@@ -66,8 +66,7 @@ use prefetch::{GatherPlan, Gathered, LaneGathers, PendingGather};
 use reduction::{ReduceIo, Reductions, StepIo};
 use shard_state::ShardState;
 use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
-use shardline_models::{softmax_cross_entropy, Backend, Dataset, DistributedSampler, Model};
-use shardline_models::{StatsReducer, Tensor};
+use shardline_models::{Backend, Dataset, DistributedSampler, Network, StatsReducer, Tensor};
 use stage::StageRules;
 use stats::StatsLane;
 
@@ -171,7 +170,12 @@ pub(crate) struct StepState {
 pub struct RankEngine {
     rank: usize,
     world: usize,
-    model: Arc<Model>,
+    model: Arc<dyn Network>,
+    /// The unit of each call of a forward pass (a tied root's unit twice).
+    calls: Vec<usize>,
+    /// Per unit, its full gradient between two backward calls (NET-1): the unit's reduction
+    /// goes out after its last one.
+    partial_grads: Vec<Option<(Option<crate::memory::Allocation>, Vec<f32>)>>,
     layout: ShardedModelLayout,
     cfg: EngineConfig,
     /// The stage's rules.
@@ -204,7 +208,7 @@ impl RankEngine {
     /// sharded as the stage says, and opens the lanes (collective: every rank calls it).
     pub fn new(
         comm: Communicator,
-        model: Arc<Model>,
+        model: Arc<dyn Network>,
         cfg: EngineConfig,
         mem: MemoryTracker,
         trace: Trace,
@@ -217,8 +221,15 @@ impl RankEngine {
         let reduce = comm.lane(REDUCE_LANE)?;
         let stats = Arc::new(StatsLane::open(&comm, trace.clone())?);
         let n = layout.units().len();
-        let labels: Vec<String> = (0..n).map(|u| model.unit_name(u)).collect();
-        let state = ShardState::init(&model, &layout, &cfg, rank, &mem, &labels)?;
+        let labels: Vec<String> = spec.units.iter().map(|u| u.name.clone()).collect();
+        let calls = model.calls();
+        if calls.iter().any(|&u| u >= n) || (0..n).any(|u| !calls.contains(&u)) {
+            return Err(RuntimeError::config(format!(
+                "model {}: its calls {calls:?} must use each of its {n} units",
+                spec.name
+            )));
+        }
+        let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
         let backend = open_backend(cfg.device, cfg.threads)?;
@@ -226,6 +237,8 @@ impl RankEngine {
             rank,
             world,
             model,
+            calls,
+            partial_grads: (0..n).map(|_| None).collect(),
             layout,
             rules: StageRules::of(cfg.stage),
             cfg,
@@ -314,9 +327,10 @@ impl RankEngine {
 
     /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
     /// samples. Every rank of the group must call it with its own slice (possibly empty).
-    pub fn train_step(&mut self, x: Tensor, y: &[u32], global_batch: usize) -> Result<StepStats> {
+    pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
         let t_step = Instant::now();
         let n = self.layout.units().len();
+        let nc = self.calls.len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
         let early = self.cfg.clip_grad_norm.is_none();
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
@@ -331,28 +345,37 @@ impl RankEngine {
         let stats = Arc::clone(&self.stats);
         stats.begin_step();
         let reducer = (self.world > 1).then_some(&*stats as &dyn StatsReducer);
-        let pass = PassCtx { training: true, sync_bn: self.cfg.sync_bn, reducer, global_batch };
+        let first_sample = DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
+        let pass = PassCtx {
+            training: true,
+            sync_bn: self.cfg.sync_bn,
+            reducer,
+            global_batch,
+            seed: self.cfg.seed,
+            step: self.step + 1,
+            first_sample,
+        };
 
         // ---- forward ----
-        self.plan.begin_step();
+        self.plan.begin_step(&self.calls);
         self.fault_point(Phase::Forward);
-        let (mut x, mut saved) = (x, Vec::with_capacity(n));
-        for i in 0..n {
+        let (mut x, mut saved) = (x, Vec::with_capacity(nc));
+        for i in 0..nc {
             let (y, s) = self.forward_unit(i, x, pass, &mut st)?;
             saved.push(s);
             x = y;
         }
         let t0 = Instant::now();
-        let (local_loss, mut grad) = softmax_cross_entropy(&x, y, global_batch)?;
+        let (local_loss, mut grad) = self.model.loss().forward_backward(&x, y, global_batch)?;
         st.compute += t0.elapsed();
 
         // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
         let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
-        for i in n..2 * n {
+        for i in nc..2 * nc {
             let s = saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
             grad = self.backward_unit(i, s, grad, pass, &mut st, &mut reds)?;
             reds.bound(&mut self.io(&mut st))?; // ENG-7
-            if i == n {
+            if i == nc {
                 self.fault_point(Phase::Backward);
             }
             // Reductions that already finished give their memory back now; never blocks.
@@ -454,35 +477,29 @@ impl RankEngine {
 
     /// Evaluates this rank's slice in eval mode; returns (correct, count, summed loss over the
     /// slice divided by `global_n`). Collective: every rank calls it.
-    pub fn eval(&mut self, x: Tensor, y: &[u32], global_n: usize) -> Result<(u64, u64, f32)> {
+    pub fn eval(&mut self, x: Tensor, y: &Tensor, global_n: usize) -> Result<(u64, u64, f32)> {
         let mut st = StepState::default();
         let pass = PassCtx {
             training: false,
             sync_bn: false,
             reducer: None,
             global_batch: global_n.max(1),
+            seed: self.cfg.seed,
+            step: self.step,
+            first_sample: 0,
         };
-        self.plan.begin_eval();
+        self.plan.begin_eval(&self.calls);
         let mut x = x;
-        for i in 0..self.layout.units().len() {
+        for i in 0..self.calls.len() {
             x = self.forward_unit(i, x, pass, &mut st)?.0;
         }
-        let classes = *x.shape().last().unwrap_or(&1);
-        let mut correct = 0u64;
-        for (i, &label) in y.iter().enumerate() {
-            let row = &x.as_f32()?[i * classes..(i + 1) * classes];
-            let mut best = 0;
-            for (j, v) in row.iter().enumerate() {
-                if *v > row[best] {
-                    best = j;
-                }
-            }
-            correct += u64::from(best as u32 == label);
-        }
-        let (loss, _) = softmax_cross_entropy(&x, y, global_n.max(y.len()))?;
+        let loss_fn = self.model.loss();
+        let local = y.batch() as u64;
+        let (correct, count) = loss_fn.correct(&x, y)?.unwrap_or((0, local));
+        let (loss, _) = loss_fn.forward_backward(&x, y, global_n.max(y.batch()))?;
         let sums = self
             .reduce
-            .all_reduce(vec![correct as f32, y.len() as f32, loss], ReduceOp::Sum)
+            .all_reduce(vec![correct as f32, count as f32, loss], ReduceOp::Sum)
             .wait()?;
         Ok((sums[0] as u64, sums[1] as u64, sums[2]))
     }
@@ -502,6 +519,7 @@ impl RankEngine {
         for k in 0..forwards {
             let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
             let (x, y) = test.batch(idx);
+            let y = Tensor::from_u32(vec![y.len()], y)?;
             let (c, m, l) = self.eval(x, &y, n)?;
             correct += c;
             count += m;

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use shardline_models::{Backend, Ctx, StatsReducer, Tensor, UnitBackward, UnitSaved};
+use shardline_models::{Backend, CallBackward, Ctx, StatsReducer, Tensor};
 
 use super::prefetch::Gathered;
 use super::reduction::{ReduceWork, Reductions};
@@ -32,6 +32,12 @@ pub(crate) struct PassCtx<'r> {
     pub(crate) reducer: Option<&'r dyn StatsReducer>,
     /// Samples in the global batch.
     pub(crate) global_batch: usize,
+    /// The run's seed (dropout masks).
+    pub(crate) seed: u64,
+    /// The step being computed, 1-based.
+    pub(crate) step: u64,
+    /// Global index of this rank's first sample.
+    pub(crate) first_sample: usize,
 }
 
 impl<'r> PassCtx<'r> {
@@ -46,13 +52,16 @@ impl<'r> PassCtx<'r> {
             global_batch: self.global_batch,
             backend,
             overwrite_grads,
+            seed: self.seed,
+            step: self.step,
+            first_sample: self.first_sample,
         }
     }
 }
 
 /// What a training forward leaves for the unit's backward: the saved state, and the count of
 /// its activations (ENG-3).
-pub(crate) type Saved = (UnitSaved, Option<Allocation>);
+pub(crate) type Saved = (shardline_models::module::Saved, Option<Allocation>);
 
 impl RankEngine {
     /// Stage 3: the gathered parameters of use `i` of the pass (ENG-5); the other stages use
@@ -91,14 +100,14 @@ impl RankEngine {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
         };
-        let (y, saved) = self.model.forward_unit(u, params, &mut self.state.buffers[u], x, &ctx)?;
+        let (y, saved) = self.model.forward_call(i, params, &mut self.state.buffers[u], x, &ctx)?;
         let mut act = None;
         if pass.training {
             let t1 = Instant::now();
             st.compute += t1 - t0;
             let label = &self.labels[u];
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
-            act = Some(self.mem.alloc_f32(Category::Activations, y.as_f32()?.len(), label)?);
+            act = Some(self.mem.alloc_f32(Category::Activations, y.numel(), label)?);
         }
         self.done_with(i, gathered, st);
         Ok((y, (saved, act)))
@@ -117,6 +126,11 @@ impl RankEngine {
         reds: &mut Reductions<ReduceWork>,
     ) -> Result<Tensor> {
         let u = self.plan.unit_at(i);
+        // Backward runs the forward's calls in reverse: use `i` is call `call`.
+        let call = 2 * self.calls.len() - 1 - i;
+        // NET-1: a unit called again earlier in the forward (a tied root) gets more gradient
+        // later in backward; its reduction waits for that last call.
+        let last_use = !self.calls[..call].contains(&u);
         // Backward prefetch: the previous units' gathers go out before computing.
         let gathered = self.gathered(i, st)?;
         let l = self.layout.unit(u);
@@ -124,42 +138,48 @@ impl RankEngine {
         // A full persistent gradient buffer (stages 0 and 1) is what backward writes and the
         // collective reduces in place of a second copy; otherwise the unit's full gradient
         // is transient, held only until its reduce-scatter is done (ENG-7).
-        let (galloc, mut gfull) = if self.rules.transient_grads() {
-            let what = format!("{} (unreduced)", self.labels[u]);
-            let a = self.mem.alloc_f32(Category::Grads, padded, &what)?;
-            (Some(a), self.comm.pool().take(padded))
-        } else {
-            (None, std::mem::take(&mut self.state.grads[u]))
+        let (first_use, (galloc, mut gfull)) = match self.partial_grads[u].take() {
+            Some(g) => (false, g),
+            None if self.rules.transient_grads() => {
+                let what = format!("{} (unreduced)", self.labels[u]);
+                let a = self.mem.alloc_f32(Category::Grads, padded, &what)?;
+                (true, (Some(a), self.comm.pool().take(padded)))
+            }
+            None => (true, (None, std::mem::take(&mut self.state.grads[u]))),
         };
-        // Backward writes the gradients (no zeroing pass over the buffer first); only the
-        // padding, which no layer writes, is cleared.
-        gfull[numel..].fill(0.0);
+        // The unit's first backward call writes the gradients (no zeroing pass over the
+        // buffer first); only the padding, which no layer writes, is cleared.
+        if first_use {
+            gfull[numel..].fill(0.0);
+        }
         let t0 = Instant::now();
-        let ctx = pass.ctx(&*self.backend, true);
+        let ctx = pass.ctx(&*self.backend, first_use);
         let params: &[f32] = match &gathered {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
         };
-        // ENG-9: the first unit's input gradient (of the data) is never computed; where a
+        // ENG-9: the first call's input gradient (of the data) is never computed; where a
         // unit starts with a linear layer its input gradient is computed after the unit's
         // gradients have gone to their reduction, which it then overlaps.
-        let call = UnitBackward {
-            unit: u,
+        let b = CallBackward {
             params,
-            saved: &saved,
+            saved,
             grad_output: grad,
             grads_out: &mut gfull[..numel],
-            input_grad: u > 0,
+            input_grad: call > 0,
         };
-        let input_grad = self.model.backward_unit_split(call, &ctx)?;
-        drop(saved);
+        let input_grad = self.model.backward_call(call, b, &ctx)?;
         drop(act);
         let t1 = Instant::now();
         st.compute += t1 - t0;
         let label = &self.labels[u];
         self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
-        // Reduce as soon as the unit's gradients exist; do not wait (overlap).
-        self.issue_reduction(reds, u, gfull, galloc);
+        if last_use {
+            // Reduce as soon as the unit's gradients exist; do not wait (overlap).
+            self.issue_reduction(reds, u, gfull, galloc);
+        } else {
+            self.partial_grads[u] = Some((galloc, gfull));
+        }
         let deferred = input_grad.is_deferred();
         let t0 = Instant::now();
         let grad = input_grad.finish(&*self.backend, params)?.unwrap_or_default();

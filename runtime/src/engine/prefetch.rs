@@ -79,16 +79,17 @@ impl<Q, H> GatherPlan<Q, H> {
         }
     }
 
-    /// Starts a training step's pass: forward 0..n, then backward n-1..0. A gather carried
-    /// over from the previous step (ENG-6) stays queued; nothing is held across passes.
-    pub(crate) fn begin_step(&mut self) {
-        let n = self.sizes.len();
-        self.begin((0..n).chain((0..n).rev()));
+    /// Starts a training step's pass: forward through `calls` (the unit of each call, a
+    /// unit possibly used more than once: a tied root), then backward through them in
+    /// reverse. A gather carried over from the previous step (ENG-6) stays queued; nothing
+    /// is held across passes.
+    pub(crate) fn begin_step(&mut self, calls: &[usize]) {
+        self.begin(calls.iter().chain(calls.iter().rev()).copied());
     }
 
-    /// Starts an evaluation pass: forward 0..n.
-    pub(crate) fn begin_eval(&mut self) {
-        self.begin(0..self.sizes.len());
+    /// Starts an evaluation pass: forward through `calls`.
+    pub(crate) fn begin_eval(&mut self, calls: &[usize]) {
+        self.begin(calls.iter().copied());
     }
 
     fn begin(&mut self, uses: impl Iterator<Item = usize>) {
@@ -345,7 +346,7 @@ mod tests {
         let mut plan: GatherPlan<usize, usize> = GatherPlan::new(sizes.to_vec(), budget, depth);
         let mut io = Log::default();
         let (mut peak, mut others) = (0, 0);
-        plan.begin_step();
+        plan.begin_step(&(0..sizes.len()).collect::<Vec<_>>());
         for i in 0..2 * sizes.len() {
             let g = plan.acquire(i, &mut io).unwrap();
             assert_eq!(g, plan.unit_at(i));
@@ -412,7 +413,7 @@ mod tests {
         let mut plan: GatherPlan<usize, usize> = GatherPlan::new(vec![2, 2], 4, 1);
         let mut io = Log::default();
         plan.carry(0, 0);
-        plan.begin_eval();
+        plan.begin_eval(&[0, 1]);
         assert_eq!(plan.acquire(0, &mut io), Ok(0));
         assert_eq!(io.events, vec!["issue 1", "wait 0"], "unit 0's gather was already out");
         plan.carry(0, 0);

@@ -10,7 +10,7 @@ use crate::checkpoint::{RankShard, UnitShard};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::ShardedModelLayout;
-use shardline_models::Model;
+use shardline_models::Network;
 
 /// What a rank keeps of every unit between steps.
 pub(crate) struct ShardState {
@@ -31,7 +31,7 @@ impl ShardState {
     /// stage's rules say, zero gradients and optimizer state, initial buffers; every buffer
     /// registered with `mem` under its unit's label (ENG-3).
     pub(crate) fn init(
-        model: &Model,
+        model: &dyn Network,
         layout: &ShardedModelLayout,
         cfg: &EngineConfig,
         rank: usize,

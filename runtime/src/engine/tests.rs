@@ -3,7 +3,12 @@
 
 use super::*;
 use crate::memory::Category;
-use shardline_models::ConvNetBn;
+use shardline_models::{ConvNetBn, Network};
+
+/// Class labels as the engine takes them.
+fn lab(y: &[u32]) -> Tensor {
+    Tensor::from_u32(vec![y.len()], y.to_vec()).unwrap()
+}
 
 /// Gathers per step on each rank (from the trace, before the final evaluation) and the
 /// peak gathered-unit bytes, for a 4-unit mlp-bn (blocks of 64x64, head 64x10).
@@ -132,7 +137,7 @@ fn eval_in_batches_matches_one_forward() {
     let test = Dataset::synthetic(101, 8, 3, 5).unwrap();
     let mut m = shardline_models::zoo::MlpBn::digits();
     (m.input_dim, m.hidden, m.depth, m.classes) = (8, 16, 2, 3);
-    let model = Arc::new(m.build());
+    let model: Arc<dyn Network> = Arc::new(m.build());
     let comms = shardline_collectives::local_group(3).unwrap();
     let results: Vec<Vec<(u64, u64, f32)>> = std::thread::scope(|sc| {
         let hs: Vec<_> = comms
@@ -166,21 +171,21 @@ fn the_next_passs_first_gather_leaves_with_the_optimizer() {
     let comm = shardline_collectives::local_group(1).unwrap().pop().unwrap();
     let mut m = shardline_models::zoo::MlpBn::digits();
     (m.input_dim, m.hidden, m.depth, m.classes) = (8, 8, 2, 3);
-    let model = Arc::new(m.build());
+    let model: Arc<dyn Network> = Arc::new(m.build());
     for prefetch in [0, 1, 2] {
         let cfg = stage3_sgd(prefetch, 1);
         let mem = MemoryTracker::new(0, None);
         let mut e =
             RankEngine::new(comm.clone(), Arc::clone(&model), cfg, mem, Trace::disabled()).unwrap();
         let x = Tensor::new(vec![4, 8], (0..32).map(|i| i as f32 / 32.0).collect()).unwrap();
-        e.train_step(x, &[0, 1, 2, 0], 4).unwrap();
+        e.train_step(x, &lab(&[0, 1, 2, 0]), 4).unwrap();
         let expect = (prefetch > 0).then_some(0);
         assert_eq!(e.plan.queued_units(), Vec::from_iter(expect), "prefetch {prefetch}");
         let (state, bufs) = (e.shard_state(), e.buffers().to_vec());
         e.load_state(&state, &bufs, 1).unwrap();
         assert!(e.plan.queued_units().is_empty());
         let x = Tensor::new(vec![4, 8], vec![0.25; 32]).unwrap();
-        let (_, n, _) = e.eval(x, &[0, 1, 2, 0], 4).unwrap();
+        let (_, n, _) = e.eval(x, &lab(&[0, 1, 2, 0]), 4).unwrap();
         assert_eq!(n, 4);
     }
 }
@@ -189,7 +194,7 @@ fn the_next_passs_first_gather_leaves_with_the_optimizer() {
 /// `cfg` and `trace` over `model`; returns the results in rank order.
 fn on_ranks<T: Send>(
     world: usize,
-    model: &Arc<Model>,
+    model: &Arc<dyn Network>,
     cfg: &EngineConfig,
     trace: &Trace,
     f: impl Fn(usize, &mut RankEngine) -> T + Sync,
@@ -213,7 +218,7 @@ fn on_ranks<T: Send>(
 }
 
 /// A small mlp-bn (8 inputs, blocks of 16, 3 classes).
-fn small_mlp(depth: usize) -> Arc<Model> {
+fn small_mlp(depth: usize) -> Arc<dyn Network> {
     let mut m = shardline_models::zoo::MlpBn::digits();
     (m.input_dim, m.hidden, m.depth, m.classes) = (8, 16, depth, 3);
     Arc::new(m.build())
@@ -243,7 +248,7 @@ fn eng2_loss_and_norm_are_the_global_batchs_on_every_rank() {
     let step = |world: usize, cfg: &EngineConfig| {
         on_ranks(world, &model, cfg, &Trace::disabled(), |r, e| {
             let (x, y) = slice(world, r);
-            let s = e.train_step(x, &y, 12).unwrap();
+            let s = e.train_step(x, &lab(&y), 12).unwrap();
             (s.loss, s.grad_norm)
         })
     };
@@ -283,7 +288,7 @@ fn eng3_every_buffer_is_counted_and_eng7_bounds_the_unreduced_gradients() {
         let budget = cfg.reduce_budget_bytes;
         on_ranks(2, &model, &cfg, &Trace::disabled(), |r, e| {
             let (x, y) = slice(2, r);
-            e.train_step(x, &y, 12).unwrap();
+            e.train_step(x, &lab(&y), 12).unwrap();
             let m = e.memory();
             let (pcat, other) = match rules.params {
                 stage::Holding::Full => (Category::FullParams, Category::ShardParams),
@@ -315,7 +320,7 @@ fn eng4_comm_time_is_the_union_of_every_collectives_span_stats_included() {
     let trace = Trace::new();
     let out = on_ranks(2, &model, &cfg, &trace, |r, e| {
         let (x, y) = slice(2, r);
-        e.train_step(x, &y, 12).unwrap()
+        e.train_step(x, &lab(&y), 12).unwrap()
     });
     let evs = trace.events();
     for (r, s) in out.iter().enumerate() {
@@ -354,7 +359,7 @@ fn a_failed_statistics_reduction_reaches_the_caller_typed() {
     let errs = on_ranks(2, &model, &cfg, &Trace::disabled(), |r, e| {
         e.communicator().abort("test: the group is going down");
         let (x, y) = slice(2, r);
-        e.train_step(x, &y, 12).unwrap_err()
+        e.train_step(x, &lab(&y), 12).unwrap_err()
     });
     for (r, e) in errs.into_iter().enumerate() {
         match e {
@@ -373,7 +378,7 @@ fn a_failed_statistics_reduction_reaches_the_caller_typed() {
 #[test]
 fn eng1_prefetch_is_bitwise_invisible_on_a_residual_model() {
     let model =
-        Arc::new(ConvNetBn { input: [1, 6, 6], widths: vec![3, 4], classes: 3 }.build().unwrap());
+        Arc::new(ConvNetBn { input: [1, 6, 6], widths: vec![3, 4], classes: 3 }.build().unwrap()) as Arc<dyn Network>;
     let run = |prefetch: usize| {
         let mut cfg = stage3_sgd(prefetch, 9);
         cfg.sync_bn = true;
@@ -382,7 +387,7 @@ fn eng1_prefetch_is_bitwise_invisible_on_a_residual_model() {
             let x: Vec<f32> = (0..n * 36).map(|i| ((i * 13 + r) % 17) as f32 / 8.0 - 1.0).collect();
             let y: Vec<u32> = (0..n as u32).map(|i| i % 3).collect();
             for _ in 0..2 {
-                e.train_step(Tensor::new(vec![n, 1, 6, 6], x.clone()).unwrap(), &y, 7).unwrap();
+                e.train_step(Tensor::new(vec![n, 1, 6, 6], x.clone()).unwrap(), &lab(&y), 7).unwrap();
             }
             e.full_params().unwrap()
         })
