@@ -25,14 +25,35 @@ pub struct Dataset {
     pub y: Vec<u32>,
     /// Shape of one sample (`[64]`, `[1, 8, 8]`).
     pub sample_shape: Vec<usize>,
-    /// Number of classes.
+    /// Number of classes (the vocabulary of a token data set).
     pub classes: usize,
+    /// Feature vectors with one label each, or token windows with one target per token.
+    pub kind: SampleKind,
+}
+
+/// What a sample of a [`Dataset`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SampleKind {
+    /// `f32` features of `sample_shape`, one class label.
+    #[default]
+    Features,
+    /// `sample_shape = [block]` token ids (held as exact `f32`, given out as `u32`) and
+    /// `block` next-token targets (DATA-4).
+    Tokens,
 }
 
 impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.y.len()
+        self.y.len() / self.targets_per_sample().max(1)
+    }
+
+    /// Targets per sample: 1 label, or one per token.
+    pub fn targets_per_sample(&self) -> usize {
+        match self.kind {
+            SampleKind::Features => 1,
+            SampleKind::Tokens => self.sample_numel(),
+        }
     }
 
     /// Whether there are no samples.
@@ -84,7 +105,7 @@ impl Dataset {
             y.push(label);
         }
         let classes = y.iter().max().map(|&m| m as usize + 1).unwrap_or(0);
-        Ok(Dataset { x, y, sample_shape, classes })
+        Ok(Dataset { x, y, sample_shape, classes, kind: SampleKind::Features })
     }
 
     /// The digits set (1,797 8x8 images, pixels / 16 in [0, 1], 10 classes); `image`
@@ -138,31 +159,86 @@ impl Dataset {
             }
             y.push(best.0 as u32);
         }
-        Ok(Dataset { x, y, sample_shape: vec![input_dim], classes })
+        Ok(Dataset { x, y, sample_shape: vec![input_dim], classes, kind: SampleKind::Features })
     }
 
     /// The samples at `idx`, as a batch tensor `[len, ...sample_shape]` and labels.
     pub fn batch(&self, idx: &[usize]) -> (Tensor, Vec<u32>) {
-        let k = self.sample_numel();
+        let (k, t) = (self.sample_numel(), self.targets_per_sample());
         let mut x = Vec::with_capacity(idx.len() * k);
+        let mut y = Vec::with_capacity(idx.len() * t);
         for &i in idx {
             x.extend_from_slice(&self.x[i * k..(i + 1) * k]);
+            y.extend_from_slice(&self.y[i * t..(i + 1) * t]);
         }
         let mut shape = vec![idx.len()];
         shape.extend_from_slice(&self.sample_shape);
-        (
-            Tensor::new(shape, x).expect("batch: sample shape times count"),
-            idx.iter().map(|&i| self.y[i]).collect(),
-        )
+        let x = match self.kind {
+            SampleKind::Features => Tensor::new(shape, x),
+            SampleKind::Tokens => Tensor::from_u32(shape, x.iter().map(|&v| v as u32).collect()),
+        };
+        (x.expect("batch: sample shape times count"), y)
+    }
+
+    /// [`Dataset::batch`] with the targets as a tensor: labels `[n]`, or next tokens
+    /// `[n, block]`.
+    pub fn batch_tensors(&self, idx: &[usize]) -> (Tensor, Tensor) {
+        let (x, y) = self.batch(idx);
+        let shape = match self.kind {
+            SampleKind::Features => vec![idx.len()],
+            SampleKind::Tokens => vec![idx.len(), self.targets_per_sample()],
+        };
+        (x, Tensor::from_u32(shape, y).expect("targets per sample times count"))
+    }
+
+    /// `windows` windows of `block + 1` tokens of a corpus split as a token data set
+    /// (DATA-4): training windows at seeded random positions (TEXT-2, step 0), validation
+    /// windows side by side from the split's start (every held-out token scored once).
+    pub fn from_text(
+        corpus: &crate::text::TextCorpus,
+        split: crate::text::Split,
+        block: usize,
+        windows: usize,
+        seed: u64,
+    ) -> Result<Dataset, ModelError> {
+        let (inputs, targets) = match split {
+            crate::text::Split::Train => corpus.batch(split, block, seed, 0, 0..windows)?,
+            crate::text::Split::Validation => {
+                corpus.check_block(block)?;
+                let tokens = corpus.split(split);
+                let n = windows.min((tokens.len() - 1) / block);
+                let (mut i, mut t) = (Vec::new(), Vec::new());
+                for w in 0..n {
+                    let s = &tokens[w * block..w * block + block + 1];
+                    i.extend(s[..block].iter().map(|&v| u32::from(v)));
+                    t.extend(s[1..].iter().map(|&v| u32::from(v)));
+                }
+                (i, t)
+            }
+        };
+        Ok(Dataset {
+            x: inputs.iter().map(|&v| v as f32).collect(),
+            y: targets,
+            sample_shape: vec![block],
+            classes: corpus.vocab,
+            kind: SampleKind::Tokens,
+        })
     }
 
     fn subset(&self, idx: &[usize]) -> Dataset {
         let (x, y) = self.batch(idx);
+        let x = match self.kind {
+            SampleKind::Features => x.into_f32().expect("an f32 batch"),
+            SampleKind::Tokens => {
+                x.as_u32().expect("a token batch").iter().map(|&v| v as f32).collect()
+            }
+        };
         Dataset {
-            x: x.into_f32().expect("an f32 batch"),
+            x,
             y,
             sample_shape: self.sample_shape.clone(),
             classes: self.classes,
+            kind: self.kind,
         }
     }
 

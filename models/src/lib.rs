@@ -53,7 +53,7 @@ pub mod zoo;
 pub use backend::{gemm_gflops, Backend, Cpu, GemmShape};
 pub use batchnorm::{BatchNorm, BnKind, StatsReducer};
 pub use conv::Conv2d;
-pub use data::{Dataset, DistributedSampler, RankBatches};
+pub use data::{Dataset, DistributedSampler, RankBatches, SampleKind};
 pub use error::{ModelError, StatsError, StatsFailure, StatsOp};
 pub use layers::{Linear, MaxPool2d};
 pub use loss::softmax_cross_entropy;

@@ -153,11 +153,10 @@ impl RankActor {
             self.batches.get(&self.data.sampler, m.epoch, rank, m.index).ok_or_else(|| {
                 RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
             })?;
-        let (x, y) = self.data.train.batch(idx);
+        let (x, y) = self.data.train.batch_tensors(idx);
         if m.stop {
             self.engine.request_stop();
         }
-        let y = shardline_models::Tensor::from_u32(vec![y.len()], y)?;
         self.engine.train_step(x, &y, *global)
     }
 

@@ -12,6 +12,8 @@ use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use serde::{Deserialize, Serialize};
+use shardline_models::nn::GptConfig;
+use shardline_models::text::{Split, TextCorpus};
 use shardline_models::{convert_sync_batchnorm, zoo, Dataset, Model, Network, WrapPolicy};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -98,6 +100,18 @@ pub struct TrainConfig {
     pub params: usize,
     /// Group blocks into units of at least this many parameters (0: one unit per block).
     pub wrap_params: usize,
+    /// `gpt`: transformer blocks (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_layer: Option<usize>,
+    /// `gpt`: attention heads (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_head: Option<usize>,
+    /// `gpt`: embedding width (default 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_embd: Option<usize>,
+    /// `gpt`: context length in tokens (default 64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
     /// Compute threads per rank.
     pub threads: usize,
     /// Where the kernels run (`--device`).
@@ -175,6 +189,10 @@ impl Default for TrainConfig {
             samples: 8192,
             params: 50_000_000,
             wrap_params: 0,
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
             threads: 1,
             device: crate::engine::Device::Cpu,
             timeout_s: 60,
@@ -190,8 +208,11 @@ pub struct Summary {
     pub steps: u64,
     /// Total steps completed (including resumed ones).
     pub total_steps: u64,
-    /// Test accuracy after training.
+    /// Test accuracy after training (for `gpt`: next tokens predicted, over the held-out
+    /// tokens).
     pub test_accuracy: f64,
+    /// Mean loss over the test set after training (for `gpt`: nats per held-out token).
+    pub test_loss: f32,
     /// Final loss (mean over the last global batch).
     pub final_loss: f32,
     /// Steps per second (wall).
@@ -265,8 +286,77 @@ pub fn build_model(cfg: &TrainConfig, input_shape: &[usize], classes: usize) -> 
     Ok(if cfg.wrap_params > 0 { model.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { model })
 }
 
+/// `gpt`'s defaults: nanoGPT's CPU example (4 layers, 4 heads, width 128, context 64).
+pub const GPT_DEFAULTS: (usize, usize, usize, usize) = (4, 4, 128, 64);
+
+/// The `gpt` configuration of `cfg` for a vocabulary of `vocab`, checked (GPT-6); errors
+/// name the flag.
+pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
+    let (l, h, e, b) = GPT_DEFAULTS;
+    let g = GptConfig {
+        vocab_size: vocab,
+        block_size: cfg.block_size.unwrap_or(b),
+        n_layer: cfg.n_layer.unwrap_or(l),
+        n_head: cfg.n_head.unwrap_or(h),
+        n_embd: cfg.n_embd.unwrap_or(e),
+        bias: true,
+        layernorm_eps: 1e-5,
+    };
+    for (flag, v) in [
+        ("--n-layer", g.n_layer),
+        ("--n-head", g.n_head),
+        ("--n-embd", g.n_embd),
+        ("--block-size", g.block_size),
+    ] {
+        if v == 0 {
+            return Err(RuntimeError::config(format!("{flag} must be at least 1")));
+        }
+    }
+    if g.n_embd % g.n_head != 0 {
+        return Err(RuntimeError::config(format!(
+            "--n-embd {} is not divisible by --n-head {}",
+            g.n_embd, g.n_head
+        )));
+    }
+    g.validate().map_err(|e| RuntimeError::config(format!("gpt: {e}")))?;
+    Ok(g)
+}
+
+/// The text corpus of `--dataset text[:PATH]` (the bundled one without a path); errors
+/// name the path.
+pub fn load_corpus(dataset: &str) -> Result<TextCorpus> {
+    match dataset.strip_prefix("text:") {
+        Some(path) => TextCorpus::open(std::path::Path::new(path))
+            .map_err(|e| RuntimeError::config(format!("--dataset {dataset}: {e}"))),
+        None => Ok(TextCorpus::bundled()),
+    }
+}
+
 /// Loads the data set named in the config: (train, test).
 pub fn load_data(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
+    if cfg.dataset == "text" || cfg.dataset.starts_with("text:") {
+        let corpus = load_corpus(&cfg.dataset)?;
+        let block = cfg.block_size.unwrap_or(GPT_DEFAULTS.3);
+        corpus.check_block(block).map_err(|e| {
+            RuntimeError::config(format!(
+                "--dataset {} with --block-size {block}: {e}",
+                cfg.dataset
+            ))
+        })?;
+        // An epoch draws about one window per `block` training tokens (each token seen about
+        // once per epoch), at least one global batch.
+        let n = (corpus.split(Split::Train).len() / block).max(cfg.batch_size);
+        let data = |split, n| {
+            Dataset::from_text(&corpus, split, block, n, cfg.seed).map_err(RuntimeError::from_model)
+        };
+        let train = data(Split::Train, n)?;
+        let test = if corpus.has_validation() {
+            data(Split::Validation, usize::MAX)?
+        } else {
+            data(Split::Train, 0)?
+        };
+        return Ok((train, test));
+    }
     match cfg.dataset.as_str() {
         "digits" => {
             let d = Dataset::digits(image).map_err(RuntimeError::from_model)?;
@@ -279,7 +369,7 @@ pub fn load_data(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
             Ok(d.split(0.2, 1234))
         }
         other => Err(RuntimeError::config(format!(
-            "unknown dataset '{other}' (choose digits or synthetic)"
+            "unknown dataset '{other}' (choose digits, synthetic, text or text:PATH)"
         ))),
     }
 }
@@ -482,15 +572,49 @@ pub struct JobPlan {
     pub hash: String,
 }
 
+/// Whether the job is a language model on text: `--model gpt` with `--dataset text[:PATH]`
+/// (either without the other is an error naming both flags).
+fn train_on_text(cfg: &TrainConfig) -> Result<bool> {
+    let text = cfg.dataset == "text" || cfg.dataset.starts_with("text:");
+    match (cfg.model == "gpt", text) {
+        (true, true) => Ok(true),
+        (false, false) => Ok(false),
+        (true, false) => Err(RuntimeError::config(format!(
+            "--model gpt trains on text: use --dataset text (the bundled corpus) or text:PATH, not '{}'",
+            cfg.dataset
+        ))),
+        (false, true) => Err(RuntimeError::config(format!(
+            "--dataset {} holds tokens: use --model gpt (not '{}')",
+            cfg.dataset, cfg.model
+        ))),
+    }
+}
+
 /// Validates `cfg` and derives the job's plan (data, model, stage, schedule).
 pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     validate(cfg)?;
     let image = cfg.model == "convnet-bn";
+    let text = train_on_text(cfg)?;
     let (train, test) = load_data(cfg, image)?;
-    let mut model = build_model(cfg, &train.sample_shape, train.classes)?;
-    let (stage, stage_lines) = choose_stage(&model, cfg)?;
+    let mut model =
+        if text { None } else { Some(build_model(cfg, &train.sample_shape, train.classes)?) };
+    let network: Arc<dyn Network> = match &model {
+        Some(m) => Arc::new(m.clone()),
+        None => {
+            let g = gpt_config(cfg, train.classes)?;
+            let net = shardline_models::module::gpt::gpt(&g)
+                .map_err(|e| RuntimeError::config(format!("gpt: {e}")))?;
+            Arc::new(if cfg.wrap_params > 0 {
+                net.wrap(WrapPolicy::ByParams(cfg.wrap_params))
+            } else {
+                net
+            })
+        }
+    };
+    let (stage, stage_lines) = choose_stage(&*network, cfg)?;
     let per_rank_batch = cfg.batch_size / cfg.world;
     let (sync, why) = match cfg.sync_bn {
+        _ if text => (false, "off (gpt has no BatchNorm)".to_string()),
         SyncBnMode::On => (true, "on (--sync-bn on)".to_string()),
         SyncBnMode::Off => (false, "off (--sync-bn off)".to_string()),
         SyncBnMode::Auto if cfg.world == 1 => (false, "off (auto: one rank, local statistics are global)".into()),
@@ -503,12 +627,20 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
             format!("off (auto: {per_rank_batch} samples per rank >= {}, local statistics suffice)", cfg.sync_bn_threshold),
         ),
     };
-    if sync {
-        convert_sync_batchnorm(&mut model);
-    } else if cfg.world > 1 && model.has_local_batchnorm() {
-        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
-    }
-    let model: Arc<dyn Network> = Arc::new(model);
+    let model: Arc<dyn Network> = match model.as_mut() {
+        Some(m) => {
+            if sync {
+                convert_sync_batchnorm(m);
+            } else if cfg.world > 1 && m.has_local_batchnorm() {
+                tracing::warn!(
+                    "world {} with plain BatchNorm: batch statistics are per rank",
+                    cfg.world
+                );
+            }
+            Arc::new(m.clone())
+        }
+        None => network,
+    };
     if train.is_empty() {
         return Err(RuntimeError::config(format!(
             "the training set of '{}' is empty (--samples {}): nothing to train on",
@@ -629,6 +761,7 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
 pub fn print_summary(s: &Summary, trackers: &[MemoryTracker]) {
     println!("summary:");
     println!("  test accuracy     {:.2}%", s.test_accuracy * 100.0);
+    println!("  test loss         {:.4}", s.test_loss);
     println!("  final loss        {:.4}", s.final_loss);
     println!(
         "  steps             {} ({} in this run) in {:.1} s, {:.1} steps/s",

@@ -180,12 +180,28 @@ struct TrainArgs {
     /// --device-memory).
     #[arg(long, default_value = "3")]
     stage: String,
-    /// Model: mlp-bn, convnet-bn or wide-mlp.
+    /// Model: mlp-bn, convnet-bn, wide-mlp, or gpt (nanoGPT's decoder, byte-level on
+    /// --dataset text; sized by --n-layer, --n-head, --n-embd, --block-size).
     #[arg(long, default_value = "mlp-bn")]
     model: String,
-    /// Data set: digits (bundled, 8x8 images) or synthetic (a random teacher network).
+    /// Data set: digits (bundled, 8x8 images), synthetic (a random teacher network), text
+    /// (the bundled license texts, bytes) or text:PATH (a file or folder of bytes, the last
+    /// 10% held out; or a nanoGPT uint16 .bin token file, training only).
     #[arg(long, default_value = "digits")]
     dataset: String,
+    /// gpt: transformer blocks [default: 4].
+    #[arg(long)]
+    n_layer: Option<usize>,
+    /// gpt: attention heads; must divide --n-embd [default: 4].
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// gpt: embedding width [default: 128].
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// gpt: context length in tokens; windows of block_size + 1 tokens must fit in the
+    /// text [default: 64].
+    #[arg(long)]
+    block_size: Option<usize>,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 10)]
     epochs: u64,
@@ -401,6 +417,10 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         samples: a.samples,
         params: a.params,
         wrap_params: a.wrap_params,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_embd: a.n_embd,
+        block_size: a.block_size,
         threads: a.threads,
         device: Device::Cpu,
         timeout_s: a.timeout,

@@ -484,7 +484,7 @@ async fn steps<P: Placement>(
     }
     let loop_s = t_loop.elapsed().as_secs_f64();
     let ev = ranks.ask(|_| Eval, "evaluation").await?;
-    let (correct, count, _) = ev[0];
+    let (correct, count, test_loss) = ev[0];
     let (final_params, final_buffers) = if opts.skip_final_params {
         (Vec::new(), Vec::new())
     } else {
@@ -495,6 +495,7 @@ async fn steps<P: Placement>(
         steps: run_steps,
         total_steps: done,
         test_accuracy: if count > 0 { correct as f64 / count as f64 } else { 0.0 },
+        test_loss,
         final_loss: losses.last().copied().unwrap_or(f32::NAN),
         steps_per_s: if loop_s > 0.0 { run_steps as f64 / loop_s } else { 0.0 },
         median_step_s: train::median(&mut step_times),

@@ -345,7 +345,8 @@ impl RankEngine {
         let stats = Arc::clone(&self.stats);
         stats.begin_step();
         let reducer = (self.world > 1).then_some(&*stats as &dyn StatsReducer);
-        let first_sample = DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
+        let first_sample =
+            DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
         let pass = PassCtx {
             training: true,
             sync_bn: self.cfg.sync_bn,
@@ -518,8 +519,7 @@ impl RankEngine {
         let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
         for k in 0..forwards {
             let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
-            let (x, y) = test.batch(idx);
-            let y = Tensor::from_u32(vec![y.len()], y)?;
+            let (x, y) = test.batch_tensors(idx);
             let (c, m, l) = self.eval(x, &y, n)?;
             correct += c;
             count += m;

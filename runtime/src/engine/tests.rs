@@ -378,7 +378,8 @@ fn a_failed_statistics_reduction_reaches_the_caller_typed() {
 #[test]
 fn eng1_prefetch_is_bitwise_invisible_on_a_residual_model() {
     let model =
-        Arc::new(ConvNetBn { input: [1, 6, 6], widths: vec![3, 4], classes: 3 }.build().unwrap()) as Arc<dyn Network>;
+        Arc::new(ConvNetBn { input: [1, 6, 6], widths: vec![3, 4], classes: 3 }.build().unwrap())
+            as Arc<dyn Network>;
     let run = |prefetch: usize| {
         let mut cfg = stage3_sgd(prefetch, 9);
         cfg.sync_bn = true;
@@ -387,7 +388,8 @@ fn eng1_prefetch_is_bitwise_invisible_on_a_residual_model() {
             let x: Vec<f32> = (0..n * 36).map(|i| ((i * 13 + r) % 17) as f32 / 8.0 - 1.0).collect();
             let y: Vec<u32> = (0..n as u32).map(|i| i % 3).collect();
             for _ in 0..2 {
-                e.train_step(Tensor::new(vec![n, 1, 6, 6], x.clone()).unwrap(), &lab(&y), 7).unwrap();
+                e.train_step(Tensor::new(vec![n, 1, 6, 6], x.clone()).unwrap(), &lab(&y), 7)
+                    .unwrap();
             }
             e.full_params().unwrap()
         })
