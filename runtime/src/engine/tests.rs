@@ -399,3 +399,89 @@ fn eng1_prefetch_is_bitwise_invisible_on_a_residual_model() {
         assert!(run(k) == base, "prefetch {k}");
     }
 }
+
+/// NET-1 through the engine: one SGD step of the `gpt` (its root unit used first and last)
+/// at world 1 and at stage 3 over 2 ranks moves every parameter by `-lr x` the gradient of
+/// the PyTorch-checked flat decoder (`GptConfig::loss_and_grads`), the tied embedding's
+/// gradient summing both of its uses. The bound is 1e-6; `wte`'s own step is checked to be
+/// above 1e-4, so a lost share of it of that order cannot pass.
+#[test]
+fn net1_gpt_step_equals_the_checked_decoder_at_any_world() {
+    use shardline_models::nn::GptConfig;
+    let g = GptConfig {
+        vocab_size: 13,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 8,
+        bias: true,
+        layernorm_eps: 1e-5,
+    };
+    let net: Arc<dyn Network> = Arc::new(shardline_models::module::gpt::gpt(&g).unwrap());
+    let spec = net.spec();
+    let tokens: Vec<Vec<u32>> =
+        (0..4).map(|b| (0..6).map(|t| (b * 5 + t * 3) % 13).collect()).collect();
+    let targets: Vec<Vec<u32>> =
+        (0..4).map(|b| (0..6).map(|t| (b * 7 + t + 1) % 13).collect()).collect();
+    // The flat decoder's buffer, by name, from the network's initial unit buffers.
+    let init: Vec<Vec<f32>> =
+        (0..spec.units.len()).map(|u| net.init_params(u, 5).unwrap()).collect();
+    let at = |name: &str| {
+        for (u, us) in spec.units.iter().enumerate() {
+            let mut o = 0;
+            for p in &us.params {
+                if p.name == name {
+                    return (u, o, p.numel());
+                }
+                o += p.numel();
+            }
+        }
+        panic!("no parameter {name}")
+    };
+    let order = g.param_specs();
+    let flat: Vec<f32> = order
+        .iter()
+        .flat_map(|s| {
+            let (u, o, n) = at(&s.name);
+            init[u][o..o + n].to_vec()
+        })
+        .collect();
+    let (_, grads) = g
+        .loss_and_grads::<f64, _>(
+            &flat.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            &tokens,
+            &targets,
+        )
+        .unwrap();
+    let lr = 0.1;
+    let mut cfg = stage3_sgd(1, 5);
+    cfg.lr = LrSchedule::constant(lr);
+    for world in [1usize, 2] {
+        let full = on_ranks(world, &net, &cfg, &Trace::disabled(), |r, e| {
+            let rows = DistributedSampler::slice_range(4, world, r);
+            let x: Vec<u32> = tokens[rows.clone()].concat();
+            let y: Vec<u32> = targets[rows.clone()].concat();
+            let x = Tensor::from_u32(vec![rows.len(), 6], x).unwrap();
+            let y = Tensor::from_u32(vec![rows.len(), 6], y).unwrap();
+            e.train_step(x, &y, 4).unwrap();
+            e.full_params().unwrap()
+        })
+        .swap_remove(0);
+        let mut k = 0;
+        for s in &order {
+            let (u, o, n) = at(&s.name);
+            let err = (0..n)
+                .map(|i| {
+                    let want = flat[k + i] as f64 - lr as f64 * grads[k + i];
+                    (full[u][o + i] as f64 - want).abs()
+                })
+                .fold(0.0, f64::max);
+            assert!(err < 1e-6, "world {world}: {} is off by {err:e}", s.name);
+            k += n;
+        }
+    }
+    let (wte_u, wte_o, wte_n) = at("transformer.wte.weight");
+    assert_eq!((wte_u, wte_o), (0, 0));
+    let head_share = grads[..wte_n].iter().map(|v| v.abs()).fold(0.0, f64::max) * lr as f64;
+    assert!(head_share > 1e-4, "wte's gradient is large enough to see: {head_share:e}");
+}
