@@ -8,6 +8,9 @@
 //! - `DATA-2`: rank slices are contiguous in global-batch order (rank r's slice comes
 //!   before rank r+1's), so concatenating the ranks' slices gives the global batch.
 //! - `DATA-3`: the order depends only on (seed, epoch); the split only on the seed.
+//! - `DATA-4`: a token data set's sample is `block` input ids and their `block` next tokens
+//!   (each target is the input one position later in the text); a batch gives the ids as a
+//!   `u32` tensor `[n, block]` and the targets as `[n, block]`.
 
 use crate::error::ModelError;
 use crate::rng::SplitMix64;
@@ -381,6 +384,25 @@ mod tests {
             assert!((30..=42).contains(&n), "class {c}: {n} in test");
         }
         assert_eq!(d.split(0.2, 1), (train, test), "DATA-3: split is deterministic");
+    }
+
+    #[test]
+    fn token_windows_target_the_next_token_data_4() {
+        let text: Vec<u8> = (0..500u32).map(|i| (i * 7 % 256) as u8).collect();
+        let c = crate::text::TextCorpus::from_bytes("t", &text).unwrap();
+        let d = Dataset::from_text(&c, crate::text::Split::Train, 8, 20, 3).unwrap();
+        assert_eq!((d.len(), d.classes, d.targets_per_sample()), (20, 256, 8));
+        let (x, y) = d.batch_tensors(&[4, 0]);
+        assert_eq!((x.shape(), y.shape()), (&[2usize, 8][..], &[2usize, 8][..]));
+        let (x, y) = (x.as_u32().unwrap(), y.as_u32().unwrap());
+        for r in 0..2 {
+            // Consecutive bytes of the text differ by 7 (mod 256): targets are inputs + 1 position.
+            for t in 0..8 {
+                assert_eq!(y[r * 8 + t], (x[r * 8 + t] + 7) % 256, "DATA-4");
+            }
+        }
+        let v = Dataset::from_text(&c, crate::text::Split::Validation, 8, usize::MAX, 3).unwrap();
+        assert_eq!(v.len(), 49 / 8, "held-out windows side by side");
     }
 
     #[test]

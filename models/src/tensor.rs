@@ -238,6 +238,7 @@ mod tests {
 
     #[test]
     fn tensor_1_constructors_check_the_element_count() {
+        // TENSOR-1
         assert!(Tensor::new(vec![2, 3], vec![0.0; 5]).is_err());
         assert!(Tensor::from_u32(vec![4], vec![1; 3]).is_err());
         let t = Tensor::new(vec![2, 3], vec![1.0; 6]).unwrap();
@@ -249,6 +250,7 @@ mod tests {
 
     #[test]
     fn tensor_2_a_view_of_the_wrong_type_is_an_error() {
+        // TENSOR-2
         let ids = Tensor::from_u32(vec![2], vec![7, 9]).unwrap();
         let e = ids.as_f32().unwrap_err().to_string();
         assert!(e.contains("f32") && e.contains("u32"), "{e}");

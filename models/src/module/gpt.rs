@@ -261,6 +261,7 @@ mod tests {
 
     #[test]
     fn module_gpt_equals_the_checked_decoder() {
+        // MODULE-2: the modules' backward (tied wte summing both uses) is the checked one.
         for bias in [true, false] {
             let c = cfg(bias);
             let net = gpt(&c).unwrap();
@@ -306,6 +307,7 @@ mod tests {
 
     #[test]
     fn mgpt_1_init_follows_nanogpt_and_not_the_wrap() {
+        // MODULE-1 (init by name, not by wrap), MODULE-3 (prefixed names).
         let c = cfg(true);
         let net = gpt(&c).unwrap();
         let spec = net.spec();
