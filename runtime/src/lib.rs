@@ -38,6 +38,7 @@
 
 pub mod actors;
 pub mod checkpoint;
+pub mod config_file;
 pub mod doctor;
 pub mod driver;
 pub mod engine;

@@ -182,8 +182,9 @@ struct TrainArgs {
     stage: String,
     /// Model: mlp-bn, convnet-bn, wide-mlp, or gpt (nanoGPT's decoder, byte-level on
     /// --dataset text; sized by --n-layer, --n-head, --n-embd, --block-size).
-    #[arg(long, default_value = "mlp-bn")]
-    model: String,
+    /// [default: mlp-bn, or the --config file's [model] name]
+    #[arg(long)]
+    model: Option<String>,
     /// Data set: digits (bundled, 8x8 images), synthetic (a random teacher network), text
     /// (the bundled license texts, bytes) or text:PATH (a file or folder of bytes, the last
     /// 10% held out; or a nanoGPT uint16 .bin token file, training only).
@@ -333,8 +334,9 @@ struct TrainArgs {
     /// Seed of every random fault decision (default: the config file's, else 0).
     #[arg(long)]
     fault_seed: Option<u64>,
-    /// TOML config file; its `[faults]` table (`specs = [...]`, `seed = N`) gives the fault
-    /// plan, and --fault / --fault-seed override it.
+    /// TOML config file: its `[model]` table (`name`, and gpt's `n_layer`, `n_head`,
+    /// `n_embd`, `block_size`) and its `[faults]` table (`specs = [...]`, `seed = N`, the
+    /// fault plan); flags given on the command line win over the file.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Restart the rank group from the last checkpoint up to N times after a failure.
@@ -384,7 +386,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
     Ok(TrainConfig {
         world: a.world,
         stage,
-        model: a.model.clone(),
+        model: a.model.clone().unwrap_or_else(|| "mlp-bn".into()),
         dataset: a.dataset.clone(),
         epochs: a.epochs,
         steps: a.steps,
@@ -487,8 +489,16 @@ fn main() {
                     std::process::exit(2);
                 }
             };
-            let cfg = match to_config(&a) {
-                Ok(c) => TrainConfig { device, ..c },
+            let cfg = match to_config(&a).and_then(|c| {
+                let mut c = TrainConfig { device, ..c };
+                if let Some(path) = &a.config {
+                    let f = shardline_runtime::config_file::ConfigFile::load(path)
+                        .map_err(|e| e.to_string())?;
+                    f.model.apply(a.model.as_deref(), &mut c);
+                }
+                Ok(c)
+            }) {
+                Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
                     std::process::exit(2);

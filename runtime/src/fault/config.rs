@@ -24,20 +24,11 @@ pub struct FaultsConfig {
     pub seed: Option<u64>,
 }
 
-/// A config file: only `[faults]` is read from it so far; anything else is refused rather
-/// than silently ignored.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ConfigFile {
-    #[serde(default)]
-    faults: FaultsConfig,
-}
-
 impl FaultsConfig {
     /// Parses the `[faults]` table out of a config file's text (a file without one gives an
     /// empty table).
     pub fn from_toml(text: &str) -> std::result::Result<Self, String> {
-        toml::from_str::<ConfigFile>(text).map(|c| c.faults).map_err(|e| e.to_string())
+        crate::config_file::ConfigFile::from_toml(text).map(|c| c.faults)
     }
 
     /// Reads `path`; errors name the file.
