@@ -14,8 +14,8 @@
 //! On these build [`engine`] (the per-rank schedule of each stage: pure stage, prefetch and
 //! reduction cores under a thin shell), [`actors`] (`RankActor`, `Coordinator`), [`driver`]
 //! (the one training loop, for ranks in one process and launched ranks alike), [`launch`]
-//! (worker environment, rendezvous and the node agent), [`fault`], telemetry and the
-//! `shardline` CLI. ARCHITECTURE.md maps every concept to its file.
+//! (worker environment, rendezvous and the node agent), [`fault`], telemetry, [`sample`]
+//! (text from a `gpt` checkpoint) and the `shardline` CLI. ARCHITECTURE.md maps every concept to its file.
 //!
 //! ```
 //! use shardline_models::{ModelSpec, ParamSpec, UnitSpec};
@@ -48,6 +48,7 @@ pub mod interrupt;
 pub mod launch;
 pub mod memory;
 pub mod optim;
+pub mod sample;
 pub mod schedule;
 pub mod shard;
 pub mod supervise;

@@ -312,7 +312,7 @@ pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
             return Err(RuntimeError::config(format!("{flag} must be at least 1")));
         }
     }
-    if g.n_embd % g.n_head != 0 {
+    if !g.n_embd.is_multiple_of(g.n_head) {
         return Err(RuntimeError::config(format!(
             "--n-embd {} is not divisible by --n-head {}",
             g.n_embd, g.n_head
@@ -570,6 +570,8 @@ pub struct JobPlan {
     pub engine: EngineConfig,
     /// Hash of the configuration a checkpoint must match to be resumed.
     pub hash: String,
+    /// The decoder's configuration when the model is `gpt` (recorded in checkpoints).
+    pub gpt: Option<GptConfig>,
 }
 
 /// Whether the job is a language model on text: `--model gpt` with `--dataset text[:PATH]`
@@ -596,13 +598,18 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     let image = cfg.model == "convnet-bn";
     let text = train_on_text(cfg)?;
     let (train, test) = load_data(cfg, image)?;
-    let mut model =
-        if text { None } else { Some(build_model(cfg, &train.sample_shape, train.classes)?) };
-    let network: Arc<dyn Network> = match &model {
-        Some(m) => Arc::new(m.clone()),
-        None => {
-            let g = gpt_config(cfg, train.classes)?;
-            let net = shardline_models::module::gpt::gpt(&g)
+    let (mut model, gpt) = if text {
+        (None, Some(gpt_config(cfg, train.classes)?))
+    } else {
+        (Some(build_model(cfg, &train.sample_shape, train.classes)?), None)
+    };
+    let network: Arc<dyn Network> = match (&model, &gpt) {
+        (Some(m), _) => Arc::new(m.clone()),
+        (None, None) => {
+            return Err(RuntimeError::config(format!("--model {}: no model built", cfg.model)))
+        }
+        (None, Some(g)) => {
+            let net = shardline_models::module::gpt::gpt(g)
                 .map_err(|e| RuntimeError::config(format!("gpt: {e}")))?;
             Arc::new(if cfg.wrap_params > 0 {
                 net.wrap(WrapPolicy::ByParams(cfg.wrap_params))
@@ -686,6 +693,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         optimizer,
         engine,
         hash,
+        gpt,
     })
 }
 
@@ -731,6 +739,10 @@ pub fn loader_position(
     DataLoaderState { epoch, step, seed }
 }
 
+/// Key of the manifest's `extra` entry holding a `gpt` run's [`GptConfig`]: `n_head` cannot be
+/// read off the parameter shapes, and `shardline sample` must rebuild the same decoder.
+pub const GPT_CONFIG_KEY: &str = "gpt_config";
+
 /// The manifest fields of a checkpoint of this job at `position`.
 pub fn checkpoint_meta(
     cfg: &TrainConfig,
@@ -738,8 +750,13 @@ pub fn checkpoint_meta(
     hash: &str,
     optimizer: Optimizer,
     model: &dyn Network,
+    gpt: Option<&GptConfig>,
     position: DataLoaderState,
 ) -> CheckpointMeta {
+    let mut extra = BTreeMap::new();
+    if let Some(g) = gpt.and_then(|g| serde_json::to_value(g).ok()) {
+        extra.insert(GPT_CONFIG_KEY.to_string(), g);
+    }
     CheckpointMeta {
         world: cfg.world,
         stage,
@@ -747,7 +764,7 @@ pub fn checkpoint_meta(
         optimizer,
         model: model.spec(),
         data_loader: position,
-        extra: BTreeMap::new(),
+        extra,
     }
 }
 

@@ -56,6 +56,8 @@ pub struct Job {
     pub steps_per_epoch: u64,
     /// Whether SyncBatchNorm is on, and why.
     pub sync: (bool, String),
+    /// The decoder's configuration when the model is `gpt`.
+    pub gpt: Option<shardline_models::nn::GptConfig>,
 }
 
 impl Job {
@@ -76,14 +78,25 @@ impl Job {
             steps_per_epoch,
             optimizer,
             hash,
+            gpt,
             ..
         } = plan;
         let sampler =
             DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
                 .map_err(RuntimeError::from_model)?;
         let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
-        let job =
-            Job { cfg, opts, model, stage, optimizer, hash, total_steps, steps_per_epoch, sync };
+        let job = Job {
+            cfg,
+            opts,
+            model,
+            stage,
+            optimizer,
+            hash,
+            total_steps,
+            steps_per_epoch,
+            sync,
+            gpt,
+        };
         Ok((job, data))
     }
 
@@ -98,6 +111,7 @@ impl Job {
             &self.hash,
             self.optimizer,
             &*self.model,
+            self.gpt.as_ref(),
             position,
         )
     }

@@ -1,0 +1,145 @@
+//! `shardline sample`: text from a `gpt` checkpoint that `shardline train` wrote, and its
+//! usage errors (exit 2).
+
+mod common;
+use common::*;
+use shardline_runtime::sample::{load_decoder, Pick, SampleOptions};
+use std::path::Path;
+
+/// Trains a tiny byte-level gpt for a few steps with `ranks` ranks at stage 3, checkpointing
+/// into `dir`.
+fn train_tiny_gpt(dir: &Path) {
+    let d = dir.to_str().expect("utf-8 path");
+    let o = shardline(&[
+        "train",
+        "--model",
+        "gpt",
+        "--dataset",
+        "text",
+        "--world",
+        "2",
+        "--stage",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "16",
+        "--block-size",
+        "8",
+        "--batch-size",
+        "4",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "1e-2",
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        d,
+        "--no-progress",
+    ]);
+    assert_eq!(o.code, Some(0), "train: {}", o.stderr);
+}
+
+#[test]
+fn sample_continues_the_prompt_with_the_requested_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    train_tiny_gpt(tmp.path());
+    let root = tmp.path().to_str().unwrap();
+    let prompt = "The licensor ";
+    let args = ["sample", root, "--prompt", prompt, "--tokens", "40", "--seed", "7"];
+    let o = shardline(&args);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(o.stdout.starts_with(prompt), "{:?}", o.stdout);
+
+    // The same decoder in the library: the recorded configuration (n_head among it), the
+    // requested number of bytes, and the very text the command printed.
+    let d = load_decoder(tmp.path(), None).unwrap();
+    assert_eq!((d.config.n_head, d.config.n_embd, d.config.block_size), (2, 16, 8));
+    assert_eq!(d.step, 3);
+    let opts = SampleOptions { tokens: 40, pick: Pick { temperature: 1.0, top_k: None }, seed: 7 };
+    let bytes = d.generate(prompt.as_bytes(), &opts).unwrap();
+    assert_eq!(bytes.len(), 40);
+    let mut all = prompt.as_bytes().to_vec();
+    all.extend(&bytes);
+    assert_eq!(o.stdout, format!("{}\n", String::from_utf8_lossy(&all)));
+
+    // The step directory works as well as the root; the seed fixes the text; greedy
+    // decoding of an empty prompt is fine.
+    let step = tmp.path().join("step-00000003");
+    let o2 = shardline(&[
+        "sample",
+        step.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--tokens",
+        "40",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!((o2.code, &o2.stdout), (Some(0), &o.stdout), "{}", o2.stderr);
+    let o3 = shardline(&[
+        "sample",
+        root,
+        "--prompt",
+        "",
+        "--tokens",
+        "5",
+        "--top-k",
+        "1",
+        "--temperature",
+        "0.5",
+    ]);
+    assert_eq!(o3.code, Some(0), "{}", o3.stderr);
+}
+
+#[test]
+fn bad_input_exits_2_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    train_tiny_gpt(&tmp.path().join("gpt"));
+    let gpt = tmp.path().join("gpt");
+    let gpt = gpt.to_str().unwrap();
+    let missing = tmp.path().join("missing");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["sample", missing.to_str().unwrap(), "--prompt", "a", "--tokens", "3"], "missing"),
+        (vec!["sample", gpt, "--prompt", "a", "--tokens", "0"], "--tokens"),
+        (
+            vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--temperature", "0"],
+            "--temperature",
+        ),
+        (
+            vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--temperature", "-1"],
+            "--temperature",
+        ),
+        (vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--top-k", "0"], "--top-k"),
+        (vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--n-head", "4"], "--n-head"),
+    ];
+    for (args, names) in cases {
+        let o = shardline(&args);
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains(names), "{args:?}: {}", o.stderr);
+    }
+
+    // A checkpoint of another model.
+    let mlp = tmp.path().join("mlp");
+    let o = shardline(&[
+        "train",
+        "--hidden",
+        "16",
+        "--depth",
+        "1",
+        "--batch-size",
+        "60",
+        "--steps",
+        "1",
+        "--no-progress",
+        "--checkpoint-dir",
+        mlp.to_str().unwrap(),
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let o = shardline(&["sample", mlp.to_str().unwrap(), "--prompt", "a", "--tokens", "3"]);
+    assert_eq!(o.code, Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("mlp-bn") && o.stderr.contains("gpt"), "{}", o.stderr);
+}
