@@ -592,36 +592,61 @@ fn train_on_text(cfg: &TrainConfig) -> Result<bool> {
     }
 }
 
-/// Validates `cfg` and derives the job's plan (data, model, stage, schedule).
+/// Validates `cfg` and derives the job's plan (data, model, stage, schedule) from the model
+/// and data set it names.
 pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     validate(cfg)?;
     let image = cfg.model == "convnet-bn";
     let text = train_on_text(cfg)?;
     let (train, test) = load_data(cfg, image)?;
-    let (mut model, gpt) = if text {
-        (None, Some(gpt_config(cfg, train.classes)?))
-    } else {
-        (Some(build_model(cfg, &train.sample_shape, train.classes)?), None)
-    };
-    let network: Arc<dyn Network> = match (&model, &gpt) {
-        (Some(m), _) => Arc::new(m.clone()),
-        (None, None) => {
-            return Err(RuntimeError::config(format!("--model {}: no model built", cfg.model)))
-        }
-        (None, Some(g)) => {
-            let net = shardline_models::module::gpt::gpt(g)
-                .map_err(|e| RuntimeError::config(format!("gpt: {e}")))?;
-            Arc::new(if cfg.wrap_params > 0 {
-                net.wrap(WrapPolicy::ByParams(cfg.wrap_params))
-            } else {
-                net
-            })
-        }
-    };
-    let (stage, stage_lines) = choose_stage(&*network, cfg)?;
+    if text {
+        let g = gpt_config(cfg, train.classes)?;
+        let net = shardline_models::module::gpt::gpt(&g)
+            .map_err(|e| RuntimeError::config(format!("gpt: {e}")))?;
+        let net =
+            if cfg.wrap_params > 0 { net.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { net };
+        let p = plan_network(cfg, Arc::new(net), train, test)?;
+        return Ok(JobPlan { gpt: Some(g), ..p });
+    }
+    let mut model = build_model(cfg, &train.sample_shape, train.classes)?;
+    // A zoo model follows the mode whether or not it has BatchNorm (one without ignores it).
+    let sync = sync_bn_choice(cfg, None);
+    if sync.0 {
+        convert_sync_batchnorm(&mut model);
+    } else if cfg.world > 1 && model.has_local_batchnorm() {
+        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
+    }
+    job_plan(cfg, Arc::new(model), sync, train, test)
+}
+
+/// Validates `cfg` and derives the plan of a job that trains `model` on `train` and
+/// evaluates it on `test`: how a model defined outside Shardline (a
+/// [`ModuleNet`](shardline_models::ModuleNet) of its own modules) trains through the same
+/// job as the named models. `cfg.model` and `cfg.dataset` only name them (in the header and
+/// the checkpoint's configuration hash); the model's parameters are initialised from
+/// `cfg.seed`.
+pub fn plan_network(
+    cfg: &TrainConfig,
+    model: Arc<dyn Network>,
+    train: Dataset,
+    test: Dataset,
+) -> Result<JobPlan> {
+    validate(cfg)?;
+    let spec = model.spec();
+    // BatchNorm is the only layer with buffers (running statistics): a model without any
+    // has nothing to synchronise.
+    let bn = spec.units.iter().any(|u| !u.buffers.is_empty());
+    let sync = sync_bn_choice(cfg, (!bn).then_some(spec.name.as_str()));
+    job_plan(cfg, model, sync, train, test)
+}
+
+/// Whether SyncBatchNorm is on, and why; `no_batchnorm` names a model known to have none.
+fn sync_bn_choice(cfg: &TrainConfig, no_batchnorm: Option<&str>) -> (bool, String) {
+    if let Some(name) = no_batchnorm {
+        return (false, format!("off ({name} has no BatchNorm)"));
+    }
     let per_rank_batch = cfg.batch_size / cfg.world;
-    let (sync, why) = match cfg.sync_bn {
-        _ if text => (false, "off (gpt has no BatchNorm)".to_string()),
+    match cfg.sync_bn {
         SyncBnMode::On => (true, "on (--sync-bn on)".to_string()),
         SyncBnMode::Off => (false, "off (--sync-bn off)".to_string()),
         SyncBnMode::Auto if cfg.world == 1 => (false, "off (auto: one rank, local statistics are global)".into()),
@@ -633,21 +658,19 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
             false,
             format!("off (auto: {per_rank_batch} samples per rank >= {}, local statistics suffice)", cfg.sync_bn_threshold),
         ),
-    };
-    let model: Arc<dyn Network> = match model.as_mut() {
-        Some(m) => {
-            if sync {
-                convert_sync_batchnorm(m);
-            } else if cfg.world > 1 && m.has_local_batchnorm() {
-                tracing::warn!(
-                    "world {} with plain BatchNorm: batch statistics are per rank",
-                    cfg.world
-                );
-            }
-            Arc::new(m.clone())
-        }
-        None => network,
-    };
+    }
+}
+
+/// The plan of a validated `cfg` for `model` (SyncBatchNorm already as `sync` says); `plan`
+/// adds the `gpt` configuration.
+fn job_plan(
+    cfg: &TrainConfig,
+    model: Arc<dyn Network>,
+    (sync, why): (bool, String),
+    train: Dataset,
+    test: Dataset,
+) -> Result<JobPlan> {
+    let (stage, stage_lines) = choose_stage(&*model, cfg)?;
     if train.is_empty() {
         return Err(RuntimeError::config(format!(
             "the training set of '{}' is empty (--samples {}): nothing to train on",
@@ -693,7 +716,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         optimizer,
         engine,
         hash,
-        gpt,
+        gpt: None,
     })
 }
 
@@ -771,7 +794,20 @@ pub fn checkpoint_meta(
 /// Runs a training job with every rank as threads of this process; blocks until it ends
 /// (the loop itself: [`crate::driver`]).
 pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
-    crate::driver::local::run(cfg, opts)
+    crate::driver::local::run(cfg, opts, plan)
+}
+
+/// Runs a job that trains a model of the caller's own ([`plan_network`]) with every rank as
+/// threads of this process, as [`run`] runs the named models: the same stages, checkpoints,
+/// logs and summary.
+pub fn run_network(
+    cfg: TrainConfig,
+    model: Arc<dyn Network>,
+    train: Dataset,
+    test: Dataset,
+    opts: RunOptions,
+) -> Result<Summary> {
+    crate::driver::local::run(cfg, opts, |cfg| plan_network(cfg, model, train, test))
 }
 
 /// Prints the summary block of a finished run.

@@ -8,7 +8,7 @@ use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
-use crate::train::{self, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
+use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
 use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
 use std::path::Path;
 use std::sync::Arc;
@@ -40,8 +40,13 @@ impl Placement for InProcess {
     }
 }
 
-/// Runs a training job with every rank in this process; blocks until it ends.
-pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
+/// Runs a training job with every rank in this process, its plan derived from the
+/// configuration by `plan` once the world is known to fit; blocks until it ends.
+pub fn run(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    plan: impl FnOnce(&TrainConfig) -> Result<JobPlan>,
+) -> Result<Summary> {
     if cfg.world > MAX_LOCAL_WORLD {
         return Err(RuntimeError::config(format!(
             "--world {}: without `shardline launch` every rank is a set of threads of this one \
@@ -51,7 +56,7 @@ pub fn run(cfg: TrainConfig, opts: RunOptions) -> Result<Summary> {
             cfg.world
         )));
     }
-    let p = train::plan(&cfg)?;
+    let p = plan(&cfg)?;
     if !opts.quiet {
         train::print_header(&cfg, &p);
     }
