@@ -4,8 +4,8 @@
 //! Layers and modules take and return [`Tensor`]s, never bare slices, so that another element
 //! type (bf16) or device memory is a new storage variant, not a new public API: a kernel asks
 //! for the view it can compute on ([`Tensor::as_f32`], [`Tensor::as_u32`]) and a tensor of
-//! another type or place answers [`ModelError::DType`] or [`ModelError::Placement`] instead of
-//! being misread.
+//! another type answers [`ModelError::DType`] instead of being misread (every tensor lives on
+//! the host so far).
 //!
 //! Invariants:
 //! - `TENSOR-1`: a tensor's storage always holds `shape.iter().product()` elements; every

@@ -57,7 +57,9 @@
 //! count, as FSDP wraps submodules), an optional [`RootModule`] whose parameters are used
 //! before and after the body (a tied embedding and output head), and a [`Loss`]. The
 //! engine shards, gathers and reduces by unit and never looks inside a module, so a model
-//! defined in another crate trains at every ZeRO stage (`examples/custom-model`).
+//! defined in another crate trains at every ZeRO stage: `examples/custom-model` defines one
+//! (a pre-norm transformer with a gated MLP module of its own) and trains it with
+//! `shardline_runtime::train::run_network`.
 //!
 //! Invariants:
 //! - `MODULE-1`: a parameter's initial value depends only on the seed and its full name,

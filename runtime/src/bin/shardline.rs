@@ -220,7 +220,7 @@ struct TrainArgs {
     stage: String,
     /// Model: mlp-bn, convnet-bn, wide-mlp, or gpt (nanoGPT's decoder, byte-level on
     /// --dataset text; sized by --n-layer, --n-head, --n-embd, --block-size).
-    /// [default: mlp-bn, or the --config file's [model] name]
+    /// [default: mlp-bn, or the --config file's `[model]` name]
     #[arg(long)]
     model: Option<String>,
     /// Data set: digits (bundled, 8x8 images), synthetic (a random teacher network), text
