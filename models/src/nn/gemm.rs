@@ -38,14 +38,29 @@ thread_local! {
 
 impl Gemm for f32 {
     fn gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
-        SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+        gemm_f32(shape, a, b, c, accumulate, gemm::Parallelism::None);
     }
 }
 
 impl Gemm for f64 {
     fn gemm(shape: GemmShape, a: &[f64], b: &[f64], c: &mut [f64], accumulate: bool) {
-        SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+        let par = gemm::Parallelism::None;
+        SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
     }
+}
+
+/// [`Gemm::gemm`] in `f32` with a chosen parallelism: also the product of
+/// [`crate::Cpu`]'s [`crate::Backend::gemm`], so that the layers and the float-generic
+/// kernels share one route (and one scratch per thread).
+pub(crate) fn gemm_f32(
+    shape: GemmShape,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
 }
 
 /// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one, in
@@ -77,6 +92,7 @@ fn product<T: Float + 'static>(
     b: &[T],
     c: &mut [T],
     accumulate: bool,
+    par: gemm::Parallelism,
     scratch: &mut Vec<T>,
 ) {
     let GemmShape { m, n, k, trans_a, trans_b } = shape;
@@ -122,7 +138,7 @@ fn product<T: Float + 'static>(
                 false,
                 false,
                 false,
-                gemm::Parallelism::None,
+                par,
             );
         }
     };
