@@ -28,7 +28,7 @@ pub fn check_grads(num_params: usize, input_shape: &[usize], seed: u64, f: &FwdB
     let x = rand_tensor(input_shape, seed);
     let mut scratch = vec![0.0f32; num_params];
     let (y, _) = f(&params, x.clone(), None, &mut scratch).expect("forward");
-    let r = rand_tensor(&y.shape(), seed ^ 0xAA);
+    let r = rand_tensor(y.shape(), seed ^ 0xAA);
     let loss = |p: &[f32], x: Tensor| -> f64 {
         let mut s = vec![0.0f32; num_params];
         let (y, _) = f(p, x, None, &mut s).expect("forward");

@@ -312,7 +312,7 @@ pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
             return Err(RuntimeError::config(format!("{flag} must be at least 1")));
         }
     }
-    if g.n_embd % g.n_head != 0 {
+    if !g.n_embd.is_multiple_of(g.n_head) {
         return Err(RuntimeError::config(format!(
             "--n-embd {} is not divisible by --n-head {}",
             g.n_embd, g.n_head

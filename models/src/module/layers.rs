@@ -564,7 +564,7 @@ impl CausalSelfAttention {
     /// `n_head` heads over `n_embd` (a multiple of `n_head`), biases when `bias`, torch's
     /// default initialisation.
     pub fn new(n_embd: usize, n_head: usize, bias: bool) -> Result<Self, ModelError> {
-        if n_head == 0 || n_embd % n_head != 0 {
+        if n_head == 0 || !n_embd.is_multiple_of(n_head) {
             return Err(ModelError::Config(format!(
                 "attention: n_embd {n_embd} is not a multiple of n_head {n_head}"
             )));

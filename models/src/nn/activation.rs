@@ -136,7 +136,7 @@ fn gelu_f32(x_then_d: &mut [f32], y: &mut [f32]) {
 fn exp_f64(x: f64) -> f64 {
     // 1.5 * 2^52: adding it rounds to an integer, which lands in the low mantissa bits.
     const ROUND: f64 = 6_755_399_441_055_744.0;
-    const LN2_HI: f64 = 6.931_471_803_691_238_2e-1;
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
     const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
     // Taylor to r^8 on |r| <= ln 2 / 2 (the next term is below 2.1e-10).
     const TAYLOR: [f64; 9] = [
