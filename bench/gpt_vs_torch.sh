@@ -64,7 +64,7 @@ for name, (w, s), peer, batch in [('world 1, stage 0', (1, 0), ('single', 1), 16
     med, lo, hi = ours(w, s)
     tm = torch[peer]['step_ms_median']
     lim = json.load(open(f'{out}/limit-b{batch}.json'))
-    rows.append({'ours': name, 'torch': f'{peer} world {peer[1]}', 'ours_step_ms_median': med,
+    rows.append({'ours': name, 'torch': f'{peer[0]} world {peer[1]}', 'ours_step_ms_median': med,
                  'ours_step_ms_min': lo, 'ours_step_ms_max': hi, 'torch_step_ms_median': tm,
                  'ratio_ours_over_torch': med / tm, 'ours_tokens_per_s': tokens / med * 1e3,
                  'torch_tokens_per_s': torch[peer]['tokens_per_s'],
