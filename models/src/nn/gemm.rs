@@ -5,7 +5,8 @@
 //!
 //! Products run on the calling thread (`Parallelism::None`): in data-parallel training the
 //! ranks are the parallelism, one per core, and a product that spread over every core would
-//! fight with the other ranks.
+//! fight with the other ranks. [`crate::Cpu`]'s matrix multiply takes the same route with its
+//! own thread count (one by default).
 //!
 //! Invariants:
 //! - `GEMM-1`: [`Gemm::gemm`] with a [`GemmShape`] computes what [`crate::Backend::gemm`]
@@ -147,8 +148,8 @@ fn product<T: Float + 'static>(
         // case of `gemm` (`examples/gemm_shapes.rs`: about 60% of the rate of `a b`). For a
         // large product with `k <= m` (a linear forward over many rows), `b` is copied
         // transposed (`k x n` values, fewer than `c`'s), which makes it `a b`. Otherwise
-        // the product goes into a column-major scratch that is then transposed into `c`, as
-        // `Cpu::gemm` does: on small products the two cost the same, and this one stays the
+        // the product goes into a column-major scratch that is then transposed into `c`: on
+        // small products the two cost the same, and this one stays the
         // closer to the `f64` result on the small test models (NN-2).
         let copy_b = k <= m && m * n * k >= COPY_B_MIN;
         let want = if copy_b { k * n } else { m * n };
