@@ -37,7 +37,10 @@ pub const ARENA_BYTES: usize = 64 << 30;
 pub const MIN_BLOCK: usize = 1 << 20;
 const MIN_SHIFT: u32 = 20;
 const CLASSES: usize = 37 - MIN_SHIFT as usize; // up to 64 GiB blocks
-const KEEP_PER_CLASS: usize = 32;
+/// Freed blocks listed per class. A training step can free far more than 32 blocks of one
+/// size (a small transformer's saved activations: about ten 2 MiB tensors per block); a
+/// block past the list loses its pages, and the next step faults fresh ones in.
+const KEEP_PER_CLASS: usize = 256;
 /// Most bytes of freed blocks whose pages are kept for reuse; past it a freed block's pages
 /// go back to the system (its address range stays on the list and is reused).
 pub const RETAIN_MAX: usize = 512 << 20;

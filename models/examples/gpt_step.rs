@@ -3,6 +3,9 @@
 //!
 //! `cargo run --release -p shardline-models --example gpt_step -- [runs]`
 //!
+//! `-- --limit BATCH` prints only the GEMM-bound limit of a step over `BATCH` sequences (one
+//! JSON line: matmul GFLOP, `gemm_gflops`, the bound in ms), for `bench/gpt_vs_torch.sh`.
+//!
 //! Configuration: vocab 256, block 128, 4 layers, 4 heads, embd 256, biases, batch 16
 //! sequences of 128 tokens. The limit is the step's matrix-multiply FLOPs (every linear
 //! forward and backward, the tied head, attention's `Q K^T` and `P V` forward and backward
@@ -61,9 +64,9 @@ impl Shape {
     }
 }
 
-fn shapes(cfg: &GptConfig) -> Vec<Shape> {
+fn shapes(cfg: &GptConfig, batch: usize) -> Vec<Shape> {
     let (e, v, l) = (cfg.n_embd, cfg.vocab_size, cfg.n_layer);
-    let rows = BATCH * SEQ;
+    let rows = batch * SEQ;
     let mut out = Vec::new();
     for (what, o, i) in
         [("c_attn", 3 * e, e), ("attn.c_proj", e, e), ("c_fc", 4 * e, e), ("mlp.c_proj", e, 4 * e)]
@@ -77,7 +80,7 @@ fn shapes(cfg: &GptConfig) -> Vec<Shape> {
     out.push(Shape { what: "  dW += dy^T x", m: v, n: e, k: rows, count: 1, share: 1.0 });
     // Attention: per (batch, head), the block pairs at or below the diagonal, each product
     // `ATTN_BLOCK` cubed; the causal half of `seq x seq` is 2/3 of the 3 pairs at seq 128.
-    let (d, bh) = (e / cfg.n_head, BATCH * cfg.n_head * l);
+    let (d, bh) = (e / cfg.n_head, batch * cfg.n_head * l);
     let nb = SEQ.div_ceil(ATTN_BLOCK);
     let pairs = nb * (nb + 1) / 2;
     let share = (SEQ * SEQ) as f64 / 2.0 / (pairs * ATTN_BLOCK * ATTN_BLOCK) as f64;
@@ -141,8 +144,14 @@ fn time_attention(cfg: &GptConfig) -> f64 {
     t * cfg.n_layer as f64
 }
 
+/// The rate of the limit: `gemm_gflops` on `c_fc`'s forward shape over `rows` rows.
+fn limit_gflops(cfg: &GptConfig, rows: usize) -> (usize, usize, usize, f64) {
+    let (gm, gn, gk) = (rows, 4 * cfg.n_embd, cfg.n_embd);
+    (gm, gn, gk, gemm_gflops(&Cpu::new(), gm, gn, gk, 5))
+}
+
 fn main() -> Result<(), shardline_models::ModelError> {
-    let runs: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
+    let args: Vec<String> = std::env::args().skip(1).collect();
     let cfg = GptConfig {
         vocab_size: 256,
         block_size: SEQ,
@@ -152,6 +161,18 @@ fn main() -> Result<(), shardline_models::ModelError> {
         bias: true,
         layernorm_eps: 1e-5,
     };
+    if args.first().map(String::as_str) == Some("--limit") {
+        let batch: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(BATCH).max(1);
+        let flops: f64 = shapes(&cfg, batch).iter().map(Shape::flops).sum();
+        let (.., gflops) = limit_gflops(&cfg, BATCH * SEQ);
+        println!(
+            "{{\"batch\": {batch}, \"seq\": {SEQ}, \"matmul_gflop\": {:.6}, \"gemm_gflops\": {gflops:.3}, \"bound_ms\": {:.3}}}",
+            flops / 1e9,
+            flops / (gflops * 1e9) * 1e3
+        );
+        return Ok(());
+    }
+    let runs: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
     // nanoGPT's init: N(0, 0.02) weights, zero biases, unit LayerNorm weights.
     let mut params = Vec::with_capacity(cfg.num_params());
     for (i, spec) in cfg.param_specs().iter().enumerate() {
@@ -187,10 +208,9 @@ fn main() -> Result<(), shardline_models::ModelError> {
     let ms = median(times.clone()) * 1e3;
     let min_ms = times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3;
 
-    let shapes = shapes(&cfg);
+    let shapes = shapes(&cfg, BATCH);
     let flops: f64 = shapes.iter().map(Shape::flops).sum();
-    let (gm, gn, gk) = (BATCH * SEQ, 4 * cfg.n_embd, cfg.n_embd);
-    let gflops = gemm_gflops(&Cpu::new(), gm, gn, gk, 5);
+    let (gm, gn, gk, gflops) = limit_gflops(&cfg, BATCH * SEQ);
     let bound_ms = flops / (gflops * 1e9) * 1e3;
 
     println!(

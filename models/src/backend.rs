@@ -100,105 +100,20 @@ impl Cpu {
     }
 }
 
-thread_local! {
-    /// Per-thread scratch of [`Cpu::gemm`]'s column-major path (kept: no allocation per call).
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one, in
-/// 32 x 32 tiles so that both sides stay in cache.
-fn transpose_into(t: &[f32], m: usize, n: usize, c: &mut [f32], accumulate: bool) {
-    const B: usize = 32;
-    for i0 in (0..m).step_by(B) {
-        for j0 in (0..n).step_by(B) {
-            for i in i0..(i0 + B).min(m) {
-                let row = &mut c[i * n + j0..i * n + (j0 + B).min(n)];
-                let col = t[j0 * m + i..].iter().step_by(m);
-                if accumulate {
-                    row.iter_mut().zip(col).for_each(|(x, v)| *x += v);
-                } else {
-                    row.iter_mut().zip(col).for_each(|(x, v)| *x = *v);
-                }
-            }
-        }
-    }
-}
-
 impl Backend for Cpu {
     fn name(&self) -> &'static str {
         "cpu-gemm"
     }
 
     fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
-        let GemmShape { m, n, k, trans_a, trans_b } = shape;
-        assert!(a.len() >= m * k, "gemm: a has {} values, needs {}", a.len(), m * k);
-        assert!(b.len() >= k * n, "gemm: b has {} values, needs {}", b.len(), k * n);
-        assert!(c.len() >= m * n, "gemm: c has {} values, needs {}", c.len(), m * n);
-        if m == 0 || n == 0 {
-            return;
-        }
-        if k == 0 {
-            if !accumulate {
-                c[..m * n].fill(0.0);
-            }
-            return;
-        }
-        let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
-        let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
         let par = if self.threads > 1 {
             gemm::Parallelism::Rayon(self.threads)
         } else {
             gemm::Parallelism::None
         };
-        // `op(a) op(b)` into `dst` (at least m * n values), row-major or column-major.
-        let multiply = |dst: &mut [f32], col_major: bool, read_dst: bool| {
-            assert!(dst.len() >= m * n, "gemm: destination has {} values", dst.len());
-            let (dst_rs, dst_cs) = if col_major { (1, m as isize) } else { (n as isize, 1) };
-            // SAFETY: the asserts guarantee that every index the strides can reach (row < m,
-            // col < n, inner < k) lies inside the slices; `dst` is borrowed mutably and does
-            // not alias `a` or `b`.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    dst.as_mut_ptr(),
-                    dst_cs,
-                    dst_rs,
-                    read_dst,
-                    a.as_ptr(),
-                    a_cs,
-                    a_rs,
-                    b.as_ptr(),
-                    b_cs,
-                    b_rs,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                );
-            }
-        };
-        if trans_b && !trans_a {
-            // `a * b^T` (a linear layer's forward) into a row-major `c` runs at about 100
-            // GFLOP/s here, into a column-major one at about 165 (`examples/gemm_shapes.rs`):
-            // multiply into a column-major scratch, then transpose it into `c`.
-            SCRATCH.with(|cell| {
-                let mut t = cell.borrow_mut();
-                // Grown, never cleared: without `read_dst` the product overwrites it (a
-                // zeroing pass over it cost 0.7% of a training step's CPU).
-                if t.len() < m * n {
-                    t.resize(m * n, 0.0);
-                }
-                let t = &mut t[..m * n];
-                multiply(t, true, false);
-                transpose_into(t, m, n, &mut c[..m * n], accumulate);
-            });
-        } else {
-            multiply(c, false, accumulate);
-        }
+        // The route of the float-generic kernels (`nn::gemm`): a large `a b^T` (a linear
+        // forward) multiplies a transposed copy of `b`, the rest as `gemm` takes them.
+        crate::nn::gemm::gemm_f32(shape, a, b, c, accumulate, par);
     }
 }
 

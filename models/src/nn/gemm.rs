@@ -5,7 +5,8 @@
 //!
 //! Products run on the calling thread (`Parallelism::None`): in data-parallel training the
 //! ranks are the parallelism, one per core, and a product that spread over every core would
-//! fight with the other ranks.
+//! fight with the other ranks. [`crate::Cpu`]'s matrix multiply takes the same route with its
+//! own thread count (one by default).
 //!
 //! Invariants:
 //! - `GEMM-1`: [`Gemm::gemm`] with a [`GemmShape`] computes what [`crate::Backend::gemm`]
@@ -38,14 +39,29 @@ thread_local! {
 
 impl Gemm for f32 {
     fn gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
-        SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+        gemm_f32(shape, a, b, c, accumulate, gemm::Parallelism::None);
     }
 }
 
 impl Gemm for f64 {
     fn gemm(shape: GemmShape, a: &[f64], b: &[f64], c: &mut [f64], accumulate: bool) {
-        SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, &mut s.borrow_mut()));
+        let par = gemm::Parallelism::None;
+        SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
     }
+}
+
+/// [`Gemm::gemm`] in `f32` with a chosen parallelism: also the product of
+/// [`crate::Cpu`]'s [`crate::Backend::gemm`], so that the layers and the float-generic
+/// kernels share one route (and one scratch per thread).
+pub(crate) fn gemm_f32(
+    shape: GemmShape,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
 }
 
 /// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one, in
@@ -77,6 +93,7 @@ fn product<T: Float + 'static>(
     b: &[T],
     c: &mut [T],
     accumulate: bool,
+    par: gemm::Parallelism,
     scratch: &mut Vec<T>,
 ) {
     let GemmShape { m, n, k, trans_a, trans_b } = shape;
@@ -122,7 +139,7 @@ fn product<T: Float + 'static>(
                 false,
                 false,
                 false,
-                gemm::Parallelism::None,
+                par,
             );
         }
     };
@@ -131,8 +148,8 @@ fn product<T: Float + 'static>(
         // case of `gemm` (`examples/gemm_shapes.rs`: about 60% of the rate of `a b`). For a
         // large product with `k <= m` (a linear forward over many rows), `b` is copied
         // transposed (`k x n` values, fewer than `c`'s), which makes it `a b`. Otherwise
-        // the product goes into a column-major scratch that is then transposed into `c`, as
-        // `Cpu::gemm` does: on small products the two cost the same, and this one stays the
+        // the product goes into a column-major scratch that is then transposed into `c`: on
+        // small products the two cost the same, and this one stays the
         // closer to the `f64` result on the small test models (NN-2).
         let copy_b = k <= m && m * n * k >= COPY_B_MIN;
         let want = if copy_b { k * n } else { m * n };
