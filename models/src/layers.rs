@@ -85,13 +85,17 @@ impl Linear {
         let n = input.shape()[0];
         let (o, i) = (self.out_features, self.in_features);
         let w = &params[..o * i];
-        let mut out = vec![0.0f32; n * o];
-        if self.bias {
+        // With a bias the output starts as its rows, appended: no zero fill first.
+        let mut out = if self.bias {
             let b = &params[o * i..];
-            for row in out.chunks_exact_mut(o) {
-                row.copy_from_slice(b);
+            let mut out = Vec::with_capacity(n * o);
+            for _ in 0..n {
+                out.extend_from_slice(b);
             }
-        }
+            out
+        } else {
+            vec![0.0f32; n * o]
+        };
         be.gemm(
             GemmShape { m: n, n: o, k: i, trans_a: false, trans_b: true },
             input.as_f32()?,

@@ -377,15 +377,15 @@ pub fn split_qkv<F: Copy + Default>(shape: AttnShape, qkv: &[F]) -> Result<Qkv<F
     let (embd, d) = (shape.embd(), shape.head_dim);
     shape.check("split_qkv input", qkv.len(), shape.batch * shape.seq * 3 * embd)?;
     let n = shape.numel();
-    let mut out = [vec![F::default(); n], vec![F::default(); n], vec![F::default(); n]];
-    for b in 0..shape.batch {
-        for t in 0..shape.seq {
-            let row = &qkv[(b * shape.seq + t) * 3 * embd..(b * shape.seq + t + 1) * 3 * embd];
-            for (part, dst) in out.iter_mut().enumerate() {
-                for h in 0..shape.heads {
-                    let src = &row[part * embd + h * d..part * embd + (h + 1) * d];
-                    let at = head_index(&shape, b, h, t, 0);
-                    dst[at..at + d].copy_from_slice(src);
+    // Each output is filled in its own order by appends: no zero fill of buffers that are
+    // overwritten whole.
+    let mut out = [Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n)];
+    for (part, dst) in out.iter_mut().enumerate() {
+        for b in 0..shape.batch {
+            for h in 0..shape.heads {
+                for t in 0..shape.seq {
+                    let at = (b * shape.seq + t) * 3 * embd + part * embd + h * d;
+                    dst.extend_from_slice(&qkv[at..at + d]);
                 }
             }
         }
@@ -403,15 +403,13 @@ pub fn split_qkv_backward<F: Copy + Default>(
     shape.check("split_qkv_backward dq", grads.dq.len(), n)?;
     shape.check("split_qkv_backward dk", grads.dk.len(), n)?;
     shape.check("split_qkv_backward dv", grads.dv.len(), n)?;
-    let mut out = vec![F::default(); shape.batch * shape.seq * 3 * embd];
+    let mut out = Vec::with_capacity(shape.batch * shape.seq * 3 * embd);
     for b in 0..shape.batch {
         for t in 0..shape.seq {
-            let row = &mut out[(b * shape.seq + t) * 3 * embd..(b * shape.seq + t + 1) * 3 * embd];
-            for (part, src) in [&grads.dq, &grads.dk, &grads.dv].into_iter().enumerate() {
+            for src in [&grads.dq, &grads.dk, &grads.dv] {
                 for h in 0..shape.heads {
                     let at = head_index(&shape, b, h, t, 0);
-                    row[part * embd + h * d..part * embd + (h + 1) * d]
-                        .copy_from_slice(&src[at..at + d]);
+                    out.extend_from_slice(&src[at..at + d]);
                 }
             }
         }
@@ -423,14 +421,13 @@ pub fn split_qkv_backward<F: Copy + Default>(
 /// `y.transpose(1, 2).contiguous().view(B, T, C)`; ATTN-4).
 pub fn merge_heads<F: Copy + Default>(shape: AttnShape, x: &[F]) -> Result<Vec<F>, ModelError> {
     shape.check("merge_heads input", x.len(), shape.numel())?;
-    let (embd, d) = (shape.embd(), shape.head_dim);
-    let mut out = vec![F::default(); shape.numel()];
+    let d = shape.head_dim;
+    let mut out = Vec::with_capacity(shape.numel());
     for b in 0..shape.batch {
         for t in 0..shape.seq {
             for h in 0..shape.heads {
                 let at = head_index(&shape, b, h, t, 0);
-                let to = (b * shape.seq + t) * embd + h * d;
-                out[to..to + d].copy_from_slice(&x[at..at + d]);
+                out.extend_from_slice(&x[at..at + d]);
             }
         }
     }
@@ -445,13 +442,12 @@ pub fn merge_heads_backward<F: Copy + Default>(
 ) -> Result<Vec<F>, ModelError> {
     shape.check("merge_heads_backward grad", grad.len(), shape.numel())?;
     let (embd, d) = (shape.embd(), shape.head_dim);
-    let mut out = vec![F::default(); shape.numel()];
+    let mut out = Vec::with_capacity(shape.numel());
     for b in 0..shape.batch {
-        for t in 0..shape.seq {
-            for h in 0..shape.heads {
-                let at = head_index(&shape, b, h, t, 0);
+        for h in 0..shape.heads {
+            for t in 0..shape.seq {
                 let from = (b * shape.seq + t) * embd + h * d;
-                out[at..at + d].copy_from_slice(&grad[from..from + d]);
+                out.extend_from_slice(&grad[from..from + d]);
             }
         }
     }
