@@ -22,7 +22,8 @@ use std::ops::Range;
 use crate::error::ModelError;
 use crate::model::{Ctx, InputGrad, UnitSaved};
 use crate::module::{
-    init_values, numel, Buffers, Grads, Loss, Module, Param, Params, RootModule, Saved,
+    backward_children, forward_children, init_values, numel, Buffers, Grads, Loss, Module, Param,
+    Params, RootModule, Saved,
 };
 use crate::spec::{ModelSpec, ParamSpec, UnitSpec};
 use crate::tensor::Tensor;
@@ -251,21 +252,6 @@ impl ModuleNet {
         })
     }
 
-    /// Per child of a body unit, where its parameters and buffers lie in the unit's buffers.
-    fn child_ranges(&self, r: Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
-        let (mut p, mut b) = (0, 0);
-        self.body[r]
-            .iter()
-            .map(|(_, m)| {
-                let (np, nb) = (numel(&m.params()), numel(&m.buffers()));
-                let out = (p..p + np, b..b + nb);
-                p += np;
-                b += nb;
-                out
-            })
-            .collect()
-    }
-
     /// The role of call `call`: the root's entry, its exit, or a body unit.
     fn call_unit(&self, call: usize) -> (usize, Role) {
         let n = self.units.len();
@@ -333,15 +319,7 @@ impl Network for ModuleNet {
             (Role::RootOut, Some(r)) => r.forward_out(p, x, ctx),
             _ => {
                 let r = self.body_unit(unit)?.unwrap_or(0..0);
-                let mut b = Buffers::new(buffers);
-                let mut saved = Vec::with_capacity(r.len());
-                let mut x = x;
-                for ((_, m), (rp, rb)) in self.body[r.clone()].iter().zip(self.child_ranges(r)) {
-                    let (y, s) = m.forward(p.slice(rp)?, b.slice(rb)?, x, ctx)?;
-                    saved.push(s);
-                    x = y;
-                }
-                Ok((x, Box::new(saved)))
+                forward_children(&self.body[r], p, Buffers::new(buffers), x, ctx)
             }
         }
     }
@@ -357,7 +335,7 @@ impl Network for ModuleNet {
             b.grads_out.fill(0.0); // NET-1: the modules add.
         }
         let p = Params::new(b.params);
-        let mut g = Grads::new(b.grads_out);
+        let g = Grads::new(b.grads_out);
         let root = self.root.as_ref().map(|(_, r)| r);
         match (role, root) {
             (Role::RootIn, Some(r)) => {
@@ -369,15 +347,7 @@ impl Network for ModuleNet {
             }
             _ => {
                 let r = self.body_unit(unit)?.unwrap_or(0..0);
-                let mut saved: Vec<Saved> = crate::module::unsave(b.saved, "module unit")?;
-                let mut dy = b.grad_output;
-                for ((_, m), (rp, _)) in self.body[r.clone()].iter().zip(self.child_ranges(r)).rev()
-                {
-                    let s = saved
-                        .pop()
-                        .ok_or_else(|| ModelError::Config("module unit: saved".into()))?;
-                    dy = m.backward(p.slice(rp.clone())?, s, dy, g.slice(rp)?, ctx)?;
-                }
+                let dy = backward_children(&self.body[r], p, b.saved, b.grad_output, g, ctx)?;
                 Ok(if b.input_grad { InputGrad::Ready(dy) } else { InputGrad::Skipped })
             }
         }

@@ -36,21 +36,6 @@ impl Sequential {
     pub fn children(&self) -> &[(String, Box<dyn Module>)] {
         &self.children
     }
-
-    /// Per child, where its parameters and buffers lie in the sequence's views.
-    fn ranges(&self) -> Vec<(Range<usize>, Range<usize>)> {
-        let (mut p, mut b) = (0, 0);
-        self.children
-            .iter()
-            .map(|(_, m)| {
-                let (np, nb) = (numel(&m.params()), numel(&m.buffers()));
-                let r = (p..p + np, b..b + nb);
-                p += np;
-                b += nb;
-                r
-            })
-            .collect()
-    }
 }
 
 impl Module for Sequential {
@@ -71,36 +56,73 @@ impl Module for Sequential {
     fn forward(
         &self,
         p: Params<'_>,
-        mut b: Buffers<'_>,
-        mut x: Tensor,
+        b: Buffers<'_>,
+        x: Tensor,
         ctx: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
-        let ranges = self.ranges();
-        let mut saved = Vec::with_capacity(self.children.len());
-        for ((_, m), (rp, rb)) in self.children.iter().zip(ranges) {
-            let (y, s) = m.forward(p.slice(rp)?, b.slice(rb)?, x, ctx)?;
-            saved.push(s);
-            x = y;
-        }
-        Ok((x, Box::new(saved)))
+        forward_children(&self.children, p, b, x, ctx)
     }
 
     fn backward(
         &self,
         p: Params<'_>,
         saved: Saved,
-        mut dy: Tensor,
-        mut g: Grads<'_>,
+        dy: Tensor,
+        g: Grads<'_>,
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError> {
-        let mut saved: Vec<Saved> = unsave(saved, "Sequential")?;
-        let ranges = self.ranges();
-        for ((_, m), (rp, _)) in self.children.iter().zip(ranges).rev() {
-            let s = saved.pop().ok_or_else(|| ModelError::Config("Sequential: saved".into()))?;
-            dy = m.backward(p.slice(rp.clone())?, s, dy, g.slice(rp)?, ctx)?;
-        }
-        Ok(dy)
+        backward_children(&self.children, p, saved, dy, g, ctx)
     }
+}
+
+/// Per child, where its parameters and buffers lie in the views of the whole run.
+fn child_ranges(children: &[(String, Box<dyn Module>)]) -> Vec<(Range<usize>, Range<usize>)> {
+    let (mut p, mut b) = (0, 0);
+    children
+        .iter()
+        .map(|(_, m)| {
+            let (np, nb) = (numel(&m.params()), numel(&m.buffers()));
+            let r = (p..p + np, b..b + nb);
+            p += np;
+            b += nb;
+            r
+        })
+        .collect()
+}
+
+/// Runs `children` in order over their slices of `p` and `b` (a [`Sequential`], or a
+/// network's unit of several top-level children); saves each child's state.
+pub(crate) fn forward_children(
+    children: &[(String, Box<dyn Module>)],
+    p: Params<'_>,
+    mut b: Buffers<'_>,
+    mut x: Tensor,
+    ctx: &Ctx,
+) -> Result<(Tensor, Saved), ModelError> {
+    let mut saved = Vec::with_capacity(children.len());
+    for ((_, m), (rp, rb)) in children.iter().zip(child_ranges(children)) {
+        let (y, s) = m.forward(p.slice(rp)?, b.slice(rb)?, x, ctx)?;
+        saved.push(s);
+        x = y;
+    }
+    Ok((x, Box::new(saved)))
+}
+
+/// The backward of [`forward_children`], children in reverse; returns the input gradient.
+pub(crate) fn backward_children(
+    children: &[(String, Box<dyn Module>)],
+    p: Params<'_>,
+    saved: Saved,
+    mut dy: Tensor,
+    mut g: Grads<'_>,
+    ctx: &Ctx,
+) -> Result<Tensor, ModelError> {
+    let mut saved: Vec<Saved> = unsave(saved, "Sequential")?;
+    for ((_, m), (rp, _)) in children.iter().zip(child_ranges(children)).rev() {
+        let s = saved.pop().ok_or_else(|| ModelError::Config("Sequential: saved".into()))?;
+        dy = m.backward(p.slice(rp.clone())?, s, dy, g.slice(rp)?, ctx)?;
+    }
+    Ok(dy)
 }
 
 /// `x + f(x)`: the residual connection of a transformer or ResNet block.

@@ -72,6 +72,7 @@
 //!   prefixed with the child's name; the views a child gets are exactly its own slice.
 
 mod compose;
+pub(crate) use compose::{backward_children, forward_children};
 pub mod gpt;
 mod layers;
 mod loss;
