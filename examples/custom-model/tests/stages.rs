@@ -11,9 +11,18 @@ fn job(stage: u8, world: usize) -> Job {
     Job { model, stage, world, steps: 8, batch: 8, lr: 1e-2, seed: 3 }
 }
 
+/// Ranks wait on each other: a run that hangs fails the test after this long.
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
+
 fn losses(stage: u8, world: usize) -> Vec<f32> {
-    let s =
-        job(stage, world).run().unwrap_or_else(|e| panic!("stage {stage}, world {world}: {e:#}"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(job(stage, world).run().map_err(|e| format!("{e:#}")));
+    });
+    let s = rx
+        .recv_timeout(DEADLINE)
+        .unwrap_or_else(|_| panic!("stage {stage}, world {world}: no result within {DEADLINE:?}"))
+        .unwrap_or_else(|e| panic!("stage {stage}, world {world}: {e}"));
     assert_eq!(s.stage, stage);
     assert!(s.test_loss.is_finite());
     s.losses
