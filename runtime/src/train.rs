@@ -213,6 +213,9 @@ pub struct Summary {
     pub test_accuracy: f64,
     /// Mean loss over the test set after training (for `gpt`: nats per held-out token).
     pub test_loss: f32,
+    /// Predictions scored by the evaluation (samples, or tokens); 0 when the data set has no
+    /// held-out part (a `.bin` token file).
+    pub test_count: u64,
     /// Final loss (mean over the last global batch).
     pub final_loss: f32,
     /// Steps per second (wall).
@@ -813,8 +816,12 @@ pub fn run_network(
 /// Prints the summary block of a finished run.
 pub fn print_summary(s: &Summary, trackers: &[MemoryTracker]) {
     println!("summary:");
-    println!("  test accuracy     {:.2}%", s.test_accuracy * 100.0);
-    println!("  test loss         {:.4}", s.test_loss);
+    if s.test_count == 0 {
+        println!("  test              none (the data set has no held-out part)");
+    } else {
+        println!("  test accuracy     {:.2}%", s.test_accuracy * 100.0);
+        println!("  test loss         {:.4}", s.test_loss);
+    }
     println!("  final loss        {:.4}", s.final_loss);
     println!(
         "  steps             {} ({} in this run) in {:.1} s, {:.1} steps/s",

@@ -510,6 +510,7 @@ async fn steps<P: Placement>(
         total_steps: done,
         test_accuracy: if count > 0 { correct as f64 / count as f64 } else { 0.0 },
         test_loss,
+        test_count: count,
         final_loss: losses.last().copied().unwrap_or(f32::NAN),
         steps_per_s: if loop_s > 0.0 { run_steps as f64 / loop_s } else { 0.0 },
         median_step_s: train::median(&mut step_times),
