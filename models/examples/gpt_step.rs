@@ -160,6 +160,7 @@ fn main() -> Result<(), shardline_models::ModelError> {
         n_embd: 256,
         bias: true,
         layernorm_eps: 1e-5,
+        dropout: 0.0,
     };
     if args.first().map(String::as_str) == Some("--limit") {
         let batch: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(BATCH).max(1);

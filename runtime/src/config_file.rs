@@ -9,6 +9,7 @@
 //! n_head = 4
 //! n_embd = 128
 //! block_size = 64
+//! dropout = 0.1
 //!
 //! [faults]
 //! specs = ["kill:rank=1:step=3"]
@@ -36,6 +37,8 @@ pub struct ModelTable {
     pub n_embd: Option<usize>,
     /// `--block-size`.
     pub block_size: Option<usize>,
+    /// `--dropout`.
+    pub dropout: Option<f64>,
 }
 
 /// A config file's tables.
@@ -75,6 +78,7 @@ impl ModelTable {
         cfg.n_head = cfg.n_head.or(self.n_head);
         cfg.n_embd = cfg.n_embd.or(self.n_embd);
         cfg.block_size = cfg.block_size.or(self.block_size);
+        cfg.dropout = cfg.dropout.or(self.dropout);
     }
 }
 

@@ -112,6 +112,9 @@ pub struct TrainConfig {
     /// `gpt`: context length in tokens (default 64).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<usize>,
+    /// `gpt`: nanoGPT's dropout probability while training (default 0: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
     /// Compute threads per rank.
     pub threads: usize,
     /// Where the kernels run (`--device`).
@@ -193,6 +196,7 @@ impl Default for TrainConfig {
             n_head: None,
             n_embd: None,
             block_size: None,
+            dropout: None,
             threads: 1,
             device: crate::engine::Device::Cpu,
             timeout_s: 60,
@@ -304,6 +308,7 @@ pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
         n_embd: cfg.n_embd.unwrap_or(e),
         bias: true,
         layernorm_eps: 1e-5,
+        dropout: cfg.dropout.unwrap_or(0.0),
     };
     for (flag, v) in [
         ("--n-layer", g.n_layer),
@@ -314,6 +319,9 @@ pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
         if v == 0 {
             return Err(RuntimeError::config(format!("{flag} must be at least 1")));
         }
+    }
+    if !(0.0..1.0).contains(&g.dropout) {
+        return Err(RuntimeError::config(format!("--dropout {} must be in [0, 1)", g.dropout)));
     }
     if !g.n_embd.is_multiple_of(g.n_head) {
         return Err(RuntimeError::config(format!(

@@ -73,6 +73,14 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
         (&["--sync-bn", "maybe"], "--sync-bn"),
         (&["--world", "257"], "at most 256 run here"),
         (&["--dataset", "synthetic", "--samples", "0"], "the training set of 'synthetic' is empty"),
+        (
+            &["--model", "gpt", "--dataset", "text", "--dropout", "1.5"],
+            "--dropout 1.5 must be in [0, 1)",
+        ),
+        (
+            &["--model", "gpt", "--dataset", "text", "--n-embd", "30", "--n-head", "4"],
+            "--n-embd 30 is not divisible by --n-head 4",
+        ),
     ];
     for (extra, needle) in cases {
         let o = run_small(extra);

@@ -13,14 +13,21 @@
 //!   zero biases, unit LayerNorm gains.
 //! - `MGPT-2`: `transformer.wte.weight`'s gradient sums the output head's use and the
 //!   embedding's (GPT-2), both in the root unit before it is reduced.
+//! - `MGPT-3`: with `dropout > 0`, training drops where nanoGPT's dropout layers do:
+//!   `transformer.drop` (the embeddings' sum, dropout layer 0), and each block's
+//!   `attn.resid_dropout` and `mlp.dropout` (the two residual branches' outputs, layers
+//!   `1 + 2 i` and `2 + 2 i` of block `i`), each keyed as DROP-1 says, so any world size
+//!   and a resumed run draw the same masks. nanoGPT's `attn_dropout` (on the attention
+//!   weights) is not applied. `dropout = 0` builds no dropout module at all.
 
-use super::layers::{Activation, CausalSelfAttention, LayerNorm, Linear};
+use super::layers::{Activation, CausalSelfAttention, Dropout, LayerNorm, Linear};
 use super::{unsave, Grads, Init, Param, Params, Residual, RootModule, Saved, Sequential};
 use crate::error::ModelError;
 use crate::layers::{self, LinearSaved};
 use crate::model::Ctx;
 use crate::module::{Module, TokenCrossEntropy};
 use crate::network::ModuleNet;
+use crate::nn::dropout::DropoutKey;
 use crate::nn::{self, GptConfig, LayerNormSaved};
 use crate::tensor::Tensor;
 
@@ -35,6 +42,8 @@ pub struct GptRoot {
     block: usize,
     embd: usize,
     ln_f: LayerNorm,
+    /// `transformer.drop`'s probability (MGPT-3).
+    dropout: f64,
 }
 
 impl GptRoot {
@@ -46,6 +55,20 @@ impl GptRoot {
 
     fn head(&self) -> layers::Linear {
         layers::Linear { in_features: self.embd, out_features: self.vocab, bias: false }
+    }
+
+    /// `transformer.drop` over `[batch, t, embd]` while training (MGPT-3: dropout layer 0),
+    /// or `None` where it is the identity.
+    fn drop(
+        &self,
+        t: usize,
+        ctx: &Ctx,
+    ) -> Result<Option<(nn::dropout::Dropout, DropoutKey)>, ModelError> {
+        if !ctx.training || self.dropout == 0.0 {
+            return Ok(None);
+        }
+        let key = DropoutKey { seed: ctx.seed, step: ctx.step, layer: 0 };
+        Ok(Some((nn::dropout::Dropout::new(self.dropout, t * self.embd)?, key)))
     }
 }
 
@@ -66,7 +89,12 @@ impl RootModule for GptRoot {
         v
     }
 
-    fn forward_in(&self, p: Params<'_>, x: Tensor, _: &Ctx) -> Result<(Tensor, Saved), ModelError> {
+    fn forward_in(
+        &self,
+        p: Params<'_>,
+        x: Tensor,
+        ctx: &Ctx,
+    ) -> Result<(Tensor, Saved), ModelError> {
         let (wte, wpe, _) = self.ranges();
         let (b, t) = match x.shape() {
             &[b, t] if (1..=self.block).contains(&t) => (b, t),
@@ -86,6 +114,11 @@ impl RootModule for GptRoot {
             let at = (i % t) * e;
             row.iter_mut().zip(&pos[at..at + e]).for_each(|(a, w)| *a += w);
         }
+        if let Some((d, key)) = self.drop(t, ctx)? {
+            let mut dropped = vec![0.0f32; y.len()];
+            d.forward(key, ctx.first_sample as u64, &y, &mut dropped)?;
+            y = dropped;
+        }
         Ok((Tensor::new(vec![b, t, e], y)?, Box::new(x)))
     }
 
@@ -95,11 +128,19 @@ impl RootModule for GptRoot {
         saved: Saved,
         dy: Tensor,
         mut g: Grads<'_>,
-        _: &Ctx,
+        ctx: &Ctx,
     ) -> Result<(), ModelError> {
         let x: Tensor = unsave(saved, "gpt root (in)")?;
         let (wte, wpe, _) = self.ranges();
         let (e, t) = (self.embd, x.shape()[1]);
+        let dy = match self.drop(t, ctx)? {
+            Some((d, key)) => {
+                let mut dx = vec![0.0f32; dy.numel()];
+                d.backward(key, ctx.first_sample as u64, dy.as_f32()?, &mut dx)?;
+                Tensor::new(dy.shape().to_vec(), dx)?
+            }
+            None => dy,
+        };
         let d = dy.as_f32()?;
         nn::Embedding::new(self.vocab, e).backward(x.as_u32()?, d, g.slice(wte)?.f32_mut()?)?;
         let mut gp = g.slice(wpe)?;
@@ -164,8 +205,9 @@ impl RootModule for GptRoot {
 }
 
 /// Block `layer` of a `gpt`: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (nanoGPT's
-/// `Block`, with its names).
-pub fn block(cfg: &GptConfig) -> Result<Sequential, ModelError> {
+/// `Block`, with its names), each branch ending in its dropout when `cfg.dropout > 0`
+/// (MGPT-3).
+pub fn block(cfg: &GptConfig, layer: usize) -> Result<Sequential, ModelError> {
     let (e, bias) = (cfg.n_embd, cfg.bias);
     let ln = || LayerNorm(nn::LayerNorm { dim: e, eps: cfg.layernorm_eps as f32, bias });
     let proj = Init::Normal(STD / ((2 * cfg.n_layer) as f32).sqrt());
@@ -173,12 +215,18 @@ pub fn block(cfg: &GptConfig) -> Result<Sequential, ModelError> {
     let mut attn = CausalSelfAttention::new(e, cfg.n_head, bias)?;
     attn.c_attn = attn.c_attn.with_init(w, z);
     attn.c_proj = attn.c_proj.with_init(proj, z);
-    let mlp = Sequential::new()
+    let mut mlp = Sequential::new()
         .push("c_fc", Linear::new(e, 4 * e, bias).with_init(w, z))
         .push("", Activation::Gelu)
         .push("c_proj", Linear::new(4 * e, e, bias).with_init(proj, z));
+    let mut attn_branch = Sequential::new().push("ln_1", ln()).push("attn", attn);
+    if cfg.dropout > 0.0 {
+        let drop = |k: usize| Dropout { p: cfg.dropout, layer: (1 + 2 * layer + k) as u64 };
+        attn_branch = attn_branch.push("", drop(0));
+        mlp = mlp.push("", drop(1));
+    }
     Ok(Sequential::new()
-        .push("", Residual::new(Sequential::new().push("ln_1", ln()).push("attn", attn)))
+        .push("", Residual::new(attn_branch))
         .push("", Residual::new(Sequential::new().push("ln_2", ln()).push("mlp", mlp))))
 }
 
@@ -194,10 +242,11 @@ pub fn gpt(cfg: &GptConfig) -> Result<ModuleNet, ModelError> {
             eps: cfg.layernorm_eps as f32,
             bias: cfg.bias,
         }),
+        dropout: cfg.dropout,
     };
     let mut net = ModuleNet::new("gpt", TokenCrossEntropy).root("transformer", root);
     for i in 0..cfg.n_layer {
-        net = net.push(&format!("transformer.h.{i}"), block(cfg)?);
+        net = net.push(&format!("transformer.h.{i}"), block(cfg, i)?);
     }
     Ok(net)
 }
@@ -217,6 +266,7 @@ mod tests {
             n_embd: 8,
             bias,
             layernorm_eps: 1e-5,
+            dropout: 0.0,
         }
     }
 

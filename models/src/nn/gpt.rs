@@ -44,9 +44,11 @@
 //!   zero gradient. A ragged batch or a sequence longer than `block_size` is a
 //!   [`ModelError::Shape`]; a token id `>= vocab_size` is [`ModelError::OutOfRange`] (EMB-3).
 //! - `GPT-6`: a configuration nanoGPT's model would not compute the same way is refused
-//!   with a [`ModelError::Config`] naming the field: `gelu` other than `"erf"`, `dropout`
-//!   other than 0, `tied_lm_head` false, a zero size, `n_embd` not a multiple of `n_head`,
-//!   a `layernorm_eps` that is not positive.
+//!   with a [`ModelError::Config`] naming the field: `gelu` other than `"erf"`,
+//!   `tied_lm_head` false, a zero size, `n_embd` not a multiple of `n_head`, a
+//!   `layernorm_eps` that is not positive, a `dropout` outside `[0, 1)`. This decoder
+//!   computes no dropout: its [`GptConfig::forward`] refuses a `dropout` other than 0 (the
+//!   module model, [`crate::module::gpt`], applies it).
 
 use std::ops::Range;
 
@@ -74,8 +76,8 @@ const ATTN_BLOCK: usize = 64;
 /// nanoGPT's `GPTConfig`, as the reference vectors' `config.json` `"model"` object holds it.
 ///
 /// Deserializing checks the fields that describe how the model computes but that this
-/// decoder has no choice about (`gelu`, `dropout`, `tied_lm_head`; absent means nanoGPT's
-/// default) and the sizes, and refuses what it cannot compute (GPT-6).
+/// decoder has no choice about (`gelu`, `tied_lm_head`; absent means nanoGPT's default) and
+/// the sizes, and refuses what it cannot compute (GPT-6).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(try_from = "RawGptConfig")]
 pub struct GptConfig {
@@ -93,6 +95,11 @@ pub struct GptConfig {
     pub bias: bool,
     /// LayerNorm's `eps` (torch's default `1e-5`).
     pub layernorm_eps: f64,
+    /// nanoGPT's `dropout`: the drop probability of the embeddings' and each block's two
+    /// residual-branch outputs while training (0: none). Absent in older configurations,
+    /// meaning 0.
+    #[serde(default)]
+    pub dropout: f64,
 }
 
 fn default_bias() -> bool {
@@ -132,11 +139,6 @@ impl TryFrom<RawGptConfig> for GptConfig {
                 "gpt: gelu \"{g}\" is not supported; the decoder computes the exact (\"erf\") GELU"
             )));
         }
-        if let Some(p) = raw.dropout.filter(|p| *p != 0.0) {
-            return Err(ModelError::Config(format!(
-                "gpt: dropout {p} is not supported; the decoder has no dropout (0)"
-            )));
-        }
         if raw.tied_lm_head == Some(false) {
             return Err(ModelError::Config(
                 "gpt: tied_lm_head false is not supported; the output projection is transformer.wte.weight"
@@ -151,6 +153,7 @@ impl TryFrom<RawGptConfig> for GptConfig {
             n_embd: raw.n_embd,
             bias: raw.bias,
             layernorm_eps: raw.layernorm_eps,
+            dropout: raw.dropout.unwrap_or(0.0),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -272,6 +275,12 @@ impl GptConfig {
             return Err(ModelError::Config(format!(
                 "gpt: layernorm_eps {} must be positive",
                 self.layernorm_eps
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ModelError::Config(format!(
+                "gpt: dropout {} must be in [0, 1)",
+                self.dropout
             )));
         }
         Ok(())
@@ -412,6 +421,12 @@ impl GptConfig {
         tokens: &[S],
     ) -> Result<(Vec<T>, GptSaved<T>), ModelError> {
         self.validate()?;
+        if self.dropout != 0.0 {
+            return Err(ModelError::Config(format!(
+                "gpt: dropout {}: this decoder computes none (GPT-6); train the module model",
+                self.dropout
+            )));
+        }
         let r = self.ranges();
         check_len("gpt params", params.len(), r.total)?;
         let (batch, seq, ids) = self.tokens(tokens)?;
@@ -579,6 +594,7 @@ mod tests {
             n_embd: 4,
             bias,
             layernorm_eps: 1e-5,
+            dropout: 0.0,
         }
     }
 
@@ -759,12 +775,20 @@ mod tests {
                 n_head: 4,
                 n_embd: 32,
                 bias: true,
-                layernorm_eps: 1e-5
+                layernorm_eps: 1e-5,
+                dropout: 0.0,
             }
         );
+        // A dropout is read (the module model applies it); this decoder refuses to compute it.
+        let with_dropout = json.replace(r#""dropout": 0.0"#, r#""dropout": 0.1"#);
+        let cfg: GptConfig = serde_json::from_str(&with_dropout).unwrap();
+        assert_eq!(cfg.dropout, 0.1);
+        let p = vec![0.0f64; cfg.num_params()];
+        let err = cfg.forward(&p, &[[1u32, 2]]).unwrap_err().to_string();
+        assert!(err.contains("dropout"), "{err}");
         for (from, to, field) in [
             (r#""gelu": "erf""#, r#""gelu": "tanh""#, "gelu"),
-            (r#""dropout": 0.0"#, r#""dropout": 0.1"#, "dropout"),
+            (r#""dropout": 0.0"#, r#""dropout": 1.0"#, "dropout"),
             (r#""tied_lm_head": true"#, r#""tied_lm_head": false"#, "tied_lm_head"),
             (r#""n_head": 4"#, r#""n_head": 5"#, "n_head"),
             (r#""n_layer": 2"#, r#""n_layer": 0"#, "n_layer"),

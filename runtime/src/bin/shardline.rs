@@ -241,6 +241,11 @@ struct TrainArgs {
     /// text [default: 64].
     #[arg(long)]
     block_size: Option<usize>,
+    /// gpt: drop probability of nanoGPT's dropout layers while training (the embeddings'
+    /// sum and each block's two residual branches; not the attention weights), in [0, 1)
+    /// [default: 0].
+    #[arg(long)]
+    dropout: Option<f64>,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 10)]
     epochs: u64,
@@ -373,7 +378,7 @@ struct TrainArgs {
     #[arg(long)]
     fault_seed: Option<u64>,
     /// TOML config file: its `[model]` table (`name`, and gpt's `n_layer`, `n_head`,
-    /// `n_embd`, `block_size`) and its `[faults]` table (`specs = [...]`, `seed = N`, the
+    /// `n_embd`, `block_size`, `dropout`) and its `[faults]` table (`specs = [...]`, `seed = N`, the
     /// fault plan); flags given on the command line win over the file.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -461,6 +466,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         n_head: a.n_head,
         n_embd: a.n_embd,
         block_size: a.block_size,
+        dropout: a.dropout,
         threads: a.threads,
         device: Device::Cpu,
         timeout_s: a.timeout,

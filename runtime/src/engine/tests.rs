@@ -416,6 +416,7 @@ fn net1_gpt_step_equals_the_checked_decoder_at_any_world() {
         n_embd: 8,
         bias: true,
         layernorm_eps: 1e-5,
+        dropout: 0.0,
     };
     let net: Arc<dyn Network> = Arc::new(shardline_models::module::gpt::gpt(&g).unwrap());
     let spec = net.spec();

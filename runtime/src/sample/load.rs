@@ -98,6 +98,7 @@ fn config_of(m: &Manifest, n_head: Option<usize>) -> std::result::Result<GptConf
         n_embd,
         bias: shape("transformer.ln_f.bias").is_ok(),
         layernorm_eps: 1e-5,
+        dropout: 0.0,
     };
     g.validate().map_err(|e| format!("with --n-head {n_head}: {e}"))?;
     Ok(g)

@@ -101,6 +101,7 @@ mod tests {
             n_embd: 8,
             bias: true,
             layernorm_eps: 1e-5,
+            dropout: 0.0,
         };
         let mut rng = SplitMix64::new(1);
         let params = (0..config.num_params()).map(|_| 0.2 * rng.normal()).collect();
