@@ -43,6 +43,7 @@ pub mod doctor;
 pub mod driver;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod fault;
 pub mod interrupt;
 pub mod launch;
