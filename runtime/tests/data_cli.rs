@@ -192,4 +192,14 @@ fn eval_of_a_missing_checkpoint_or_unfit_data_exits_2() {
         "shape",
     );
     expect_exit_2(&shardline(&["eval", &ck, "--world", "0"]), &["--world 0"], "world");
+    // 8x8 images like the digits', but labels past the model's ten classes.
+    let data = dir.path().join("idx");
+    idx::write_dir(&data, (30, 24), (8, 8), 12, false).expect("write idx");
+    let ds = format!("idx:{}", data.display());
+    let o = shardline(&["eval", &ck, "--dataset", &ds]);
+    expect_exit_2(
+        &o,
+        &[&ds, "in 12 classes do not fit", "[10, 16] in the checkpoint, [12, 16]"],
+        "classes",
+    );
 }
