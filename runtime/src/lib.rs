@@ -39,6 +39,7 @@
 pub mod actors;
 pub mod checkpoint;
 pub mod config_file;
+pub mod dataset;
 pub mod doctor;
 pub mod driver;
 pub mod engine;
