@@ -39,10 +39,12 @@
 pub mod actors;
 pub mod checkpoint;
 pub mod config_file;
+pub mod dataset;
 pub mod doctor;
 pub mod driver;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod fault;
 pub mod interrupt;
 pub mod launch;

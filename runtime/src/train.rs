@@ -12,8 +12,8 @@ use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use serde::{Deserialize, Serialize};
+use shardline_models::data::source::FileData;
 use shardline_models::nn::GptConfig;
-use shardline_models::text::{Split, TextCorpus};
 use shardline_models::{convert_sync_batchnorm, zoo, Dataset, Model, Network, WrapPolicy};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,6 +40,8 @@ pub enum StageChoice {
     Auto,
 }
 
+pub use crate::dataset::{load_corpus, load_data, load_data_with_origin};
+
 /// Everything a training run is configured by.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -49,8 +51,12 @@ pub struct TrainConfig {
     pub stage: StageChoice,
     /// Zoo model name.
     pub model: String,
-    /// `digits` or `synthetic`.
+    /// `digits`, `synthetic`, `fashion-mnist`, `idx:DIR`, `csv:PATH`, `npy:X,Y`, `text` or
+    /// `text:PATH`.
     pub dataset: String,
+    /// `--data-scale`: CSV and `.npy` values are divided by it (none: used as they are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_scale: Option<f32>,
     /// Epochs (ignored when `steps` is set).
     pub epochs: u64,
     /// Total optimizer steps (overrides epochs).
@@ -168,6 +174,7 @@ impl Default for TrainConfig {
             stage: StageChoice::Fixed(Stage::Zero3),
             model: "mlp-bn".into(),
             dataset: "digits".into(),
+            data_scale: None,
             epochs: 10,
             steps: None,
             batch_size: 64,
@@ -271,6 +278,15 @@ pub fn build_model(cfg: &TrainConfig, input_shape: &[usize], classes: usize) -> 
         }
         "convnet-bn" => {
             let mut m = zoo::ConvNetBn::digits();
+            // DATA-6: the data set's [C, H, W]; the convolutions take any H and W.
+            m.input = match input_shape {
+                [c, h, w] => [*c, *h, *w],
+                other => {
+                    return Err(RuntimeError::config(format!(
+                        "convnet-bn needs image samples [C, H, W], not {other:?}"
+                    )))
+                }
+            };
             if let Some(h) = cfg.hidden {
                 m.widths = vec![h, 2 * h];
             }
@@ -333,58 +349,6 @@ pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
     Ok(g)
 }
 
-/// The text corpus of `--dataset text[:PATH]` (the bundled one without a path); errors
-/// name the path.
-pub fn load_corpus(dataset: &str) -> Result<TextCorpus> {
-    match dataset.strip_prefix("text:") {
-        Some(path) => TextCorpus::open(std::path::Path::new(path))
-            .map_err(|e| RuntimeError::config(format!("--dataset {dataset}: {e}"))),
-        None => Ok(TextCorpus::bundled()),
-    }
-}
-
-/// Loads the data set named in the config: (train, test).
-pub fn load_data(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
-    if cfg.dataset == "text" || cfg.dataset.starts_with("text:") {
-        let corpus = load_corpus(&cfg.dataset)?;
-        let block = cfg.block_size.unwrap_or(GPT_DEFAULTS.3);
-        corpus.check_block(block).map_err(|e| {
-            RuntimeError::config(format!(
-                "--dataset {} with --block-size {block}: {e}",
-                cfg.dataset
-            ))
-        })?;
-        // An epoch draws about one window per `block` training tokens (each token seen about
-        // once per epoch), at least one global batch.
-        let n = (corpus.split(Split::Train).len() / block).max(cfg.batch_size);
-        let data = |split, n| {
-            Dataset::from_text(&corpus, split, block, n, cfg.seed).map_err(RuntimeError::from_model)
-        };
-        let train = data(Split::Train, n)?;
-        let test = if corpus.has_validation() {
-            data(Split::Validation, usize::MAX)?
-        } else {
-            data(Split::Train, 0)?
-        };
-        return Ok((train, test));
-    }
-    match cfg.dataset.as_str() {
-        "digits" => {
-            let d = Dataset::digits(image).map_err(RuntimeError::from_model)?;
-            Ok(d.split(0.2, 1234))
-        }
-        "synthetic" => {
-            let n = cfg.samples + cfg.samples / 4;
-            let d = Dataset::synthetic(n, cfg.input_dim, cfg.classes, cfg.seed ^ 0xDA7A)
-                .map_err(RuntimeError::from_model)?;
-            Ok(d.split(0.2, 1234))
-        }
-        other => Err(RuntimeError::config(format!(
-            "unknown dataset '{other}' (choose digits, synthetic, text or text:PATH)"
-        ))),
-    }
-}
-
 /// The default bound on unreduced gradients in flight (stages 2 and 3): two of the largest
 /// unit, so that one reduction overlaps the next unit's backward (ENG-7).
 pub fn reduce_budget(layout: &ShardedModelLayout) -> u64 {
@@ -420,6 +384,19 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     }
     if cfg.steps == Some(0) || (cfg.steps.is_none() && cfg.epochs == 0) {
         return Err(RuntimeError::config("nothing to do: --epochs or --steps must be at least 1"));
+    }
+    if let Some(s) = cfg.data_scale {
+        if !(s.is_finite() && s > 0.0) {
+            return Err(RuntimeError::config(format!(
+                "--data-scale {s} must be a positive number"
+            )));
+        }
+        if !matches!(FileData::parse(&cfg.dataset), Some(Ok(f)) if f.takes_scale()) {
+            return Err(RuntimeError::config(format!(
+                "--data-scale applies to csv:PATH and npy:X,Y data, not '{}'",
+                cfg.dataset
+            )));
+        }
     }
     Ok(())
 }
@@ -499,6 +476,9 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
     struct H<'a> {
         model: &'a str,
         dataset: &'a str,
+        /// Absent when unset, so earlier checkpoints still match.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        data_scale: Option<f32>,
         batch: usize,
         lr: f32,
         optimizer: &'a str,
@@ -525,6 +505,7 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
     checkpoint::config_hash(&H {
         model: &cfg.model,
         dataset: &cfg.dataset,
+        data_scale: cfg.data_scale,
         batch: cfg.batch_size,
         lr: cfg.lr,
         optimizer: &cfg.optimizer,
@@ -583,6 +564,8 @@ pub struct JobPlan {
     pub hash: String,
     /// The decoder's configuration when the model is `gpt` (recorded in checkpoints).
     pub gpt: Option<GptConfig>,
+    /// Where data read from files came from and how its test split was made.
+    pub data_origin: Option<String>,
 }
 
 /// Whether the job is a language model on text: `--model gpt` with `--dataset text[:PATH]`
@@ -609,7 +592,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     validate(cfg)?;
     let image = cfg.model == "convnet-bn";
     let text = train_on_text(cfg)?;
-    let (train, test) = load_data(cfg, image)?;
+    let (train, test, data_origin) = load_data_with_origin(cfg, image)?;
     if text {
         let g = gpt_config(cfg, train.classes)?;
         let net = shardline_models::module::gpt::gpt(&g)
@@ -617,7 +600,7 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
         let net =
             if cfg.wrap_params > 0 { net.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { net };
         let p = plan_network(cfg, Arc::new(net), train, test)?;
-        return Ok(JobPlan { gpt: Some(g), ..p });
+        return Ok(JobPlan { gpt: Some(g), data_origin, ..p });
     }
     let mut model = build_model(cfg, &train.sample_shape, train.classes)?;
     // A zoo model follows the mode whether or not it has BatchNorm (one without ignores it).
@@ -627,7 +610,8 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     } else if cfg.world > 1 && model.has_local_batchnorm() {
         tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
     }
-    job_plan(cfg, Arc::new(model), sync, train, test)
+    let p = job_plan(cfg, Arc::new(model), sync, train, test)?;
+    Ok(JobPlan { data_origin, ..p })
 }
 
 /// Validates `cfg` and derives the plan of a job that trains `model` on `train` and
@@ -728,6 +712,7 @@ fn job_plan(
         engine,
         hash,
         gpt: None,
+        data_origin: None,
     })
 }
 
@@ -747,6 +732,9 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         cfg.batch_size,
         p.total_steps
     );
+    if let Some(origin) = &p.data_origin {
+        println!("  data: {origin}");
+    }
     if cfg.device != crate::engine::Device::Cpu {
         println!(
             "  device: {} (matrix multiplies and elementwise kernels on the GPU; shards, \
@@ -777,6 +765,10 @@ pub fn loader_position(
 /// read off the parameter shapes, and `shardline sample` must rebuild the same decoder.
 pub const GPT_CONFIG_KEY: &str = "gpt_config";
 
+/// Key of the manifest's `extra` entry holding the job's [`TrainConfig`]: `shardline eval`
+/// rebuilds the model from it (sizes such as `--hidden` are not all readable off the shapes).
+pub const TRAIN_CONFIG_KEY: &str = "train_config";
+
 /// The manifest fields of a checkpoint of this job at `position`.
 pub fn checkpoint_meta(
     cfg: &TrainConfig,
@@ -790,6 +782,9 @@ pub fn checkpoint_meta(
     let mut extra = BTreeMap::new();
     if let Some(g) = gpt.and_then(|g| serde_json::to_value(g).ok()) {
         extra.insert(GPT_CONFIG_KEY.to_string(), g);
+    }
+    if let Ok(c) = serde_json::to_value(cfg) {
+        extra.insert(TRAIN_CONFIG_KEY.to_string(), c);
     }
     CheckpointMeta {
         world: cfg.world,

@@ -1,5 +1,6 @@
 //! Data sets: the digits set shipped in the repository, a synthetic teacher-labelled set,
-//! deterministic splits, and the distributed sampler.
+//! data read from files ([`idx`], [`csv`], [`npy`]; named by `--dataset` in [`source`]),
+//! Fashion-MNIST ([`fashion`]), deterministic splits, and the distributed sampler.
 //!
 //! Invariants:
 //! - `DATA-1`: in every epoch the sampler's rank slices partition the data set: each sample
@@ -11,13 +12,26 @@
 //! - `DATA-4`: a token data set's sample is `block` input ids and their `block` next tokens
 //!   (each target is the input one position later in the text); a batch gives the ids as a
 //!   `u32` tensor `[n, block]` and the targets as `[n, block]`.
+//! - `DATA-5`: a data set's labels are below its `classes`: the largest label + 1 unless the
+//!   data declares its classes (digits and Fashion-MNIST: 10), when a label at or past the
+//!   declared count is an error; a training and a test split read from files carry the same
+//!   `classes` (the larger of the two).
+//! - `DATA-6`: an image model gets samples `[C, H, W]` (`[H, W]` and a square number of
+//!   values become `[1, H, W]`); any other model gets them flat (`[C * H * W]`); the values
+//!   and their order are unchanged.
+
+pub mod csv;
+pub mod fashion;
+pub mod idx;
+pub mod npy;
+pub mod source;
 
 use crate::error::ModelError;
 use crate::rng::SplitMix64;
 use crate::tensor::Tensor;
 
 /// The digits CSV shipped in `models/data/` (see its README for the attribution).
-pub const DIGITS_CSV: &str = include_str!("../data/digits.csv");
+pub const DIGITS_CSV: &str = include_str!("../../data/digits.csv");
 
 /// A labelled data set held in memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -69,46 +83,44 @@ impl Dataset {
         self.sample_shape.iter().product()
     }
 
-    /// Parses a CSV with a header and rows `label,v0,v1,...`; values are divided by `scale`.
-    pub fn from_csv(
-        text: &str,
-        source_name: &str,
-        sample_shape: Vec<usize>,
-        scale: f32,
-    ) -> Result<Self, ModelError> {
-        let err = |msg: String| ModelError::Data { source_name: source_name.to_string(), msg };
-        let numel: usize = sample_shape.iter().product();
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        for (ln, line) in text.lines().enumerate().skip(1) {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let mut fields = line.split(',');
-            let label: u32 = fields
-                .next()
-                .unwrap_or("")
-                .trim()
-                .parse()
-                .map_err(|e| err(format!("line {}: label: {e}", ln + 1)))?;
-            let before = x.len();
-            for f in fields {
-                let v: f32 = f
-                    .trim()
-                    .parse()
-                    .map_err(|e| err(format!("line {}: value {f:?}: {e}", ln + 1)))?;
-                x.push(v / scale);
-            }
-            if x.len() - before != numel {
-                return Err(err(format!(
-                    "line {}: {} values, expected {numel}",
-                    ln + 1,
-                    x.len() - before
-                )));
-            }
-            y.push(label);
+    /// Checks that every label is below `classes`, the count the data declares (DATA-5);
+    /// errors name `source_name`.
+    pub fn check_labels(&self, classes: usize, source_name: &str) -> Result<(), ModelError> {
+        match self.y.iter().enumerate().find(|(_, &l)| l as usize >= classes) {
+            None => Ok(()),
+            Some((i, &l)) => Err(ModelError::Data {
+                source_name: source_name.to_string(),
+                msg: format!(
+                    "label {l} of sample {i} is not below the {classes} classes the data declares"
+                ),
+            }),
         }
-        let classes = y.iter().max().map(|&m| m as usize + 1).unwrap_or(0);
-        Ok(Dataset { x, y, sample_shape, classes, kind: SampleKind::Features })
+    }
+
+    /// The samples shaped for an image model (`[C, H, W]`) when `image`, else flat (DATA-6);
+    /// samples that are no image (neither 2-D, 3-D nor a square number of values) are an
+    /// error for an image model, naming `source_name`.
+    pub fn shaped_for(mut self, image: bool, source_name: &str) -> Result<Self, ModelError> {
+        if self.kind != SampleKind::Features {
+            return Ok(self);
+        }
+        let numel = self.sample_numel();
+        self.sample_shape = match (image, self.sample_shape.as_slice()) {
+            (false, _) => vec![numel],
+            (true, [_, _, _]) => self.sample_shape,
+            (true, [h, w]) => vec![1, *h, *w],
+            (true, [n]) if n.isqrt() * n.isqrt() == *n => vec![1, n.isqrt(), n.isqrt()],
+            (true, other) => {
+                return Err(ModelError::Data {
+                    source_name: source_name.to_string(),
+                    msg: format!(
+                        "samples of shape {other:?} are no image: an image model needs [C, H, W], \
+                         [H, W] or a square number of values"
+                    ),
+                })
+            }
+        };
+        Ok(self)
     }
 
     /// The digits set (1,797 8x8 images, pixels / 16 in [0, 1], 10 classes); `image`
@@ -406,10 +418,27 @@ mod tests {
     }
 
     #[test]
-    fn bad_csv_is_a_clear_error() {
-        let e = Dataset::from_csv("label,a,b\n1,2\n", "t.csv", vec![2], 1.0).unwrap_err();
-        assert!(e.to_string().contains("line 2"), "{e}");
-        assert!(Dataset::from_csv("h\nx,1,2\n", "t.csv", vec![2], 1.0).is_err());
+    fn image_models_get_chw_and_others_flat_data_6() {
+        let d = Dataset::synthetic(3, 16, 2, 1).unwrap();
+        let img = d.clone().shaped_for(true, "s").unwrap();
+        assert_eq!((img.sample_shape.clone(), &img.x), (vec![1, 4, 4], &d.x));
+        assert_eq!(img.clone().shaped_for(false, "s").unwrap().sample_shape, vec![16]);
+        let hw = Dataset { sample_shape: vec![2, 8], ..d.clone() }.shaped_for(true, "s").unwrap();
+        assert_eq!(hw.sample_shape, vec![1, 2, 8]);
+        let odd = Dataset::synthetic(3, 12, 2, 1).unwrap();
+        let e = odd.shaped_for(true, "odd.npy").unwrap_err().to_string();
+        assert!(e.contains("odd.npy") && e.contains("[12] are no image"), "{e}");
+    }
+
+    #[test]
+    fn labels_past_the_declared_classes_are_errors_data_5() {
+        let d = Dataset::synthetic(50, 4, 3, 2).unwrap();
+        assert!(d.check_labels(3, "s").is_ok());
+        let e = d.check_labels(2, "s.csv").unwrap_err().to_string();
+        assert!(
+            e.contains("s.csv") && e.contains("label 2 of sample") && e.contains("2 classes"),
+            "{e}"
+        );
     }
 
     #[test]
