@@ -253,3 +253,62 @@ fn a_file_that_does_not_match_exits_2_listing_every_name_ckpt_8() {
         assert!(out.stderr.contains(&f.display().to_string()), "{}", out.stderr);
     }
 }
+
+/// MRES-1 beyond the names: with torch's weights and running statistics
+/// (`bench/torch_manifest.py --reference`, a width-2 resnet-bn), Shardline's `resnet-bn`
+/// computes torch's logits in eval mode, and in training mode (batch statistics) its logits
+/// and the running statistics and counters that forward leaves.
+#[test]
+fn resnet_bn_computes_what_torch_computes() {
+    use shardline_models::module::resnet::{resnet_bn, ResNetConfig};
+    use shardline_models::{Cpu, Ctx, Network, Tensor};
+    use shardline_runtime::checkpoint::match_torch_weights;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/resnet_bn_reference.safetensors");
+    let t = read(&path);
+    let net = resnet_bn(&ResNetConfig::resnet18(1, 10, 2)).unwrap();
+    let spec = net.spec();
+    let state: Vec<_> = t
+        .iter()
+        .filter(|(n, _)| !n.starts_with("ref."))
+        .map(|(n, (d, s, b))| (n.clone(), *d, s.clone(), b.as_slice()))
+        .collect();
+    let w = match_torch_weights(&spec, &state).expect("torch's state_dict loads strictly");
+    let tensor = |name: &str| {
+        let v = &t[name];
+        Tensor::new(v.1.clone(), values(v)).unwrap()
+    };
+    let be = Cpu::new();
+    for training in [false, true] {
+        let mut bufs = w.buffers.clone();
+        let ctx = Ctx::new(&be, training, 4);
+        let mut x = tensor("ref.input");
+        for (c, &u) in net.calls().iter().enumerate() {
+            x = net.forward_call(c, &w.params[u], &mut bufs[u], x, &ctx).unwrap().0;
+        }
+        let want = tensor(if training { "ref.logits_train" } else { "ref.logits_eval" });
+        assert_eq!(x.shape(), want.shape());
+        let err = x
+            .as_f32()
+            .unwrap()
+            .iter()
+            .zip(want.as_f32().unwrap())
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        eprintln!("resnet-bn vs torch, training {training}: logits differ by {err:e} at most");
+        assert!(err < 1e-5, "training {training}: logits differ from torch's by {err:e}");
+        if training {
+            for (u, unit) in spec.units.iter().enumerate() {
+                let mut off = 0;
+                for b in &unit.buffers {
+                    let want = values(&t[&format!("ref.after_train.{}", b.name)]);
+                    let got = &bufs[u][off..off + b.numel()];
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{}: {g} vs {w}", b.name);
+                    }
+                    off += b.numel();
+                }
+            }
+        }
+    }
+}
