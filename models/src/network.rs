@@ -142,6 +142,8 @@ pub struct ModuleNet {
     name: String,
     root: Option<(String, Box<dyn RootModule>)>,
     body: Vec<(String, Box<dyn Module>)>,
+    /// Each body child's name as a unit (its prefix, unless given another).
+    labels: Vec<String>,
     /// Body children per body unit.
     units: Vec<Range<usize>>,
     loss: Box<dyn Loss>,
@@ -154,6 +156,7 @@ impl ModuleNet {
             name: name.to_string(),
             root: None,
             body: Vec::new(),
+            labels: Vec::new(),
             units: Vec::new(),
             loss: Box::new(loss),
         }
@@ -171,9 +174,17 @@ impl ModuleNet {
     }
 
     /// Appends a boxed top-level child.
-    pub fn push_boxed(mut self, name: &str, module: Box<dyn Module>) -> Self {
+    pub fn push_boxed(self, name: &str, module: Box<dyn Module>) -> Self {
+        self.push_unit(name, name, module)
+    }
+
+    /// Appends a top-level child whose parameters are named `prefix.<param>` (no prefix
+    /// when empty: torchvision's ResNet has `conv1.weight` and `fc.weight` at the top) and
+    /// whose unit, while it is one of its own, is called `label`.
+    pub fn push_unit(mut self, label: &str, prefix: &str, module: Box<dyn Module>) -> Self {
         let i = self.body.len();
-        self.body.push((name.to_string(), module));
+        self.body.push((prefix.to_string(), module));
+        self.labels.push(label.to_string());
         self.units.push(i..i + 1);
         self
     }
@@ -247,8 +258,8 @@ impl ModuleNet {
                 .map(|(p, _)| p.clone())
                 .filter(|p| !p.is_empty())
                 .unwrap_or_else(|| "root".into()),
-            Some(r) if r.len() == 1 => self.body[r.start].0.clone(),
-            Some(r) => format!("{}..{}", self.body[r.start].0, self.body[r.end - 1].0),
+            Some(r) if r.len() == 1 => self.labels[r.start].clone(),
+            Some(r) => format!("{}..{}", self.labels[r.start], self.labels[r.end - 1]),
         })
     }
 

@@ -1,5 +1,5 @@
-//! A `shardline train --config FILE` TOML file: its `[model]` table (which model, and the
-//! `gpt`'s sizes) and its `[faults]` table ([`crate::fault::FaultsConfig`]). Anything else
+//! A `shardline train --config FILE` TOML file: its `[model]` table (which model, the
+//! `gpt`'s sizes, `resnet-bn`'s `width`) and its `[faults]` table ([`crate::fault::FaultsConfig`]). Anything else
 //! is refused rather than silently ignored.
 //!
 //! ```toml
@@ -39,6 +39,8 @@ pub struct ModelTable {
     pub block_size: Option<usize>,
     /// `--dropout`.
     pub dropout: Option<f64>,
+    /// `--width` (`resnet-bn`).
+    pub width: Option<usize>,
 }
 
 /// A config file's tables.
@@ -79,6 +81,7 @@ impl ModelTable {
         cfg.n_embd = cfg.n_embd.or(self.n_embd);
         cfg.block_size = cfg.block_size.or(self.block_size);
         cfg.dropout = cfg.dropout.or(self.dropout);
+        cfg.width = cfg.width.or(self.width);
     }
 }
 
@@ -95,6 +98,13 @@ mod tests {
         assert_eq!((cfg.model.as_str(), cfg.n_layer, cfg.n_embd), ("gpt", Some(2), Some(32)));
         f.model.apply(Some("mlp-bn"), &mut cfg);
         assert_eq!(cfg.model, "mlp-bn");
+        let r = ConfigFile::from_toml("[model]\nname = \"resnet-bn\"\nwidth = 8\n").unwrap();
+        let mut rc = TrainConfig { width: Some(16), ..TrainConfig::default() };
+        r.model.apply(None, &mut rc);
+        assert_eq!((rc.model.as_str(), rc.width), ("resnet-bn", Some(16)), "CFG-1");
+        rc.width = None;
+        r.model.apply(None, &mut rc);
+        assert_eq!(rc.width, Some(8));
         ConfigFile::default().model.apply(None, &mut cfg);
         assert_eq!(cfg.model, "mlp-bn", "the default");
         let e = ConfigFile::from_toml("[model]\nn_layers = 2\n").unwrap_err();

@@ -13,6 +13,7 @@ use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
 use serde::{Deserialize, Serialize};
 use shardline_models::data::source::FileData;
+use shardline_models::module::resnet;
 use shardline_models::nn::GptConfig;
 use shardline_models::{convert_sync_batchnorm, zoo, Dataset, Model, Network, WrapPolicy};
 use std::collections::BTreeMap;
@@ -121,6 +122,14 @@ pub struct TrainConfig {
     /// `gpt`: nanoGPT's dropout probability while training (default 0: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropout: Option<f64>,
+    /// `resnet-bn`: channels of `conv1` and `layer1`, doubled by each later layer (default
+    /// 64, torchvision's ResNet-18).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<usize>,
+    /// Start from the torch-named weights of this safetensors file instead of the seed's
+    /// initialisation (CKPT-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// Compute threads per rank.
     pub threads: usize,
     /// Where the kernels run (`--device`).
@@ -204,6 +213,8 @@ impl Default for TrainConfig {
             n_embd: None,
             block_size: None,
             dropout: None,
+            width: None,
+            init_from: None,
             threads: 1,
             device: crate::engine::Device::Cpu,
             timeout_s: 60,
@@ -302,11 +313,37 @@ pub fn build_model(cfg: &TrainConfig, input_shape: &[usize], classes: usize) -> 
         }
         other => {
             return Err(RuntimeError::config(format!(
-                "unknown model '{other}' (choose mlp-bn, convnet-bn or wide-mlp)"
+                "unknown model '{other}' (choose mlp-bn, convnet-bn, wide-mlp, resnet-bn or gpt)"
             )))
         }
     };
     Ok(if cfg.wrap_params > 0 { model.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { model })
+}
+
+/// `resnet-bn`'s default width: torchvision's ResNet-18.
+pub const RESNET_WIDTH: usize = 64;
+
+/// The `resnet-bn` of `cfg` for images of `input_shape` (`[C, H, W]`) and `classes`
+/// (MRES-1): `--width` channels in `layer1` (default [`RESNET_WIDTH`]), units per block
+/// unless `--wrap-params` groups them.
+pub fn build_resnet(
+    cfg: &TrainConfig,
+    input_shape: &[usize],
+    classes: usize,
+) -> Result<shardline_models::ModuleNet> {
+    let &[c, _, _] = input_shape else {
+        return Err(RuntimeError::config(format!(
+            "--model resnet-bn needs images [C, H, W]; --dataset {} gives samples of shape {input_shape:?}",
+            cfg.dataset
+        )));
+    };
+    let width = cfg.width.unwrap_or(RESNET_WIDTH);
+    if width == 0 {
+        return Err(RuntimeError::config("--width must be at least 1"));
+    }
+    let rc = resnet::ResNetConfig::resnet18(c, classes, width);
+    let net = resnet::resnet_bn(&rc).map_err(|e| RuntimeError::config(e.to_string()))?;
+    Ok(if cfg.wrap_params > 0 { net.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { net })
 }
 
 /// `gpt`'s defaults: nanoGPT's CPU example (4 layers, 4 heads, width 128, context 64).
@@ -490,6 +527,9 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
         seed: u64,
         hidden: Option<usize>,
         depth: Option<usize>,
+        /// Absent unless set, so earlier checkpoints still match.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        width: Option<usize>,
         input_dim: usize,
         classes: usize,
         samples: usize,
@@ -515,6 +555,7 @@ fn resume_hash(cfg: &TrainConfig, stage: Stage, sync: bool) -> Result<String> {
         seed: cfg.seed,
         hidden: cfg.hidden,
         depth: cfg.depth,
+        width: cfg.width,
         input_dim: cfg.input_dim,
         classes: cfg.classes,
         samples: cfg.samples,
@@ -590,7 +631,7 @@ fn train_on_text(cfg: &TrainConfig) -> Result<bool> {
 /// and data set it names.
 pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     validate(cfg)?;
-    let image = cfg.model == "convnet-bn";
+    let image = matches!(cfg.model.as_str(), "convnet-bn" | "resnet-bn");
     let text = train_on_text(cfg)?;
     let (train, test, data_origin) = load_data_with_origin(cfg, image)?;
     if text {
@@ -601,6 +642,11 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
             if cfg.wrap_params > 0 { net.wrap(WrapPolicy::ByParams(cfg.wrap_params)) } else { net };
         let p = plan_network(cfg, Arc::new(net), train, test)?;
         return Ok(JobPlan { gpt: Some(g), data_origin, ..p });
+    }
+    if cfg.model == "resnet-bn" {
+        let net = build_resnet(cfg, &train.sample_shape, train.classes)?;
+        let p = plan_network(cfg, Arc::new(net), train, test)?;
+        return Ok(JobPlan { data_origin, ..p });
     }
     let mut model = build_model(cfg, &train.sample_shape, train.classes)?;
     // A zoo model follows the mode whether or not it has BatchNorm (one without ignores it).
@@ -665,6 +711,14 @@ fn job_plan(
     train: Dataset,
     test: Dataset,
 ) -> Result<JobPlan> {
+    // CKPT-8: a file that does not match is refused here, before any rank starts.
+    let model: Arc<dyn Network> = match &cfg.init_from {
+        Some(path) => {
+            let w = checkpoint::load_torch_weights(path, &model.spec())?;
+            Arc::new(checkpoint::Initialized::new(model, w))
+        }
+        None => model,
+    };
     let (stage, stage_lines) = choose_stage(&*model, cfg)?;
     if train.is_empty() {
         return Err(RuntimeError::config(format!(

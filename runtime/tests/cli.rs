@@ -130,12 +130,16 @@ fn read_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         .tensors()
         .into_iter()
         .map(|(name, view)| {
-            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let data = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            // CKPT-7: torch's types, BatchNorm's batch counter an int64 of the same count.
+            let data = if name.ends_with("num_batches_tracked") {
+                assert_eq!(view.dtype(), safetensors::Dtype::I64, "{name}");
+                let c = view.data().chunks_exact(8);
+                c.map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as f32).collect()
+            } else {
+                assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+                let c = view.data().chunks_exact(4);
+                c.map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            };
             (name, view.shape().to_vec(), data)
         })
         .collect();
@@ -193,6 +197,7 @@ fn checkpoint_inspect_and_export_match_the_final_parameters() {
     }
     expected.sort_by(|a, b| a.0.cmp(&b.0));
     assert!(expected.iter().any(|t| t.0.contains("running_mean")), "buffers are exported");
+    assert!(expected.iter().any(|t| t.0.ends_with("num_batches_tracked")), "and counters");
     assert_eq!(tensors.len(), expected.len(), "tensor count");
     for (got, want) in tensors.iter().zip(&expected) {
         assert_eq!(got.0, want.0, "tensor names");

@@ -125,16 +125,34 @@ pub(crate) fn backward_children(
     Ok(dy)
 }
 
-/// `x + f(x)`: the residual connection of a transformer or ResNet block.
+/// `f(x) + x`, or `f(x) + shortcut(x)`: the residual connection of a transformer block, or
+/// of a ResNet block whose shortcut changes the shape (torchvision's `downsample`).
 #[derive(Debug)]
 pub struct Residual {
     inner: Box<dyn Module>,
+    /// The shortcut's name (its parameters' prefix) and module; `None`: the identity.
+    shortcut: Option<(String, Box<dyn Module>)>,
 }
 
 impl Residual {
     /// `x + inner(x)`.
     pub fn new(inner: impl Module + 'static) -> Self {
-        Residual { inner: Box::new(inner) }
+        Residual { inner: Box::new(inner), shortcut: None }
+    }
+
+    /// `inner(x) + shortcut(x)`, the shortcut's parameters and buffers after the inner
+    /// path's, named `name.<param>` (MODULE-3).
+    pub fn with_shortcut(
+        inner: impl Module + 'static,
+        name: &str,
+        shortcut: impl Module + 'static,
+    ) -> Self {
+        Residual { inner: Box::new(inner), shortcut: Some((name.to_string(), Box::new(shortcut))) }
+    }
+
+    /// Where the inner path's parameters and buffers end in the views.
+    fn split(&self) -> (usize, usize) {
+        (numel(&self.inner.params()), numel(&self.inner.buffers()))
     }
 }
 
@@ -155,23 +173,39 @@ fn add_into(a: &mut Tensor, b: &Tensor) -> Result<(), ModelError> {
 
 impl Module for Residual {
     fn params(&self) -> Vec<Param> {
-        self.inner.params()
+        let mut v = self.inner.params();
+        if let Some((n, m)) = &self.shortcut {
+            v.extend(m.params().into_iter().map(|p| p.prefixed(n)));
+        }
+        v
     }
 
     fn buffers(&self) -> Vec<Param> {
-        self.inner.buffers()
+        let mut v = self.inner.buffers();
+        if let Some((n, m)) = &self.shortcut {
+            v.extend(m.buffers().into_iter().map(|p| p.prefixed(n)));
+        }
+        v
     }
 
     fn forward(
         &self,
         p: Params<'_>,
-        b: Buffers<'_>,
+        mut b: Buffers<'_>,
         x: Tensor,
         ctx: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
-        let (mut y, s) = self.inner.forward(p, b, x.clone(), ctx)?;
-        add_into(&mut y, &x)?;
-        Ok((y, s))
+        let Some((_, sc)) = &self.shortcut else {
+            let (mut y, s) = self.inner.forward(p, b, x.clone(), ctx)?;
+            add_into(&mut y, &x)?;
+            return Ok((y, s));
+        };
+        let (np, nb) = self.split();
+        let nb_all = nb + numel(&sc.buffers());
+        let (mut y, s) = self.inner.forward(p.slice(0..np)?, b.slice(0..nb)?, x.clone(), ctx)?;
+        let (short, ss) = sc.forward(p.slice(np..p.len())?, b.slice(nb..nb_all)?, x, ctx)?;
+        add_into(&mut y, &short)?;
+        Ok((y, Box::new((s, ss))))
     }
 
     fn backward(
@@ -179,11 +213,19 @@ impl Module for Residual {
         p: Params<'_>,
         saved: Saved,
         dy: Tensor,
-        g: Grads<'_>,
+        mut g: Grads<'_>,
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError> {
-        let mut dx = self.inner.backward(p, saved, dy.clone(), g, ctx)?;
-        add_into(&mut dx, &dy)?;
+        let Some((_, sc)) = &self.shortcut else {
+            let mut dx = self.inner.backward(p, saved, dy.clone(), g, ctx)?;
+            add_into(&mut dx, &dy)?;
+            return Ok(dx);
+        };
+        let (s, ss): (Saved, Saved) = unsave(saved, "Residual")?;
+        let (np, n) = (self.split().0, p.len());
+        let mut dx = self.inner.backward(p.slice(0..np)?, s, dy.clone(), g.slice(0..np)?, ctx)?;
+        let dshort = sc.backward(p.slice(np..n)?, ss, dy, g.slice(np..n)?, ctx)?;
+        add_into(&mut dx, &dshort)?;
         Ok(dx)
     }
 }

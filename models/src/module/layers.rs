@@ -168,8 +168,10 @@ impl Module for BatchNorm {
         x: Tensor,
         ctx: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
-        let reducer = if self.sync || ctx.sync_bn { ctx.reducer } else { None };
-        let (y, s) = BatchNorm::forward(self, p.f32()?, b.f32_mut()?, x, ctx.training, reducer)?;
+        // The kernel reduces only a layer marked `sync`: `ctx.sync_bn` marks this call's.
+        let layer = BatchNorm { sync: self.sync || ctx.sync_bn, ..self.clone() };
+        let reducer = if layer.sync { ctx.reducer } else { None };
+        let (y, s) = layer.forward(p.f32()?, b.f32_mut()?, x, ctx.training, reducer)?;
         Ok((y, Box::new(s)))
     }
 
@@ -181,9 +183,10 @@ impl Module for BatchNorm {
         mut g: Grads<'_>,
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError> {
-        let reducer = if self.sync || ctx.sync_bn { ctx.reducer } else { None };
+        let layer = BatchNorm { sync: self.sync || ctx.sync_bn, ..self.clone() };
+        let reducer = if layer.sync { ctx.reducer } else { None };
         let s: BnSaved = unsave(saved, "BatchNorm")?;
-        BatchNorm::backward(self, p.f32()?, &s, &dy, g.f32_mut()?, reducer)
+        layer.backward(p.f32()?, &s, &dy, g.f32_mut()?, reducer)
     }
 }
 

@@ -52,7 +52,8 @@
 //! # Composing and training
 //! [`Sequential`] runs named children in order (a child's parameter names are prefixed with
 //! its name, as torch's `nn.Sequential` and attribute names do); [`Residual`] computes
-//! `x + f(x)`. A model is a [`ModuleNet`](crate::network::ModuleNet): top-level children cut
+//! `x + f(x)`, or `f(x) + shortcut(x)` (a ResNet block's `downsample`). A model is a
+//! [`ModuleNet`](crate::network::ModuleNet): top-level children cut
 //! into sharding units by a [`WrapPolicy`](crate::WrapPolicy) (per child, or by parameter
 //! count, as FSDP wraps submodules), an optional [`RootModule`] whose parameters are used
 //! before and after the body (a tied embedding and output head), and a [`Loss`]. The
@@ -76,6 +77,7 @@ pub(crate) use compose::{backward_children, forward_children};
 pub mod gpt;
 mod layers;
 mod loss;
+pub mod resnet;
 mod view;
 
 pub use compose::{Residual, Sequential};

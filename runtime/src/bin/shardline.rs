@@ -205,7 +205,8 @@ enum CheckpointCmd {
         /// A `step-NNNNNNNN` directory, or a checkpoint root (its latest checkpoint is used).
         dir: PathBuf,
     },
-    /// Write a consolidated safetensors file with stable parameter names.
+    /// Write a consolidated safetensors file: a torch state_dict (torch's names and dtypes,
+    /// gpt's tied lm_head.weight included) that the equivalent torch module loads strictly.
     Export {
         /// A `step-NNNNNNNN` directory, or a checkpoint root (its latest checkpoint is used).
         dir: PathBuf,
@@ -252,8 +253,10 @@ struct TrainArgs {
     /// --device-memory).
     #[arg(long, default_value = "3")]
     stage: String,
-    /// Model: mlp-bn, convnet-bn, wide-mlp, or gpt (nanoGPT's decoder, byte-level on
-    /// --dataset text; sized by --n-layer, --n-head, --n-embd, --block-size).
+    /// Model: mlp-bn, convnet-bn, wide-mlp, resnet-bn (torchvision's ResNet-18 with a 3x3
+    /// stride-1 stem and no max-pool, torchvision's names; sized by --width), or gpt
+    /// (nanoGPT's decoder, byte-level on --dataset text; sized by --n-layer, --n-head,
+    /// --n-embd, --block-size).
     /// [default: mlp-bn, or the --config file's `[model]` name]
     #[arg(long)]
     model: Option<String>,
@@ -290,6 +293,19 @@ struct TrainArgs {
     /// [default: 0].
     #[arg(long)]
     dropout: Option<f64>,
+    /// resnet-bn: channels of conv1 and layer1, doubled by each of layer2..layer4 (8 or 16
+    /// for a small study) [default: 64, torchvision's].
+    #[arg(long)]
+    width: Option<usize>,
+    /// Start from the weights of a safetensors file with torch's names (a torch
+    /// state_dict saved by safetensors.torch.save_file, or `checkpoint export`'s output)
+    /// instead of the seed's initialisation. Strict, as torch's load_state_dict: every
+    /// parameter and buffer of the model, nothing else (gpt's lm_head.weight, tied to
+    /// transformer.wte.weight, may be left out); floats as F32, F64 (rounded), BF16 or F16;
+    /// num_batches_tracked as I64. A mismatch exits 2 listing the missing, unexpected,
+    /// wrongly shaped and wrongly typed names. --resume from a checkpoint wins over it.
+    #[arg(long, value_name = "FILE")]
+    init_from: Option<PathBuf>,
     /// Epochs over the training set.
     #[arg(long, default_value_t = 10)]
     epochs: u64,
@@ -421,9 +437,9 @@ struct TrainArgs {
     /// Seed of every random fault decision (default: the config file's, else 0).
     #[arg(long)]
     fault_seed: Option<u64>,
-    /// TOML config file: its `[model]` table (`name`, and gpt's `n_layer`, `n_head`,
-    /// `n_embd`, `block_size`, `dropout`) and its `[faults]` table (`specs = [...]`, `seed = N`, the
-    /// fault plan); flags given on the command line win over the file.
+    /// TOML config file: its `[model]` table (`name`, gpt's `n_layer`, `n_head`, `n_embd`,
+    /// `block_size`, `dropout`, resnet-bn's `width`) and its `[faults]` table (`specs =
+    /// [...]`, `seed = N`, the fault plan); flags given on the command line win over the file.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Restart the rank group from the last checkpoint up to N times after a failure.
@@ -512,6 +528,8 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         n_embd: a.n_embd,
         block_size: a.block_size,
         dropout: a.dropout,
+        width: a.width,
+        init_from: a.init_from.clone(),
         threads: a.threads,
         device: Device::Cpu,
         timeout_s: a.timeout,

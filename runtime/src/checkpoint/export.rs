@@ -4,14 +4,15 @@
 //! # Invariants
 //!
 //! - **CKPT-4**: the export holds every parameter and buffer once, under its stable spec
-//!   name, in its original shape, equal to the consolidated flat buffer.
+//!   name, in its original shape, equal to the consolidated flat buffer (and, as torch's
+//!   `state_dict` does, a tied parameter once more under its torch alias, CKPT-7).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::fs;
 use std::path::Path;
 
-use super::codec::push_f32s;
+use super::torch::{tied_aliases, torch_bytes, torch_dtype};
 use super::{Checkpoint, MANIFEST};
 use crate::error::{Result, RuntimeError};
 use crate::memory::format_bytes;
@@ -19,7 +20,8 @@ use crate::shard::FlatLayout;
 
 /// Writes the consolidated model of the checkpoint at `dir` (a `step-N` directory or a root,
 /// meaning its newest) to a safetensors file: every parameter and buffer under its stable
-/// spec name and original shape (CKPT-4). Returns the number of tensors written.
+/// spec name and original shape (CKPT-4), in torch's types and with torch's aliases of tied
+/// parameters (CKPT-7). Returns the number of tensors written.
 pub fn export_safetensors(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<usize> {
     let ck = Checkpoint::open(dir)?;
     ck.export_safetensors(out)
@@ -36,17 +38,21 @@ impl Checkpoint {
         for ((u, spec), b) in units.iter().zip(&m.model.units).zip(&buffers) {
             let layout = FlatLayout::new(spec, 1)?;
             for (slot, view) in layout.params().iter().zip(layout.views(&u.params)) {
-                let mut bytes = Vec::new();
-                push_f32s(&mut bytes, view);
+                let bytes = torch_bytes(&slot.name, view);
                 tensors.push((slot.name.clone(), slot.shape.clone(), bytes));
             }
             let mut off = 0;
             for buf in &spec.buffers {
                 let n = buf.numel();
-                let mut bytes = Vec::new();
-                push_f32s(&mut bytes, &b[off..off + n]);
+                let bytes = torch_bytes(&buf.name, &b[off..off + n]);
                 off += n;
                 tensors.push((buf.name.clone(), buf.shape.clone(), bytes));
+            }
+        }
+        for (alias, source) in tied_aliases(&m.model.name) {
+            if let Some((_, shape, bytes)) = tensors.iter().find(|(n, _, _)| n == source) {
+                let t = (alias.to_string(), shape.clone(), bytes.clone());
+                tensors.push(t);
             }
         }
         let mut seen = HashSet::new();
@@ -61,7 +67,7 @@ impl Checkpoint {
         let views = tensors
             .iter()
             .map(|(n, shape, bytes)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                safetensors::tensor::TensorView::new(torch_dtype(n), shape.clone(), bytes)
                     .map(|v| (n.clone(), v))
             })
             .collect::<std::result::Result<Vec<_>, _>>()
