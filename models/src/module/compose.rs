@@ -169,6 +169,8 @@ impl Module for Residual {
         x: Tensor,
         ctx: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
+        // The clone shares `x`'s values (TENSOR-3): the branch's first layer may keep it for
+        // its backward, and no copy is made.
         let (mut y, s) = self.inner.forward(p, b, x.clone(), ctx)?;
         add_into(&mut y, &x)?;
         Ok((y, s))
