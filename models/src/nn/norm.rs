@@ -26,29 +26,6 @@ use crate::error::ModelError;
 use crate::layers::check_len;
 use crate::spec::ParamSpec;
 
-/// Partial sums of a row reduction: one running sum is a serial chain of adds, which does
-/// not vectorise; eight, added in a fixed order at the end, do (and round no worse).
-const LANES: usize = 8;
-
-/// The eight partial sums added pairwise, in a fixed order.
-#[inline(always)]
-fn fold_lanes<T: Float>(acc: &[T; LANES]) -> T {
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
-}
-
-/// `sum_j f(x_j)` in [`LANES`] partial sums.
-#[inline(always)]
-fn lane_sum<T: Float>(x: &[T], f: impl Fn(T) -> T) -> T {
-    let mut acc = [T::zero(); LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = *a + f(v);
-        }
-    }
-    chunks.remainder().iter().fold(fold_lanes(&acc), |s, &v| s + f(v))
-}
-
 /// LayerNorm over the last dimension; parameters `weight [dim]` (the gain), then
 /// `bias [dim]` when `bias`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,8 +90,8 @@ impl<T: Float> LayerNorm<T> {
         for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
             // Two passes: the variance of the deviations, not E[x^2] - E[x]^2, which cancels
             // catastrophically in f32 when the mean is large against the spread.
-            let mean = lane_sum(xr, |v| v) * inv_d;
-            let var = lane_sum(xr, |v| (v - mean) * (v - mean)) * inv_d;
+            let mean = xr.iter().fold(T::zero(), |s, &v| s + v) * inv_d;
+            let var = xr.iter().fold(T::zero(), |s, &v| s + (v - mean) * (v - mean)) * inv_d;
             let rstd = (var + self.eps).sqrt().recip();
             for (j, (o, &v)) in yr.iter_mut().zip(xr).enumerate() {
                 let b = if self.bias { bias[j] } else { T::zero() };
@@ -157,31 +134,16 @@ impl<T: Float> LayerNorm<T> {
             x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).enumerate()
         {
             let (mean, rstd) = (saved.mean[r], saved.rstd[r]);
-            // `LANES` partial sums of each (see `lane_sum`), in a fixed order.
-            let (mut acc_g, mut acc_gx) = ([T::zero(); LANES], [T::zero(); LANES]);
-            let split = d / LANES * LANES;
-            for ((xc, dc), gc) in xr[..split]
-                .chunks_exact(LANES)
-                .zip(dyr[..split].chunks_exact(LANES))
-                .zip(gain[..split].chunks_exact(LANES))
-            {
-                for l in 0..LANES {
-                    let g = dc[l] * gc[l];
-                    acc_g[l] = acc_g[l] + g;
-                    acc_gx[l] = acc_gx[l] + g * ((xc[l] - mean) * rstd);
-                }
-            }
-            let (mut sum_g, mut sum_gx) = (fold_lanes(&acc_g), fold_lanes(&acc_gx));
-            for j in split..d {
+            let (mut sum_g, mut sum_gx) = (T::zero(), T::zero());
+            for j in 0..d {
+                let xhat = (xr[j] - mean) * rstd;
                 let g = dyr[j] * gain[j];
                 sum_g = sum_g + g;
-                sum_gx = sum_gx + g * ((xr[j] - mean) * rstd);
-            }
-            for (dg, (&xv, &dv)) in dgain.iter_mut().zip(xr.iter().zip(dyr)) {
-                *dg = *dg + dv * ((xv - mean) * rstd);
-            }
-            if self.bias {
-                dbias.iter_mut().zip(dyr).for_each(|(b, &v)| *b = *b + v);
+                sum_gx = sum_gx + g * xhat;
+                dgain[j] = dgain[j] + dyr[j] * xhat;
+                if self.bias {
+                    dbias[j] = dbias[j] + dyr[j];
+                }
             }
             let (mean_g, mean_gx) = (sum_g * inv_d, sum_gx * inv_d);
             for j in 0..d {
