@@ -6,6 +6,7 @@
 //! with uneven or empty slices.
 
 use crate::error::ModelError;
+use crate::nn::exp::{exp_f64, softmax_f32, sum_exp_f32};
 use crate::tensor::Tensor;
 
 /// `(loss_share, grad_logits)` for `logits [N, K]` and labels in `0..K`: the rank's share
@@ -38,12 +39,13 @@ pub fn softmax_cross_entropy(
             return Err(ModelError::Config(format!("label {y} out of range for {k} classes")));
         }
         let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-        let z: f64 = row.iter().map(|&v| (v as f64 - m).exp()).sum();
-        loss += z.ln() + m - row[y] as f64;
-        for (j, v) in row.iter_mut().enumerate() {
-            let p = (*v as f64 - m).exp() / z;
-            *v = ((p - if j == y { 1.0 } else { 0.0 }) * scale) as f32;
-        }
+        // The softmax through the vectorised `exp` (EXP-3); the label's entry then gets its
+        // `- 1`, as `(p - 1) * scale`.
+        let z = sum_exp_f32(row, m);
+        let at_label = row[y] as f64;
+        loss += z.ln() + m - at_label;
+        softmax_f32(row, m, z, scale);
+        row[y] = ((exp_f64(at_label - m) / z - 1.0) * scale) as f32;
     }
     Ok(((loss * scale) as f32, grad))
 }

@@ -12,6 +12,12 @@
 //!   constructor checks it, and [`Tensor::reshape`] keeps it.
 //! - `TENSOR-2`: a typed view of the wrong element type is an error naming both types, never
 //!   a reinterpretation of the bytes.
+//! - `TENSOR-3`: a clone shares the values (no copy: a residual connection keeps its input
+//!   while the branch's first layer saves the same tensor); a write through
+//!   [`Tensor::as_f32_mut`] to shared values copies them first, so no other tensor ever sees
+//!   the change.
+
+use std::sync::Arc;
 
 use crate::error::ModelError;
 
@@ -52,15 +58,16 @@ pub enum Placement {
     Host,
 }
 
+/// Shared by clones, copied on a write while shared (TENSOR-3).
 #[derive(Clone, Debug, PartialEq)]
 enum Storage {
-    F32(Vec<f32>),
-    U32(Vec<u32>),
+    F32(Arc<Vec<f32>>),
+    U32(Arc<Vec<u32>>),
 }
 
 impl Default for Storage {
     fn default() -> Self {
-        Storage::F32(Vec::new())
+        Storage::F32(Arc::default())
     }
 }
 
@@ -100,13 +107,13 @@ impl Tensor {
     /// (TENSOR-1).
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self, ModelError> {
         check("Tensor::new", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::F32(data), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::F32(Arc::new(data)), placement: Placement::Host })
     }
 
     /// A `u32` host tensor (token ids, labels) from a shape and data (TENSOR-1).
     pub fn from_u32(shape: Vec<usize>, data: Vec<u32>) -> Result<Self, ModelError> {
         check("Tensor::from_u32", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::U32(data), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::U32(Arc::new(data)), placement: Placement::Host })
     }
 
     /// A zero `f32` host tensor.
@@ -114,7 +121,7 @@ impl Tensor {
         let n = shape.iter().product();
         Tensor {
             shape: shape.to_vec(),
-            storage: Storage::F32(vec![0.0; n]),
+            storage: Storage::F32(Arc::new(vec![0.0; n])),
             placement: Placement::Host,
         }
     }
@@ -162,19 +169,21 @@ impl Tensor {
         }
     }
 
-    /// The values as mutable `f32` (TENSOR-2).
+    /// The values as mutable `f32` (TENSOR-2); values shared with a clone are copied first
+    /// (TENSOR-3).
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32], ModelError> {
         let got = self.storage.dtype();
         match &mut self.storage {
-            Storage::F32(v) => Ok(v),
+            Storage::F32(v) => Ok(Arc::make_mut(v).as_mut_slice()),
             _ => Err(ModelError::DType { expected: DType::F32, got }),
         }
     }
 
-    /// The `f32` values, taking the tensor (TENSOR-2).
+    /// The `f32` values, taking the tensor (TENSOR-2); copied only when a clone shares them
+    /// (TENSOR-3).
     pub fn into_f32(self) -> Result<Vec<f32>, ModelError> {
         match self.storage {
-            Storage::F32(v) => Ok(v),
+            Storage::F32(v) => Ok(Arc::unwrap_or_clone(v)),
             s => Err(ModelError::DType { expected: DType::F32, got: s.dtype() }),
         }
     }
@@ -214,8 +223,8 @@ impl Tensor {
         let mut shape = self.shape.clone();
         shape[0] = b - a;
         let storage = match &self.storage {
-            Storage::F32(v) => Storage::F32(v[a * per..b * per].to_vec()),
-            Storage::U32(v) => Storage::U32(v[a * per..b * per].to_vec()),
+            Storage::F32(v) => Storage::F32(Arc::new(v[a * per..b * per].to_vec())),
+            Storage::U32(v) => Storage::U32(Arc::new(v[a * per..b * per].to_vec())),
         };
         Ok(Tensor { shape, storage, placement: self.placement })
     }
@@ -258,5 +267,25 @@ mod tests {
         assert_eq!(ids.dtype(), DType::U32);
         assert_eq!(ids.placement(), Placement::Host);
         assert_eq!(ids.nbytes(), 8);
+    }
+
+    #[test]
+    fn tensor_3_clones_share_until_written() {
+        // TENSOR-3: a clone shares the values; a write copies them first.
+        let a = Tensor::new(vec![3], vec![1.0, 2.0, 3.0]).unwrap();
+        let mut b = a.clone();
+        assert_eq!(a.as_f32().unwrap().as_ptr(), b.as_f32().unwrap().as_ptr(), "shared");
+        b.as_f32_mut().unwrap()[0] = 9.0;
+        assert_eq!(a.as_f32().unwrap(), &[1.0, 2.0, 3.0], "the other clone is unchanged");
+        assert_eq!(b.as_f32().unwrap(), &[9.0, 2.0, 3.0]);
+        // Unshared values are written in place, and taken without a copy.
+        let p = b.as_f32().unwrap().as_ptr();
+        b.as_f32_mut().unwrap()[1] = 8.0;
+        assert_eq!(b.as_f32().unwrap().as_ptr(), p);
+        let taken = b.into_f32().unwrap();
+        assert_eq!(taken.as_ptr(), p);
+        let c = a.clone();
+        assert_eq!(c.into_f32().unwrap(), vec![1.0, 2.0, 3.0], "a shared value is copied out");
+        assert_eq!(a.as_f32().unwrap(), &[1.0, 2.0, 3.0]);
     }
 }

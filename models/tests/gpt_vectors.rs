@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use num_traits::Float;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
-use shardline_models::nn::{Erf, Gemm, GptConfig};
+use shardline_models::nn::{Erf, Gemm, GptConfig, RowExp};
 use shardline_models::ParamSpec;
 
 /// `f64` against torch's float64: relative to `max(1, |want|)`.
@@ -235,7 +235,7 @@ fn params_as<T: Float>(w: &[f32]) -> Vec<T> {
 /// Forward and backward in `T`: logits (`logits_tol` of the expected value), loss
 /// (`loss_tol`, relative) and gradients (`grad_tol`) against the expected float64 values;
 /// returns (max logits error, max gradient error).
-fn check_forward_backward<T: Erf + Gemm + Default>(
+fn check_forward_backward<T: Erf + Gemm + RowExp + Default>(
     case: &Case,
     label: &str,
     logits_tol: impl Fn(f64) -> f64 + Copy,
@@ -360,7 +360,7 @@ impl<T: Float> AdamW<T> {
 
 /// `adamw.steps` steps on the case's batch in `T`: the loss before each step and the
 /// weights after the last.
-fn run_adamw<T: Erf + Gemm + Default>(
+fn run_adamw<T: Erf + Gemm + RowExp + Default>(
     case: &Case,
     decays: impl Fn(&ParamSpec) -> bool + Copy,
 ) -> (Vec<f64>, Vec<f64>) {

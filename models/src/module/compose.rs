@@ -195,6 +195,8 @@ impl Module for Residual {
         x: Tensor,
         ctx: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
+        // The clones share `x`'s values (TENSOR-3): the branch's first layer may keep it for
+        // its backward, and no copy is made.
         let Some((_, sc)) = &self.shortcut else {
             let (mut y, s) = self.inner.forward(p, b, x.clone(), ctx)?;
             add_into(&mut y, &x)?;

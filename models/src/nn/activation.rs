@@ -27,6 +27,8 @@
 
 use num_traits::Float;
 
+#[cfg(target_arch = "x86_64")]
+use super::exp::{exp_f64, horner};
 use super::{lit, same_len};
 use crate::error::ModelError;
 
@@ -92,12 +94,6 @@ unsafe fn gelu_f32_avx2(x_then_d: &mut [f32], y: &mut [f32]) {
     gelu_f32(x_then_d, y);
 }
 
-/// Horner's rule with fused multiply-adds, highest coefficient first.
-#[inline(always)]
-fn horner(t: f64, coefs: &[f64]) -> f64 {
-    coefs[1..].iter().fold(coefs[0], |p, &c| p.mul_add(t, c))
-}
-
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn gelu_f32(x_then_d: &mut [f32], y: &mut [f32]) {
@@ -127,35 +123,6 @@ fn gelu_f32(x_then_d: &mut [f32], y: &mut [f32]) {
         *o = (x * cdf) as f32;
         *v = (x * gauss).mul_add(INV_SQRT_2PI, cdf) as f32;
     }
-}
-
-/// `exp(x)` for the `f32` GELU: branch-free (vectorises), relative error below 1e-9, ample
-/// for an `f32` result; the argument is clamped to `[-700, 700]` (past `f32`'s range).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn exp_f64(x: f64) -> f64 {
-    // 1.5 * 2^52: adding it rounds to an integer, which lands in the low mantissa bits.
-    const ROUND: f64 = 6_755_399_441_055_744.0;
-    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
-    // Taylor to r^8 on |r| <= ln 2 / 2 (the next term is below 2.1e-10).
-    const TAYLOR: [f64; 9] = [
-        1.0 / 40_320.0,
-        1.0 / 5_040.0,
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ];
-    let x = x.clamp(-700.0, 700.0);
-    let k = x.mul_add(std::f64::consts::LOG2_E, ROUND);
-    let n = k - ROUND;
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    // 2^n from n's low bits (n + 1023 lies in [13, 2033]).
-    horner(r, &TAYLOR) * f64::from_bits(k.to_bits().wrapping_add(1023) << 52)
 }
 
 /// An elementwise activation.

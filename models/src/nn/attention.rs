@@ -44,6 +44,7 @@
 
 use num_traits::Float;
 
+use super::exp::RowExp;
 use super::gemm::Gemm;
 use crate::backend::GemmShape;
 use crate::error::ModelError;
@@ -164,7 +165,7 @@ fn check_block(block: usize, shape: &AttnShape) -> Result<(), ModelError> {
 /// Causal attention over `qkv` (each `[batch, heads, seq, head_dim]`, consumed and kept for
 /// backward without copying), with the softmax computed online over key blocks of `block`
 /// keys (queries go in blocks of the same size). The output is [`AttnSaved::output`].
-pub fn attention_forward<F: Gemm>(
+pub fn attention_forward<F: Gemm + RowExp>(
     shape: AttnShape,
     block: usize,
     qkv: Qkv<F>,
@@ -210,23 +211,17 @@ pub fn attention_forward<F: Gemm>(
                     false,
                 );
                 for r in 0..br {
-                    let row = &mut sij[r * bc..(r + 1) * bc];
-                    let query = i0 + r;
-                    let mut mx = m[r];
-                    for (c, x) in row.iter_mut().enumerate() {
-                        if j0 + c > query {
-                            *x = F::neg_infinity();
-                        } else {
-                            *x = *x * scale;
-                            mx = mx.max(*x);
-                        }
-                    }
+                    // Keys past the query (`j0 + c > i0 + r`) are masked: they end the row.
+                    // `j0 <= i0`, since both step by `block` from 0.
+                    let valid = (i0 + r + 1 - j0).min(bc);
+                    let (live, masked) = sij[r * bc..(r + 1) * bc].split_at_mut(valid);
+                    // The scale is positive and rounding is monotonic: the maximum of the
+                    // scaled scores is the scaled maximum.
+                    let raw = live.iter().fold(F::neg_infinity(), |a, &b| a.max(b));
+                    let mx = m[r].max(raw * scale);
                     let alpha = (m[r] - mx).exp();
-                    let mut sum = F::zero();
-                    for x in row.iter_mut() {
-                        *x = (*x - mx).exp();
-                        sum = sum + *x;
-                    }
+                    let sum = F::exp_shifted(live, scale, mx);
+                    masked.fill(F::zero());
                     l[r] = l[r] * alpha + sum;
                     m[r] = mx;
                     for x in &mut oi[r * d..(r + 1) * d] {
@@ -256,7 +251,7 @@ pub fn attention_forward<F: Gemm>(
 
 /// Gradients of q, k and v from the gradient of the output (`[batch, heads, seq, head_dim]`),
 /// recomputing the probabilities block by block from the saved logsumexp.
-pub fn attention_backward<F: Gemm>(
+pub fn attention_backward<F: Gemm + RowExp>(
     saved: &AttnSaved<F>,
     grad_output: &[F],
 ) -> Result<AttnGrads<F>, ModelError> {
@@ -311,13 +306,11 @@ pub fn attention_backward<F: Gemm>(
                 );
                 for r in 0..br {
                     let query = i0 + r;
-                    for (c, x) in pij[r * bc..(r + 1) * bc].iter_mut().enumerate() {
-                        *x = if j0 + c > query {
-                            F::zero()
-                        } else {
-                            (*x * scale - lse_h[query]).exp()
-                        };
-                    }
+                    // Masked keys end the row (`j0 <= i0`, as in the forward).
+                    let valid = (query + 1 - j0).min(bc);
+                    let (live, masked) = pij[r * bc..(r + 1) * bc].split_at_mut(valid);
+                    F::exp_shifted(live, scale, lse_h[query]);
+                    masked.fill(F::zero());
                 }
                 // dV_j += P^T dO_i
                 F::gemm(

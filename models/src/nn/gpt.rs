@@ -62,6 +62,7 @@ use super::attention::{
 };
 use super::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use super::embedding::Embedding;
+use super::exp::RowExp;
 use super::gemm::Gemm;
 use super::linear::Linear;
 use super::lit;
@@ -415,7 +416,7 @@ impl GptConfig {
 
     /// The logits `[batch, seq, vocab]` of `tokens [batch][seq]` under `params` (the flat
     /// buffer, GPT-1), and what [`GptConfig::backward`] needs.
-    pub fn forward<T: Erf + Gemm + Default, S: AsRef<[u32]>>(
+    pub fn forward<T: Erf + Gemm + RowExp + Default, S: AsRef<[u32]>>(
         &self,
         params: &[T],
         tokens: &[S],
@@ -478,7 +479,7 @@ impl GptConfig {
 
     /// The gradient of every parameter (the flat layout of `params`, GPT-1) from the
     /// gradient of the logits `[batch, seq, vocab]`; `params` are those `saved` came from.
-    pub fn backward<T: Erf + Gemm + Default>(
+    pub fn backward<T: Erf + Gemm + RowExp + Default>(
         &self,
         params: &[T],
         saved: &GptSaved<T>,
@@ -554,7 +555,7 @@ impl GptConfig {
 
     /// The mean token cross-entropy of the logits of `tokens` against `targets` (both
     /// `[batch][seq]`) and the gradient of every parameter.
-    pub fn loss_and_grads<T: Erf + Gemm + Default, S: AsRef<[u32]>>(
+    pub fn loss_and_grads<T: Erf + Gemm + RowExp + Default, S: AsRef<[u32]>>(
         &self,
         params: &[T],
         tokens: &[S],

@@ -19,6 +19,7 @@
 //! - [`dropout`]: dropout whose mask depends on the element's place in the global batch.
 //! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
 //!   q/k/v split and head merge.
+//! - [`exp`]: `exp` over rows for the softmaxes, vectorised in `f32`.
 //! - [`gemm`]: the matrix products of the kernels (`f32` and `f64`) through the `gemm` crate.
 //! - [`linear`]: fully connected kernel, `y = x W^T + b`.
 //! - [`cross_entropy`]: token-level cross-entropy of logits against targets.
@@ -41,6 +42,7 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
+pub mod exp;
 pub mod gemm;
 pub mod gpt;
 #[cfg(test)]
@@ -51,6 +53,7 @@ pub mod norm;
 pub use activation::{Activation, Erf};
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward, CrossEntropySaved};
 pub use embedding::Embedding;
+pub use exp::RowExp;
 pub use gemm::Gemm;
 pub use gpt::{GptConfig, GptSaved};
 pub use linear::Linear;
