@@ -17,11 +17,6 @@ const LOSS_REL_TOL: f32 = 1e-6;
 const PARAM_ABS_TOL: f32 = 4e-7;
 const BUFFER_ABS_TOL: f32 = 6e-7;
 
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "loss curve length");
-    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f32::max)
-}
-
 /// (global batch, steps): divisible by 2, 3 and 4; divisible by 2 only; and a run across the
 /// epoch boundary (1438 training samples) whose last short batch of 38 splits unevenly over 3
 /// and 4 ranks.

@@ -32,11 +32,6 @@ fn gpt_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
     }
 }
 
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "loss curve length");
-    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f32::max)
-}
-
 /// A global batch of 10: even over 2 ranks, uneven over 3 and 4.
 #[test]
 fn gpt_every_stage_world_and_prefetch_matches_one_rank() {

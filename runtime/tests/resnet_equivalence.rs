@@ -32,11 +32,6 @@ fn resnet_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
     }
 }
 
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "loss curve length");
-    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f32::max)
-}
-
 /// A global batch of 22: even over 2 ranks, uneven over 3 and 4 (slices of 7, 7, 8 and
 /// 5, 5, 6, 6), so SyncBN's merge of unequal counts is exercised.
 #[test]

@@ -139,3 +139,9 @@ pub fn shardline(args: &[&str]) -> Out {
         stderr: re.join().unwrap_or_default(),
     }
 }
+
+/// The largest relative difference between two loss curves of the same length.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "loss curve length");
+    a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f32::max)
+}
