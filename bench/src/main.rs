@@ -4,18 +4,21 @@
 
 use clap::{Parser, Subcommand};
 
+mod alloc;
 mod collectives;
 mod faults;
 mod limits;
+mod measured;
 mod memory;
 mod overlap;
 mod report;
 mod syncbn;
 
 /// Large buffers come from a shared-memory arena, so that shm peers read them in place
-/// (`shardline_collectives::arena`).
+/// (`shardline_collectives::arena`); every allocation is counted (`memory-measured`).
 #[global_allocator]
-static ALLOC: shardline_collectives::arena::SharedArena = shardline_collectives::arena::SharedArena;
+static ALLOC: alloc::Counting<shardline_collectives::arena::SharedArena> =
+    alloc::Counting(shardline_collectives::arena::SharedArena);
 
 /// Builds the namespace nodes of `--nodes`; without root the error says what `--nodes` needs
 /// and how to do without it, otherwise it is the net's own (a bad node count, a missing `tc`).
@@ -45,15 +48,26 @@ enum Cmd {
     ///
     /// Example: shardline-bench collectives --transport local,shm,tcp --world 2,4 --json c.json --plot c.svg
     Collectives(collectives::Args),
-    /// The small-batch experiment: per-rank BN vs SyncBN vs one rank, on digits.
+    /// The small-batch experiment: per-rank BN vs SyncBN vs one rank holding the whole batch,
+    /// mean test accuracy over seeds with its standard error, and SyncBN's step-time overhead.
     ///
     /// Example: shardline-bench syncbn --world 8 --per-rank 2 --json syncbn.json
+    ///
+    /// Example: shardline-bench syncbn --model resnet-bn --dataset idx:models/data/fashion-mnist --width 8 --steps 500 --seeds 5 --study-only
     Syncbn(syncbn::Args),
     /// Per-rank memory peak vs theoretical model state, per ZeRO stage and world; a model
     /// that fails at stage 0 under a cap and trains at stage 3.
     ///
     /// Example: shardline-bench memory --world 1,2,4 --params 2M --json memory.json
     Memory(memory::Args),
+    /// The peak the runtime accounts against the peak a counting allocator measures, per
+    /// rank (one process each), for each model, world size and ZeRO stage.
+    ///
+    /// Example: shardline-bench memory-measured --models mlp-bn,gpt --world 1,2 --json mem.json
+    MemoryMeasured(measured::Args),
+    /// One rank of `memory-measured` (started by it, in a torchrun-style environment).
+    #[command(hide = true)]
+    MemoryRank(measured::RankArgs),
     /// Stage 3 overlap: compute, communication, step and exposed communication time per
     /// prefetch depth under a per-link bandwidth limit; SVG timeline of one step per rank.
     ///
@@ -102,6 +116,8 @@ fn main() {
         Cmd::Faults(a) => faults::run(a),
         Cmd::FaultsTrial(a) => faults::trial(a),
         Cmd::Memory(a) => memory::run(a),
+        Cmd::MemoryMeasured(a) => measured::run(a),
+        Cmd::MemoryRank(a) => measured::rank(a),
         Cmd::Overlap(a) => overlap::run(a),
     };
     if let Err(e) = res {

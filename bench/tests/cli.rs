@@ -88,3 +88,39 @@ fn a_small_local_run_prints_its_table_and_checks_results() {
         assert_eq!(cols[6], "0", "#wrong in {r}");
     }
 }
+
+#[test]
+fn memory_measured_runs_one_process_per_rank_meas_2() {
+    // MEAS-1, MEAS-2: two rank processes each report their own figures; the tracker's
+    // peak is at most the heap the process measurably held.
+    let json = std::env::temp_dir().join(format!("memmeas-{}.json", std::process::id()));
+    let json_s = json.to_str().expect("utf-8 path");
+    let o = bench(&[
+        "memory-measured",
+        "--models",
+        "mlp-bn",
+        "--world",
+        "2",
+        "--stage",
+        "3",
+        "--steps",
+        "1",
+        "--deadline-s",
+        "100",
+        "--json",
+        json_s,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).expect("json");
+    let _ = std::fs::remove_file(&json);
+    let rows = doc["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{doc}");
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["rank"].as_u64(), Some(i as u64), "{r}");
+        let acc = r["accounted_bytes"].as_u64().expect("accounted");
+        let meas = r["measured_bytes"].as_u64().expect("measured");
+        assert!(acc > 0 && r["baseline_bytes"].as_u64().expect("baseline") > 0, "{r}");
+        assert!(meas >= acc, "MEAS-2: accounted {acc} > measured {meas}: {r}");
+    }
+}

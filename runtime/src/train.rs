@@ -413,6 +413,12 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.hidden == Some(0) {
         return Err(RuntimeError::config("--hidden must be at least 1"));
     }
+    if cfg.width.is_some() && cfg.model != "resnet-bn" {
+        return Err(RuntimeError::config(format!(
+            "--width applies to --model resnet-bn, not '{}' (mlp-bn and convnet-bn take --hidden)",
+            cfg.model
+        )));
+    }
     if !matches!(cfg.optimizer.as_str(), "sgd" | "adamw") {
         return Err(RuntimeError::config(format!(
             "unknown optimizer '{}' (choose sgd or adamw)",
@@ -678,6 +684,9 @@ pub fn plan_network(
     // has nothing to synchronise.
     let bn = spec.units.iter().any(|u| !u.buffers.is_empty());
     let sync = sync_bn_choice(cfg, (!bn).then_some(spec.name.as_str()));
+    if bn && !sync.0 && cfg.world > 1 {
+        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
+    }
     job_plan(cfg, model, sync, train, test)
 }
 

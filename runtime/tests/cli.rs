@@ -81,6 +81,10 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
             &["--model", "gpt", "--dataset", "text", "--n-embd", "30", "--n-head", "4"],
             "--n-embd 30 is not divisible by --n-head 4",
         ),
+        (
+            &["--model", "mlp-bn", "--width", "8"],
+            "--width applies to --model resnet-bn, not 'mlp-bn'",
+        ),
     ];
     for (extra, needle) in cases {
         let o = run_small(extra);

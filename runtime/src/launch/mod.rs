@@ -91,4 +91,4 @@ pub use env::{StoreAt, WorkerEnv};
 pub use options::{parse_nnodes, LaunchOptions};
 pub use rendezvous::RENDEZVOUS_TIMEOUT;
 pub use torchrun::record_error as record_torchrun_error;
-pub use worker::{progress_key, run_worker, unix_ms};
+pub use worker::{progress_key, run_worker, run_worker_planned, unix_ms};

@@ -27,6 +27,24 @@ pub fn run_worker(mut cfg: TrainConfig, opts: RunOptions, env: &WorkerEnv) -> Re
         cfg.world = env.world;
     }
     let plan = train::plan(&cfg)?;
+    run_worker_planned(cfg, opts, env, plan)
+}
+
+/// [`run_worker`] with the job already planned (data loaded, model built) by
+/// `train::plan(&cfg)`, `cfg.world` being `env.world`: what a caller measuring the run
+/// alone, without the loading, starts from.
+pub fn run_worker_planned(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    env: &WorkerEnv,
+    plan: train::JobPlan,
+) -> Result<Summary> {
+    if cfg.world != env.world {
+        return Err(RuntimeError::config(format!(
+            "planned for world {} but the launch environment has {}",
+            cfg.world, env.world
+        )));
+    }
     let lead = env.rank == 0 && !opts.quiet;
     let joined = join_job(&cfg, env)?;
     if lead {
