@@ -35,6 +35,7 @@ pub mod arena;
 pub mod blocked;
 pub mod communicator;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod executor;
 pub mod fingerprint;

@@ -1,0 +1,558 @@
+//! A strict simulated accelerator. Device buffers are allocations of their own that the host
+//! reaches only through copies; each stream is a worker thread that runs its work later, in
+//! order, after a seeded random delay, and only once the events it waits for have fired.
+//! Every enqueue goes through the ordering rules ([`super::hazard`]): an access they refuse
+//! poisons the buffer (NaN), fails the device, and is reported naming the buffer, the stream
+//! and the operation it raced with. Memory has a capacity, as a GPU's has.
+//!
+//! Invariants:
+//! - SIM-1: work on a stream runs in enqueue order, and an operation runs only after every
+//!   operation its clock names (its stream's earlier work, the events it waited for, the
+//!   host's waits) has run, whatever the delays.
+//! - SIM-2: a refused access fails the device: the buffer is filled with NaN, every later
+//!   call answers [`DeviceError::Failed`] with the first failure's message, and the work
+//!   already enqueued is skipped (so that no wait hangs).
+//! - SIM-3: bytes in use are the sum of the live allocations; an allocation past the capacity
+//!   is refused and changes nothing.
+
+use super::hazard::{Ordering, StreamId, Use, VectorClock};
+use super::{Device, DeviceBuffer, DeviceError, Download, Event, Kernel, Result};
+use crossbeam::channel::{unbounded, Sender};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+static NEXT_DEVICE: AtomicU64 = AtomicU64::new(1);
+
+/// How a simulated device behaves.
+#[derive(Clone, Debug)]
+pub struct SimOptions {
+    /// Seeds every stream's delays.
+    pub seed: u64,
+    /// Longest delay before each operation, in microseconds (0: none).
+    pub max_delay_us: u64,
+    /// Device memory in bytes (`None`: unbounded).
+    pub capacity: Option<u64>,
+    /// How long a host wait may take before the device is failed as hung.
+    pub timeout: Duration,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { seed: 0, max_delay_us: 200, capacity: None, timeout: Duration::from_secs(60) }
+    }
+}
+
+type Values = Arc<Mutex<Vec<f32>>>;
+type Work = Box<dyn FnOnce() -> Result<()> + Send>;
+/// A kernel that may fail (a collective whose peers never come).
+pub(crate) type FallibleKernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) -> Result<()> + Send>;
+
+struct Job {
+    seq: u64,
+    clock: VectorClock,
+    work: Work,
+}
+
+/// What the stream workers share with the device.
+struct Shared {
+    /// Operations run (or skipped after a failure) per stream.
+    done: Mutex<Vec<u64>>,
+    cv: Condvar,
+    failed: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn fail(&self, msg: String) {
+        let mut f = lock(&self.failed);
+        if f.is_none() {
+            tracing::error!("simulated device failed: {msg}");
+            *f = Some(msg);
+        }
+    }
+
+    fn failure(&self) -> Option<String> {
+        lock(&self.failed).clone()
+    }
+}
+
+struct State {
+    ordering: Ordering,
+    values: HashMap<u64, Values>,
+    in_use: u64,
+    next_buffer: u64,
+    senders: Vec<Sender<Job>>,
+}
+
+/// A simulated accelerator (SIM-1..3).
+pub struct SimDevice {
+    id: u64,
+    opts: SimOptions,
+    shared: Arc<Shared>,
+    state: Mutex<State>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A small seeded generator for the delays (splitmix64): reproducible per (seed, stream).
+struct Delays(u64);
+
+impl Delays {
+    fn next(&mut self, max: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        if max == 0 {
+            0
+        } else {
+            z % (max + 1)
+        }
+    }
+}
+
+impl SimDevice {
+    /// A device with no stream yet.
+    pub fn new(opts: SimOptions) -> Self {
+        SimDevice {
+            id: NEXT_DEVICE.fetch_add(1, AtomicOrdering::Relaxed),
+            opts,
+            shared: Arc::new(Shared {
+                done: Mutex::new(Vec::new()),
+                cv: Condvar::new(),
+                failed: Mutex::new(None),
+            }),
+            state: Mutex::new(State {
+                ordering: Ordering::new(),
+                values: HashMap::new(),
+                in_use: 0,
+                next_buffer: 1,
+                senders: Vec::new(),
+            }),
+            workers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The first failure, if the device failed (SIM-2).
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure()
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        match self.shared.failure() {
+            Some(m) => Err(DeviceError::Failed(m)),
+            None => Ok(()),
+        }
+    }
+
+    fn mine(&self, b: &DeviceBuffer) -> Result<()> {
+        if b.device == self.id {
+            Ok(())
+        } else {
+            Err(DeviceError::Invalid(format!("buffer '{}' belongs to another device", b.label())))
+        }
+    }
+
+    /// Enqueues `work` on `stream` after checking `uses` against the ordering rules; a
+    /// refused access poisons the buffer and fails the device (SIM-2).
+    fn enqueue(
+        &self,
+        stream: StreamId,
+        op: &str,
+        uses: &[(&DeviceBuffer, Use)],
+        work: impl FnOnce(&[Values]) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        self.check_alive()?;
+        for (b, _) in uses {
+            self.mine(b)?;
+        }
+        let mut st = lock(&self.state);
+        let ids: Vec<(u64, Use)> = uses.iter().map(|(b, u)| (b.id, *u)).collect();
+        let clock = match st.ordering.enqueue(stream, op, &ids) {
+            Ok(c) => c,
+            Err(h) => {
+                for (b, _) in uses {
+                    if b.label() == h.buffer {
+                        if let Some(v) = st.values.get(&b.id) {
+                            lock(v).iter_mut().for_each(|x| *x = f32::NAN);
+                        }
+                    }
+                }
+                self.shared.fail(h.to_string());
+                return Err(DeviceError::Hazard(h));
+            }
+        };
+        let values: Vec<Values> =
+            uses.iter().map(|(b, _)| st.values.get(&b.id).cloned().unwrap_or_default()).collect();
+        let seq = clock.get(stream);
+        let job = Job { seq, clock, work: Box::new(move || work(&values)) };
+        st.senders[stream]
+            .send(job)
+            .map_err(|_| DeviceError::Failed("a stream worker is gone".into()))
+    }
+
+    /// Enqueues a kernel that may fail (the communicator's collectives).
+    pub(crate) fn launch_fallible(
+        &self,
+        stream: StreamId,
+        name: &str,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+        kernel: FallibleKernel,
+    ) -> Result<()> {
+        for r in reads {
+            if writes.iter().any(|w| w.id == r.id) {
+                return Err(DeviceError::Invalid(format!(
+                    "{name}: buffer '{}' is both read and written (pass it as written)",
+                    r.label()
+                )));
+            }
+        }
+        let mut uses: Vec<(&DeviceBuffer, Use)> = reads.iter().map(|b| (*b, Use::Read)).collect();
+        uses.extend(writes.iter().map(|b| (*b, Use::Write)));
+        let n_reads = reads.len();
+        let ids: Vec<u64> = uses.iter().map(|(b, _)| b.id).collect();
+        self.enqueue(stream, name, &uses, move |vals| {
+            // Lock in id order, so that two streams never wait on each other's locks.
+            let mut order: Vec<usize> = (0..vals.len()).collect();
+            order.sort_by_key(|&i| ids[i]);
+            let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
+                (0..vals.len()).map(|_| None).collect();
+            for i in order {
+                guards[i] = Some(lock(&vals[i]));
+            }
+            let (rg, wg) = guards.split_at_mut(n_reads);
+            let r: Vec<&[f32]> = rg.iter().map(|g| g.as_deref().map_or(&[][..], |v| v)).collect();
+            let mut w: Vec<&mut [f32]> =
+                wg.iter_mut().map(|g| g.as_deref_mut().map_or(&mut [][..], |v| v)).collect();
+            kernel(&r, &mut w)
+        })
+    }
+
+    fn spawn_worker(&self, stream: StreamId, name: &str) -> Sender<Job> {
+        let (tx, rx) = unbounded::<Job>();
+        let shared = Arc::clone(&self.shared);
+        let mut delays = Delays(self.opts.seed ^ (stream as u64).wrapping_mul(0x5851_F42D));
+        let max = self.opts.max_delay_us;
+        let timeout = self.opts.timeout;
+        let h = std::thread::Builder::new()
+            .name(format!("sim-{name}"))
+            .spawn(move || {
+                for job in rx {
+                    let d = delays.next(max);
+                    if d > 0 {
+                        std::thread::sleep(Duration::from_micros(d));
+                    }
+                    // SIM-1: wait until every operation the clock names has run.
+                    let deadline = Instant::now() + timeout;
+                    let mut done = lock(&shared.done);
+                    loop {
+                        let ready =
+                            job.clock.entries().iter().enumerate().all(|(s, &n)| {
+                                s == stream || done.get(s).copied().unwrap_or(0) >= n
+                            });
+                        if ready {
+                            break;
+                        }
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            drop(done);
+                            shared
+                                .fail(format!("stream '{stream}' waited {timeout:?} for an event"));
+                            done = lock(&shared.done);
+                            break;
+                        }
+                        done =
+                            shared.cv.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                    drop(done);
+                    // SIM-2: after a failure, work is skipped but still counted as done.
+                    if shared.failure().is_none() {
+                        if let Err(e) = (job.work)() {
+                            shared.fail(e.to_string());
+                        }
+                    }
+                    let mut done = lock(&shared.done);
+                    if done.len() <= stream {
+                        done.resize(stream + 1, 0);
+                    }
+                    done[stream] = job.seq;
+                    shared.cv.notify_all();
+                }
+            })
+            .expect("spawn a simulated stream");
+        lock(&self.workers).push(h);
+        tx
+    }
+}
+
+impl Drop for SimDevice {
+    fn drop(&mut self) {
+        lock(&self.state).senders.clear();
+        for h in lock(&self.workers).drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Device for SimDevice {
+    fn stream(&self, name: &str) -> StreamId {
+        let mut st = lock(&self.state);
+        let s = st.ordering.add_stream(name);
+        drop(st);
+        let tx = self.spawn_worker(s, name);
+        let mut st = lock(&self.state);
+        st.senders.push(tx);
+        {
+            let mut done = lock(&self.shared.done);
+            if done.len() <= s {
+                done.resize(s + 1, 0);
+            }
+        }
+        s
+    }
+
+    fn alloc(&self, len: usize, label: &str) -> Result<DeviceBuffer> {
+        self.check_alive()?;
+        let mut st = lock(&self.state);
+        let bytes = len as u64 * 4;
+        // SIM-3.
+        if let Some(cap) = self.opts.capacity {
+            if st.in_use + bytes > cap {
+                return Err(DeviceError::OutOfMemory {
+                    label: label.to_owned(),
+                    bytes,
+                    in_use: st.in_use,
+                    capacity: cap,
+                });
+            }
+        }
+        let id = st.next_buffer;
+        st.next_buffer += 1;
+        st.in_use += bytes;
+        st.ordering.add_buffer(id, label);
+        st.values.insert(id, Arc::new(Mutex::new(vec![0.0; len])));
+        Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
+    }
+
+    fn free(&self, stream: StreamId, buf: DeviceBuffer) -> Result<()> {
+        self.enqueue(stream, &format!("free {}", buf.label()), &[(&buf, Use::Free)], |_| Ok(()))?;
+        let mut st = lock(&self.state);
+        st.values.remove(&buf.id);
+        st.in_use -= buf.len() as u64 * 4;
+        Ok(())
+    }
+
+    fn upload(&self, stream: StreamId, src: &[f32], dst: &DeviceBuffer) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(DeviceError::Invalid(format!(
+                "upload of {} elements into '{}' of {}",
+                src.len(),
+                dst.label(),
+                dst.len()
+            )));
+        }
+        let data = src.to_vec();
+        self.enqueue(stream, &format!("upload {}", dst.label()), &[(dst, Use::Write)], move |v| {
+            lock(&v[0]).copy_from_slice(&data);
+            Ok(())
+        })
+    }
+
+    fn download(&self, stream: StreamId, src: &DeviceBuffer) -> Result<Download> {
+        let data = Arc::new(Mutex::new(None));
+        let out = Arc::clone(&data);
+        self.enqueue(
+            stream,
+            &format!("download {}", src.label()),
+            &[(src, Use::Read)],
+            move |v| {
+                *lock(&out) = Some(lock(&v[0]).clone());
+                Ok(())
+            },
+        )?;
+        Ok(Download { event: self.record(stream), data })
+    }
+
+    fn copy(&self, stream: StreamId, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(DeviceError::Invalid(format!(
+                "copy of '{}' ({}) into '{}' ({})",
+                src.label(),
+                src.len(),
+                dst.label(),
+                dst.len()
+            )));
+        }
+        self.launch_fallible(
+            stream,
+            &format!("copy {} -> {}", src.label(), dst.label()),
+            &[src],
+            &[dst],
+            Box::new(|r, w| {
+                w[0].copy_from_slice(r[0]);
+                Ok(())
+            }),
+        )
+    }
+
+    fn launch(
+        &self,
+        stream: StreamId,
+        name: &str,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+        kernel: Kernel,
+    ) -> Result<()> {
+        self.launch_fallible(
+            stream,
+            name,
+            reads,
+            writes,
+            Box::new(move |r, w| {
+                kernel(r, w);
+                Ok(())
+            }),
+        )
+    }
+
+    fn record(&self, stream: StreamId) -> Event {
+        let st = lock(&self.state);
+        let clock = st.ordering.record(stream);
+        Event { device: self.id, stream, seq: clock.get(stream), clock }
+    }
+
+    fn wait(&self, stream: StreamId, event: &Event) {
+        lock(&self.state).ordering.wait(stream, &event.clock);
+    }
+
+    fn query(&self, event: &Event) -> bool {
+        lock(&self.shared.done).get(event.stream).copied().unwrap_or(0) >= event.seq
+    }
+
+    fn synchronize(&self, event: &Event) -> Result<()> {
+        if event.device != self.id {
+            return Err(DeviceError::Invalid("an event of another device".into()));
+        }
+        let deadline = Instant::now() + self.opts.timeout;
+        let mut done = lock(&self.shared.done);
+        while done.get(event.stream).copied().unwrap_or(0) < event.seq {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                drop(done);
+                let msg = format!("the host waited {:?} for an event", self.opts.timeout);
+                self.shared.fail(msg.clone());
+                return Err(DeviceError::Failed(msg));
+            }
+            done = self.shared.cv.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        drop(done);
+        lock(&self.state).ordering.host_waited(&event.clock);
+        self.check_alive()
+    }
+
+    fn in_use(&self) -> u64 {
+        lock(&self.state).in_use
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(seed: u64) -> SimDevice {
+        SimDevice::new(SimOptions { seed, max_delay_us: 300, ..SimOptions::default() })
+    }
+
+    #[test]
+    fn events_order_streams_whatever_the_delays_sim_1() {
+        // SIM-1: a producer stream writes, the consumer waits on its event and doubles; over
+        // twenty delay seeds the host always reads the doubled values.
+        for seed in 0..20 {
+            let d = dev(seed);
+            let (p, c) = (d.stream("gather"), d.stream("compute"));
+            let a = d.alloc(64, "unit.params").unwrap();
+            let b = d.alloc(64, "unit.out").unwrap();
+            let src: Vec<f32> = (0..64).map(|i| i as f32).collect();
+            d.upload(p, &src, &a).unwrap();
+            let e = d.record(p);
+            d.wait(c, &e);
+            d.launch(
+                c,
+                "double",
+                &[&a],
+                &[&b],
+                Box::new(|r, w| w[0].iter_mut().zip(r[0]).for_each(|(o, x)| *o = 2.0 * x)),
+            )
+            .unwrap();
+            let got = d.download(c, &b).unwrap().wait(&d).unwrap();
+            assert_eq!(got, src.iter().map(|x| 2.0 * x).collect::<Vec<_>>(), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_missing_wait_poisons_and_fails_loudly_sim_2() {
+        // SIM-2: the consumer forgets the event wait (the gather->compute dependency): the
+        // launch is refused naming buffer and stream, the buffer is poisoned, and every later
+        // call fails with the first message.
+        let d = dev(3);
+        let (p, c) = (d.stream("gather"), d.stream("compute"));
+        let a = d.alloc(8, "blocks.0 gathered").unwrap();
+        let b = d.alloc(8, "out").unwrap();
+        d.upload(p, &[1.0; 8], &a).unwrap();
+        let e = d
+            .launch(c, "matmul", &[&a], &[&b], Box::new(|_, _| {}))
+            .expect_err("unordered read refused");
+        let msg = e.to_string();
+        assert!(msg.contains("blocks.0 gathered") && msg.contains("'compute'"), "{msg}");
+        assert!(matches!(e, DeviceError::Hazard(_)));
+        assert!(d.failure().is_some_and(|f| f.contains("blocks.0 gathered")));
+        assert!(matches!(d.alloc(1, "x"), Err(DeviceError::Failed(_))));
+        let ev = d.record(p);
+        assert!(matches!(d.synchronize(&ev), Err(DeviceError::Failed(_))), "no hang, a failure");
+        // The poison is there: the buffer's values are NaN (read past the failed device).
+        let st = lock(&d.state);
+        assert!(lock(&st.values[&a.id]).iter().all(|x| x.is_nan()));
+    }
+
+    #[test]
+    fn a_buffer_reused_before_its_reader_is_done_is_caught_sim_2() {
+        // FSDP's record_stream class of bug: the reduce stream reads a gradient buffer, and
+        // compute writes the next unit's gradient into it without waiting for the reduction.
+        let d = dev(5);
+        let (c, r) = (d.stream("compute"), d.stream("reduce"));
+        let g = d.alloc(16, "grad buffer").unwrap();
+        let out = d.alloc(16, "reduced").unwrap();
+        d.upload(c, &[1.0; 16], &g).unwrap();
+        d.wait(r, &d.record(c));
+        d.copy(r, &g, &out).unwrap();
+        let e = d.upload(c, &[2.0; 16], &g).expect_err("write before the read is done");
+        assert!(e.to_string().contains("grad buffer") && e.to_string().contains("reduce"), "{e}");
+    }
+
+    #[test]
+    fn capacity_bounds_allocations_and_frees_give_back_sim_3() {
+        let d = SimDevice::new(SimOptions { capacity: Some(1000), ..SimOptions::default() });
+        let s = d.stream("compute");
+        let a = d.alloc(200, "a").unwrap(); // 800 bytes
+        let e = d.alloc(100, "b").expect_err("800 + 400 > 1000");
+        assert!(e.to_string().contains("'b'") && e.to_string().contains("800 of 1000"), "{e}");
+        assert_eq!(d.in_use(), 800, "a refused allocation changes nothing");
+        d.free(s, a).unwrap();
+        assert_eq!(d.in_use(), 0);
+        let b = d.alloc(250, "b").unwrap();
+        assert_eq!(d.in_use(), 1000);
+        // A freed buffer is gone for good (HAZ-3 through the device).
+        let c2 = d.alloc(0, "c").unwrap();
+        d.free(s, c2).unwrap();
+        let ev = d.record(s);
+        d.synchronize(&ev).unwrap();
+        drop(b);
+    }
+}
