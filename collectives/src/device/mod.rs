@@ -3,6 +3,7 @@
 //! stream, as a GPU and NCCL work.
 //!
 //! - [`Device`]: the interface (allocations, streams, events, copies, kernels);
+//! - [`cpu`]: the host as a device, every call run at once (CPUDEV-n);
 //! - [`hazard`]: the ordering rules as a pure core (vector clocks; HAZ-n);
 //! - [`sim`]: a strict simulated accelerator: streams are workers with seeded random delays,
 //!   every access is checked against the ordering rules, a refused access poisons the buffer
@@ -14,10 +15,12 @@
 //! Values are `f32` elements. A [`DeviceBuffer`] is a handle: it has no accessor for its
 //! values, so the host can read one only through [`Device::download`].
 
+pub mod cpu;
 pub mod hazard;
 pub mod sim;
 pub mod sim_comm;
 
+pub use cpu::CpuDevice;
 pub use hazard::{Hazard, StreamId, Use, VectorClock};
 pub use sim::{SimDevice, SimOptions};
 pub use sim_comm::{SimComm, SimWorld};
