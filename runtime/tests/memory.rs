@@ -64,3 +64,62 @@ fn a_cap_that_stage_0_exceeds_is_enough_for_stage_3() {
     assert_eq!(s.total_steps, 2);
     assert!(s.peak_bytes.iter().all(|&b| b <= cap), "{:?} over the cap {cap}", s.peak_bytes);
 }
+
+/// MEM-2 at the edge: a cap of exactly the accounted peak trains, one byte less fails with an
+/// OutOfMemory naming the category, for a model whose peak holds activations (gpt) and for
+/// one whose peak is model state (wide-mlp at stage 0, two ranks).
+#[test]
+fn the_accounted_peak_is_exactly_the_cap_a_run_needs() {
+    use shardline_runtime::memory::Category;
+    use shardline_runtime::RuntimeError;
+    let gpt = TrainConfig {
+        world: 1,
+        // Stages 0 and 1 hold no transient gradient whose release waits on a reduction's
+        // completion, so their peak does not depend on timing.
+        stage: StageChoice::Fixed(Stage::Zero0),
+        model: "gpt".into(),
+        dataset: "text".into(),
+        n_layer: Some(2),
+        n_head: Some(2),
+        n_embd: Some(32),
+        block_size: Some(16),
+        optimizer: "adamw".into(),
+        lr: 1e-3,
+        steps: Some(2),
+        batch_size: 4,
+        timeout_s: 30,
+        ..TrainConfig::default()
+    };
+    for cfg in [gpt, wide(2, 0, 200_000)] {
+        let peak = run_ok(cfg.clone(), quiet()).peak_bytes.iter().copied().max().unwrap_or(0);
+        assert!(peak > 0);
+        let mut at = cfg.clone();
+        at.device_memory = Some(peak);
+        let s = run_ok(at, quiet());
+        assert_eq!(s.peak_bytes.iter().copied().max(), Some(peak), "{}: same peak", cfg.model);
+        let mut below = cfg.clone();
+        below.device_memory = Some(peak - 1);
+        match run_with_deadline(below, quiet()) {
+            Err(RuntimeError::OutOfMemory { category, cap, .. }) => {
+                assert_eq!(cap, peak - 1);
+                assert!(Category::ALL.contains(&category));
+            }
+            Err(e) => {
+                // Through the rank actors the error may arrive as text; it must still be the
+                // tracker's refusal, naming what was allocated and its category.
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("would exceed the"),
+                    "{}: not an OutOfMemory: {msg}",
+                    cfg.model
+                );
+                assert!(
+                    Category::ALL.iter().any(|c| msg.contains(&format!("for {} ", c.label()))),
+                    "{}: no category named: {msg}",
+                    cfg.model
+                );
+            }
+            Ok(_) => panic!("{}: trained under a cap one byte below its peak {peak}", cfg.model),
+        }
+    }
+}
