@@ -33,7 +33,8 @@
 //!   error from every later call.
 //! - RDMA-5: a header whose tag or length differs from the expected receive fails the link
 //!   with `TagMismatch` / `LengthMismatch` before any of its bytes reach the sink.
-//! - RDMA-6: a poison message fails the peer's pending and later receives with `Poisoned`.
+//! - RDMA-6: a poison message fails the peer's pending and later receives with `Poisoned`,
+//!   and the shim ends a wait on any other peer with it as well.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -291,6 +292,12 @@ impl LinkProto {
     /// Whether sends are still queued or their writes not yet completed locally.
     pub fn sends_pending(&self) -> bool {
         !self.out.is_empty() || self.writes_posted != self.writes_done
+    }
+
+    /// The poison the peer sent, if it sent one: a wait on any other peer ends with it too
+    /// (RDMA-6), since the job has failed.
+    pub fn poisoned(&self) -> Option<&Poison> {
+        self.poison_in.as_ref()
     }
 
     /// Whether expected receives are still incomplete.

@@ -715,6 +715,12 @@ impl LaneLinks for RdmaLinks {
                 idle = 0;
                 continue;
             }
+            // RDMA-6: a poison from any peer ends the wait, not only from those waited on.
+            if let Some(poison) = self.links.iter().flatten().find_map(|l| l.proto.poisoned()) {
+                let e = TransportError::Poisoned(poison.clone());
+                self.failed = Some(e.clone());
+                return Err(e);
+            }
             if cancel.load(Ordering::Relaxed) {
                 self.failed = Some(TransportError::Cancelled);
                 return Err(TransportError::Cancelled);
