@@ -522,7 +522,8 @@ fn optimizer_of(cfg: &TrainConfig) -> Optimizer {
 }
 
 /// Per-stage per-rank memory estimate: model state plus gathered units (stage 3) or the full
-/// unsharded working copy.
+/// unsharded working copy, and at stages 2 and 3 with `--grad-accum` and `--accum-reduce
+/// last` the full gradients held until the last microbatch (ACC-3).
 pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(Stage, u64)>> {
     let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
     let opt = optimizer_of(cfg);
@@ -538,7 +539,13 @@ pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(St
                 Stage::Zero3 => unit * (2 + cfg.prefetch as u64),
                 _ => unit,
             };
-            (s, state + transient)
+            // ACC-3: `--accum-reduce last` keeps every unit's full gradient until the last
+            // microbatch.
+            let held = cfg.grad_accum > 1
+                && s.grads_sharded()
+                && cfg.accum_reduce == Some(AccumReduce::Last);
+            let full_grads = if held { layout.padded_numel() as u64 * 4 } else { 0 };
+            (s, state + transient + full_grads)
         })
         .collect())
 }

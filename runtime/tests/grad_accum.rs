@@ -201,6 +201,29 @@ fn batchnorm_buffers_and_syncbn_messages_count_microbatches_acc_4() {
     assert_eq!(two, 2 * one, "two microbatches send each layer's statistics twice");
 }
 
+/// ACC-3: `--stage auto`'s estimates count the full gradients that `--accum-reduce last`
+/// holds at stages 2 and 3 until the last microbatch, and nothing more at stages 0 and 1
+/// or with `each`.
+#[test]
+fn stage_estimates_count_the_gradients_last_holds_acc_3() {
+    let cfg = bn_cfg(2, 0);
+    let (train_set, _) = train::load_data(&cfg, false).expect("digits");
+    let model = train::build_model(&cfg, &train_set.sample_shape, train_set.classes).unwrap();
+    let layout = shardline_runtime::shard::ShardedModelLayout::new(&model.spec(), 2).unwrap();
+    let full = layout.padded_numel() as u64 * 4;
+    let est = |n: usize, how: Option<AccumReduce>| {
+        let c = TrainConfig { grad_accum: n, accum_reduce: how, ..cfg.clone() };
+        train::stage_estimates(&model, &c).unwrap()
+    };
+    let plain = est(1, None);
+    assert_eq!(est(2, Some(AccumReduce::Each)), plain);
+    assert_eq!(est(1, Some(AccumReduce::Last)), plain, "one microbatch holds nothing more");
+    for ((stage, last), (_, base)) in est(2, Some(AccumReduce::Last)).into_iter().zip(&plain) {
+        let more = if stage.grads_sharded() { full } else { 0 };
+        assert_eq!(last, base + more, "{stage:?}");
+    }
+}
+
 /// Bad `--grad-accum` and `--accum-reduce` settings exit 2 naming what to change: zero,
 /// a count that does not divide the per-rank batch (both numbers named), a batch that is
 /// not the same on every rank, and a reduction policy at a stage it does not apply to.
