@@ -378,14 +378,15 @@ struct TrainArgs {
     grad_accum: usize,
     /// With --grad-accum at stages 2 and 3: each reduce-scatters every microbatch's
     /// gradients and adds them into the rank's gradient shard; last keeps every unit's full
-    /// gradients until the last microbatch and reduce-scatters once (N times fewer bytes,
-    /// the full gradients' memory). Stages 0 and 1 always reduce once, after the last
-    /// microbatch [default: each].
+    /// gradients until the last microbatch and reduce-scatters once (N times fewer
+    /// reduce-scatter bytes, the whole model's gradients held meanwhile). Stages 0 and 1
+    /// always reduce once, after the last microbatch; naming a policy with --stage 0 or 1
+    /// exits 2 [default: each].
     #[arg(long, value_enum)]
     accum_reduce: Option<AccumReduceArg>,
     /// Activation recomputation: with units, every call of the forward pass but the last
-    /// (each unit; gpt's root unit twice) keeps only its input, and backward re-runs its
-    /// forward. The re-run reuses the SyncBN statistics of the first forward (no second
+    /// keeps only its input, and backward re-runs its forward (a call runs one unit; gpt's
+    /// root unit runs first and last, so only its first call is recomputed). The re-run reuses the SyncBN statistics of the first forward (no second
     /// message) and does not update running statistics again; results are bitwise those of
     /// none.
     #[arg(long, value_enum, default_value = "none")]

@@ -38,8 +38,9 @@
 //! - ACC-4: BatchNorm normalises each microbatch with that microbatch's statistics (with
 //!   SyncBN: the statistics of microbatch k over every rank's microbatch k), and its running
 //!   statistics and `num_batches_tracked` update once per microbatch, as torch's do over N
-//!   forward calls. With BatchNorm, a world-W run with N microbatches thus equals a world
-//!   W x N run without SyncBN whose ranks' slices are those microbatches.
+//!   forward calls. So with per-rank statistics, a world-W run with N microbatches gives
+//!   the losses and parameters of a world W x N run whose ranks' slices are those
+//!   microbatches (its running statistics differ: N updates against each rank's one).
 
 use std::ops::Range;
 
