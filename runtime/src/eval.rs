@@ -142,6 +142,10 @@ fn eval_config(recorded: TrainConfig, ck: &Checkpoint, o: &EvalOptions) -> Train
         dataset,
         data_scale,
         device: Device::Cpu,
+        // Training settings that evaluation does not use and another world may not allow.
+        grad_accum: 1,
+        accum_reduce: None,
+        recompute: Default::default(),
         ..recorded
     }
 }

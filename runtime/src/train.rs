@@ -5,7 +5,7 @@
 //! [`crate::driver`] then runs the steps.
 
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
-use crate::engine::{EngineConfig, StepStats};
+use crate::engine::{AccumReduce, EngineConfig, Recompute, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
@@ -87,6 +87,19 @@ pub struct TrainConfig {
     pub sync_bn_threshold: usize,
     /// Seed for init, shuffling and synthetic data.
     pub seed: u64,
+    /// Microbatches per step: each rank's slice is computed in this many forward and
+    /// backward passes, gradients accumulated, one optimizer step (ACC-1). Not part of the
+    /// configuration hash, as neither is `recompute`: a run may resume with other values.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub grad_accum: usize,
+    /// Stages 2 and 3: when the microbatches' gradients are reduced (ACC-3); `None`: the
+    /// default, [`AccumReduce::Each`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accum_reduce: Option<AccumReduce>,
+    /// Which calls of the forward pass keep only their input and are recomputed in backward
+    /// (RECOMP-1).
+    #[serde(default, skip_serializing_if = "is_no_recompute")]
+    pub recompute: Recompute,
     /// Prefetch depth (stage 3).
     pub prefetch: usize,
     /// Byte budget for gathered units in flight.
@@ -141,6 +154,18 @@ pub struct TrainConfig {
     /// transport); `None`: unlimited unless `SHARDLINE_LINK_RATE` says otherwise. Changes
     /// timing only, never results.
     pub link_rate: Option<u64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(v: &usize) -> bool {
+    *v == 1
+}
+
+fn is_no_recompute(r: &Recompute) -> bool {
+    *r == Recompute::None
 }
 
 /// Where a run writes things; not part of the configuration hash.
@@ -198,6 +223,9 @@ impl Default for TrainConfig {
             sync_bn: SyncBnMode::Auto,
             sync_bn_threshold: 32,
             seed: 0,
+            grad_accum: 1,
+            accum_reduce: None,
+            recompute: Recompute::None,
             prefetch: 1,
             prefetch_budget: None,
             device_memory: None,
@@ -428,6 +456,7 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.steps == Some(0) || (cfg.steps.is_none() && cfg.epochs == 0) {
         return Err(RuntimeError::config("nothing to do: --epochs or --steps must be at least 1"));
     }
+    validate_accum(cfg)?;
     if let Some(s) = cfg.data_scale {
         if !(s.is_finite() && s > 0.0) {
             return Err(RuntimeError::config(format!(
@@ -438,6 +467,46 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
             return Err(RuntimeError::config(format!(
                 "--data-scale applies to csv:PATH and npy:X,Y data, not '{}'",
                 cfg.dataset
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `--grad-accum` and `--accum-reduce` (ACC-1, ACC-3): at least one microbatch, as many as
+/// divide the per-rank batch evenly, and a reduction policy only where it applies.
+fn validate_accum(cfg: &TrainConfig) -> Result<()> {
+    let n = cfg.grad_accum;
+    if n == 0 {
+        return Err(RuntimeError::config(
+            "--grad-accum 0: a step needs at least one microbatch (1: no accumulation)",
+        ));
+    }
+    let (batch, world) = (cfg.batch_size, cfg.world.max(1));
+    if n > 1 && !batch.is_multiple_of(world) {
+        return Err(RuntimeError::config(format!(
+            "--grad-accum {n} needs the same per-rank batch on every rank, but --batch-size \
+             {batch} does not split evenly over --world {world}: make --batch-size a multiple \
+             of {}",
+            world * n
+        )));
+    }
+    let per_rank = batch / world;
+    if !per_rank.is_multiple_of(n) {
+        return Err(RuntimeError::config(format!(
+            "--grad-accum {n} does not divide the per-rank batch {per_rank} (--batch-size \
+             {batch} over --world {world}): choose a --grad-accum that divides {per_rank}, or \
+             a --batch-size that is a multiple of {}",
+            world * n
+        )));
+    }
+    if let (Some(how), StageChoice::Fixed(s)) = (cfg.accum_reduce, cfg.stage) {
+        if !s.grads_sharded() {
+            return Err(RuntimeError::config(format!(
+                "--accum-reduce {} applies to stages 2 and 3; stage {} always reduces after \
+                 the last microbatch: drop --accum-reduce or use --stage 2 or 3",
+                how.name(),
+                s.index()
             )));
         }
     }
@@ -459,7 +528,8 @@ fn optimizer_of(cfg: &TrainConfig) -> Optimizer {
 }
 
 /// Per-stage per-rank memory estimate: model state plus gathered units (stage 3) or the full
-/// unsharded working copy.
+/// unsharded working copy, and at stages 2 and 3 with `--grad-accum` and `--accum-reduce
+/// last` the full gradients held until the last microbatch (ACC-3).
 pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(Stage, u64)>> {
     let layout = ShardedModelLayout::new(&model.spec(), cfg.world)?;
     let opt = optimizer_of(cfg);
@@ -475,7 +545,13 @@ pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(St
                 Stage::Zero3 => unit * (2 + cfg.prefetch as u64),
                 _ => unit,
             };
-            (s, state + transient)
+            // ACC-3: `--accum-reduce last` keeps every unit's full gradient until the last
+            // microbatch.
+            let held = cfg.grad_accum > 1
+                && s.grads_sharded()
+                && cfg.accum_reduce == Some(AccumReduce::Last);
+            let full_grads = if held { layout.padded_numel() as u64 * 4 } else { 0 };
+            (s, state + transient + full_grads)
         })
         .collect())
 }
@@ -695,18 +771,20 @@ fn sync_bn_choice(cfg: &TrainConfig, no_batchnorm: Option<&str>) -> (bool, Strin
     if let Some(name) = no_batchnorm {
         return (false, format!("off ({name} has no BatchNorm)"));
     }
-    let per_rank_batch = cfg.batch_size / cfg.world;
+    // What a BatchNorm sees: the per-rank microbatch (ACC-4).
+    let per_rank_batch = cfg.batch_size / cfg.world / cfg.grad_accum.max(1);
+    let per = if cfg.grad_accum > 1 { "per rank and microbatch" } else { "per rank" };
     match cfg.sync_bn {
         SyncBnMode::On => (true, "on (--sync-bn on)".to_string()),
         SyncBnMode::Off => (false, "off (--sync-bn off)".to_string()),
         SyncBnMode::Auto if cfg.world == 1 => (false, "off (auto: one rank, local statistics are global)".into()),
         SyncBnMode::Auto if per_rank_batch < cfg.sync_bn_threshold => (
             true,
-            format!("on (auto: {per_rank_batch} samples per rank < {}, per-rank statistics would be noisy)", cfg.sync_bn_threshold),
+            format!("on (auto: {per_rank_batch} samples {per} < {}, per-rank statistics would be noisy)", cfg.sync_bn_threshold),
         ),
         SyncBnMode::Auto => (
             false,
-            format!("off (auto: {per_rank_batch} samples per rank >= {}, local statistics suffice)", cfg.sync_bn_threshold),
+            format!("off (auto: {per_rank_batch} samples {per} >= {}, local statistics suffice)", cfg.sync_bn_threshold),
         ),
     }
 }
@@ -760,6 +838,9 @@ fn job_plan(
         seed: cfg.seed,
         threads: cfg.threads,
         device: cfg.device,
+        grad_accum: cfg.grad_accum,
+        accum_reduce: cfg.accum_reduce.unwrap_or_default(),
+        recompute: cfg.recompute,
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -809,6 +890,21 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("{l}");
     }
     println!("  sync-bn: {}", p.sync.1);
+    if cfg.grad_accum > 1 {
+        let reduce = if p.stage.grads_sharded() {
+            format!("reduce-scatter {}", p.engine.accum_reduce.name())
+        } else {
+            "reduced after the last".to_string()
+        };
+        println!(
+            "  grad-accum: {} microbatches of {} samples per rank ({reduce})",
+            cfg.grad_accum,
+            cfg.batch_size / cfg.world / cfg.grad_accum
+        );
+    }
+    if cfg.recompute != Recompute::None {
+        println!("  recompute: {}", cfg.recompute.name());
+    }
 }
 
 /// The data-loader position after batch `next_index - 1` of `epoch`: batches consumed in

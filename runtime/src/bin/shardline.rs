@@ -2,7 +2,7 @@
 //! checkpoints, evaluate a checkpoint on a data set, and sample text from a `gpt` checkpoint.
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use shardline_runtime::engine::Device;
+use shardline_runtime::engine::{AccumReduce, Device, Recompute};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -230,6 +230,24 @@ enum OnOffAuto {
     Auto,
 }
 
+/// `--accum-reduce`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum AccumReduceArg {
+    /// Reduce-scatter after every microbatch, adding into the gradient shard.
+    Each,
+    /// Keep full gradients until the last microbatch, then reduce-scatter once.
+    Last,
+}
+
+/// `--recompute`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum RecomputeArg {
+    /// Keep what every layer saves for backward.
+    None,
+    /// Keep only each call's input, re-run its forward in backward.
+    Units,
+}
+
 /// Where the kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum DeviceKind {
@@ -351,6 +369,28 @@ struct TrainArgs {
     /// Seed for initialisation, shuffling and synthetic data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Gradient accumulation: each rank's share of a global batch is cut into N
+    /// microbatches, each run forward and backward, their gradients summed; the optimizer
+    /// steps once per step. N must divide the per-rank batch (--batch-size / --world).
+    /// BatchNorm normalises each microbatch with its own statistics and updates its running
+    /// statistics once per microbatch, as torch does over N forward calls.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    grad_accum: usize,
+    /// With --grad-accum at stages 2 and 3: each reduce-scatters every microbatch's
+    /// gradients and adds them into the rank's gradient shard; last keeps every unit's full
+    /// gradients until the last microbatch and reduce-scatters once (N times fewer
+    /// reduce-scatter bytes, the whole model's gradients held meanwhile). Stages 0 and 1
+    /// always reduce once, after the last microbatch; naming a policy with --stage 0 or 1
+    /// exits 2 [default: each].
+    #[arg(long, value_enum)]
+    accum_reduce: Option<AccumReduceArg>,
+    /// Activation recomputation: with units, every call of the forward pass but the last
+    /// keeps only its input, and backward re-runs its forward (a call runs one unit; gpt's
+    /// root unit runs first and last, so only its first call is recomputed). The re-run reuses the SyncBN statistics of the first forward (no second
+    /// message) and does not update running statistics again; results are bitwise those of
+    /// none.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: RecomputeArg,
     /// Units gathered ahead of use at stage 3 (0 disables prefetch).
     #[arg(long, default_value_t = 1)]
     prefetch: usize,
@@ -513,6 +553,15 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         },
         sync_bn_threshold: a.sync_bn_threshold,
         seed: a.seed,
+        grad_accum: a.grad_accum,
+        accum_reduce: a.accum_reduce.map(|r| match r {
+            AccumReduceArg::Each => AccumReduce::Each,
+            AccumReduceArg::Last => AccumReduce::Last,
+        }),
+        recompute: match a.recompute {
+            RecomputeArg::None => Recompute::None,
+            RecomputeArg::Units => Recompute::Units,
+        },
         prefetch: a.prefetch,
         prefetch_budget: a.prefetch_budget,
         device_memory: a.device_memory,

@@ -22,9 +22,14 @@
 //! - `prefetch`: stage 3's gather plan and byte budget (ENG-5, ENG-6);
 //! - `reduction`: the reductions in flight, their budget, and when each unit steps (ENG-7,
 //!   ENG-8, ENG-10);
-//! - `clock`: the step's communication clock (ENG-4).
+//! - `clock`: the step's communication clock (ENG-4);
+//! - `accum`: gradient accumulation's microbatches and when their gradients are reduced
+//!   (ACC-1..ACC-4; the default at stages 2 and 3, and why, is in its docs);
+//! - `recompute`: which calls keep only their input, and the statistics their re-run
+//!   replays (RECOMP-1..RECOMP-3).
 //!
-//! The shell: `pass` runs one unit's forward and backward (ENG-9), `stats` is the SyncBN
+//! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
+//! call's forward first (RECOMP-1), `stats` is the SyncBN
 //! statistics path, `shard_state` what a rank keeps and checkpoints, `device` the compute
 //! backend; this module orchestrates a step.
 //!
@@ -43,10 +48,12 @@
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
 //! lane; `stats` the SyncBN reductions.
 
+mod accum;
 mod clock;
 mod device;
 mod pass;
 mod prefetch;
+mod recompute;
 mod reduction;
 mod shard_state;
 mod stage;
@@ -54,16 +61,18 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
+pub use accum::AccumReduce;
 pub use device::{open_backend, Device};
+pub use recompute::Recompute;
 pub use stats::STATS_LANE;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clock::CommClock;
-use pass::PassCtx;
+use pass::{Micro, PassCtx};
 use prefetch::{GatherPlan, Gathered, LaneGathers, PendingGather};
-use reduction::{ReduceIo, Reductions, StepIo};
+use reduction::{ReduceIo, ReduceWork, Reductions, StepIo};
 use shard_state::ShardState;
 use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
 use shardline_models::{Backend, Dataset, DistributedSampler, Network, StatsReducer, Tensor};
@@ -115,6 +124,12 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Where the kernels run.
     pub device: Device,
+    /// Microbatches per step (ACC-1); 1: none.
+    pub grad_accum: usize,
+    /// Stages 2 and 3: when the microbatches' gradients are reduced (ACC-3).
+    pub accum_reduce: AccumReduce,
+    /// Which calls keep only their input and are recomputed in backward (RECOMP-1).
+    pub recompute: Recompute,
 }
 
 /// Figures of one step on one rank.
@@ -330,7 +345,6 @@ impl RankEngine {
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
         let t_step = Instant::now();
         let n = self.layout.units().len();
-        let nc = self.calls.len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
         let early = self.cfg.clip_grad_norm.is_none();
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
@@ -347,42 +361,31 @@ impl RankEngine {
         let reducer = (self.world > 1).then_some(&*stats as &dyn StatsReducer);
         let first_sample =
             DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
-        let pass = PassCtx {
-            training: true,
-            sync_bn: self.cfg.sync_bn,
-            reducer,
-            global_batch,
-            seed: self.cfg.seed,
-            step: self.step + 1,
-            first_sample,
-        };
-
-        // ---- forward ----
-        self.plan.begin_step(&self.calls);
-        self.fault_point(Phase::Forward);
-        let (mut x, mut saved) = (x, Vec::with_capacity(nc));
-        for i in 0..nc {
-            let (y, s) = self.forward_unit(i, x, pass, &mut st)?;
-            saved.push(s);
-            x = y;
-        }
-        let t0 = Instant::now();
-        let (local_loss, mut grad) = self.model.loss().forward_backward(&x, y, global_batch)?;
-        st.compute += t0.elapsed();
-
-        // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
+        let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
+        self.plan.begin_step(&self.calls, micro.len());
+        // One set of reductions for the whole step: an earlier microbatch's may still be in
+        // flight while the next one computes (ACC-3).
         let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
-        for i in nc..2 * nc {
-            let s = saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
-            grad = self.backward_unit(i, s, grad, pass, &mut st, &mut reds)?;
-            reds.bound(&mut self.io(&mut st))?; // ENG-7
-            if i == nc {
-                self.fault_point(Phase::Backward);
-            }
-            // Reductions that already finished give their memory back now; never blocks.
-            reds.collect(&mut self.io(&mut st))?;
+        let mut local_loss = 0.0f32;
+        for (k, r) in micro.iter().enumerate() {
+            let (xk, yk) = if micro.len() == 1 {
+                (x.clone(), y.clone())
+            } else {
+                (x.rows(r.start, r.end)?, y.rows(r.start, r.end)?)
+            };
+            let pass = PassCtx {
+                training: true,
+                sync_bn: self.cfg.sync_bn,
+                reducer,
+                global_batch,
+                seed: self.cfg.seed,
+                step: self.step + 1,
+                first_sample: first_sample + r.start,
+                micro: Micro { index: k, count: micro.len() },
+            };
+            local_loss += self.microbatch(xk, &yk, pass, &mut st, &mut reds)?;
         }
-        drop(grad);
+        drop(x);
         let (plan, mut io) = self.gathers(&mut st.clock);
         plan.end_pass(&mut io);
         let stats_messages = stats.end_step(&mut st.clock);
@@ -418,6 +421,49 @@ impl RankEngine {
             grad_norm: total_sq.sqrt(),
             stop,
         })
+    }
+
+    /// One microbatch's forward and backward (the whole step's without accumulation): each
+    /// unit's reduction is issued as soon as it is due (ENG-9, ACC-2, ACC-3); returns this
+    /// rank's share of the loss (ACC-1).
+    fn microbatch(
+        &mut self,
+        x: Tensor,
+        y: &Tensor,
+        pass: PassCtx<'_>,
+        st: &mut StepState,
+        reds: &mut Reductions<ReduceWork>,
+    ) -> Result<f32> {
+        let nc = self.calls.len();
+        // The plan's uses of this microbatch start here (`GatherPlan::begin_step`).
+        let base = 2 * nc * pass.micro.index;
+        let first = pass.micro.index == 0;
+        if first {
+            self.fault_point(Phase::Forward);
+        }
+        let (mut x, mut saved) = (x, Vec::with_capacity(nc));
+        for i in 0..nc {
+            let (y, s) = self.forward_unit(base + i, x, pass, st)?;
+            saved.push(s);
+            x = y;
+        }
+        let t0 = Instant::now();
+        let (local_loss, mut grad) =
+            self.model.loss().forward_backward(&x, y, pass.global_batch)?;
+        st.compute += t0.elapsed();
+
+        // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
+        for i in nc..2 * nc {
+            let s = saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
+            grad = self.backward_unit(base + i, s, grad, pass, st, reds)?;
+            reds.bound(&mut self.io(st))?; // ENG-7
+            if first && i == nc {
+                self.fault_point(Phase::Backward);
+            }
+            // Reductions that already finished give their memory back now; never blocks.
+            reds.collect(&mut self.io(st))?;
+        }
+        Ok(local_loss)
     }
 
     /// The step's loss and squared gradient norm summed over the group in one small
@@ -488,6 +534,7 @@ impl RankEngine {
             seed: self.cfg.seed,
             step: self.step,
             first_sample: 0,
+            micro: Micro { index: 0, count: 1 },
         };
         self.plan.begin_eval(&self.calls);
         let mut x = x;

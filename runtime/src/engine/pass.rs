@@ -12,7 +12,9 @@ use std::time::Instant;
 
 use shardline_models::{Backend, CallBackward, Ctx, StatsReducer, Tensor};
 
+use super::accum;
 use super::prefetch::Gathered;
+use super::recompute::{Checkpoint, Recording, Replay};
 use super::reduction::{ReduceWork, Reductions};
 use super::stage::BeforeUse;
 use super::{RankEngine, StepState};
@@ -36,8 +38,10 @@ pub(crate) struct PassCtx<'r> {
     pub(crate) seed: u64,
     /// The step being computed, 1-based.
     pub(crate) step: u64,
-    /// Global index of this rank's first sample.
+    /// Global index of this rank's first sample (of the microbatch).
     pub(crate) first_sample: usize,
+    /// The step's microbatch this pass computes (ACC-1).
+    pub(crate) micro: Micro,
 }
 
 impl<'r> PassCtx<'r> {
@@ -59,9 +63,24 @@ impl<'r> PassCtx<'r> {
     }
 }
 
-/// What a training forward leaves for the unit's backward: the saved state, and the count of
+/// What a call's training forward keeps for its backward.
+pub(crate) enum Kept {
+    /// What its layers saved.
+    State(shardline_models::module::Saved),
+    /// Its input alone, for the backward to re-run the forward (RECOMP-1).
+    Input(Checkpoint),
+}
+
+/// What a training forward leaves for the unit's backward: what it keeps, and the count of
 /// its activations (ENG-3).
-pub(crate) type Saved = (shardline_models::module::Saved, Option<Allocation>);
+pub(crate) type Saved = (Kept, Option<Allocation>);
+
+/// Microbatch `index` of a step's `count` (ACC-1).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Micro {
+    pub(crate) index: usize,
+    pub(crate) count: usize,
+}
 
 impl RankEngine {
     /// Stage 3: the gathered parameters of use `i` of the pass (ENG-5); the other stages use
@@ -83,7 +102,8 @@ impl RankEngine {
     }
 
     /// Use `i` of the pass: its unit's forward on `x`. Training also returns the count of its
-    /// activations (ENG-3), held until its backward.
+    /// activations (ENG-3), held until its backward; a checkpointed call keeps only its input
+    /// and the statistics it received (RECOMP-1).
     pub(super) fn forward_unit(
         &mut self,
         i: usize,
@@ -92,34 +112,88 @@ impl RankEngine {
         st: &mut StepState,
     ) -> Result<(Tensor, Saved)> {
         let u = self.plan.unit_at(i);
+        let nc = self.calls.len();
+        // The plan's uses run forward then backward, once per microbatch (ACC-1).
+        let call = i % (2 * nc);
+        let checkpoint = pass.training && self.cfg.recompute.checkpoints(call, nc);
         let gathered = self.gathered(i, st)?;
         let numel = self.layout.unit(u).numel();
         let t0 = Instant::now();
-        let ctx = pass.ctx(&*self.backend, false);
         let params: &[f32] = match &gathered {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
         };
-        let (y, saved) = self.model.forward_call(i, params, &mut self.state.buffers[u], x, &ctx)?;
+        let buffers = &mut self.state.buffers[u];
+        let (y, kept) = if checkpoint {
+            let input = x.clone();
+            let recording = pass.reducer.map(Recording::new);
+            let y = {
+                let mut ctx = pass.ctx(&*self.backend, false);
+                if let Some(r) = &recording {
+                    ctx.reducer = Some(r);
+                }
+                // What the layers save is dropped here; backward recomputes it.
+                self.model.forward_call(call, params, buffers, x, &ctx)?.0
+            };
+            let received = recording.map(Recording::into_received).unwrap_or_default();
+            (y, Kept::Input(Checkpoint { input, received }))
+        } else {
+            let ctx = pass.ctx(&*self.backend, false);
+            let (y, saved) = self.model.forward_call(call, params, buffers, x, &ctx)?;
+            (y, Kept::State(saved))
+        };
         let mut act = None;
         if pass.training {
             let t1 = Instant::now();
             st.compute += t1 - t0;
             let label = &self.labels[u];
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
-            act = Some(self.mem.alloc_f32(Category::Activations, y.numel(), label)?);
+            // What the call holds until its backward: its output, or its input alone.
+            let held = match &kept {
+                Kept::Input(c) => c.input.numel(),
+                Kept::State(_) => y.numel(),
+            };
+            act = Some(self.mem.alloc_f32(Category::Activations, held, label)?);
         }
         self.done_with(i, gathered, st);
-        Ok((y, (saved, act)))
+        Ok((y, (kept, act)))
     }
 
-    /// Use `i` of a training pass: its unit's backward from the output gradient `grad` and
-    /// what the forward saved, the gradients' reduction issued at once (ENG-9), then the
-    /// input gradient, which is returned.
+    /// A checkpointed call's forward again, in backward (RECOMP-1): the same parameters,
+    /// input and context, the statistics replayed and the running statistics updated in a
+    /// scratch copy (RECOMP-2); returns what its layers saved, and the count of its output.
+    fn recompute_call(
+        &self,
+        (call, u): (usize, usize),
+        params: &[f32],
+        cp: Checkpoint,
+        pass: PassCtx<'_>,
+        st: &mut StepState,
+    ) -> Result<(shardline_models::module::Saved, Allocation)> {
+        let t0 = Instant::now();
+        let replay = Replay::new(self.rank, self.world, cp.received);
+        let mut ctx = pass.ctx(&*self.backend, false);
+        if ctx.reducer.is_some() {
+            ctx.reducer = Some(&replay);
+        }
+        let mut scratch = self.state.buffers[u].clone();
+        let (y, saved) = self.model.forward_call(call, params, &mut scratch, cp.input, &ctx)?;
+        let label = &self.labels[u];
+        let act = self.mem.alloc_f32(Category::Activations, y.numel(), label)?;
+        let t1 = Instant::now();
+        st.compute += t1 - t0;
+        self.trace.record(self.rank, Row::Compute, format!("recompute {label}"), t0, t1);
+        Ok((saved, act))
+    }
+
+    /// Use `i` of a training pass: its unit's backward from the output
+    /// gradient `grad` and what the forward kept (re-running a checkpointed call's forward
+    /// first, RECOMP-1), the gradients' reduction issued at once when due (ENG-9, ACC-2,
+    /// ACC-3), then the input gradient, which is returned.
     pub(super) fn backward_unit(
         &mut self,
         i: usize,
-        (saved, act): Saved,
+        (kept, act): Saved,
         grad: Tensor,
         pass: PassCtx<'_>,
         st: &mut StepState,
@@ -127,10 +201,17 @@ impl RankEngine {
     ) -> Result<Tensor> {
         let u = self.plan.unit_at(i);
         // Backward runs the forward's calls in reverse: use `i` is call `call`.
-        let call = 2 * self.calls.len() - 1 - i;
+        let nc = self.calls.len();
+        let call = 2 * nc - 1 - i % (2 * nc);
         // NET-1: a unit called again earlier in the forward (a tied root) gets more gradient
-        // later in backward; its reduction waits for that last call.
-        let last_use = !self.calls[..call].contains(&u);
+        // later in backward; its reduction waits for that last call. ACC-2, ACC-3: with
+        // microbatches, it may wait for the last microbatch's.
+        let (transient, how) = (self.rules.transient_grads(), self.cfg.accum_reduce);
+        let mb = pass.micro;
+        let last_use = !self.calls[..call].contains(&u)
+            && accum::reduces_after(mb.index, mb.count, transient, how);
+        // The shard already holds an earlier microbatch's reduced gradients: add to them.
+        let add = mb.index > 0 && accum::reduces_after(mb.index - 1, mb.count, transient, how);
         // Backward prefetch: the previous units' gathers go out before computing.
         let gathered = self.gathered(i, st)?;
         let l = self.layout.unit(u);
@@ -152,12 +233,19 @@ impl RankEngine {
         if first_use {
             gfull[numel..].fill(0.0);
         }
-        let t0 = Instant::now();
-        let ctx = pass.ctx(&*self.backend, first_use);
         let params: &[f32] = match &gathered {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
         };
+        let (saved, rerun_act) = match kept {
+            Kept::State(s) => (s, None),
+            Kept::Input(cp) => {
+                let (s, a) = self.recompute_call((call, u), params, cp, pass, st)?;
+                (s, Some(a))
+            }
+        };
+        let t0 = Instant::now();
+        let ctx = pass.ctx(&*self.backend, first_use);
         // ENG-9: the first call's input gradient (of the data) is never computed; where a
         // unit starts with a linear layer its input gradient is computed after the unit's
         // gradients have gone to their reduction, which it then overlaps.
@@ -169,14 +257,14 @@ impl RankEngine {
             input_grad: call > 0,
         };
         let input_grad = self.model.backward_call(call, b, &ctx)?;
-        drop(act);
+        drop((act, rerun_act));
         let t1 = Instant::now();
         st.compute += t1 - t0;
         let label = &self.labels[u];
         self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
         if last_use {
             // Reduce as soon as the unit's gradients exist; do not wait (overlap).
-            self.issue_reduction(reds, u, gfull, galloc);
+            self.issue_reduction(reds, u, (gfull, galloc), add);
         } else {
             self.partial_grads[u] = Some((galloc, gfull));
         }

@@ -79,12 +79,15 @@ impl<Q, H> GatherPlan<Q, H> {
         }
     }
 
-    /// Starts a training step's pass: forward through `calls` (the unit of each call, a
+    /// Starts a training step's passes: forward through `calls` (the unit of each call, a
     /// unit possibly used more than once: a tied root), then backward through them in
-    /// reverse. A gather carried over from the previous step (ENG-6) stays queued; nothing
-    /// is held across passes.
-    pub(crate) fn begin_step(&mut self, calls: &[usize]) {
-        self.begin(calls.iter().chain(calls.iter().rev()).copied());
+    /// reverse, once for each of `micro` microbatches (ACC-1), so that gathers are planned
+    /// and units kept across a microbatch's end as within one. A gather carried over from
+    /// the previous step (ENG-6) stays queued; nothing is held across steps.
+    pub(crate) fn begin_step(&mut self, calls: &[usize], micro: usize) {
+        let pass = calls.iter().chain(calls.iter().rev()).copied();
+        let uses: Vec<usize> = std::iter::repeat_n(pass, micro.max(1)).flatten().collect();
+        self.begin(uses.into_iter());
     }
 
     /// Starts an evaluation pass: forward through `calls`.
@@ -346,7 +349,7 @@ mod tests {
         let mut plan: GatherPlan<usize, usize> = GatherPlan::new(sizes.to_vec(), budget, depth);
         let mut io = Log::default();
         let (mut peak, mut others) = (0, 0);
-        plan.begin_step(&(0..sizes.len()).collect::<Vec<_>>());
+        plan.begin_step(&(0..sizes.len()).collect::<Vec<_>>(), 1);
         for i in 0..2 * sizes.len() {
             let g = plan.acquire(i, &mut io).unwrap();
             assert_eq!(g, plan.unit_at(i));

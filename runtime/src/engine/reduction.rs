@@ -196,8 +196,9 @@ pub(crate) enum ReduceWork {
     /// own slice holds the result.
     ReduceScatterInPlace(Work<Vec<f32>>),
     /// Stages 2 and 3: reduce-scatter of the unit's transient full gradient (counted by
-    /// `alloc`) into its shard.
-    ReduceScatter { work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation> },
+    /// `alloc`) into its shard; `add`: into the gradients an earlier microbatch left there
+    /// (ACC-3), else in place of the last step's.
+    ReduceScatter { work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation>, add: bool },
 }
 
 impl InFlight for ReduceWork {
@@ -211,13 +212,14 @@ impl InFlight for ReduceWork {
 
 impl RankEngine {
     /// Issues unit `u`'s reduction of its full gradient `gfull` (ENG-9: as soon as backward
-    /// has produced it) and records it; `alloc` counts a transient gradient (ENG-7).
+    /// has produced it) and records it; `alloc` counts a transient gradient (ENG-7); `add`:
+    /// a reduce-scatter's result adds to the shard's gradients (ACC-3).
     pub(super) fn issue_reduction(
         &self,
         reds: &mut Reductions<ReduceWork>,
         u: usize,
-        gfull: Vec<f32>,
-        alloc: Option<Allocation>,
+        (gfull, alloc): (Vec<f32>, Option<Allocation>),
+        add: bool,
     ) {
         let unreduced = alloc.as_ref().map_or(0, Allocation::bytes);
         let work = match self.rules.reduce {
@@ -232,7 +234,7 @@ impl RankEngine {
                 let mut out = self.comm.pool().take(len);
                 out.resize(len, 0.0);
                 let work = self.reduce.reduce_scatter(gfull, out, ReduceOp::Sum);
-                ReduceWork::ReduceScatter { work, alloc }
+                ReduceWork::ReduceScatter { work, alloc, add }
             }
         };
         reds.issue(u, unreduced, work);
@@ -257,10 +259,17 @@ impl RankEngine {
                 // The persistent full buffer; its own slice holds the result.
                 self.state.grads[unit] = clock.wait(trace, rank, work, Row::Reduce, &what)?;
             }
-            ReduceWork::ReduceScatter { work, alloc } => {
+            ReduceWork::ReduceScatter { work, alloc, add } => {
                 let what = format!("reduce-scatter {}", self.labels[unit]);
                 let (full, shard) = clock.wait(trace, rank, work, Row::Reduce, &what)?;
-                let old = std::mem::replace(&mut self.state.grads[unit], shard);
+                let old = if add {
+                    // ACC-3: the microbatches' reduced gradients sum in the shard.
+                    let acc = &mut self.state.grads[unit];
+                    acc.iter_mut().zip(&shard).for_each(|(a, s)| *a += s);
+                    shard
+                } else {
+                    std::mem::replace(&mut self.state.grads[unit], shard)
+                };
                 self.comm.pool().give(old);
                 self.comm.pool().give(full);
                 drop(alloc);

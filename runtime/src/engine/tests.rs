@@ -126,6 +126,9 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         seed,
         threads: 1,
         device: Device::Cpu,
+        grad_accum: 1,
+        accum_reduce: AccumReduce::Each,
+        recompute: Recompute::None,
     }
 }
 
