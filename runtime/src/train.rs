@@ -5,7 +5,7 @@
 //! [`crate::driver`] then runs the steps.
 
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
-use crate::engine::{EngineConfig, StepStats};
+use crate::engine::{EngineConfig, MixedPrecision, PrecisionDtype, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
@@ -141,6 +141,31 @@ pub struct TrainConfig {
     /// transport); `None`: unlimited unless `SHARDLINE_LINK_RATE` says otherwise. Changes
     /// timing only, never results.
     pub link_rate: Option<u64>,
+    /// `--param-dtype`: what parameters are gathered and computed in (masters stay `f32`,
+    /// PREC-1).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub param_dtype: PrecisionDtype,
+    /// `--reduce-dtype`: what gradients are reduced in; `None`: the param dtype (PREC-5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_dtype: Option<PrecisionDtype>,
+}
+
+fn is_f32(d: &PrecisionDtype) -> bool {
+    *d == PrecisionDtype::F32
+}
+
+impl TrainConfig {
+    /// The run's mixed-precision policy (PREC-5: the reduce dtype defaults to the param
+    /// dtype).
+    pub fn precision(&self) -> MixedPrecision {
+        MixedPrecision::new(self.param_dtype, self.reduce_dtype)
+    }
+
+    /// The policy in words, e.g. `params bf16, reduce f32`.
+    pub fn precision_label(&self) -> String {
+        let p = self.precision();
+        format!("params {}, reduce {}", p.param_dtype.name(), p.reduce_dtype.name())
+    }
 }
 
 /// Where a run writes things; not part of the configuration hash.
@@ -219,6 +244,8 @@ impl Default for TrainConfig {
             device: crate::engine::Device::Cpu,
             timeout_s: 60,
             link_rate: None,
+            param_dtype: PrecisionDtype::F32,
+            reduce_dtype: None,
         }
     }
 }
@@ -751,6 +778,7 @@ fn job_plan(
         seed: cfg.seed,
         threads: cfg.threads,
         device: cfg.device,
+        precision: cfg.precision(),
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -800,6 +828,15 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("{l}");
     }
     println!("  sync-bn: {}", p.sync.1);
+    let prec = cfg.precision();
+    if !prec.is_f32() {
+        println!(
+            "  precision: params {} (gathers and compute), gradients reduced in {}; masters, \
+             optimizer state, norms statistics and loss in f32",
+            prec.param_dtype.name(),
+            prec.reduce_dtype.name()
+        );
+    }
 }
 
 /// The data-loader position after batch `next_index - 1` of `epoch`: batches consumed in

@@ -198,6 +198,8 @@ pub(crate) enum ReduceWork {
     /// Stages 2 and 3: reduce-scatter of the unit's transient full gradient (counted by
     /// `alloc`) into its shard.
     ReduceScatter { work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation> },
+    /// Any stage with reduce dtype bf16 (PREC-4).
+    Packed(super::precision::PackedReduction),
 }
 
 impl InFlight for ReduceWork {
@@ -205,6 +207,7 @@ impl InFlight for ReduceWork {
         match self {
             ReduceWork::AllReduce(w) | ReduceWork::ReduceScatterInPlace(w) => w.is_done(),
             ReduceWork::ReduceScatter { work, .. } => work.is_done(),
+            ReduceWork::Packed(p) => p.is_done(),
         }
     }
 }
@@ -218,7 +221,10 @@ impl RankEngine {
         u: usize,
         gfull: Vec<f32>,
         alloc: Option<Allocation>,
-    ) {
+    ) -> Result<()> {
+        if self.bf16_grads() {
+            return self.issue_packed_reduction(reds, u, gfull, alloc);
+        }
         let unreduced = alloc.as_ref().map_or(0, Allocation::bytes);
         let work = match self.rules.reduce {
             GradReduce::AllReduce => {
@@ -236,6 +242,7 @@ impl RankEngine {
             }
         };
         reds.issue(u, unreduced, work);
+        Ok(())
     }
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer reads
@@ -265,6 +272,7 @@ impl RankEngine {
                 self.comm.pool().give(full);
                 drop(alloc);
             }
+            ReduceWork::Packed(p) => self.finish_packed_reduction(unit, p, clock)?,
         }
         Ok(())
     }

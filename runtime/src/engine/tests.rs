@@ -126,6 +126,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         seed,
         threads: 1,
         device: Device::Cpu,
+        precision: MixedPrecision::default(),
     }
 }
 
