@@ -9,6 +9,7 @@ mod faults;
 mod limits;
 mod memory;
 mod overlap;
+mod precision;
 mod report;
 mod syncbn;
 
@@ -59,6 +60,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench overlap --world 2 --json overlap.json --timeline overlap.svg
     Overlap(overlap::Args),
+    /// Mixed precision: loss curves of bf16 against f32 over several seeds (is bf16 within
+    /// f32's seed-to-seed spread?), bytes sent per step, conversion and step time.
+    ///
+    /// Example: shardline-bench precision --models mlp-bn,gpt --steps 200 --json p.json
+    Precision(precision::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
     /// checkpoints, runs equal to the clean run, detection and recovery times.
     ///
@@ -103,6 +109,7 @@ fn main() {
         Cmd::FaultsTrial(a) => faults::trial(a),
         Cmd::Memory(a) => memory::run(a),
         Cmd::Overlap(a) => overlap::run(a),
+        Cmd::Precision(a) => precision::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");
