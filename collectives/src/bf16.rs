@@ -6,21 +6,21 @@
 //! unpacks each pair, adds in `f32` and rounds the sums back to bf16, once per hop.
 //!
 //! Invariants:
-//! - BF16-1: [`round`] is round-to-nearest, ties to even, as `half::bf16::from_f32`: a NaN
+//! - BFLOAT-1: [`round`] is round-to-nearest, ties to even, as `half::bf16::from_f32`: a NaN
 //!   stays a NaN (quiet), infinities and signed zeros are kept, and a finite value too large
 //!   for bf16 becomes an infinity of its sign.
-//! - BF16-2: [`pack`] then [`unpack`] gives every value rounded to bf16 (BF16-1), element
+//! - BFLOAT-2: [`pack`] then [`unpack`] gives every value rounded to bf16 (BFLOAT-1), element
 //!   `2i` in the low half of word `i` and element `2i + 1` in the high half; an odd count
 //!   pads the last word with a zero.
-//! - BF16-3: [`add_packed`] adds each pair of bf16 values in `f32` and rounds the sum to
-//!   bf16 (BF16-1); a reduction over `w` ranks rounds at each of its `w - 1` additions.
+//! - BFLOAT-3: [`add_packed`] adds each pair of bf16 values in `f32` and rounds the sum to
+//!   bf16 (BFLOAT-1); a reduction over `w` ranks rounds at each of its `w - 1` additions.
 
 /// Words needed for `n` bf16 values.
 pub fn words(n: usize) -> usize {
     n.div_ceil(2)
 }
 
-/// `x` rounded to the nearest bf16, ties to even (BF16-1), as its 16 bits.
+/// `x` rounded to the nearest bf16, ties to even (BFLOAT-1), as its 16 bits.
 #[inline]
 pub fn round(x: f32) -> u16 {
     let b = x.to_bits();
@@ -49,7 +49,7 @@ fn halves(w: f32) -> (u16, u16) {
     (b as u16, (b >> 16) as u16)
 }
 
-/// Rounds `src` to bf16 and packs it into `dst` (BF16-2); `dst.len() == words(src.len())`.
+/// Rounds `src` to bf16 and packs it into `dst` (BFLOAT-2); `dst.len() == words(src.len())`.
 ///
 /// Panics when the lengths disagree (a caller's broken invariant).
 pub fn pack(src: &[f32], dst: &mut [f32]) {
@@ -63,7 +63,7 @@ pub fn pack(src: &[f32], dst: &mut [f32]) {
     }
 }
 
-/// Unpacks the first `dst.len()` bf16 values of `src` into `f32` (BF16-2);
+/// Unpacks the first `dst.len()` bf16 values of `src` into `f32` (BFLOAT-2);
 /// `src.len() == words(dst.len())`.
 ///
 /// Panics when the lengths disagree.
@@ -88,7 +88,7 @@ pub fn unpack(src: &[f32], dst: &mut [f32]) {
 }
 
 /// `acc += src` over packed bf16 pairs, each sum taken in `f32` and rounded to bf16
-/// (BF16-3).
+/// (BFLOAT-3).
 ///
 /// Panics when the lengths differ.
 pub fn add_packed(acc: &mut [f32], src: &[f32]) {
@@ -153,9 +153,9 @@ mod tests {
         v
     }
 
-    /// BF16-1: the rounding is `half`'s round-to-nearest-even, bit for bit (NaN: a NaN).
+    /// BFLOAT-1: the rounding is `half`'s round-to-nearest-even, bit for bit (NaN: a NaN).
     #[test]
-    fn bf16_1_rounding_matches_half() {
+    fn bfloat_1_rounding_matches_half() {
         for x in probes() {
             let want = bf16::from_f32(x);
             let got = round(x);
@@ -169,10 +169,10 @@ mod tests {
         }
     }
 
-    /// BF16-2: a pack/unpack round trip is the rounding, for even and odd counts, with the
+    /// BFLOAT-2: a pack/unpack round trip is the rounding, for even and odd counts, with the
     /// documented placement of each value in its word.
     #[test]
-    fn bf16_2_round_trip_is_the_rounding() {
+    fn bfloat_2_round_trip_is_the_rounding() {
         let all = probes();
         for n in [0, 1, 2, 3, 7, 1000, 1001] {
             let src = &all[all.len() - n..];
@@ -195,10 +195,10 @@ mod tests {
         }
     }
 
-    /// BF16-3: a packed sum is the f32 sum of the two bf16 values, rounded once; both forms
+    /// BFLOAT-3: a packed sum is the f32 sum of the two bf16 values, rounded once; both forms
     /// agree bitwise.
     #[test]
-    fn bf16_3_packed_sums_round_the_f32_sum() {
+    fn bfloat_3_packed_sums_round_the_f32_sum() {
         let xs: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let ys: Vec<f32> = (0..64).map(|i| (i as f32 * 0.91).cos() * 1e-2).collect();
         let (mut a, mut b) = (vec![0.0; 32], vec![0.0; 32]);

@@ -13,7 +13,7 @@ pub enum ReduceOp {
     /// Minimum (`f32::min`).
     Min,
     /// Sum of bf16 values packed two to an element ([`crate::bf16`]): each addition in `f32`,
-    /// rounded to bf16 (BF16-3). Every rank's buffer must hold packed values.
+    /// rounded to bf16 (BFLOAT-3). Every rank's buffer must hold packed values.
     SumBf16,
 }
 

@@ -1,5 +1,5 @@
 //! Packed bf16 through real lanes (local transport): gathers move the packed words bit for
-//! bit, `SumBf16` reductions round per hop (BF16-2, BF16-3), and the lanes' sent-byte
+//! bit, `SumBf16` reductions round per hop (BFLOAT-2, BFLOAT-3), and the lanes' sent-byte
 //! counters see half the bytes of the f32 ops (LANE-8).
 
 use half::bf16 as h;
@@ -13,11 +13,11 @@ fn values(rank: usize, n: usize) -> Vec<f32> {
     (0..n).map(|i| ((i * 7 + rank * 13) as f32 * 0.173).sin() * (1.0 + rank as f32)).collect()
 }
 
-/// BF16-2 over a lane, LANE-8: a packed all-gather hands every rank every rank's values
+/// BFLOAT-2 over a lane, LANE-8: a packed all-gather hands every rank every rank's values
 /// rounded to bf16, and sends half the bytes of the same f32 all-gather, counted exactly
 /// (ring: world - 1 shards per rank).
 #[test]
-fn bf16_2_lane8_packed_all_gather_round_trips_at_half_the_bytes() {
+fn packed_all_gather_round_trips_at_half_the_bytes_bfloat_2_lane_8() {
     for (world, n) in [(2usize, 10usize), (3, 7), (4, 64)] {
         let out = run_ranks(local_group(world).unwrap(), DEADLINE, move |comm| {
             let (rank, w) = (comm.rank(), comm.world());
@@ -59,11 +59,11 @@ fn bf16_2_lane8_packed_all_gather_round_trips_at_half_the_bytes() {
     }
 }
 
-/// BF16-3 over a lane: at world 2 a `SumBf16` reduce-scatter gives bf16(bf16(a) + bf16(b))
+/// BFLOAT-3 over a lane: at world 2 a `SumBf16` reduce-scatter gives bf16(bf16(a) + bf16(b))
 /// exactly; at world 4 (three rounded additions) it stays within three bf16 roundings of the
 /// exact sum. Ranks that mix `Sum` and `SumBf16` in one op are refused by the fingerprint.
 #[test]
-fn bf16_3_packed_reduce_scatter_rounds_per_hop() {
+fn packed_reduce_scatter_rounds_per_hop_bfloat_3() {
     for world in [2usize, 4] {
         let n = 6; // values per rank's slot
         let out = run_ranks(local_group(world).unwrap(), DEADLINE, move |comm| {

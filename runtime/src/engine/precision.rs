@@ -20,7 +20,7 @@
 //!   BatchNorm buffers and statistics, the loss and its all-reduce, checkpoints and exports
 //!   are `f32` under every policy.
 //! - PREC-2: with param dtype bf16 every forward and backward (training and evaluation) sees
-//!   each parameter as its master rounded to bf16 (round to nearest even, BF16-1), at every
+//!   each parameter as its master rounded to bf16 (round to nearest even, BFLOAT-1), at every
 //!   stage and on every rank.
 //! - PREC-3: with param dtype bf16 every parameter all-gather (stage 3's per use, stages 1
 //!   and 2's after the update) carries `ceil(shard / 2)` words per rank: half the bytes of
@@ -368,7 +368,7 @@ mod tests {
     }
 
     /// PREC-3's layout: every rank's range of a padded buffer goes to its own slot of
-    /// `ceil(shard / 2)` words and comes back rounded to bf16 (BF16-2), odd shards included;
+    /// `ceil(shard / 2)` words and comes back rounded to bf16 (BFLOAT-2), odd shards included;
     /// a skipped slot is left as it was.
     #[test]
     fn prec3_slots_round_trip_each_ranks_range() {
