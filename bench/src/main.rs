@@ -11,6 +11,7 @@ mod limits;
 mod measured;
 mod memory;
 mod overlap;
+mod precision;
 mod report;
 mod syncbn;
 
@@ -73,6 +74,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench overlap --world 2 --json overlap.json --timeline overlap.svg
     Overlap(overlap::Args),
+    /// Mixed precision: loss curves of bf16 against f32 over several seeds (is bf16 within
+    /// f32's seed-to-seed spread?), bytes sent per step, conversion and step time.
+    ///
+    /// Example: shardline-bench precision --models mlp-bn,gpt --steps 200 --json p.json
+    Precision(precision::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
     /// checkpoints, runs equal to the clean run, detection and recovery times.
     ///
@@ -119,6 +125,7 @@ fn main() {
         Cmd::MemoryMeasured(a) => measured::run(a),
         Cmd::MemoryRank(a) => measured::rank(a),
         Cmd::Overlap(a) => overlap::run(a),
+        Cmd::Precision(a) => precision::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

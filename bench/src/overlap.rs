@@ -39,6 +39,7 @@ use crate::report;
 use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
+use shardline_runtime::engine::PrecisionDtype;
 use shardline_runtime::shard::{ShardedModelLayout, Stage};
 use shardline_runtime::train::{
     self, build_model, load_data, RunOptions, StageChoice, SyncBnMode, TrainConfig,
@@ -117,6 +118,20 @@ pub struct Args {
     /// Keep the workers' logs and traces in this directory (default: a temporary one).
     #[arg(long)]
     pub keep_dir: Option<PathBuf>,
+    /// `train --param-dtype`: f32 or bf16 (bf16 gathers half the bytes, PREC-3).
+    #[arg(long, default_value = "f32", value_parser = parse_param_dtype)]
+    pub param_dtype: PrecisionDtype,
+    /// `train --reduce-dtype` [default: the --param-dtype].
+    #[arg(long, value_parser = parse_reduce_dtype)]
+    pub reduce_dtype: Option<PrecisionDtype>,
+}
+
+fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
+    PrecisionDtype::parse("--param-dtype", s)
+}
+
+fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
+    PrecisionDtype::parse("--reduce-dtype", s)
 }
 
 /// One prefetch depth's figures (medians over the counted steps, milliseconds; means over
@@ -146,6 +161,10 @@ pub struct Row {
     /// With --nodes: rank 0's median exposed communication from its `--log-json`, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank0_log_exposed_ms: Option<f64>,
+    /// With --nodes: rank 0's median payload bytes sent per step on the gather and reduce
+    /// lanes, from its `--log-json` (the lanes' counters, LANE-8).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank0_sent_bytes: Option<f64>,
     /// With --nodes: CPU time per step of one rank's process (every thread, user + system;
     /// mean over ranks), ms (OVL-2).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -221,6 +240,8 @@ fn config(a: &Args, prefetch: usize, rate: Option<u64>, steps: u64) -> TrainConf
         timeout_s: 120,
         link_rate: rate,
         prefetch_budget: a.prefetch_budget,
+        param_dtype: a.param_dtype,
+        reduce_dtype: a.reduce_dtype,
         ..TrainConfig::default()
     }
 }
@@ -299,6 +320,7 @@ fn run_one(
             steps: counted.len(),
             rank0_log_step_ms: None,
             rank0_log_exposed_ms: None,
+            rank0_sent_bytes: None,
             cpu_ms: None,
             cpu_floor_ms: None,
             wire_bytes: None,
@@ -342,13 +364,14 @@ fn run_in(a: &Args, dir: &Path) -> anyhow::Result<()> {
     let per_link = 3 * (w - 1) * layout.padded_numel() as u64 * 4 / w;
     let units = layout.units().len();
     let model_desc = format!(
-        "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params)",
+        "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params, {})",
         a.input_dim,
         a.depth,
         a.hidden,
         a.classes,
         units,
-        layout.padded_numel() as f64 / 1e6
+        layout.padded_numel() as f64 / 1e6,
+        cfg0.precision_label()
     );
     println!("overlap: {model_desc}, world {}, global batch {}, stage 3", a.world, a.batch_size);
 
@@ -587,6 +610,7 @@ fn combine_ranks(prefetch: usize, per_rank: &[Vec<[f64; 4]>], warmup: u64) -> an
         steps: steps.len(),
         rank0_log_step_ms: None,
         rank0_log_exposed_ms: None,
+        rank0_sent_bytes: None,
         cpu_ms: None,
         cpu_floor_ms: None,
         wire_bytes: None,
@@ -645,20 +669,23 @@ pub struct NetReport {
     pub busbw: Vec<crate::collectives::Row>,
 }
 
-/// Rank 0's median step and exposed times (ms) from its `--log-json`.
-fn rank0_log(path: &Path, warmup: u64) -> anyhow::Result<(f64, f64)> {
+/// Rank 0's median step and exposed times (ms) and bytes sent per step from its
+/// `--log-json`.
+fn rank0_log(path: &Path, warmup: u64) -> anyhow::Result<(f64, f64, f64)> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut steps = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line)?;
         let f = |k: &str| v[k].as_f64().ok_or_else(|| anyhow::anyhow!("log line without {k}: {v}"));
-        steps.push((f("step_time_s")? * 1e3, f("comm_exposed_s")? * 1e3));
+        let sent = f("gather_bytes")? + f("reduce_bytes")?;
+        steps.push((f("step_time_s")? * 1e3, f("comm_exposed_s")? * 1e3, sent));
     }
     let counted: Vec<_> = steps.into_iter().skip(warmup as usize).collect();
     Ok((
         median(counted.iter().map(|s| s.0).collect()),
         median(counted.iter().map(|s| s.1).collect()),
+        median(counted.iter().map(|s| s.2).collect()),
     ))
 }
 
@@ -717,6 +744,10 @@ fn train_args(a: &Args, prefetch: usize, dir: &Path) -> Vec<String> {
     }
     if let Some(b) = a.prefetch_budget {
         v.extend(["--prefetch-budget".to_string(), b.to_string()]);
+    }
+    v.extend(["--param-dtype".to_string(), a.param_dtype.name().to_string()]);
+    if let Some(r) = a.reduce_dtype {
+        v.extend(["--reduce-dtype".to_string(), r.name().to_string()]);
     }
     v
 }
@@ -792,13 +823,14 @@ fn run_nodes_in(
     let layout = ShardedModelLayout::new(&model.spec(), world)?;
     let w = world as u64;
     let model_desc = format!(
-        "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params)",
+        "mlp-bn {}-{}x{}-{} ({} units, {:.1}M params, {})",
         a.input_dim,
         a.depth,
         a.hidden,
         a.classes,
         layout.units().len(),
-        layout.padded_numel() as f64 / 1e6
+        layout.padded_numel() as f64 / 1e6,
+        cfg0.precision_label()
     );
     println!(
         "overlap over {nodes} namespace nodes x {} processes, links shaped to {}/s ({} Mbit/s) \
@@ -840,15 +872,21 @@ fn run_nodes_in(
             row.wire_bytes = Some(bytes);
             row.wire_ms = Some(bytes / rate as f64 * 1e3);
         }
-        let (s0, e0) = rank0_log(&dir.join(format!("p{p}.jsonl")), a.warmup)?;
+        let (s0, e0, sent0) = rank0_log(&dir.join(format!("p{p}.jsonl")), a.warmup)?;
         row.rank0_log_step_ms = Some(s0);
         row.rank0_log_exposed_ms = Some(e0);
+        row.rank0_sent_bytes = Some(sent0);
         if p == a.timeline_prefetch {
             timeline_events = Some(events);
         }
         println!(
-            "  prefetch {p}: step {:.1} ms, compute {:.1} ms, comm {:.1} ms, exposed {:.1} ms",
-            row.step_ms, row.compute_ms, row.comm_ms, row.exposed_ms
+            "  prefetch {p}: step {:.1} ms, compute {:.1} ms, comm {:.1} ms, exposed {:.1} ms, \
+             rank 0 sent {} per step (lane counters)",
+            row.step_ms,
+            row.compute_ms,
+            row.comm_ms,
+            row.exposed_ms,
+            report::human_bytes(sent0)
         );
         rows.push(row);
     }

@@ -14,7 +14,7 @@ use crate::topology::Topology;
 use crate::transport::local::{LocalFabric, LocalTransport};
 use crate::transport::Transport;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -126,6 +126,8 @@ pub(crate) struct Shared {
     reason: Mutex<Option<String>>,
     /// Recent ops of every lane, for hang and desync reports.
     pub(crate) recent: crate::recent::RecentOps,
+    /// Payload bytes sent on every lane (LANE-8).
+    pub(crate) sent: AtomicU64,
 }
 
 impl Shared {
@@ -205,6 +207,7 @@ impl Communicator {
             cancel: AtomicBool::new(false),
             reason: Mutex::new(None),
             recent: crate::recent::RecentOps::default(),
+            sent: AtomicU64::new(0),
         });
         Ok(Communicator {
             inner: Arc::new(CommInner {
@@ -295,6 +298,11 @@ impl Communicator {
     /// This rank's recent collectives over all lanes, oldest first (see [`crate::recent`]).
     pub fn recent_ops(&self) -> Vec<crate::recent::OpRecord> {
         self.inner.shared.recent.snapshot()
+    }
+
+    /// Payload bytes this rank has sent on all of its lanes so far (LANE-8).
+    pub fn bytes_sent(&self) -> u64 {
+        self.inner.shared.sent.load(Ordering::Acquire)
     }
 
     /// The communicator's buffer pool.

@@ -21,6 +21,8 @@ use std::time::Instant;
 #[derive(Default)]
 pub struct Executor {
     scratch: Vec<f32>,
+    /// Payload bytes handed to the links by every exchange so far (LANE-8).
+    sent: u64,
 }
 
 /// Base pointers of the virtual array: `[0, buf_len)` in the work buffer, then scratch, then
@@ -141,6 +143,12 @@ pub(crate) struct WireCtx<'a> {
 }
 
 impl Executor {
+    /// Payload bytes this executor has handed to its links, every send of every step of
+    /// every op so far (LANE-8).
+    pub fn sent_bytes(&self) -> u64 {
+        self.sent
+    }
+
     /// Runs `sched` over the op's `regions`. Message tags are `wire.tag` with the step number
     /// filled in.
     pub(crate) fn run(
@@ -227,6 +235,8 @@ impl Executor {
                     })
                     .collect();
                 let t = Tag { step: i as u32, ..tag };
+                // Counted as handed over: a failed exchange may have sent part of it.
+                self.sent += sends.iter().map(|s| s.data.len() as u64).sum::<u64>();
                 links.exchange(t, &sends, &mut recvs, deadline, cancel)?;
             }
             for l in &step.local {

@@ -14,6 +14,9 @@
 //!   only when it moves `pending` from 0 to 1, so issue order is still execution order.
 //! - LANE-7: reduce-scatter and all-gather also run in place (NCCL's forms); an op's two
 //!   forms share kind, count, schedule and wire traffic, so ranks may mix them in one op.
+//! - LANE-8: [`Lane::bytes_sent`] counts the payload bytes this rank has handed to its
+//!   transport on the lane (every send of every schedule step, headers not included), as
+//!   each op runs; the communicator's [`crate::Communicator::bytes_sent`] sums its lanes.
 
 use crate::algo::{self, Algorithm, Schedule};
 use crate::communicator::Shared;
@@ -25,7 +28,7 @@ use crate::transport::{LaneLinks, Poison, Tag, TransportError};
 use crate::work::{self, Completer, Work};
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -186,6 +189,8 @@ struct LaneInner {
     pending: Arc<AtomicUsize>,
     /// Largest payload run inline.
     inline_bytes: usize,
+    /// Payload bytes sent on this lane (LANE-8).
+    sent: Arc<AtomicU64>,
 }
 
 impl Drop for LaneInner {
@@ -208,7 +213,9 @@ impl Lane {
         links: Box<dyn LaneLinks>,
     ) -> Result<Lane, CollectiveError> {
         let (tx, rx) = unbounded();
+        let sent = Arc::new(AtomicU64::new(0));
         let worker = Worker {
+            sent: Arc::clone(&sent),
             name: name.into(),
             hash: fingerprint::lane_hash(name),
             shared: shared.clone(),
@@ -238,6 +245,7 @@ impl Lane {
                 worker,
                 pending,
                 inline_bytes: crate::config::INLINE_BYTES.get() as usize,
+                sent,
             }),
         })
     }
@@ -245,6 +253,12 @@ impl Lane {
     /// The lane's name.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Payload bytes this rank has sent on the lane so far, counted as each op runs
+    /// (LANE-8): an op issued but not yet run is not in it, so read it after waiting.
+    pub fn bytes_sent(&self) -> u64 {
+        self.inner.sent.load(Ordering::Acquire)
     }
 
     pub(crate) fn poke_abort(&self) {
@@ -544,6 +558,8 @@ fn request_slice(us: u64) {
 fn request_slice(_us: u64) {}
 
 struct Worker {
+    /// The lane's sent-bytes counter (LANE-8).
+    sent: Arc<AtomicU64>,
     name: Arc<str>,
     hash: u32,
     shared: Arc<Shared>,
@@ -899,7 +915,11 @@ impl Worker {
         let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
         self.shared.recent.start(&self.name, ctx.seq, kind, regions.buf.len() * 4);
         let wire = WireCtx { tag: ctx.tag, deadline: ctx.deadline, cancel: &self.shared.cancel };
+        let before = self.exec.sent_bytes();
         let res = self.exec.run(&mut *self.links, sched, regions, combine, wire);
+        let sent = self.exec.sent_bytes() - before;
+        self.sent.fetch_add(sent, Ordering::AcqRel);
+        self.shared.sent.fetch_add(sent, Ordering::AcqRel);
         self.shared.recent.end(&self.name, ctx.seq, res.is_err());
         match res {
             Ok(()) => Ok(()),

@@ -32,6 +32,7 @@
 
 pub mod algo;
 pub mod arena;
+pub mod bf16;
 pub mod blocked;
 pub mod communicator;
 pub mod config;

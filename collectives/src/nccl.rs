@@ -248,13 +248,15 @@ pub struct NcclLane {
     inner: Arc<LaneInner>,
 }
 
-fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
-    match op {
+fn nccl_op(op: ReduceOp) -> Result<cudarc::nccl::ReduceOp, String> {
+    Ok(match op {
         ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
         ReduceOp::Avg => cudarc::nccl::ReduceOp::Avg,
         ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
         ReduceOp::Min => cudarc::nccl::ReduceOp::Min,
-    }
+        // Packed bf16 pairs in f32 buffers have no NCCL op (NCCL reduces bf16 buffers).
+        ReduceOp::SumBf16 => return Err("sum-bf16 (packed pairs) is not an NCCL op".into()),
+    })
 }
 
 impl NcclLane {
@@ -303,7 +305,7 @@ impl NcclLane {
     /// In-place all-reduce of `buf`.
     pub fn all_reduce(&self, buf: CudaSlice<f32>, op: ReduceOp) -> NcclWork<CudaSlice<f32>> {
         self.issue(buf, |c, b| {
-            c.all_reduce_in_place(b, &nccl_op(op)).map(|_| ()).map_err(|e| format!("{e:?}"))
+            c.all_reduce_in_place(b, &nccl_op(op)?).map(|_| ()).map_err(|e| format!("{e:?}"))
         })
     }
 
@@ -324,7 +326,7 @@ impl NcclLane {
                     o.len()
                 ));
             }
-            c.reduce_scatter(i, o, &nccl_op(op)).map(|_| ()).map_err(|e| format!("{e:?}"))
+            c.reduce_scatter(i, o, &nccl_op(op)?).map(|_| ()).map_err(|e| format!("{e:?}"))
         })
     }
 

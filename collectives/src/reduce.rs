@@ -12,6 +12,9 @@ pub enum ReduceOp {
     Max,
     /// Minimum (`f32::min`).
     Min,
+    /// Sum of bf16 values packed two to an element ([`crate::bf16`]): each addition in `f32`,
+    /// rounded to bf16 (BFLOAT-3). Every rank's buffer must hold packed values.
+    SumBf16,
 }
 
 impl ReduceOp {
@@ -22,6 +25,7 @@ impl ReduceOp {
             ReduceOp::Avg => "avg",
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
+            ReduceOp::SumBf16 => "sum-bf16",
         }
     }
 
@@ -31,6 +35,7 @@ impl ReduceOp {
             ReduceOp::Avg => 1,
             ReduceOp::Max => 2,
             ReduceOp::Min => 3,
+            ReduceOp::SumBf16 => 4,
         }
     }
 
@@ -40,6 +45,7 @@ impl ReduceOp {
             1 => ReduceOp::Avg,
             2 => ReduceOp::Max,
             3 => ReduceOp::Min,
+            4 => ReduceOp::SumBf16,
             _ => return None,
         })
     }
@@ -66,6 +72,7 @@ pub fn reduce_into(op: ReduceOp, dst: &mut [f32], src: &[f32]) {
                 *d = d.min(*s);
             }
         }
+        ReduceOp::SumBf16 => crate::bf16::add_packed(dst, src),
     }
 }
 
@@ -91,6 +98,7 @@ pub fn reduce_to(op: ReduceOp, dst: &mut [f32], a: &[f32], b: &[f32]) {
                 *d = x.min(*y);
             }
         }
+        ReduceOp::SumBf16 => crate::bf16::add_packed_to(dst, a, b),
     }
 }
 

@@ -114,6 +114,7 @@ pub fn naive_reduce(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f64> {
                 ReduceOp::Sum | ReduceOp::Avg => *a + b,
                 ReduceOp::Max => a.max(b),
                 ReduceOp::Min => a.min(b),
+                ReduceOp::SumBf16 => panic!("naive_reduce: packed bf16 is not a value per element"),
             };
         }
     }
@@ -150,6 +151,9 @@ pub fn check_close(got: &[f32], want: &[f64], op: ReduceOp, world: usize) -> Res
         ReduceOp::Max | ReduceOp::Min => 0.0,
         ReduceOp::Sum => 2.0 * world as f64 * f64::from(f32::EPSILON) * world as f64,
         ReduceOp::Avg => 2.0 * world as f64 * f64::from(f32::EPSILON) * 2.0,
+        ReduceOp::SumBf16 => {
+            return Err("check_close: packed bf16 is not a value per element".into())
+        }
     };
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let ok = if tol == 0.0 { f64::from(g) == w } else { (f64::from(g) - w).abs() <= tol };

@@ -5,7 +5,9 @@
 //! [`crate::driver`] then runs the steps.
 
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
-use crate::engine::{AccumReduce, EngineConfig, Recompute, StepStats};
+use crate::engine::{
+    AccumReduce, EngineConfig, MixedPrecision, PrecisionDtype, Recompute, StepStats,
+};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
 use crate::optim::{AdamWConfig, Optimizer, SgdConfig, WeightDecayOn};
@@ -154,6 +156,31 @@ pub struct TrainConfig {
     /// transport); `None`: unlimited unless `SHARDLINE_LINK_RATE` says otherwise. Changes
     /// timing only, never results.
     pub link_rate: Option<u64>,
+    /// `--param-dtype`: what parameters are gathered and computed in (masters stay `f32`,
+    /// PREC-1).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub param_dtype: PrecisionDtype,
+    /// `--reduce-dtype`: what gradients are reduced in; `None`: the param dtype (PREC-5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_dtype: Option<PrecisionDtype>,
+}
+
+fn is_f32(d: &PrecisionDtype) -> bool {
+    *d == PrecisionDtype::F32
+}
+
+impl TrainConfig {
+    /// The run's mixed-precision policy (PREC-5: the reduce dtype defaults to the param
+    /// dtype).
+    pub fn precision(&self) -> MixedPrecision {
+        MixedPrecision::new(self.param_dtype, self.reduce_dtype)
+    }
+
+    /// The policy in words, e.g. `params bf16, reduce f32`.
+    pub fn precision_label(&self) -> String {
+        let p = self.precision();
+        format!("params {}, reduce {}", p.param_dtype.name(), p.reduce_dtype.name())
+    }
 }
 
 fn one() -> usize {
@@ -247,6 +274,8 @@ impl Default for TrainConfig {
             device: crate::engine::Device::Cpu,
             timeout_s: 60,
             link_rate: None,
+            param_dtype: PrecisionDtype::F32,
+            reduce_dtype: None,
         }
     }
 }
@@ -841,6 +870,7 @@ fn job_plan(
         grad_accum: cfg.grad_accum,
         accum_reduce: cfg.accum_reduce.unwrap_or_default(),
         recompute: cfg.recompute,
+        precision: cfg.precision(),
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -904,6 +934,15 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
     }
     if cfg.recompute != Recompute::None {
         println!("  recompute: {}", cfg.recompute.name());
+    }
+    let prec = cfg.precision();
+    if !prec.is_f32() {
+        println!(
+            "  precision: params {} (gathers and compute), gradients reduced in {}; masters, \
+             optimizer state, norms statistics and loss in f32",
+            prec.param_dtype.name(),
+            prec.reduce_dtype.name()
+        );
     }
 }
 

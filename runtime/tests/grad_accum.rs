@@ -255,3 +255,26 @@ fn bad_accumulation_settings_exit_2_naming_what_to_change() {
         assert!(!out.stderr.contains("panicked"), "{args:?}: {}", out.stderr);
     }
 }
+
+/// ACC-3 with PREC-4: bf16 reductions of each microbatch add into the f32 shard. Four
+/// microbatches at world 2, stage 3, with bf16 reductions, track the same run without
+/// accumulation within bf16's rounding of the partial sums; a shard replaced instead of
+/// added to would keep only the last microbatch's gradient and move the curve far more.
+#[test]
+fn bf16_reductions_of_microbatches_add_into_the_f32_shard_acc_3() {
+    use shardline_runtime::engine::PrecisionDtype::Bf16;
+    let base = TrainConfig { reduce_dtype: Some(Bf16), ..gpt_cfg(2, 3, 16) };
+    let whole = run_ok(base.clone(), quiet());
+    let micro = run_ok(
+        TrainConfig { grad_accum: 4, accum_reduce: Some(AccumReduce::Each), ..base.clone() },
+        quiet(),
+    );
+    let lrel = max_rel(&micro.losses, &whole.losses);
+    let pd = max_abs_diff(&micro.final_params, &whole.final_params);
+    eprintln!("bf16 reductions, grad-accum 4 against 1: loss rel {lrel:e}, params {pd:e}");
+    assert!(lrel <= 2e-3 && pd <= 4e-3, "loss {lrel:e}, params {pd:e}");
+    // The control: the last microbatch alone (a quarter of the batch) moves the curve.
+    let quarter = run_ok(TrainConfig { batch_size: 4, ..base }, quiet());
+    let far = max_rel(&quarter.losses, &whole.losses);
+    assert!(far > 10.0 * lrel.max(1e-6), "a quarter batch is only {far:e} away");
+}

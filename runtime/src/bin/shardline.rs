@@ -2,7 +2,7 @@
 //! checkpoints, evaluate a checkpoint on a data set, and sample text from a `gpt` checkpoint.
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use shardline_runtime::engine::{AccumReduce, Device, Recompute};
+use shardline_runtime::engine::{AccumReduce, Device, PrecisionDtype, Recompute};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -405,6 +405,13 @@ struct TrainArgs {
     /// would.
     #[arg(long, value_parser = shardline_collectives::config::parse_rate)]
     link_rate: Option<u64>,
+    /// Mixed precision: the type parameters are all-gathered and computed in, f32 or bf16
+    /// (FSDP2's param_dtype). Masters, optimizer state, norm statistics and the loss stay f32.
+    #[arg(long, default_value = "f32", value_parser = parse_param_dtype)]
+    param_dtype: PrecisionDtype,
+    /// The type gradients are reduced in, f32 or bf16 [default: the --param-dtype].
+    #[arg(long, value_parser = parse_reduce_dtype)]
+    reduce_dtype: Option<PrecisionDtype>,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
     #[arg(long)]
     hidden: Option<usize>,
@@ -449,7 +456,9 @@ struct TrainArgs {
     resume: bool,
     /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
     /// stats_messages (the job's figures, the same however the ranks run), and step_time_s
-    /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes.
+    /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes;
+    /// gather_bytes and reduce_bytes (payload bytes the first rank of this process sent on
+    /// each lane during the step) and cast_s (its f32/bf16 conversion time).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,
@@ -489,6 +498,14 @@ struct TrainArgs {
     /// (read it with `shardline doctor FILE`).
     #[arg(long)]
     dump_on_failure: Option<PathBuf>,
+}
+
+fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
+    PrecisionDtype::parse("--param-dtype", s)
+}
+
+fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
+    PrecisionDtype::parse("--reduce-dtype", s)
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -583,6 +600,8 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         device: Device::Cpu,
         timeout_s: a.timeout,
         link_rate: a.link_rate,
+        param_dtype: a.param_dtype,
+        reduce_dtype: a.reduce_dtype,
     })
 }
 

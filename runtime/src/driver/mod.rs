@@ -355,7 +355,8 @@ impl StepFigures {
             "step": step, "epoch": epoch, "loss": s.loss, "lr": s.lr, "step_time_s": self.step_s,
             "comm_exposed_s": self.exposed_s, "compute_s": s.compute_time.as_secs_f64(),
             "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
-            "grad_norm": s.grad_norm,
+            "grad_norm": s.grad_norm, "gather_bytes": s.gather_bytes,
+            "reduce_bytes": s.reduce_bytes, "cast_s": s.cast_time.as_secs_f64(),
         })
     }
 }

@@ -31,7 +31,8 @@
 //! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
 //! call's forward first (RECOMP-1), `stats` is the SyncBN
 //! statistics path, `shard_state` what a rank keeps and checkpoints, `device` the compute
-//! backend; this module orchestrates a step.
+//! backend, `precision` the bf16 gathers and reductions of the mixed-precision policy
+//! (PREC-1..5); this module orchestrates a step.
 //!
 //! Invariants (each of the others is defined in the module that implements it):
 //! - ENG-1: the same seed, data and world size give bitwise-identical parameters with any
@@ -52,6 +53,7 @@ mod accum;
 mod clock;
 mod device;
 mod pass;
+mod precision;
 mod prefetch;
 mod recompute;
 mod reduction;
@@ -63,9 +65,11 @@ mod tests;
 
 pub use accum::AccumReduce;
 pub use device::{open_backend, Device};
+pub use precision::{MixedPrecision, PrecisionDtype};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -130,6 +134,8 @@ pub struct EngineConfig {
     pub accum_reduce: AccumReduce,
     /// Which calls keep only their input and are recomputed in backward (RECOMP-1).
     pub recompute: Recompute,
+    /// The mixed-precision policy (PREC-1..5; default all `f32`).
+    pub precision: MixedPrecision,
 }
 
 /// Figures of one step on one rank.
@@ -158,6 +164,16 @@ pub struct StepStats {
     /// reduction: every rank learns it from the same reduction, so all stop after this step
     /// (INT-1).
     pub stop: bool,
+    /// Payload bytes this rank sent on the gather lane during the step (LANE-8: counted by
+    /// the lane as each op runs; with prefetch at stage 3, unit 0's gather for the next
+    /// step is counted in the step during which it ran).
+    pub gather_bytes: u64,
+    /// Payload bytes this rank sent on the reduce lane during the step (gradient
+    /// reductions and the loss all-reduce).
+    pub reduce_bytes: u64,
+    /// Time spent converting between `f32` and bf16 (rounding shards and gradients,
+    /// upcasting gathered units and reduced gradients); zero in `f32`.
+    pub cast_time: Duration,
 }
 
 /// A step's (or an evaluation's) running figures.
@@ -216,6 +232,8 @@ pub struct RankEngine {
     plan: GatherPlan<PendingGather, Gathered>,
     /// Per unit, the flat ranges that get no weight decay (OPT-5).
     no_decay: Vec<Vec<std::ops::Range<usize>>>,
+    /// Time spent in bf16 conversions since the step began (PREC-2..4).
+    cast: Cell<Duration>,
 }
 
 impl RankEngine {
@@ -271,6 +289,7 @@ impl RankEngine {
             stop_requested: false,
             plan,
             no_decay,
+            cast: Cell::new(Duration::ZERO),
         })
     }
 
@@ -331,6 +350,8 @@ impl RankEngine {
             trace: &self.trace,
             labels: &self.labels,
             clock,
+            bf16: self.cfg.precision.param_dtype == PrecisionDtype::Bf16,
+            cast: &self.cast,
         };
         (&mut self.plan, io)
     }
@@ -344,6 +365,8 @@ impl RankEngine {
     /// samples. Every rank of the group must call it with its own slice (possibly empty).
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
         let t_step = Instant::now();
+        let sent0 = (self.gather.bytes_sent(), self.reduce.bytes_sent());
+        self.cast.set(Duration::ZERO);
         let n = self.layout.units().len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
         let early = self.cfg.clip_grad_norm.is_none();
@@ -420,6 +443,9 @@ impl RankEngine {
             stats_messages,
             grad_norm: total_sq.sqrt(),
             stop,
+            gather_bytes: self.gather.bytes_sent() - sent0.0,
+            reduce_bytes: self.reduce.bytes_sent() - sent0.1,
+            cast_time: self.cast.get(),
         })
     }
 
@@ -502,6 +528,9 @@ impl RankEngine {
     /// Stages 1 and 2: all-gathers the updated parameters, in place (the updated own slice
     /// already lies in the full buffer).
     fn gather_updated(&mut self, clock: &mut CommClock) -> Result<()> {
+        if self.bf16_params() {
+            return self.gather_updated_packed(clock); // PREC-3
+        }
         let n = self.layout.units().len();
         let mut works = Vec::with_capacity(n);
         for u in 0..n {

@@ -84,10 +84,10 @@ pub(crate) struct Micro {
 
 impl RankEngine {
     /// Stage 3: the gathered parameters of use `i` of the pass (ENG-5); the other stages use
-    /// the parameters they keep.
+    /// the parameters they keep, in bf16 a copy rounded for this use (PREC-2).
     fn gathered(&mut self, i: usize, st: &mut StepState) -> Result<Option<Gathered>> {
         if self.rules.before_use != BeforeUse::Gather {
-            return Ok(None);
+            return self.rounded_resident(self.plan.unit_at(i));
         }
         let (plan, mut io) = self.gathers(&mut st.clock);
         plan.acquire(i, &mut io).map(Some)
@@ -95,6 +95,12 @@ impl RankEngine {
 
     /// After use `i`: the plan keeps or frees its gathered parameters (ENG-5).
     fn done_with(&mut self, i: usize, gathered: Option<Gathered>, st: &mut StepState) {
+        if self.rules.before_use != BeforeUse::Gather {
+            if let Some(copy) = gathered {
+                self.comm.pool().give(copy.full);
+            }
+            return;
+        }
         if let Some(g) = gathered {
             let (plan, mut io) = self.gathers(&mut st.clock);
             plan.done_with(i, g, &mut io);
@@ -264,7 +270,7 @@ impl RankEngine {
         self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
         if last_use {
             // Reduce as soon as the unit's gradients exist; do not wait (overlap).
-            self.issue_reduction(reds, u, (gfull, galloc), add);
+            self.issue_reduction(reds, u, (gfull, galloc), add)?;
         } else {
             self.partial_grads[u] = Some((galloc, gfull));
         }

@@ -18,10 +18,12 @@
 //!   ([`GatherPlan::discard`]); every rank does the same, so lane order holds.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use shardline_collectives::{Communicator, Lane, Work};
 
 use super::clock::CommClock;
+use super::precision::Slots;
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::ShardedModelLayout;
@@ -262,6 +264,8 @@ impl<Q, H> GatherPlan<Q, H> {
 pub(crate) struct PendingGather {
     work: Work<Vec<f32>>,
     alloc: Allocation,
+    /// The buffer holds packed bf16 slots, upcast on arrival (PREC-3).
+    packed: bool,
 }
 
 /// A unit's gathered parameters, counted until freed (ENG-3).
@@ -269,6 +273,13 @@ pub(crate) struct Gathered {
     /// The full padded parameters.
     pub(crate) full: Vec<f32>,
     _alloc: Allocation,
+}
+
+impl Gathered {
+    /// Parameters `full`, whose bytes `alloc` counts.
+    pub(crate) fn new(full: Vec<f32>, alloc: Allocation) -> Self {
+        Gathered { full, _alloc: alloc }
+    }
 }
 
 /// The engine's [`GatherIo`]: in-place all-gathers of the shards on the gather lane, buffers
@@ -285,6 +296,10 @@ pub(crate) struct LaneGathers<'a> {
     pub(crate) trace: &'a Trace,
     pub(crate) labels: &'a [String],
     pub(crate) clock: &'a mut CommClock,
+    /// Gather bf16 (PREC-3).
+    pub(crate) bf16: bool,
+    /// The step's conversion time.
+    pub(crate) cast: &'a std::cell::Cell<std::time::Duration>,
 }
 
 impl GatherIo for LaneGathers<'_> {
@@ -294,6 +309,19 @@ impl GatherIo for LaneGathers<'_> {
 
     fn issue(&mut self, unit: usize) -> Result<PendingGather> {
         let l = self.layout.unit(unit);
+        if self.bf16 {
+            // PREC-3: the own shard rounded into its packed slot; the packed buffer is a
+            // communication buffer until the unit is upcast on arrival.
+            let slots = Slots::of(l, self.layout.world());
+            let what = format!("{} (bf16 gather)", self.labels[unit]);
+            let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
+            let t0 = Instant::now();
+            let mut packed = self.comm.pool().take(slots.len());
+            slots.pack_slot(self.rank, &self.shards[unit], &mut packed);
+            self.cast.set(self.cast.get() + t0.elapsed());
+            let work = self.lane.all_gather_in_place(packed);
+            return Ok(PendingGather { work, alloc, packed: true });
+        }
         let alloc =
             self.mem.alloc_f32(Category::GatheredUnits, l.padded_numel(), &self.labels[unit])?;
         // In place: the own shard goes straight into its slot of the gathered buffer, with no
@@ -301,13 +329,26 @@ impl GatherIo for LaneGathers<'_> {
         let mut full = self.comm.pool().take(l.padded_numel());
         full[l.shard_range(self.rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
-        Ok(PendingGather { work, alloc })
+        Ok(PendingGather { work, alloc, packed: false })
     }
 
     fn wait(&mut self, unit: usize, p: PendingGather) -> Result<Gathered> {
         let what = format!("gather {}", self.labels[unit]);
-        let full = self.clock.wait(self.trace, self.rank, p.work, Row::Gather, &what)?;
-        Ok(Gathered { full, _alloc: p.alloc })
+        let buf = self.clock.wait(self.trace, self.rank, p.work, Row::Gather, &what)?;
+        if !p.packed {
+            return Ok(Gathered { full: buf, _alloc: p.alloc });
+        }
+        // PREC-3: upcast once per gathered unit, into the f32 buffer the kernels read.
+        let l = self.layout.unit(unit);
+        let alloc =
+            self.mem.alloc_f32(Category::GatheredUnits, l.padded_numel(), &self.labels[unit])?;
+        let t0 = Instant::now();
+        let mut full = self.comm.pool().take(l.padded_numel());
+        Slots::of(l, self.layout.world()).unpack_all(&buf, &mut full, None);
+        self.cast.set(self.cast.get() + t0.elapsed());
+        self.comm.pool().give(buf);
+        drop(p.alloc);
+        Ok(Gathered { full, _alloc: alloc })
     }
 
     fn release(&mut self, g: Gathered) {

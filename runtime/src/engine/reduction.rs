@@ -199,6 +199,8 @@ pub(crate) enum ReduceWork {
     /// `alloc`) into its shard; `add`: into the gradients an earlier microbatch left there
     /// (ACC-3), else in place of the last step's.
     ReduceScatter { work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation>, add: bool },
+    /// Any stage with reduce dtype bf16 (PREC-4).
+    Packed(super::precision::PackedReduction),
 }
 
 impl InFlight for ReduceWork {
@@ -206,6 +208,7 @@ impl InFlight for ReduceWork {
         match self {
             ReduceWork::AllReduce(w) | ReduceWork::ReduceScatterInPlace(w) => w.is_done(),
             ReduceWork::ReduceScatter { work, .. } => work.is_done(),
+            ReduceWork::Packed(p) => p.is_done(),
         }
     }
 }
@@ -220,7 +223,10 @@ impl RankEngine {
         u: usize,
         (gfull, alloc): (Vec<f32>, Option<Allocation>),
         add: bool,
-    ) {
+    ) -> Result<()> {
+        if self.bf16_grads() {
+            return self.issue_packed_reduction(reds, u, (gfull, alloc), add);
+        }
         let unreduced = alloc.as_ref().map_or(0, Allocation::bytes);
         let work = match self.rules.reduce {
             GradReduce::AllReduce => {
@@ -238,6 +244,7 @@ impl RankEngine {
             }
         };
         reds.issue(u, unreduced, work);
+        Ok(())
     }
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer reads
@@ -274,6 +281,7 @@ impl RankEngine {
                 self.comm.pool().give(full);
                 drop(alloc);
             }
+            ReduceWork::Packed(p) => self.finish_packed_reduction(unit, p, clock)?,
         }
         Ok(())
     }

@@ -129,6 +129,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         grad_accum: 1,
         accum_reduce: AccumReduce::Each,
         recompute: Recompute::None,
+        precision: MixedPrecision::default(),
     }
 }
 

@@ -1,0 +1,425 @@
+//! Mixed precision with FSDP2's `MixedPrecisionPolicy` semantics: `--param-dtype` is the
+//! type parameters travel and compute in, `--reduce-dtype` the type gradients are reduced
+//! in; the masters stay `f32`.
+//!
+//! With `bf16` a unit's parameters are all-gathered as bf16 (packed two to a 32-bit word,
+//! `shardline_collectives::bf16`): each rank rounds its `f32` shard once per gather and
+//! upcasts the gathered unit once, when it arrives, into the `f32` buffer the kernels read.
+//! The CPU backend has no bf16 matrix product, so compute stays `f32` over bf16-valued
+//! parameters (the upcast's cost is `StepStats::cast_time`). Stages that keep full
+//! parameters (0-2) round a unit's resident copy once per use, so every stage computes with
+//! the same values. Gradients come out of backward in `f32`, are rounded and packed for a
+//! `SumBf16` reduction (each addition in `f32`, rounded per hop), and the reduced values are
+//! upcast into the `f32` gradients the optimizer reads.
+//!
+//! Defaults: both `f32` (nothing changes); `--reduce-dtype` defaults to `--param-dtype`, as
+//! FSDP2's `reduce_dtype=None` does.
+//!
+//! Invariants:
+//! - PREC-1: parameter masters, gradients as the optimizer reads them, optimizer state,
+//!   BatchNorm buffers and statistics, the loss and its all-reduce, checkpoints and exports
+//!   are `f32` under every policy.
+//! - PREC-2: with param dtype bf16 every forward and backward (training and evaluation) sees
+//!   each parameter as its master rounded to bf16 (round to nearest even, BFLOAT-1), at every
+//!   stage and on every rank.
+//! - PREC-3: with param dtype bf16 every parameter all-gather (stage 3's per use, stages 1
+//!   and 2's after the update) carries `ceil(shard / 2)` words per rank: half the bytes of
+//!   the `f32` gather when shards are even.
+//! - PREC-4: with reduce dtype bf16 every gradient reduction (all-reduce at stage 0,
+//!   reduce-scatter at 1-3) carries packed bf16, half the bytes of the `f32` one when shards
+//!   are even; the reduced values are upcast into `f32` gradients.
+//! - PREC-5: the reduce dtype defaults to the param dtype.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use shardline_collectives::{bf16, ReduceOp, Work};
+
+use super::clock::CommClock;
+use super::prefetch::Gathered;
+use super::reduction::{ReduceWork, Reductions};
+use super::stage::GradReduce;
+use super::RankEngine;
+use crate::error::Result;
+use crate::memory::{Allocation, Category};
+use crate::shard::FlatLayout;
+use crate::telemetry::Row;
+
+/// A floating-point type of the policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionDtype {
+    /// 32-bit IEEE float.
+    #[default]
+    F32,
+    /// bfloat16: `f32`'s exponent, 8 bits of significand.
+    Bf16,
+}
+
+impl PrecisionDtype {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrecisionDtype::F32 => "f32",
+            PrecisionDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Parses `s` as given to `flag`; the error names the flag and the choices.
+    pub fn parse(flag: &str, s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" | "float32" => Ok(PrecisionDtype::F32),
+            "bf16" | "bfloat16" => Ok(PrecisionDtype::Bf16),
+            other => Err(format!("{flag} must be f32 or bf16, not '{other}'")),
+        }
+    }
+}
+
+/// The run's policy: the param dtype and the reduce dtype.
+///
+/// ```
+/// use shardline_runtime::engine::{MixedPrecision, PrecisionDtype};
+/// let p = MixedPrecision::new(PrecisionDtype::Bf16, None);
+/// assert_eq!(p.reduce_dtype, PrecisionDtype::Bf16); // PREC-5
+/// assert!(MixedPrecision::default().is_f32());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MixedPrecision {
+    /// What parameters are gathered and computed in.
+    pub param_dtype: PrecisionDtype,
+    /// What gradients are reduced in.
+    pub reduce_dtype: PrecisionDtype,
+}
+
+impl MixedPrecision {
+    /// The policy of `param`, reducing in `reduce` or, unset, in `param` (PREC-5).
+    pub fn new(param: PrecisionDtype, reduce: Option<PrecisionDtype>) -> Self {
+        MixedPrecision { param_dtype: param, reduce_dtype: reduce.unwrap_or(param) }
+    }
+
+    /// Everything in `f32`.
+    pub fn is_f32(&self) -> bool {
+        *self == MixedPrecision::default()
+    }
+
+    fn bf16_params(&self) -> bool {
+        self.param_dtype == PrecisionDtype::Bf16
+    }
+
+    fn bf16_grads(&self) -> bool {
+        self.reduce_dtype == PrecisionDtype::Bf16
+    }
+}
+
+/// A unit's flat buffer as `world` packed slots, one per rank's shard: the layout of every
+/// bf16 gather and reduction (a shard of odd length pads its slot's last word).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slots {
+    world: usize,
+    shard: usize,
+}
+
+impl Slots {
+    /// The slots of `unit` over `world` ranks.
+    pub(crate) fn of(unit: &FlatLayout, world: usize) -> Self {
+        Slots { world, shard: unit.shard_len() }
+    }
+
+    /// Words per slot.
+    pub(crate) fn words(&self) -> usize {
+        bf16::words(self.shard)
+    }
+
+    /// Words of the whole packed buffer.
+    pub(crate) fn len(&self) -> usize {
+        self.world * self.words()
+    }
+
+    fn slot(&self, r: usize) -> std::ops::Range<usize> {
+        r * self.words()..(r + 1) * self.words()
+    }
+
+    /// Packs rank `r`'s shard into its slot of `packed`.
+    pub(crate) fn pack_slot(&self, r: usize, shard: &[f32], packed: &mut [f32]) {
+        bf16::pack(shard, &mut packed[self.slot(r)]);
+    }
+
+    /// Packs a whole padded buffer, each rank's range into its slot.
+    pub(crate) fn pack_all(&self, full: &[f32], packed: &mut [f32]) {
+        for r in 0..self.world {
+            self.pack_slot(r, &full[r * self.shard..(r + 1) * self.shard], packed);
+        }
+    }
+
+    /// Upcasts slot `r` into `shard`.
+    pub(crate) fn unpack_slot(&self, r: usize, packed: &[f32], shard: &mut [f32]) {
+        bf16::unpack(&packed[self.slot(r)], shard);
+    }
+
+    /// Upcasts every slot into its rank's range of the padded buffer `full`, except `skip`.
+    pub(crate) fn unpack_all(&self, packed: &[f32], full: &mut [f32], skip: Option<usize>) {
+        for r in (0..self.world).filter(|&r| Some(r) != skip) {
+            self.unpack_slot(r, packed, &mut full[r * self.shard..(r + 1) * self.shard]);
+        }
+    }
+}
+
+/// `dst[i] = src[i]` rounded to bf16 and back (PREC-2's compute values).
+pub(crate) fn round_trip(src: &[f32], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = bf16::widen(bf16::round(*s));
+    }
+}
+
+/// A unit's bf16 gradient reduction in flight.
+pub(crate) struct PackedReduction {
+    work: PackedWork,
+    /// Stages 0 and 1: the persistent full `f32` gradient, filled from the result.
+    full: Option<Vec<f32>>,
+    /// The packed buffers' bytes (ENG-3).
+    _alloc: Allocation,
+    /// Stages 2 and 3: add the result to the shard an earlier microbatch left (ACC-3).
+    add: bool,
+}
+
+enum PackedWork {
+    /// Stage 0's all-reduce and stage 1's in-place reduce-scatter.
+    InPlace(Work<Vec<f32>>),
+    /// Stages 2 and 3: packed input, packed own slot.
+    Scatter(Work<(Vec<f32>, Vec<f32>)>),
+}
+
+impl PackedReduction {
+    pub(crate) fn is_done(&self) -> bool {
+        match &self.work {
+            PackedWork::InPlace(w) => w.is_done(),
+            PackedWork::Scatter(w) => w.is_done(),
+        }
+    }
+}
+
+impl RankEngine {
+    /// Whether gathers and compute use bf16 parameters.
+    pub(super) fn bf16_params(&self) -> bool {
+        self.cfg.precision.bf16_params()
+    }
+
+    /// Whether gradients are reduced in bf16.
+    pub(super) fn bf16_grads(&self) -> bool {
+        self.cfg.precision.bf16_grads()
+    }
+
+    /// Adds `t0`'s elapsed time to the step's conversions.
+    fn cast_since(&self, t0: Instant) {
+        self.cast.set(self.cast.get() + t0.elapsed());
+    }
+
+    /// Stages 0-2 with bf16 parameters: unit `u`'s resident parameters rounded to bf16 for
+    /// one use (PREC-2), counted with the gathered units; `None` in `f32`.
+    pub(super) fn rounded_resident(&self, u: usize) -> Result<Option<Gathered>> {
+        if !self.bf16_params() {
+            return Ok(None);
+        }
+        let padded = self.layout.unit(u).padded_numel();
+        let what = format!("{} (bf16 compute copy)", self.labels[u]);
+        let alloc = self.mem.alloc_f32(Category::GatheredUnits, padded, &what)?;
+        let t0 = Instant::now();
+        let mut full = self.comm.pool().take(padded);
+        round_trip(&self.state.params[u], &mut full);
+        self.cast_since(t0);
+        Ok(Some(Gathered::new(full, alloc)))
+    }
+
+    /// Stages 1 and 2 with bf16 parameters: all-gathers the updated own ranges as bf16
+    /// (PREC-3); the own range keeps its `f32` master, the others take the upcast values.
+    pub(super) fn gather_updated_packed(&mut self, clock: &mut CommClock) -> Result<()> {
+        let n = self.layout.units().len();
+        let mut works = Vec::with_capacity(n);
+        for u in 0..n {
+            let l = self.layout.unit(u);
+            let slots = Slots::of(l, self.world);
+            let what = format!("{} (bf16 gather)", self.labels[u]);
+            let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
+            let t0 = Instant::now();
+            let mut packed = self.comm.pool().take(slots.len());
+            let own = l.shard_range(self.rank);
+            slots.pack_slot(self.rank, &self.state.params[u][own], &mut packed);
+            self.cast_since(t0);
+            works.push((u, slots, alloc, self.gather.all_gather_in_place(packed)));
+        }
+        for (u, slots, alloc, work) in works {
+            let what = format!("all-gather {}", self.labels[u]);
+            let packed = clock.wait(&self.trace, self.rank, work, Row::Gather, &what)?;
+            let t0 = Instant::now();
+            slots.unpack_all(&packed, &mut self.state.params[u], Some(self.rank));
+            self.cast_since(t0);
+            self.comm.pool().give(packed);
+            drop(alloc);
+        }
+        Ok(())
+    }
+
+    /// Issues unit `u`'s gradient reduction in bf16 (PREC-4): `gfull` is rounded and packed
+    /// by rank slot; a transient full gradient is freed at once, so only the packed bytes
+    /// are in flight (ENG-7 counts them).
+    pub(super) fn issue_packed_reduction(
+        &self,
+        reds: &mut Reductions<ReduceWork>,
+        u: usize,
+        (gfull, galloc): (Vec<f32>, Option<Allocation>),
+        add: bool,
+    ) -> Result<()> {
+        let slots = Slots::of(self.layout.unit(u), self.world);
+        let what = format!("{} (bf16 reduction)", self.labels[u]);
+        let out_words =
+            if self.rules.reduce == GradReduce::ReduceScatter { slots.words() } else { 0 };
+        let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len() + out_words, &what)?;
+        let t0 = Instant::now();
+        let mut packed = self.comm.pool().take(slots.len());
+        slots.pack_all(&gfull, &mut packed);
+        self.cast_since(t0);
+        let (work, full, unreduced) = match self.rules.reduce {
+            GradReduce::AllReduce => {
+                let w = self.reduce.all_reduce(packed, ReduceOp::SumBf16);
+                (PackedWork::InPlace(w), Some(gfull), 0)
+            }
+            GradReduce::ReduceScatterInPlace => {
+                let w = self.reduce.reduce_scatter_in_place(packed, ReduceOp::SumBf16);
+                (PackedWork::InPlace(w), Some(gfull), 0)
+            }
+            GradReduce::ReduceScatter => {
+                self.comm.pool().give(gfull);
+                drop(galloc);
+                let mut out = self.comm.pool().take(out_words);
+                out.resize(out_words, 0.0);
+                let w = self.reduce.reduce_scatter(packed, out, ReduceOp::SumBf16);
+                (PackedWork::Scatter(w), None, alloc.bytes())
+            }
+        };
+        let p = PackedReduction { work, full, _alloc: alloc, add };
+        reds.issue(u, unreduced, ReduceWork::Packed(p));
+        Ok(())
+    }
+
+    /// Waits for unit `u`'s bf16 reduction and upcasts the result where the optimizer
+    /// reads it (PREC-4): the whole buffer (stage 0), the own range of the persistent
+    /// buffer (stage 1), or the `f32` shard (stages 2 and 3).
+    pub(super) fn finish_packed_reduction(
+        &mut self,
+        u: usize,
+        p: PackedReduction,
+        clock: &mut CommClock,
+    ) -> Result<()> {
+        let l = self.layout.unit(u);
+        let slots = Slots::of(l, self.world);
+        let (trace, rank) = (&self.trace, self.rank);
+        match (p.work, p.full) {
+            (PackedWork::InPlace(work), Some(mut full)) => {
+                let kind = match self.rules.reduce {
+                    GradReduce::AllReduce => "all-reduce",
+                    _ => "reduce-scatter",
+                };
+                let what = format!("{kind} {}", self.labels[u]);
+                let packed = clock.wait(trace, rank, work, Row::Reduce, &what)?;
+                let t0 = Instant::now();
+                if self.rules.reduce == GradReduce::AllReduce {
+                    slots.unpack_all(&packed, &mut full, None);
+                } else {
+                    slots.unpack_slot(rank, &packed, &mut full[l.shard_range(rank)]);
+                }
+                self.cast_since(t0);
+                self.comm.pool().give(packed);
+                self.state.grads[u] = full;
+            }
+            (PackedWork::Scatter(work), _) => {
+                let what = format!("reduce-scatter {}", self.labels[u]);
+                let (packed, out) = clock.wait(trace, rank, work, Row::Reduce, &what)?;
+                let t0 = Instant::now();
+                if p.add {
+                    // ACC-3: the microbatches' reduced gradients sum in the f32 shard.
+                    let mut part = vec![0.0; l.shard_len()];
+                    bf16::unpack(&out, &mut part);
+                    let acc = &mut self.state.grads[u];
+                    acc.iter_mut().zip(&part).for_each(|(a, s)| *a += s);
+                } else {
+                    let mut shard = std::mem::take(&mut self.state.grads[u]);
+                    shard.resize(l.shard_len(), 0.0);
+                    bf16::unpack(&out, &mut shard);
+                    self.state.grads[u] = shard;
+                }
+                self.cast_since(t0);
+                self.comm.pool().give(packed);
+                self.comm.pool().give(out);
+            }
+            (PackedWork::InPlace(_), None) => {
+                unreachable!("an in-place bf16 reduction always holds its full gradient")
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_models::ParamSpec;
+
+    /// PREC-5 and the flag's parsing: the reduce dtype follows the param dtype unless set;
+    /// an unknown type names the flag.
+    #[test]
+    fn prec5_reduce_dtype_defaults_to_the_param_dtype() {
+        use PrecisionDtype::*;
+        assert_eq!(MixedPrecision::new(Bf16, None).reduce_dtype, Bf16);
+        assert_eq!(MixedPrecision::new(F32, None).reduce_dtype, F32);
+        assert_eq!(MixedPrecision::new(Bf16, Some(F32)).reduce_dtype, F32);
+        assert_eq!(PrecisionDtype::parse("--param-dtype", "bf16"), Ok(Bf16));
+        let e = PrecisionDtype::parse("--param-dtype", "f16").unwrap_err();
+        assert!(e.contains("--param-dtype") && e.contains("f16"), "{e}");
+    }
+
+    /// PREC-3's layout: every rank's range of a padded buffer goes to its own slot of
+    /// `ceil(shard / 2)` words and comes back rounded to bf16 (BFLOAT-2), odd shards included;
+    /// a skipped slot is left as it was.
+    #[test]
+    fn prec3_slots_round_trip_each_ranks_range() {
+        for (numel, world) in [(10usize, 2usize), (9, 3), (7, 4)] {
+            let spec = [ParamSpec { name: "w".into(), shape: vec![numel] }];
+            let unit = FlatLayout::from_params("u", &spec, world).unwrap();
+            let slots = Slots::of(&unit, world);
+            let padded = unit.padded_numel();
+            assert_eq!(slots.len(), world * unit.shard_len().div_ceil(2));
+            let full: Vec<f32> = (0..padded).map(|i| (i as f32 * 1.37).sin() * 100.0).collect();
+            let mut packed = vec![0.0; slots.len()];
+            slots.pack_all(&full, &mut packed);
+            let mut back = vec![f32::NAN; padded];
+            slots.unpack_all(&packed, &mut back, Some(1));
+            for (i, (&x, &y)) in full.iter().zip(&back).enumerate() {
+                if unit.shard_range(1).contains(&i) {
+                    assert!(y.is_nan(), "the skipped slot is untouched");
+                } else {
+                    assert_eq!(y.to_bits(), half::bf16::from_f32(x).to_f32().to_bits(), "{i}");
+                }
+            }
+            let mut own = vec![0.0; unit.shard_len()];
+            let mut one = vec![0.0; slots.len()];
+            slots.pack_slot(1, &full[unit.shard_range(1)], &mut one);
+            slots.unpack_slot(1, &one, &mut own);
+            assert_eq!(own, back_of(&full[unit.shard_range(1)]));
+        }
+    }
+
+    fn back_of(x: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; x.len()];
+        round_trip(x, &mut out);
+        out
+    }
+
+    /// PREC-2's compute values are `half`'s round to nearest even, upcast exactly.
+    #[test]
+    fn prec2_compute_values_are_the_masters_rounded_to_bf16() {
+        let x: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.731).tan()).collect();
+        for (a, b) in x.iter().zip(back_of(&x)) {
+            assert_eq!(b.to_bits(), half::bf16::from_f32(*a).to_f32().to_bits());
+        }
+    }
+}
