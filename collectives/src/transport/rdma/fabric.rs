@@ -316,10 +316,14 @@ impl FabricLinks {
             })?;
             let link = self.link(id.peer)?;
             if wc.status != 0 {
-                return Err(link.proto.handle_completion_error(&format!(
-                    "{} on a write",
-                    wc_status_name(wc.status)
-                )));
+                // A failed data write fails the link; a failed credit stops its writes only.
+                // Either way the exchange fails only if it needs this peer (RDMA-7).
+                link.sq.complete();
+                link.proto.handle_write_error(&format!("{} on a write", wc_status_name(wc.status)));
+                continue;
+            }
+            if link.proto.error().is_some() {
+                continue;
             }
             match id.kind {
                 WrKind::Write => {
@@ -423,13 +427,22 @@ impl LaneLinks for FabricLinks {
         loop {
             let mut moved = false;
             for (p, queue) in pending.iter_mut().enumerate() {
-                if self.links[p].is_none() {
+                // A failed link the exchange does not use stays failed and silent (RDMA-7).
+                let idle_failed =
+                    !active[p] && self.links[p].as_ref().is_some_and(|l| l.proto.error().is_some());
+                if self.links[p].is_none() || idle_failed {
                     continue;
                 }
                 moved |= self.deliver(p, queue, recvs)?;
                 moved |= self.transmit(p)?;
             }
             moved |= self.poll_cq()?;
+            if let Some(e) = (0..world)
+                .filter(|&p| active[p])
+                .find_map(|p| self.links[p].as_ref().and_then(|l| l.proto.error().cloned()))
+            {
+                return Err(e);
+            }
             let waiting = (0..world).find(|&p| {
                 active[p]
                     && self.links[p]

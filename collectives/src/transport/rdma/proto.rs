@@ -35,6 +35,9 @@
 //!   with `TagMismatch` / `LengthMismatch` before any of its bytes reach the sink.
 //! - RDMA-6: a poison message fails the peer's pending and later receives with `Poisoned`,
 //!   and the shim ends a wait on any other peer with it as well.
+//! - RDMA-7: an exchange waits for its data writes to complete, not for credits or poison:
+//!   a credit to a peer that has finished and closed its endpoint cannot fail an exchange
+//!   that no longer needs that peer (the failure stays on the link, for its next use).
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -205,6 +208,12 @@ pub struct LinkProto {
     peer_consumed: u32,
     writes_posted: u64,
     writes_done: u64,
+    /// Whether each posted write not yet completed carries data, oldest first (completions
+    /// come in posting order on a reliable connection).
+    posted_data: VecDeque<bool>,
+    /// A credit or poison write failed: the peer takes no more writes, but what it wrote
+    /// before can still be delivered (RDMA-7).
+    send_failed: Option<TransportError>,
     poison_out: Option<Poison>,
     // receiving half
     arrived: Vec<Option<Arrival>>,
@@ -228,6 +237,8 @@ impl LinkProto {
             peer_consumed: 0,
             writes_posted: 0,
             writes_done: 0,
+            posted_data: VecDeque::new(),
+            send_failed: None,
             poison_out: None,
             arrived: vec![None; cfg.slots as usize],
             consumed: 0,
@@ -244,9 +255,10 @@ impl LinkProto {
         self.peer
     }
 
-    /// The error that failed the link, if any.
+    /// The error that failed the link, if any: a failed data write, a receive-side error,
+    /// or a failed credit write once this side has data to send again (RDMA-7).
     pub fn error(&self) -> Option<&TransportError> {
-        self.failed.as_ref()
+        self.failed.as_ref().or_else(|| self.send_failed.as_ref().filter(|_| self.sends_pending()))
     }
 
     fn fail(&mut self, e: TransportError) -> TransportError {
@@ -263,6 +275,9 @@ impl LinkProto {
     /// Queues a message (copied: the caller's buffer is free at once, TR-5).
     pub fn queue_send(&mut self, tag: Tag, data: &[u8]) -> Result<(), TransportError> {
         self.check()?;
+        if let Some(e) = &self.send_failed {
+            return Err(e.clone());
+        }
         self.out.push_back(OutMsg { tag, data: data.to_vec(), sent: 0, header_sent: false });
         Ok(())
     }
@@ -289,9 +304,10 @@ impl LinkProto {
         seq_diff(self.next_seq, self.peer_consumed)
     }
 
-    /// Whether sends are still queued or their writes not yet completed locally.
+    /// Whether sends are still queued or their data writes not yet completed locally
+    /// (RDMA-7: credit and poison writes are not waited for).
     pub fn sends_pending(&self) -> bool {
-        !self.out.is_empty() || self.writes_posted != self.writes_done
+        !self.out.is_empty() || self.posted_data.iter().any(|&d| d)
     }
 
     /// The poison the peer sent, if it sent one: a wait on any other peer ends with it too
@@ -308,12 +324,16 @@ impl LinkProto {
     /// Hands out the next write to post, if any is allowed now: poison first, then credits,
     /// then data chunks while the peer has free slots (RDMA-1).
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        if self.send_failed.is_some() {
+            return None;
+        }
         if let Some(p) = self.poison_out.take() {
             let mut bytes = p.reason.into_bytes();
             bytes.truncate(self.cfg.slot_bytes - 8);
             let mut msg = (p.origin as u64).to_le_bytes().to_vec();
             msg.extend_from_slice(&bytes);
             self.writes_posted += 1;
+            self.posted_data.push_back(false);
             return Some(Transmit::Write {
                 slot: self.cfg.slots,
                 imm: Imm::Poison { len: msg.len() as u32 }.encode(),
@@ -328,6 +348,7 @@ impl LinkProto {
             self.credit_sent = self.consumed;
             self.credit_due = false;
             self.writes_posted += 1;
+            self.posted_data.push_back(false);
             return Some(Transmit::ImmOnly {
                 imm: Imm::Credit { consumed: self.consumed }.encode(),
             });
@@ -355,6 +376,7 @@ impl LinkProto {
         let seq = self.next_seq;
         self.next_seq = (self.next_seq + 1) & SEQ_MASK;
         self.writes_posted += 1;
+        self.posted_data.push_back(true);
         Some(Transmit::Write {
             slot: seq % self.cfg.slots,
             imm: Imm::Data { first, seq }.encode(),
@@ -365,6 +387,23 @@ impl LinkProto {
     /// One of this side's writes completed successfully at the local queue pair.
     pub fn handle_write_done(&mut self) {
         self.writes_done = (self.writes_done + 1).min(self.writes_posted);
+        self.posted_data.pop_front();
+    }
+
+    /// The oldest posted write completed with an error. A data write fails the link for good
+    /// (RDMA-4); a credit or poison write stops this side's writes only, so that what the
+    /// peer wrote before it left can still be delivered (RDMA-7). Returns whether the link
+    /// failed.
+    pub fn handle_write_error(&mut self, detail: &str) -> bool {
+        self.writes_done = (self.writes_done + 1).min(self.writes_posted);
+        let data = self.posted_data.pop_front().unwrap_or(true);
+        let e = TransportError::Io { peer: self.peer, detail: detail.to_string() };
+        if data {
+            self.fail(e);
+        } else {
+            self.send_failed.get_or_insert(e);
+        }
+        data
     }
 
     /// A work completion failed (either direction): the link is failed for good (RDMA-4).
@@ -837,6 +876,37 @@ mod tests {
         assert_eq!(p.poll_deliver(), Err(e.clone()));
         assert_eq!(p.handle_imm(Imm::Credit { consumed: 0 }.encode(), &[]), Err(e));
         assert!(p.poll_transmit().is_none());
+    }
+
+    #[test]
+    fn a_failed_credit_stops_writes_but_not_delivery_rdma_7() {
+        // RDMA-7: the peer sent a whole message and left; our credit for it fails. The
+        // message is still delivered, nothing waits on the credit, and only a later send to
+        // that peer fails.
+        let cfg = ProtoConfig::new(64, 2).unwrap();
+        let (mut a, mut b) = (LinkProto::new(1, cfg), LinkProto::new(0, cfg));
+        a.queue_send(tag(0), &[5u8; 8]).unwrap();
+        let Some(Transmit::Write { imm, bytes, .. }) = a.poll_transmit() else { panic!() };
+        a.handle_write_done();
+        assert!(!a.sends_pending(), "the data write completed");
+        b.expect_recv(tag(0), 8).unwrap();
+        b.handle_imm(imm, &bytes).unwrap();
+        let d = b.poll_deliver().unwrap().expect("delivered");
+        assert!(d.done);
+        // b's credit for it is posted and fails: the peer is gone.
+        assert!(matches!(b.poll_transmit(), Some(Transmit::ImmOnly { .. })));
+        assert!(!b.sends_pending(), "a credit is not waited for");
+        assert!(!b.handle_write_error("IBV_WC_RETRY_EXC_ERR"), "a credit does not fail the link");
+        assert_eq!(b.error(), None);
+        assert!(b.poll_transmit().is_none(), "no more writes to that peer");
+        let e = b.queue_send(tag(1), &[0; 4]).unwrap_err();
+        assert!(matches!(e, TransportError::Io { peer: 0, .. }), "{e:?}");
+        // A failed data write fails the link for good.
+        let mut c = LinkProto::new(2, cfg);
+        c.queue_send(tag(0), &[1u8; 8]).unwrap();
+        assert!(c.poll_transmit().is_some());
+        assert!(c.handle_write_error("IBV_WC_RETRY_EXC_ERR"));
+        assert!(matches!(c.error(), Some(TransportError::Io { peer: 2, .. })));
     }
 
     #[test]
