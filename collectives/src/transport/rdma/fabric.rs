@@ -33,7 +33,7 @@ use crate::transport::{LaneLinks, Poison, RecvOp, SendOp, Tag, Transport, Transp
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// `ibv_wc_status` values the fabric reports.
 const WC_REM_ACCESS_ERR: u32 = 10;
@@ -399,6 +399,49 @@ fn post(link: &mut Link, me: usize, fabric: &Fabric, t: Transmit) -> Result<(), 
     Ok(())
 }
 
+impl super::exchange::Shim for FabricLinks {
+    fn world(&self) -> usize {
+        self.links.len()
+    }
+
+    fn proto(&self, p: usize) -> Option<&LinkProto> {
+        self.links.get(p)?.as_ref().map(|l| &l.proto)
+    }
+
+    fn proto_mut(&mut self, p: usize) -> Result<&mut LinkProto, TransportError> {
+        self.link(p).map(|l| &mut l.proto)
+    }
+
+    fn deliver(
+        &mut self,
+        p: usize,
+        pending: &mut VecDeque<usize>,
+        recvs: &mut [RecvOp<'_>],
+    ) -> Result<bool, TransportError> {
+        FabricLinks::deliver(self, p, pending, recvs)
+    }
+
+    fn transmit(&mut self, p: usize) -> Result<bool, TransportError> {
+        FabricLinks::transmit(self, p)
+    }
+
+    fn poll_cq(&mut self) -> Result<bool, TransportError> {
+        FabricLinks::poll_cq(self)
+    }
+
+    fn peer_lost(&self, p: usize) -> Option<TransportError> {
+        // TR-4: what an asynchronous queue-pair event reports on hardware.
+        self.fabric.closed[p].load(Ordering::Relaxed).then(|| TransportError::PeerLost {
+            peer: p,
+            detail: "its endpoint closed (simulated fabric)".into(),
+        })
+    }
+
+    fn failed(&mut self) -> &mut Option<TransportError> {
+        &mut self.failed
+    }
+}
+
 impl LaneLinks for FabricLinks {
     fn exchange(
         &mut self,
@@ -408,81 +451,7 @@ impl LaneLinks for FabricLinks {
         deadline: Instant,
         cancel: &AtomicBool,
     ) -> Result<(), TransportError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
-        let world = self.links.len();
-        let mut pending: Vec<VecDeque<usize>> = vec![VecDeque::new(); world];
-        let mut active = vec![false; world];
-        for s in sends {
-            self.link(s.peer)?.proto.queue_send(tag, s.data)?;
-            active[s.peer] = true;
-        }
-        for (i, r) in recvs.iter().enumerate() {
-            self.link(r.peer)?.proto.expect_recv(tag, r.len)?;
-            pending[r.peer].push_back(i);
-            active[r.peer] = true;
-        }
-        let mut idle = 0u32;
-        loop {
-            let mut moved = false;
-            for (p, queue) in pending.iter_mut().enumerate() {
-                // A failed link the exchange does not use stays failed and silent (RDMA-7).
-                let idle_failed =
-                    !active[p] && self.links[p].as_ref().is_some_and(|l| l.proto.error().is_some());
-                if self.links[p].is_none() || idle_failed {
-                    continue;
-                }
-                moved |= self.deliver(p, queue, recvs)?;
-                moved |= self.transmit(p)?;
-            }
-            moved |= self.poll_cq()?;
-            if let Some(e) = (0..world)
-                .filter(|&p| active[p])
-                .find_map(|p| self.links[p].as_ref().and_then(|l| l.proto.error().cloned()))
-            {
-                return Err(e);
-            }
-            let waiting = (0..world).find(|&p| {
-                active[p]
-                    && self.links[p]
-                        .as_ref()
-                        .is_some_and(|l| l.proto.sends_pending() || l.proto.recvs_pending())
-            });
-            let Some(p) = waiting else { return Ok(()) };
-            if moved {
-                idle = 0;
-                continue;
-            }
-            if self.fabric.closed[p].load(Ordering::Relaxed) {
-                // TR-4: what an asynchronous queue-pair event reports on hardware.
-                let e = TransportError::PeerLost {
-                    peer: p,
-                    detail: "its endpoint closed (simulated fabric)".into(),
-                };
-                self.failed = Some(e.clone());
-                return Err(e);
-            }
-            // RDMA-6: a poison from any peer ends the wait, not only from those waited on.
-            if let Some(poison) = self.links.iter().flatten().find_map(|l| l.proto.poisoned()) {
-                let e = TransportError::Poisoned(poison.clone());
-                self.failed = Some(e.clone());
-                return Err(e);
-            }
-            if cancel.load(Ordering::Relaxed) {
-                self.failed = Some(TransportError::Cancelled);
-                return Err(TransportError::Cancelled);
-            }
-            if Instant::now() >= deadline {
-                return Err(self.link(p)?.proto.handle_deadline());
-            }
-            idle += 1;
-            if idle > 256 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        super::exchange::exchange(self, tag, sends, recvs, deadline, cancel, 256)
     }
 
     fn poison(&mut self, poison: &Poison) {
@@ -504,6 +473,7 @@ mod tests {
     use crate::transport::suite;
     use crate::transport::RecvOp;
     use crate::MemStore;
+    use std::time::Duration;
 
     fn make(rank: usize, world: usize, store: Arc<dyn Store>) -> Box<dyn Transport> {
         // Small slots and rings, so that messages span many chunks and credits.

@@ -11,6 +11,7 @@
 //! but the verbs calls over a simulated fabric in process, so that the conformance grid runs
 //! over the RDMA protocol on every build.
 
+mod exchange;
 pub mod fabric;
 pub mod proto;
 #[cfg(feature = "rdma")]

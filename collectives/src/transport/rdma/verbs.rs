@@ -28,7 +28,7 @@
 //! Device buffers (GPUDirect) are not handled: the transport moves host bytes only.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -684,6 +684,41 @@ impl RdmaLinks {
     }
 }
 
+impl super::exchange::Shim for RdmaLinks {
+    fn world(&self) -> usize {
+        self.links.len()
+    }
+
+    fn proto(&self, p: usize) -> Option<&LinkProto> {
+        self.links.get(p)?.as_ref().map(|l| &l.proto)
+    }
+
+    fn proto_mut(&mut self, p: usize) -> Result<&mut LinkProto, TransportError> {
+        self.link(p).map(|l| &mut l.proto)
+    }
+
+    fn deliver(
+        &mut self,
+        p: usize,
+        pending: &mut VecDeque<usize>,
+        recvs: &mut [RecvOp<'_>],
+    ) -> Result<bool, TransportError> {
+        RdmaLinks::deliver(self, p, pending, recvs)
+    }
+
+    fn transmit(&mut self, p: usize) -> Result<bool, TransportError> {
+        self.link(p)?.transmit()
+    }
+
+    fn poll_cq(&mut self) -> Result<bool, TransportError> {
+        RdmaLinks::poll_cq(self)
+    }
+
+    fn failed(&mut self) -> &mut Option<TransportError> {
+        &mut self.failed
+    }
+}
+
 impl LaneLinks for RdmaLinks {
     fn exchange(
         &mut self,
@@ -693,73 +728,7 @@ impl LaneLinks for RdmaLinks {
         deadline: Instant,
         cancel: &AtomicBool,
     ) -> Result<(), TransportError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
-        let world = self.links.len();
-        let mut pending: Vec<VecDeque<usize>> = vec![VecDeque::new(); world];
-        let mut active = vec![false; world];
-        for s in sends {
-            self.link(s.peer)?.proto.queue_send(tag, s.data)?;
-            active[s.peer] = true;
-        }
-        for (i, r) in recvs.iter().enumerate() {
-            self.link(r.peer)?.proto.expect_recv(tag, r.len)?;
-            pending[r.peer].push_back(i);
-            active[r.peer] = true;
-        }
-        let mut idle = 0u32;
-        loop {
-            let mut moved = false;
-            for (p, queue) in pending.iter_mut().enumerate() {
-                // A failed link the exchange does not use stays failed and silent (RDMA-7).
-                let idle_failed =
-                    !active[p] && self.links[p].as_ref().is_some_and(|l| l.proto.error().is_some());
-                if self.links[p].is_none() || idle_failed {
-                    continue;
-                }
-                moved |= self.deliver(p, queue, recvs)?;
-                moved |= self.link(p)?.transmit()?;
-            }
-            moved |= self.poll_cq()?;
-            if let Some(e) = (0..world)
-                .filter(|&p| active[p])
-                .find_map(|p| self.links[p].as_ref().and_then(|l| l.proto.error().cloned()))
-            {
-                return Err(e);
-            }
-            let waiting = (0..world).find(|&p| {
-                active[p]
-                    && self.links[p]
-                        .as_ref()
-                        .is_some_and(|l| l.proto.sends_pending() || l.proto.recvs_pending())
-            });
-            let Some(p) = waiting else { return Ok(()) };
-            if moved {
-                idle = 0;
-                continue;
-            }
-            // RDMA-6: a poison from any peer ends the wait, not only from those waited on.
-            if let Some(poison) = self.links.iter().flatten().find_map(|l| l.proto.poisoned()) {
-                let e = TransportError::Poisoned(poison.clone());
-                self.failed = Some(e.clone());
-                return Err(e);
-            }
-            if cancel.load(Ordering::Relaxed) {
-                self.failed = Some(TransportError::Cancelled);
-                return Err(TransportError::Cancelled);
-            }
-            if Instant::now() >= deadline {
-                return Err(self.link(p)?.proto.handle_deadline());
-            }
-            // Busy polling keeps latency low; after a while idle, back off a little.
-            idle += 1;
-            if idle > 2048 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        super::exchange::exchange(self, tag, sends, recvs, deadline, cancel, 2048)
     }
 
     fn poison(&mut self, poison: &Poison) {
