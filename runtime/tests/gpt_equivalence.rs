@@ -5,7 +5,7 @@
 
 mod common;
 use common::*;
-use shardline_runtime::train::{RunOptions, SyncBnMode, TrainConfig};
+use shardline_runtime::train::{RunOptions, TrainConfig};
 
 /// Why not zero: a world-W step sums each gradient as W partial sums combined by the
 /// collective, one rank in one pass, so the rounding differs. Observed over this grid after 5
@@ -14,23 +14,6 @@ use shardline_runtime::train::{RunOptions, SyncBnMode, TrainConfig};
 /// (`a_different_global_batch_is_outside_the_tolerance` checks that the bounds see a change that small).
 const LOSS_REL_TOL: f32 = 2e-6;
 const PARAM_ABS_TOL: f32 = 2e-6;
-
-/// A narrow gpt (2 blocks, 2 heads, width 16, context 16) with SGD on the bundled text.
-fn gpt_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
-    TrainConfig {
-        model: "gpt".into(),
-        dataset: "text".into(),
-        n_layer: Some(2),
-        n_head: Some(2),
-        n_embd: Some(16),
-        block_size: Some(16),
-        optimizer: "sgd".into(),
-        lr: 0.3,
-        cosine: false,
-        sync_bn: SyncBnMode::Auto,
-        ..small_cfg(world, stage, 5, batch)
-    }
-}
 
 /// A global batch of 10: even over 2 ranks, uneven over 3 and 4.
 #[test]

@@ -18,23 +18,6 @@ use shardline_runtime::train::{self, SyncBnMode, TrainConfig};
 const LOSS_REL_TOL: f32 = 2e-6;
 const PARAM_ABS_TOL: f32 = 2e-6;
 
-/// A narrow gpt (2 blocks, 2 heads, width 16, context 16) with SGD on the bundled text.
-fn gpt_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
-    TrainConfig {
-        model: "gpt".into(),
-        dataset: "text".into(),
-        n_layer: Some(2),
-        n_head: Some(2),
-        n_embd: Some(16),
-        block_size: Some(16),
-        optimizer: "sgd".into(),
-        lr: 0.3,
-        cosine: false,
-        sync_bn: SyncBnMode::Auto,
-        ..small_cfg(world, stage, 5, batch)
-    }
-}
-
 /// Runs `cfg` with `n` microbatches (and `how` at stages 2 and 3) and checks it against
 /// `reference` (losses, parameters, test loss); returns the differences.
 fn check(

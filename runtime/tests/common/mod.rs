@@ -145,3 +145,20 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "loss curve length");
     a.iter().zip(b).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f32::max)
 }
+
+/// A narrow gpt (2 blocks, 2 heads, width 16, context 16) with SGD on the bundled text.
+pub fn gpt_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
+    TrainConfig {
+        model: "gpt".into(),
+        dataset: "text".into(),
+        n_layer: Some(2),
+        n_head: Some(2),
+        n_embd: Some(16),
+        block_size: Some(16),
+        optimizer: "sgd".into(),
+        lr: 0.3,
+        cosine: false,
+        sync_bn: SyncBnMode::Auto,
+        ..small_cfg(world, stage, 5, batch)
+    }
+}
