@@ -191,6 +191,8 @@ struct LaneInner {
     inline_bytes: usize,
     /// Payload bytes sent on this lane (LANE-8).
     sent: Arc<AtomicU64>,
+    /// Heap bytes its links hold for staging (`LaneLinks::staging_bytes`).
+    staging: usize,
 }
 
 impl Drop for LaneInner {
@@ -214,6 +216,7 @@ impl Lane {
     ) -> Result<Lane, CollectiveError> {
         let (tx, rx) = unbounded();
         let sent = Arc::new(AtomicU64::new(0));
+        let staging = links.staging_bytes();
         let worker = Worker {
             sent: Arc::clone(&sent),
             name: name.into(),
@@ -246,6 +249,7 @@ impl Lane {
                 pending,
                 inline_bytes: crate::config::INLINE_BYTES.get() as usize,
                 sent,
+                staging,
             }),
         })
     }
@@ -259,6 +263,12 @@ impl Lane {
     /// (LANE-8): an op issued but not yet run is not in it, so read it after waiting.
     pub fn bytes_sent(&self) -> u64 {
         self.inner.sent.load(Ordering::Acquire)
+    }
+
+    /// Heap bytes the lane's links hold for staging while it is open (receive scratch; not
+    /// the mapped shared-memory rings), for a memory accountant to register.
+    pub fn staging_bytes(&self) -> usize {
+        self.inner.staging
     }
 
     pub(crate) fn poke_abort(&self) {

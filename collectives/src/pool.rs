@@ -7,10 +7,20 @@
 //!   back are freed.
 //! - POOL-3: `take(len)` prefers a kept buffer at least `len` long (truncated, nothing
 //!   written) to one that must grow (its new tail zero-filled).
+//! - POOL-4: a new buffer has exactly the capacity asked for, and with an accountant set
+//!   ([`BufferPool::set_account`]) every change of the bytes held is reported to it; a
+//!   buffer given back that the accountant refuses to keep is freed.
 
 use crate::config;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+/// Told what a pool holds, e.g. a memory accountant with a cap.
+pub trait PoolAccount: Send + Sync {
+    /// The pool now holds `bytes` (or would, after keeping a buffer given back); `false`
+    /// refuses a growth, and the buffer is freed instead (POOL-4).
+    fn held(&self, bytes: u64) -> bool;
+}
 
 const CLASSES: usize = usize::BITS as usize;
 
@@ -21,6 +31,7 @@ pub struct BufferPool {
     allocations: AtomicU64,
     max_bytes: u64,
     per_class: usize,
+    account: Mutex<Option<Arc<dyn PoolAccount>>>,
 }
 
 impl std::fmt::Debug for BufferPool {
@@ -47,7 +58,25 @@ impl BufferPool {
             allocations: AtomicU64::new(0),
             max_bytes,
             per_class,
+            account: Mutex::new(None),
         }
+    }
+
+    /// Reports the bytes held to `account` from now on, starting with what is held now
+    /// (POOL-4).
+    pub fn set_account(&self, account: Arc<dyn PoolAccount>) {
+        let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
+        if !account.held(self.bytes.load(Ordering::Relaxed)) {
+            // What is held cannot be kept: free it.
+            classes.iter_mut().for_each(Vec::clear);
+            self.bytes.store(0, Ordering::Relaxed);
+            account.held(0);
+        }
+        *self.account.lock().unwrap_or_else(|e| e.into_inner()) = Some(account);
+    }
+
+    fn account(&self) -> Option<Arc<dyn PoolAccount>> {
+        self.account.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// A buffer of exactly `len` elements. Its contents are unspecified (a reused buffer keeps
@@ -68,11 +97,18 @@ impl BufferPool {
                     classes[c].iter().position(|v| v.capacity() >= len).map(|i| (c, i))
                 })
             };
-            long.or_else(fits).map(|(c, i)| classes[c].swap_remove(i))
+            let found = long.or_else(fits).map(|(c, i)| classes[c].swap_remove(i));
+            if let Some(v) = &found {
+                let held = self.bytes.fetch_sub((v.capacity() * 4) as u64, Ordering::Relaxed)
+                    - (v.capacity() * 4) as u64;
+                if let Some(a) = self.account() {
+                    a.held(held);
+                }
+            }
+            found
         };
         match found {
             Some(mut v) => {
-                self.bytes.fetch_sub((v.capacity() * 4) as u64, Ordering::Relaxed);
                 if v.len() >= len {
                     v.truncate(len);
                 } else {
@@ -82,7 +118,8 @@ impl BufferPool {
             }
             None => {
                 self.allocations.fetch_add(1, Ordering::Relaxed);
-                let mut v = Vec::with_capacity(len.max(1).next_power_of_two());
+                // Exactly `len`: what the caller registers is what the heap holds (POOL-4).
+                let mut v = Vec::with_capacity(len.max(1));
                 v.resize(len, 0.0);
                 v
             }
@@ -102,6 +139,12 @@ impl BufferPool {
         }
         let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
         if classes[class].len() < self.per_class {
+            let held = self.bytes.load(Ordering::Relaxed) + bytes;
+            if let Some(a) = self.account() {
+                if !a.held(held) {
+                    return;
+                }
+            }
             classes[class].push(v);
             self.bytes.fetch_add(bytes, Ordering::Relaxed);
         }
@@ -122,6 +165,35 @@ impl BufferPool {
 mod tests {
     use super::*;
 
+    /// Records what it is told; keeps at most `cap` bytes.
+    struct Told(Mutex<Vec<u64>>, u64);
+    impl PoolAccount for Told {
+        fn held(&self, bytes: u64) -> bool {
+            self.0.lock().unwrap().push(bytes);
+            bytes <= self.1
+        }
+    }
+
+    #[test]
+    fn the_accountant_is_told_every_change_and_may_refuse_pool_4() {
+        // POOL-4
+        let pool = BufferPool::new(1 << 20, 8);
+        let a = pool.take(100);
+        assert_eq!(a.capacity(), 100, "exactly the capacity asked for");
+        pool.give(a);
+        let told = Arc::new(Told(Mutex::new(Vec::new()), 600));
+        pool.set_account(Arc::clone(&told) as _);
+        assert_eq!(*told.0.lock().unwrap(), vec![400], "what is held when set");
+        let b = pool.take(100);
+        let c = pool.take(50);
+        pool.give(b);
+        pool.give(c); // 400 + 200 = 600: kept
+        let d = pool.take(200);
+        pool.give(d); // 600 + 800 > 600: refused, freed
+        assert_eq!(*told.0.lock().unwrap(), vec![400, 0, 400, 600, 1400]);
+        assert_eq!(pool.held_bytes(), 600);
+    }
+
     #[test]
     fn reuses_and_bounds_pool_1_2() {
         let p = BufferPool::new(1 << 20, 2);
@@ -137,7 +209,8 @@ mod tests {
         for _ in 0..4 {
             p.give(vec![0.0; 1024]);
         }
-        assert!(p.held_bytes() <= 2 * 1024 * 4);
+        // At most two per class: the 1000-value buffer (class 512) and two of 1024.
+        assert!(p.held_bytes() <= (1000 + 2 * 1024) * 4);
         let big = vec![0.0f32; 1 << 20];
         p.give(big);
         assert!(p.held_bytes() <= 1 << 20);

@@ -3,6 +3,7 @@
 use crate::backend::{Backend, GemmShape};
 use crate::error::ModelError;
 use crate::layers::check_len;
+use crate::meter::{self, Use};
 use crate::spec::ParamSpec;
 use crate::tensor::Tensor;
 
@@ -152,6 +153,7 @@ impl Conv2d {
         let (w, b) = params.split_at(self.weight_len());
         let mut out = vec![0.0f32; g.n * self.out_channels * p];
         let mut col = vec![0.0f32; kk * p];
+        let _col_charge = meter::charge(col.len() * 4, Use::Scratch);
         let in_len = self.in_channels * g.h * g.w;
         for (s, o) in out.chunks_exact_mut((self.out_channels * p).max(1)).take(g.n).enumerate() {
             self.im2col(&g, &input.as_f32()?[s * in_len..(s + 1) * in_len], &mut col);
@@ -192,6 +194,7 @@ impl Conv2d {
         let mut gx = Tensor::zeros(saved.input.shape());
         let mut col = vec![0.0f32; kk * p];
         let mut dcol = vec![0.0f32; kk * p];
+        let _cols_charge = meter::charge(2 * col.len() * 4, Use::Scratch);
         for s in 0..g.n {
             let dy = &grad_output.as_f32()?[s * out_len..(s + 1) * out_len];
             self.im2col(&g, &saved.input.as_f32()?[s * in_len..(s + 1) * in_len], &mut col);

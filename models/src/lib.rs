@@ -36,6 +36,7 @@ pub mod data;
 pub mod error;
 pub mod layers;
 pub mod loss;
+pub mod meter;
 pub mod model;
 pub mod module;
 pub mod network;

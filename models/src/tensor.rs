@@ -20,6 +20,7 @@
 use std::sync::Arc;
 
 use crate::error::ModelError;
+use crate::meter::Metered;
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,24 +59,31 @@ pub enum Placement {
     Host,
 }
 
-/// Shared by clones, copied on a write while shared (TENSOR-3).
+/// Shared by clones, copied on a write while shared (TENSOR-3); charged to the meter of
+/// the thread that made it (METER-1).
 #[derive(Clone, Debug, PartialEq)]
 enum Storage {
-    F32(Arc<Vec<f32>>),
-    U32(Arc<Vec<u32>>),
+    F32(Arc<Metered<f32>>),
+    U32(Arc<Metered<u32>>),
 }
 
 impl Default for Storage {
     fn default() -> Self {
-        Storage::F32(Arc::default())
+        Storage::F32(Arc::new(Metered::new(Vec::new())))
     }
 }
 
 impl Storage {
+    fn f32(v: Vec<f32>) -> Self {
+        Storage::F32(Arc::new(Metered::new(v)))
+    }
+    fn u32(v: Vec<u32>) -> Self {
+        Storage::U32(Arc::new(Metered::new(v)))
+    }
     fn len(&self) -> usize {
         match self {
-            Storage::F32(v) => v.len(),
-            Storage::U32(v) => v.len(),
+            Storage::F32(v) => v.values.len(),
+            Storage::U32(v) => v.values.len(),
         }
     }
     fn dtype(&self) -> DType {
@@ -107,13 +115,13 @@ impl Tensor {
     /// (TENSOR-1).
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self, ModelError> {
         check("Tensor::new", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::F32(Arc::new(data)), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::f32(data), placement: Placement::Host })
     }
 
     /// A `u32` host tensor (token ids, labels) from a shape and data (TENSOR-1).
     pub fn from_u32(shape: Vec<usize>, data: Vec<u32>) -> Result<Self, ModelError> {
         check("Tensor::from_u32", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::U32(Arc::new(data)), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::u32(data), placement: Placement::Host })
     }
 
     /// A zero `f32` host tensor.
@@ -121,7 +129,7 @@ impl Tensor {
         let n = shape.iter().product();
         Tensor {
             shape: shape.to_vec(),
-            storage: Storage::F32(Arc::new(vec![0.0; n])),
+            storage: Storage::f32(vec![0.0; n]),
             placement: Placement::Host,
         }
     }
@@ -164,7 +172,7 @@ impl Tensor {
     /// The values as `f32`, or [`ModelError::DType`] for another type (TENSOR-2).
     pub fn as_f32(&self) -> Result<&[f32], ModelError> {
         match &self.storage {
-            Storage::F32(v) => Ok(v),
+            Storage::F32(v) => Ok(&v.values),
             _ => Err(self.wrong(DType::F32)),
         }
     }
@@ -174,7 +182,7 @@ impl Tensor {
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32], ModelError> {
         let got = self.storage.dtype();
         match &mut self.storage {
-            Storage::F32(v) => Ok(Arc::make_mut(v).as_mut_slice()),
+            Storage::F32(v) => Ok(Arc::make_mut(v).values.as_mut_slice()),
             _ => Err(ModelError::DType { expected: DType::F32, got }),
         }
     }
@@ -183,7 +191,7 @@ impl Tensor {
     /// (TENSOR-3).
     pub fn into_f32(self) -> Result<Vec<f32>, ModelError> {
         match self.storage {
-            Storage::F32(v) => Ok(Arc::unwrap_or_clone(v)),
+            Storage::F32(v) => Ok(Arc::unwrap_or_clone(v).into_values()),
             s => Err(ModelError::DType { expected: DType::F32, got: s.dtype() }),
         }
     }
@@ -191,7 +199,7 @@ impl Tensor {
     /// The values as `u32` (TENSOR-2).
     pub fn as_u32(&self) -> Result<&[u32], ModelError> {
         match &self.storage {
-            Storage::U32(v) => Ok(v),
+            Storage::U32(v) => Ok(&v.values),
             _ => Err(self.wrong(DType::U32)),
         }
     }
@@ -223,8 +231,8 @@ impl Tensor {
         let mut shape = self.shape.clone();
         shape[0] = b - a;
         let storage = match &self.storage {
-            Storage::F32(v) => Storage::F32(Arc::new(v[a * per..b * per].to_vec())),
-            Storage::U32(v) => Storage::U32(Arc::new(v[a * per..b * per].to_vec())),
+            Storage::F32(v) => Storage::f32(v.values[a * per..b * per].to_vec()),
+            Storage::U32(v) => Storage::u32(v.values[a * per..b * per].to_vec()),
         };
         Ok(Tensor { shape, storage, placement: self.placement })
     }

@@ -23,9 +23,13 @@ use shardline_models::{Dataset, DistributedSampler};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-/// Fewest samples per evaluation forward: at stage 3 each forward gathers the whole model
-/// again, so tiny training batches would make evaluation mostly communication.
-pub const EVAL_MIN_BATCH: usize = 1024;
+/// Samples per evaluation forward: a training microbatch's (the per-rank batch over the
+/// accumulation count), so that evaluation never needs more memory than training, whose
+/// forwards also keep what backward needs (EVAL-2). At stage 3 each forward gathers the whole
+/// model again, which tiny batches pay for in communication.
+pub fn eval_batch(per_rank_batch: usize, grad_accum: usize) -> usize {
+    (per_rank_batch / grad_accum.max(1)).max(1)
+}
 
 /// The data a rank reads its slices from (shared, read-only).
 pub struct RankData {
@@ -153,7 +157,10 @@ impl RankActor {
             self.batches.get(&self.data.sampler, m.epoch, rank, m.index).ok_or_else(|| {
                 RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
             })?;
+        // The slice is the step's input on the rank's device: registered with its tracker.
+        let meter = self.engine.install_meter();
         let (x, y) = self.data.train.batch_tensors(idx);
+        drop(meter);
         if m.stop {
             self.engine.request_stop();
         }
@@ -161,8 +168,7 @@ impl RankActor {
     }
 
     fn do_eval(&mut self) -> Result<(u64, u64, f32)> {
-        // In forwards of a training step's per-rank batch (or more, for tiny batches).
-        let batch = self.data.sampler.per_rank_batch().max(EVAL_MIN_BATCH);
+        let batch = eval_batch(self.data.sampler.per_rank_batch(), self.engine.config().grad_accum);
         self.engine.eval_set(&self.data.test, batch)
     }
 }

@@ -16,8 +16,11 @@
 //!   rounding. This needs the BatchNorm running statistics to be the same on every rank
 //!   (SyncBatchNorm on, one rank, or no BatchNorm): with per-rank statistics each rank of
 //!   the job evaluated its share with its own, while a checkpoint keeps rank 0's.
+//! - `EVAL-2`: an evaluation forward takes at most a training microbatch's samples per rank
+//!   (`eval_batch`), so evaluation holds less than a training step, which also keeps what
+//!   backward needs: a memory cap that trains also evaluates.
 
-use crate::actors::EVAL_MIN_BATCH;
+use crate::actors::eval_batch;
 use crate::checkpoint::{Checkpoint, MANIFEST};
 use crate::engine::{Device, RankEngine};
 use crate::error::{Result, RuntimeError};
@@ -174,7 +177,10 @@ fn model_mismatch(want: &ModelSpec, got: &ModelSpec) -> Option<String> {
 pub fn evaluate(o: &EvalOptions) -> Result<EvalReport> {
     let ck = Checkpoint::open(&o.checkpoint)?;
     ck.verify()?;
-    let cfg = eval_config(recorded_config(&ck)?, &ck, o);
+    let recorded = recorded_config(&ck)?;
+    // The job's microbatch sets the evaluation forwards' size (EVAL-1, EVAL-2).
+    let accum = recorded.grad_accum;
+    let cfg = eval_config(recorded, &ck, o);
     if cfg.world == 0 || cfg.world > MAX_LOCAL_WORLD {
         return Err(RuntimeError::config(format!(
             "--world {} must be between 1 and {MAX_LOCAL_WORLD}",
@@ -200,7 +206,7 @@ pub fn evaluate(o: &EvalOptions) -> Result<EvalReport> {
     // sums are made (EVAL-1).
     let sampler = DistributedSampler::new(p.train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
         .map_err(RuntimeError::from_model)?;
-    let batch = sampler.per_rank_batch().max(EVAL_MIN_BATCH);
+    let batch = eval_batch(sampler.per_rank_batch(), accum);
     let (model, test, step) = (Arc::clone(&p.model), &p.test, m.step);
     // Every rank at once: building the engines, loading and evaluating are collective.
     let results: Vec<Result<(u64, u64, f32)>> = std::thread::scope(|s| {

@@ -13,6 +13,12 @@
 //!   nothing.
 //! - **MEM-3**: peaks are monotone until `reset_peaks` and are never below the current value;
 //!   the total peak is the peak of the total, not the sum of per-category peaks.
+//! - **MEM-4**: a [`RankMeter`] registers what layers allocate on the computing thread
+//!   (`shardline_models::meter`): tensors as [`Category::Activations`], kernels' scratch as
+//!   [`Category::Scratch`]; a charge the cap refuses is kept, and [`RankMeter::check`]
+//!   returns it as the OutOfMemory it is, naming the category.
+//! - **MEM-5**: the buffers the communicator's pool keeps between uses are registered as
+//!   [`Category::CommBuffers`] ([`PoolHeld`]); past the cap the pool frees them instead.
 //!
 //! ```
 //! use shardline_runtime::memory::{Category, MemoryTracker};
@@ -30,6 +36,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, RuntimeError};
+use shardline_models::meter::Use;
+
+/// Number of [`Category`] values.
+pub const N_CATEGORIES: usize = 8;
 
 /// What a tracked buffer is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -48,11 +58,14 @@ pub enum Category {
     Activations,
     /// Staging buffers of collectives.
     CommBuffers,
+    /// Kernels' scratch: GEMM packing and transposed copies, im2col columns (charged by the
+    /// layers' meter, [`RankMeter`]).
+    Scratch,
 }
 
 impl Category {
     /// All categories in display order.
-    pub const ALL: [Category; 7] = [
+    pub const ALL: [Category; N_CATEGORIES] = [
         Category::FullParams,
         Category::ShardParams,
         Category::Grads,
@@ -60,6 +73,7 @@ impl Category {
         Category::GatheredUnits,
         Category::Activations,
         Category::CommBuffers,
+        Category::Scratch,
     ];
 
     /// Short human label used in breakdowns and errors.
@@ -72,6 +86,7 @@ impl Category {
             Category::GatheredUnits => "gathered unit",
             Category::Activations => "activations",
             Category::CommBuffers => "comm buffers",
+            Category::Scratch => "scratch",
         }
     }
 
@@ -85,6 +100,7 @@ impl Category {
             Category::GatheredUnits => "gathered_units",
             Category::Activations => "activations",
             Category::CommBuffers => "comm_buffers",
+            Category::Scratch => "scratch",
         }
     }
 
@@ -116,8 +132,8 @@ pub fn format_bytes(bytes: u64) -> String {
 
 #[derive(Debug, Default)]
 struct Counters {
-    current: [u64; 7],
-    peak: [u64; 7],
+    current: [u64; N_CATEGORIES],
+    peak: [u64; N_CATEGORIES],
     total: u64,
     peak_total: u64,
 }
@@ -143,9 +159,9 @@ pub struct MemorySnapshot {
     /// The cap, if any.
     pub cap: Option<u64>,
     /// Bytes in use per category, in [`Category::ALL`] order.
-    pub current: [u64; 7],
+    pub current: [u64; N_CATEGORIES],
     /// Peak bytes per category, in [`Category::ALL`] order.
-    pub peak: [u64; 7],
+    pub peak: [u64; N_CATEGORIES],
     /// Bytes in use in total.
     pub total: u64,
     /// Peak of the total.
@@ -274,7 +290,7 @@ impl MemoryTracker {
     }
 }
 
-fn breakdown_of(current: &[u64; 7], total: u64) -> String {
+fn breakdown_of(current: &[u64; N_CATEGORIES], total: u64) -> String {
     let mut parts: Vec<String> = Category::ALL
         .iter()
         .filter(|c| current[c.idx()] > 0)
@@ -322,6 +338,68 @@ impl Allocation {
 impl Drop for Allocation {
     fn drop(&mut self) {
         self.tracker.free(self.cat, self.bytes);
+    }
+}
+
+/// The communicator's buffer pool, registered as communication memory: what it keeps
+/// between uses, resized at every change, and refused past the cap (the pool then frees the
+/// buffer, MEM-5).
+#[derive(Debug)]
+pub struct PoolHeld {
+    held: Mutex<Allocation>,
+}
+
+impl PoolHeld {
+    /// An account of nothing yet, registering with `mem`.
+    pub fn new(mem: &MemoryTracker) -> Result<Arc<Self>> {
+        let held = mem.alloc(Category::CommBuffers, 0, "buffer pool")?;
+        Ok(Arc::new(PoolHeld { held: Mutex::new(held) }))
+    }
+}
+
+impl shardline_collectives::pool::PoolAccount for PoolHeld {
+    fn held(&self, bytes: u64) -> bool {
+        let mut a = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        a.resize(bytes, "buffer pool").is_ok()
+    }
+}
+
+/// The tracker as the meter of the layers a rank runs (MEM-4): every tensor and kernel
+/// scratch they allocate while it is installed is registered, for as long as it lives.
+#[derive(Debug)]
+pub struct RankMeter {
+    mem: MemoryTracker,
+    refused: Mutex<Option<RuntimeError>>,
+}
+
+impl RankMeter {
+    /// A meter registering with `mem`.
+    pub fn new(mem: MemoryTracker) -> Arc<Self> {
+        Arc::new(RankMeter { mem, refused: Mutex::new(None) })
+    }
+
+    /// The first charge the cap refused since the last check, as an error (MEM-4).
+    pub fn check(&self) -> Result<()> {
+        match self.refused.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl shardline_models::meter::Meter for RankMeter {
+    fn charge(&self, bytes: u64, what: Use) -> Option<shardline_models::meter::Charge> {
+        let (cat, label) = match what {
+            Use::Tensor => (Category::Activations, "a layer's tensor"),
+            Use::Scratch => (Category::Scratch, "a kernel's scratch"),
+        };
+        match self.mem.alloc(cat, bytes, label) {
+            Ok(a) => Some(Box::new(a)),
+            Err(e) => {
+                self.refused.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                None
+            }
+        }
     }
 }
 

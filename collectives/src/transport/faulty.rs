@@ -247,6 +247,10 @@ fn hold(until: Instant, deadline: Instant, cancel: &AtomicBool) -> Result<(), Tr
 }
 
 impl LaneLinks for FaultyLinks {
+    fn staging_bytes(&self) -> usize {
+        self.inner.staging_bytes()
+    }
+
     fn exchange(
         &mut self,
         tag: Tag,

@@ -227,6 +227,14 @@ fn no_part(peer: usize) -> TransportError {
 type InterPart<'a> = (usize, usize, Option<&'a mut [u8]>, Vec<u32>);
 
 impl LaneLinks for HybridLinks {
+    fn staging_bytes(&self) -> usize {
+        [&self.intra, &self.inter]
+            .iter()
+            .filter_map(|l| l.as_ref())
+            .map(|l| l.staging_bytes())
+            .sum()
+    }
+
     fn exchange(
         &mut self,
         tag: Tag,

@@ -280,6 +280,13 @@ pub trait LaneLinks: Send {
     fn prefers_pieced_gather(&self) -> bool {
         false
     }
+
+    /// Heap bytes these links hold for staging while the lane is open (receive scratch);
+    /// shared-memory rings and registered regions are mapped, not heap, and not counted. The
+    /// runtime's memory accountant registers them as communication buffers.
+    fn staging_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// Largest world at which `Auto` gathers directly in pieces where the transport prefers it

@@ -23,6 +23,7 @@ use std::cell::RefCell;
 use num_traits::Float;
 
 use crate::backend::GemmShape;
+use crate::meter::{self, Scratch, Use};
 
 /// A float type whose matrix products go through the `gemm` crate: `f32` and `f64`.
 pub trait Gemm: Float + 'static {
@@ -33,8 +34,23 @@ pub trait Gemm: Float + 'static {
 thread_local! {
     /// Column-major scratch of the `a b^T` products, one per float type (grown, never shrunk:
     /// no allocation per call).
-    static SCRATCH_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static SCRATCH_F64: RefCell<Vec<f64>> = const { RefCell::new(Vec::new()) };
+    /// Both are charged to the thread's meter (METER-3).
+    static SCRATCH_F32: RefCell<Scratch<f32>> = const { RefCell::new(Scratch::new()) };
+    static SCRATCH_F64: RefCell<Scratch<f64>> = const { RefCell::new(Scratch::new()) };
+    /// The charge for the `gemm` crate's packing slab of this thread.
+    static SLAB: RefCell<Option<meter::Kept>> = const { RefCell::new(None) };
+}
+
+/// Charges the `gemm` crate's per-thread packing slab (`gemm_common::gemm::L2_SLAB`, the
+/// size of the L2 cache, made on the thread's first product that packs its left operand in
+/// blocks and kept for the thread's life) to the thread's meter. The slab is made here if it
+/// was not yet, so the charge is never for memory that does not exist (METER-3).
+fn charge_slab() {
+    if !meter::installed() {
+        return;
+    }
+    let bytes = gemm_common::gemm::L2_SLAB.with(|m| m.borrow().len());
+    SLAB.with(|c| meter::keep_charged(&mut c.borrow_mut(), bytes, Use::Scratch));
 }
 
 impl Gemm for f32 {
@@ -46,6 +62,7 @@ impl Gemm for f32 {
 impl Gemm for f64 {
     fn gemm(shape: GemmShape, a: &[f64], b: &[f64], c: &mut [f64], accumulate: bool) {
         let par = gemm::Parallelism::None;
+        charge_slab();
         SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
     }
 }
@@ -61,6 +78,7 @@ pub(crate) fn gemm_f32(
     accumulate: bool,
     par: gemm::Parallelism,
 ) {
+    charge_slab();
     SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
 }
 
@@ -87,14 +105,14 @@ fn transpose_into<T: Float>(t: &[T], m: usize, n: usize, c: &mut [T], accumulate
 const COPY_B_MIN: usize = 64 * 64 * 64;
 
 /// [`Gemm::gemm`] for a float type the `gemm` crate handles, with that type's scratch.
-fn product<T: Float + 'static>(
+fn product<T: Float + Default + 'static>(
     shape: GemmShape,
     a: &[T],
     b: &[T],
     c: &mut [T],
     accumulate: bool,
     par: gemm::Parallelism,
-    scratch: &mut Vec<T>,
+    scratch: &mut Scratch<T>,
 ) {
     let GemmShape { m, n, k, trans_a, trans_b } = shape;
     assert!(a.len() >= m * k, "gemm: a has {} values, needs {}", a.len(), m * k);
@@ -153,10 +171,7 @@ fn product<T: Float + 'static>(
         // closer to the `f64` result on the small test models (NN-2).
         let copy_b = k <= m && m * n * k >= COPY_B_MIN;
         let want = if copy_b { k * n } else { m * n };
-        if scratch.len() < want {
-            scratch.resize(want, T::zero());
-        }
-        let t = &mut scratch[..want];
+        let t = scratch.get(want);
         if copy_b {
             transpose_into(b, k, n, t, false);
             multiply(c, false, accumulate, t, n as isize, 1);

@@ -85,7 +85,7 @@ use stats::StatsLane;
 
 use crate::error::{Result, RuntimeError};
 use crate::fault::Phase;
-use crate::memory::MemoryTracker;
+use crate::memory::{Allocation, Category, MemoryTracker, PoolHeld, RankMeter};
 use crate::optim::{self, Optimizer, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
@@ -220,6 +220,10 @@ pub struct RankEngine {
     stats: Arc<StatsLane>,
     backend: Box<dyn Backend>,
     mem: MemoryTracker,
+    /// Registers what the layers allocate while the engine computes (MEM-4).
+    meter: Arc<RankMeter>,
+    /// The registration of the lanes' staging buffers.
+    _staging: Vec<Allocation>,
     trace: Trace,
     /// What the rank keeps of every unit.
     state: ShardState,
@@ -262,6 +266,15 @@ impl RankEngine {
                 spec.name
             )));
         }
+        // The lanes' staging buffers are communication memory while they are open.
+        let staging = [&gather, &reduce, stats.lane()]
+            .iter()
+            .map(|l| {
+                let what = format!("{} lane staging", l.name());
+                mem.alloc(Category::CommBuffers, l.staging_bytes() as u64, &what)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        comm.pool().set_account(PoolHeld::new(&mem)? as _);
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
@@ -281,6 +294,8 @@ impl RankEngine {
             reduce,
             stats,
             backend,
+            meter: RankMeter::new(mem.clone()),
+            _staging: staging,
             mem,
             trace,
             state,
@@ -318,6 +333,13 @@ impl RankEngine {
     /// The rank's memory tracker.
     pub fn memory(&self) -> &MemoryTracker {
         &self.mem
+    }
+
+    /// Registers the tensors and kernel scratch made on this thread with the rank's tracker
+    /// until the guard is dropped (MEM-4): a step's data slice, its activations, what layers
+    /// save, and evaluation's.
+    pub fn install_meter(&self) -> shardline_models::meter::Installed {
+        shardline_models::meter::install(Arc::clone(&self.meter) as _)
     }
 
     /// The model's sharded layout.
@@ -364,6 +386,7 @@ impl RankEngine {
     /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
     /// samples. Every rank of the group must call it with its own slice (possibly empty).
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
+        let _meter = self.install_meter();
         let t_step = Instant::now();
         let sent0 = (self.gather.bytes_sent(), self.reduce.bytes_sent());
         self.cast.set(Duration::ZERO);
@@ -432,6 +455,7 @@ impl RankEngine {
         if self.rules.gather_after_update {
             self.gather_updated(&mut st.clock)?;
         }
+        self.meter.check()?;
         Ok(StepStats {
             loss,
             lr: st.lr,
@@ -578,6 +602,7 @@ impl RankEngine {
             .reduce
             .all_reduce(vec![correct as f32, count as f32, loss], ReduceOp::Sum)
             .wait()?;
+        self.meter.check()?;
         Ok((sums[0] as u64, sums[1] as u64, sums[2]))
     }
 
@@ -587,6 +612,7 @@ impl RankEngine {
     /// mean loss). Collective: every rank runs the same number of forwards (a rank whose
     /// share is one sample shorter runs an empty last one).
     pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
+        let _meter = self.install_meter();
         let n = test.len();
         let world = self.layout.world();
         let mine: Vec<usize> = DistributedSampler::slice_range(n, world, self.rank).collect();

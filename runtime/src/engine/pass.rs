@@ -19,7 +19,7 @@ use super::reduction::{ReduceWork, Reductions};
 use super::stage::BeforeUse;
 use super::{RankEngine, StepState};
 use crate::error::Result;
-use crate::memory::{Allocation, Category};
+use crate::memory::Category;
 use crate::telemetry::Row;
 
 /// How a pass runs its units.
@@ -71,9 +71,9 @@ pub(crate) enum Kept {
     Input(Checkpoint),
 }
 
-/// What a training forward leaves for the unit's backward: what it keeps, and the count of
-/// its activations (ENG-3).
-pub(crate) type Saved = (Kept, Option<Allocation>);
+/// What a training forward leaves for the unit's backward. Its tensors are registered as
+/// activations by the rank's meter for as long as they are held (ENG-3, MEM-4).
+pub(crate) type Saved = Kept;
 
 /// Microbatch `index` of a step's `count` (ACC-1).
 #[derive(Clone, Copy, Debug)]
@@ -107,9 +107,9 @@ impl RankEngine {
         }
     }
 
-    /// Use `i` of the pass: its unit's forward on `x`. Training also returns the count of its
-    /// activations (ENG-3), held until its backward; a checkpointed call keeps only its input
-    /// and the statistics it received (RECOMP-1).
+    /// Use `i` of the pass: its unit's forward on `x`. Training also returns what the call
+    /// keeps for its backward; a checkpointed call keeps only its input and the statistics
+    /// it received (RECOMP-1). A tensor the cap refused fails the call here (MEM-4).
     pub(super) fn forward_unit(
         &mut self,
         i: usize,
@@ -148,26 +148,20 @@ impl RankEngine {
             let (y, saved) = self.model.forward_call(call, params, buffers, x, &ctx)?;
             (y, Kept::State(saved))
         };
-        let mut act = None;
         if pass.training {
             let t1 = Instant::now();
             st.compute += t1 - t0;
             let label = &self.labels[u];
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
-            // What the call holds until its backward: its output, or its input alone.
-            let held = match &kept {
-                Kept::Input(c) => c.input.numel(),
-                Kept::State(_) => y.numel(),
-            };
-            act = Some(self.mem.alloc_f32(Category::Activations, held, label)?);
         }
         self.done_with(i, gathered, st);
-        Ok((y, (kept, act)))
+        self.meter.check()?;
+        Ok((y, kept))
     }
 
     /// A checkpointed call's forward again, in backward (RECOMP-1): the same parameters,
     /// input and context, the statistics replayed and the running statistics updated in a
-    /// scratch copy (RECOMP-2); returns what its layers saved, and the count of its output.
+    /// scratch copy (RECOMP-2); returns what its layers saved.
     fn recompute_call(
         &self,
         (call, u): (usize, usize),
@@ -175,7 +169,7 @@ impl RankEngine {
         cp: Checkpoint,
         pass: PassCtx<'_>,
         st: &mut StepState,
-    ) -> Result<(shardline_models::module::Saved, Allocation)> {
+    ) -> Result<shardline_models::module::Saved> {
         let t0 = Instant::now();
         let replay = Replay::new(self.rank, self.world, cp.received);
         let mut ctx = pass.ctx(&*self.backend, false);
@@ -183,13 +177,14 @@ impl RankEngine {
             ctx.reducer = Some(&replay);
         }
         let mut scratch = self.state.buffers[u].clone();
-        let (y, saved) = self.model.forward_call(call, params, &mut scratch, cp.input, &ctx)?;
+        // The output is not needed again: the first forward's went on to the next call.
+        let (_, saved) = self.model.forward_call(call, params, &mut scratch, cp.input, &ctx)?;
         let label = &self.labels[u];
-        let act = self.mem.alloc_f32(Category::Activations, y.numel(), label)?;
         let t1 = Instant::now();
         st.compute += t1 - t0;
         self.trace.record(self.rank, Row::Compute, format!("recompute {label}"), t0, t1);
-        Ok((saved, act))
+        self.meter.check()?;
+        Ok(saved)
     }
 
     /// Use `i` of a training pass: its unit's backward from the output
@@ -199,7 +194,7 @@ impl RankEngine {
     pub(super) fn backward_unit(
         &mut self,
         i: usize,
-        (kept, act): Saved,
+        kept: Saved,
         grad: Tensor,
         pass: PassCtx<'_>,
         st: &mut StepState,
@@ -243,12 +238,9 @@ impl RankEngine {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
         };
-        let (saved, rerun_act) = match kept {
-            Kept::State(s) => (s, None),
-            Kept::Input(cp) => {
-                let (s, a) = self.recompute_call((call, u), params, cp, pass, st)?;
-                (s, Some(a))
-            }
+        let saved = match kept {
+            Kept::State(s) => s,
+            Kept::Input(cp) => self.recompute_call((call, u), params, cp, pass, st)?,
         };
         let t0 = Instant::now();
         let ctx = pass.ctx(&*self.backend, first_use);
@@ -263,7 +255,6 @@ impl RankEngine {
             input_grad: call > 0,
         };
         let input_grad = self.model.backward_call(call, b, &ctx)?;
-        drop((act, rerun_act));
         let t1 = Instant::now();
         st.compute += t1 - t0;
         let label = &self.labels[u];
@@ -283,6 +274,7 @@ impl RankEngine {
             self.trace.record(self.rank, Row::Compute, format!("input grad {label}"), t0, t1);
         }
         self.done_with(i, gathered, st);
+        self.meter.check()?;
         Ok(grad)
     }
 }

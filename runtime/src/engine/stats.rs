@@ -53,6 +53,11 @@ impl StatsLane {
         })
     }
 
+    /// The lane (its staging bytes are registered by the engine).
+    pub(crate) fn lane(&self) -> &shardline_collectives::Lane {
+        &self.lane
+    }
+
     /// Starts a step's count and spans afresh.
     pub(crate) fn begin_step(&self) {
         self.messages.store(0, Ordering::Relaxed);

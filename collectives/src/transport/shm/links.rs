@@ -452,6 +452,10 @@ impl ShmLinks {
 }
 
 impl LaneLinks for ShmLinks {
+    fn staging_bytes(&self) -> usize {
+        self.scratch.capacity() * 4
+    }
+
     fn exchange(
         &mut self,
         tag: Tag,

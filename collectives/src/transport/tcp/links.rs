@@ -386,6 +386,10 @@ fn lost_eof(peer: usize) -> TransportError {
 }
 
 impl LaneLinks for TcpLinks {
+    fn staging_bytes(&self) -> usize {
+        self.scratch.capacity() * 4
+    }
+
     /// Every byte sent is read by this rank's CPU (the kernel copies it into the socket), so
     /// a shard read once per piece from memory and sent from the cache to every peer costs
     /// less than one read per peer; the own copy of an out-of-place gather reads it from the
