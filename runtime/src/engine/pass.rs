@@ -97,7 +97,7 @@ impl RankEngine {
     fn done_with(&mut self, i: usize, gathered: Option<Gathered>, st: &mut StepState) {
         if self.rules.before_use != BeforeUse::Gather {
             if let Some(copy) = gathered {
-                self.comm.pool().give(copy.full);
+                copy.give_back(self.comm.pool());
             }
             return;
         }
@@ -224,8 +224,10 @@ impl RankEngine {
             Some(g) => (false, g),
             None if self.rules.transient_grads() => {
                 let what = format!("{} (unreduced)", self.labels[u]);
+                // Taken before it is registered: never counted twice (MEM-5).
+                let buf = self.comm.pool().take(padded);
                 let a = self.mem.alloc_f32(Category::Grads, padded, &what)?;
-                (true, (Some(a), self.comm.pool().take(padded)))
+                (true, (Some(a), buf))
             }
             None => (true, (None, std::mem::take(&mut self.state.grads[u]))),
         };

@@ -280,6 +280,14 @@ impl Gathered {
     pub(crate) fn new(full: Vec<f32>, alloc: Allocation) -> Self {
         Gathered { full, _alloc: alloc }
     }
+
+    /// Gives the buffer back to `pool`, its registration dropped first so that the pool's
+    /// account never counts it twice (MEM-5).
+    pub(crate) fn give_back(self, pool: &shardline_collectives::BufferPool) {
+        let Gathered { full, _alloc } = self;
+        drop(_alloc);
+        pool.give(full);
+    }
 }
 
 /// The engine's [`GatherIo`]: in-place all-gathers of the shards on the gather lane, buffers
@@ -322,11 +330,12 @@ impl GatherIo for LaneGathers<'_> {
             let work = self.lane.all_gather_in_place(packed);
             return Ok(PendingGather { work, alloc, packed: true });
         }
+        // Taken from the pool before it is registered, so that it is never counted twice
+        // (MEM-5). In place: the own shard goes straight into its slot of the gathered
+        // buffer, with no separate input to copy from.
+        let mut full = self.comm.pool().take(l.padded_numel());
         let alloc =
             self.mem.alloc_f32(Category::GatheredUnits, l.padded_numel(), &self.labels[unit])?;
-        // In place: the own shard goes straight into its slot of the gathered buffer, with no
-        // separate input to copy from.
-        let mut full = self.comm.pool().take(l.padded_numel());
         full[l.shard_range(self.rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
         Ok(PendingGather { work, alloc, packed: false })
@@ -352,7 +361,7 @@ impl GatherIo for LaneGathers<'_> {
     }
 
     fn release(&mut self, g: Gathered) {
-        self.comm.pool().give(g.full);
+        g.give_back(self.comm.pool());
     }
 }
 

@@ -277,9 +277,10 @@ impl RankEngine {
                 } else {
                     std::mem::replace(&mut self.state.grads[unit], shard)
                 };
+                // Unregistered before the pool keeps it: never counted twice (MEM-5).
+                drop(alloc);
                 self.comm.pool().give(old);
                 self.comm.pool().give(full);
-                drop(alloc);
             }
             ReduceWork::Packed(p) => self.finish_packed_reduction(unit, p, clock)?,
         }
