@@ -18,7 +18,8 @@
 //! Invariants:
 //! - PREC-1: parameter masters, gradients as the optimizer reads them, optimizer state,
 //!   BatchNorm buffers and statistics, the loss and its all-reduce, checkpoints and exports
-//!   are `f32` under every policy.
+//!   are `f32` under every policy (an export is bf16 only where `checkpoint export --dtype
+//!   bf16` asks, CKPT-9).
 //! - PREC-2: with param dtype bf16 every forward and backward (training and evaluation) sees
 //!   each parameter as its master rounded to bf16 (round to nearest even, BFLOAT-1), at every
 //!   stage and on every rank.
