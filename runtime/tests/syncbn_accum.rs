@@ -172,8 +172,8 @@ impl Distance {
 }
 
 /// A job small enough for the grid: SyncBN on, a global batch of 36 (every rank's slice
-/// cuts into 2 or 3 microbatches at worlds 2 and 3), three steps, constant learning rate
-/// then cosine's (the schedule comes from the plan).
+/// cuts into 2 or 3 microbatches at worlds 2 and 3), three steps of SGD with momentum on
+/// the cosine schedule (the reference takes optimizer and rates from the plan).
 fn cfg(model: &str, world: usize, stage: u8) -> TrainConfig {
     let base = TrainConfig { sync_bn: SyncBnMode::On, ..small_cfg(world, stage, 3, 36) };
     match model {
