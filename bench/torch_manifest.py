@@ -11,6 +11,9 @@ loads an export strictly (what tests/tests/torch_load.rs runs where torch is ins
 
     python3 bench/torch_manifest.py --load-strict resnet-bn FILE
 
+(a `checkpoint export --dtype bf16` file into the module after `.bfloat16()`, checking every
+tensor bitwise),
+
 and writes what torch computes with a narrow resnet-bn (width 2), for
 runtime/tests/torch_names.rs to check Shardline's forward against (no torch needed there):
 
@@ -114,8 +117,20 @@ def main():
         name, f = a.load_strict
         m = build(name, a.peers)
         sd = load_file(f)
-        print(f"{name}: {m.load_state_dict(sd, strict=True)}")
-        print(f"strict load ok: {len(sd)} tensors of {f}")
+        kinds = sorted({str(v.dtype).replace("torch.", "") for v in sd.values()})
+        if torch.bfloat16 in {v.dtype for v in sd.values()}:
+            # A bf16 export is the state_dict of the module after .bfloat16(): it loads
+            # strictly there and every tensor comes back bitwise.
+            m = m.bfloat16()
+            print(f"{name} (bfloat16): {m.load_state_dict(sd, strict=True)}")
+            own = m.state_dict()
+            for k, v in sd.items():
+                if own[k].dtype != v.dtype or not torch.equal(own[k], v):
+                    sys.exit(f"{k}: {own[k].dtype} in the module, {v.dtype} in the file, or values differ")
+            print(f"bitwise equal after loading: {len(sd)} tensors")
+        else:
+            print(f"{name}: {m.load_state_dict(sd, strict=True)}")
+        print(f"strict load ok: {len(sd)} tensors of {f} ({', '.join(kinds)})")
         return
     out = {}
     for name in CONFIGS:

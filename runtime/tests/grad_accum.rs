@@ -1,7 +1,8 @@
 //! Gradient accumulation (`--grad-accum N`, `runtime/src/engine/accum.rs`): N microbatches
 //! of b samples per rank against one step of N x b, at every stage and worlds 1 and 2, for
 //! models without BatchNorm (`gpt`, `wide-mlp`); with BatchNorm against ranks whose slices
-//! are the microbatches (ACC-4); and the settings that are refused.
+//! are the microbatches (ACC-4); and the settings that are refused. SyncBN with
+//! accumulation against a one-rank reference: `syncbn_accum.rs` (ACC-5).
 
 mod common;
 use common::*;

@@ -1,5 +1,6 @@
-//! torch loads Shardline's exports strictly (CKPT-7): `shardline train` then `shardline
-//! checkpoint export` of `resnet-bn` and `gpt`, then `bench/torch_manifest.py --load-strict`,
+//! torch loads Shardline's exports strictly (CKPT-7, and CKPT-9 for `--dtype bf16`):
+//! `shardline train` then `shardline checkpoint export` of `resnet-bn` and `gpt`, in f32 and
+//! in bf16, then `bench/torch_manifest.py --load-strict`,
 //! which builds the torch module (`bench/resnet_bn.py`; nanoGPT's decoder from
 //! `../shared/peers/torch_gpt_train.py`) and runs
 //! `model.load_state_dict(safetensors.torch.load_file(f), strict=True)`. Skips visibly where
@@ -80,24 +81,29 @@ fn torch_loads_the_exports_strictly() {
         train.arg(&ck).args(flags);
         let (ok, text) = run(train, "shardline train");
         assert!(ok, "{model}: train failed:\n{text}");
-        let file = tmp.path().join(format!("{model}.safetensors"));
-        let mut export = Command::new(shardline());
-        export.args(["checkpoint", "export"]).arg(&ck).arg("--out").arg(&file);
-        let (ok, text) = run(export, "shardline checkpoint export");
-        assert!(ok, "{model}: export failed:\n{text}");
-        let mut load = Command::new("python3");
-        load.args(["bench/torch_manifest.py", "--load-strict", model]).arg(&file);
-        let (ok, text) = run(load, "torch_manifest.py --load-strict");
-        assert!(
-            ok && text.contains("strict load ok"),
-            "{model}: torch refused the export:\n{text}"
-        );
-        eprintln!(
-            "{model}: {}",
-            text.lines()
-                .filter(|l| l.contains("strict load ok") || l.contains("matched"))
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
+        // CKPT-7 in f32; CKPT-9 in bf16, into the module after `.bfloat16()`, bitwise.
+        for dtype in ["f32", "bf16"] {
+            let file = tmp.path().join(format!("{model}-{dtype}.safetensors"));
+            let mut export = Command::new(shardline());
+            export.args(["checkpoint", "export"]).arg(&ck).arg("--out").arg(&file);
+            export.args(["--dtype", dtype]);
+            let (ok, text) = run(export, "shardline checkpoint export");
+            assert!(ok, "{model} {dtype}: export failed:\n{text}");
+            let mut load = Command::new("python3");
+            load.args(["bench/torch_manifest.py", "--load-strict", model]).arg(&file);
+            let (ok, text) = run(load, "torch_manifest.py --load-strict");
+            let bitwise = dtype == "f32" || text.contains("bitwise equal after loading");
+            assert!(
+                ok && text.contains("strict load ok") && bitwise,
+                "{model} {dtype}: torch refused the export:\n{text}"
+            );
+            eprintln!(
+                "{model} {dtype}: {}",
+                text.lines()
+                    .filter(|l| l.contains("strict load ok") || l.contains("matched"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
     }
 }

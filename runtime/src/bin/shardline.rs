@@ -213,6 +213,10 @@ enum CheckpointCmd {
         /// Output file.
         #[arg(long)]
         out: PathBuf,
+        /// The floats' type: f32 (the masters, bitwise) or bf16 (each rounded to the nearest
+        /// bf16, half the bytes); num_batches_tracked stays int64.
+        #[arg(long, default_value = "f32", value_parser = parse_export_dtype)]
+        dtype: PrecisionDtype,
     },
 }
 
@@ -502,6 +506,10 @@ struct TrainArgs {
 
 fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
     PrecisionDtype::parse("--param-dtype", s)
+}
+
+fn parse_export_dtype(s: &str) -> Result<PrecisionDtype, String> {
+    PrecisionDtype::parse("--dtype", s)
 }
 
 fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
@@ -873,10 +881,16 @@ fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
             shardline_runtime::checkpoint::Checkpoint::open(&d)?.verify()?;
             println!("all files verified (sizes, crc32, sha256)");
         }
-        CheckpointCmd::Export { dir, out } => {
+        CheckpointCmd::Export { dir, out, dtype } => {
             let d = resolve(dir)?;
-            let n = shardline_runtime::checkpoint::export_safetensors(&d, &out)?;
-            println!("wrote {} tensors from {} to {}", n, d.display(), out.display());
+            let n = shardline_runtime::checkpoint::export_safetensors_as(&d, &out, dtype)?;
+            println!(
+                "wrote {} tensors ({}) from {} to {}",
+                n,
+                dtype.name(),
+                d.display(),
+                out.display()
+            );
         }
     }
     Ok(())

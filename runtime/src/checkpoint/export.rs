@@ -14,6 +14,7 @@ use std::path::Path;
 
 use super::torch::{tied_aliases, torch_bytes, torch_dtype};
 use super::{Checkpoint, MANIFEST};
+use crate::engine::PrecisionDtype;
 use crate::error::{Result, RuntimeError};
 use crate::memory::format_bytes;
 use crate::shard::FlatLayout;
@@ -21,15 +22,33 @@ use crate::shard::FlatLayout;
 /// Writes the consolidated model of the checkpoint at `dir` (a `step-N` directory or a root,
 /// meaning its newest) to a safetensors file: every parameter and buffer under its stable
 /// spec name and original shape (CKPT-4), in torch's types and with torch's aliases of tied
-/// parameters (CKPT-7). Returns the number of tensors written.
+/// parameters (CKPT-7), floats as the f32 masters. Returns the number of tensors written.
 pub fn export_safetensors(dir: impl AsRef<Path>, out: impl AsRef<Path>) -> Result<usize> {
-    let ck = Checkpoint::open(dir)?;
-    ck.export_safetensors(out)
+    export_safetensors_as(dir, out, PrecisionDtype::F32)
+}
+
+/// [`export_safetensors`] with the floats in `float` (`checkpoint export --dtype`): in bf16
+/// each master rounded to the nearest bf16, the batch counters int64 still (CKPT-9).
+pub fn export_safetensors_as(
+    dir: impl AsRef<Path>,
+    out: impl AsRef<Path>,
+    float: PrecisionDtype,
+) -> Result<usize> {
+    Checkpoint::open(dir)?.export_safetensors_as(out, float)
 }
 
 impl Checkpoint {
     /// See [`export_safetensors`].
     pub fn export_safetensors(&self, out: impl AsRef<Path>) -> Result<usize> {
+        self.export_safetensors_as(out, PrecisionDtype::F32)
+    }
+
+    /// See [`export_safetensors_as`].
+    pub fn export_safetensors_as(
+        &self,
+        out: impl AsRef<Path>,
+        float: PrecisionDtype,
+    ) -> Result<usize> {
         let out = out.as_ref();
         let units = self.consolidate()?;
         let buffers = self.buffers()?;
@@ -38,13 +57,13 @@ impl Checkpoint {
         for ((u, spec), b) in units.iter().zip(&m.model.units).zip(&buffers) {
             let layout = FlatLayout::new(spec, 1)?;
             for (slot, view) in layout.params().iter().zip(layout.views(&u.params)) {
-                let bytes = torch_bytes(&slot.name, view);
+                let bytes = torch_bytes(&slot.name, view, float);
                 tensors.push((slot.name.clone(), slot.shape.clone(), bytes));
             }
             let mut off = 0;
             for buf in &spec.buffers {
                 let n = buf.numel();
-                let bytes = torch_bytes(&buf.name, &b[off..off + n]);
+                let bytes = torch_bytes(&buf.name, &b[off..off + n], float);
                 off += n;
                 tensors.push((buf.name.clone(), buf.shape.clone(), bytes));
             }
@@ -67,7 +86,7 @@ impl Checkpoint {
         let views = tensors
             .iter()
             .map(|(n, shape, bytes)| {
-                safetensors::tensor::TensorView::new(torch_dtype(n), shape.clone(), bytes)
+                safetensors::tensor::TensorView::new(torch_dtype(n, float), shape.clone(), bytes)
                     .map(|v| (n.clone(), v))
             })
             .collect::<std::result::Result<Vec<_>, _>>()
@@ -76,6 +95,7 @@ impl Checkpoint {
             ("format".to_string(), "pt".to_string()),
             ("model".to_string(), m.model.name.clone()),
             ("step".to_string(), m.step.to_string()),
+            ("dtype".to_string(), float.name().to_string()),
         ]
         .into_iter()
         .collect();
@@ -197,6 +217,40 @@ mod tests {
         assert_eq!(rm.shape(), &[5]);
         assert_eq!(&rm.data()[..4], &6.0f32.to_le_bytes());
         assert_eq!(seen + 2, st.len());
+    }
+
+    /// CKPT-9: the bf16 export holds the same names and shapes, every float the f32
+    /// export's value rounded to the nearest bf16 (within 2^-8 relative), in half the bytes.
+    #[test]
+    fn bf16_export_rounds_the_f32_export_ckpt_9() {
+        let (tmp, _dir) = saved_once();
+        let (f32_out, bf16_out) = (tmp.path().join("f32.st"), tmp.path().join("bf16.st"));
+        export_safetensors(tmp.path(), &f32_out).unwrap();
+        let n = export_safetensors_as(tmp.path(), &bf16_out, PrecisionDtype::Bf16).unwrap();
+        let (a, b) = (fs::read(&f32_out).unwrap(), fs::read(&bf16_out).unwrap());
+        let (a, b) = (
+            safetensors::SafeTensors::deserialize(&a).unwrap(),
+            safetensors::SafeTensors::deserialize(&b).unwrap(),
+        );
+        assert_eq!(n, a.len());
+        let mut rounded = 0;
+        for (name, t) in a.tensors() {
+            let h = b.tensor(&name).unwrap();
+            assert_eq!(h.shape(), t.shape(), "{name}");
+            if t.dtype() != safetensors::Dtype::F32 {
+                assert_eq!((h.dtype(), h.data()), (t.dtype(), t.data()), "{name}: not a float");
+                continue;
+            }
+            assert_eq!(h.dtype(), safetensors::Dtype::BF16, "{name}");
+            assert_eq!(h.data().len() * 2, t.data().len(), "{name}: half the bytes");
+            for (x, y) in t.data().chunks_exact(4).zip(h.data().chunks_exact(2)) {
+                let x = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                let y = f32::from_bits(u32::from(u16::from_le_bytes([y[0], y[1]])) << 16);
+                assert!((x - y).abs() <= x.abs() * 2f32.powi(-8), "{name}: {x} -> {y}");
+                rounded += usize::from(x != y);
+            }
+        }
+        assert!(rounded > 0, "some values need rounding to bf16");
     }
 
     #[test]

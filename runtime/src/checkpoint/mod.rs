@@ -5,7 +5,8 @@
 //! protocol ([`PendingCheckpoint`], CKPT-1); `read` opening, verifying, consolidating and
 //! resharding ([`Checkpoint`], [`latest`], CKPT-2 and CKPT-3); `resume` the choice of the
 //! checkpoint to resume from ([`newest_verified`], [`set_aside`], CKPT-5 and CKPT-6); `export` the safetensors export
-//! and [`inspect`] (CKPT-4); `torch` torch's `state_dict` types and tied aliases (CKPT-7);
+//! and [`inspect`] (CKPT-4); `torch` torch's `state_dict` types and tied aliases (CKPT-7), and
+//! the floats of a bf16 export (CKPT-9);
 //! `import` weights from a torch-named safetensors file, `--init-from` (CKPT-8).
 //!
 //! # Layout
@@ -46,7 +47,7 @@ mod write;
 #[cfg(test)]
 mod fixtures;
 
-pub use export::{export_safetensors, inspect};
+pub use export::{export_safetensors, export_safetensors_as, inspect};
 pub use import::{load_torch_weights, match_torch_weights, Initialized, TorchWeights};
 pub use read::{committed, latest, Checkpoint, ConsolidatedUnit};
 pub use resume::{newest_verified, set_aside, Resumable, Skipped};

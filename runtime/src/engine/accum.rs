@@ -41,6 +41,12 @@
 //!   forward calls. So with per-rank statistics, a world-W run with N microbatches gives
 //!   the losses and parameters of a world W x N run whose ranks' slices are those
 //!   microbatches (its running statistics differ: N updates against each rank's one).
+//! - ACC-5: with SyncBN, a world-W run with N microbatches gives, within rounding, the
+//!   losses, parameters, running statistics and `num_batches_tracked` of one rank that runs
+//!   per step N forward and backward passes, pass k over the union of every rank's
+//!   microbatch k (BatchNorm over that union is SyncBN over microbatch k), adds their
+//!   gradients and steps once: what torch's SyncBatchNorm does over N forward calls
+//!   (`runtime/tests/syncbn_accum.rs` builds that reference from the model's calls).
 
 use std::ops::Range;
 

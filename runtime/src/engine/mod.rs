@@ -24,7 +24,7 @@
 //!   ENG-8, ENG-10);
 //! - `clock`: the step's communication clock (ENG-4);
 //! - `accum`: gradient accumulation's microbatches and when their gradients are reduced
-//!   (ACC-1..ACC-4; the default at stages 2 and 3, and why, is in its docs);
+//!   (ACC-1..ACC-5; the default at stages 2 and 3, and why, is in its docs);
 //! - `recompute`: which calls keep only their input, and the statistics their re-run
 //!   replays (RECOMP-1..RECOMP-3).
 //!

@@ -13,12 +13,41 @@
 //! upcast into the `f32` gradients the optimizer reads.
 //!
 //! Defaults: both `f32` (nothing changes); `--reduce-dtype` defaults to `--param-dtype`, as
-//! FSDP2's `reduce_dtype=None` does.
+//! FSDP1 and FSDP2 before torch 2.15 do with `reduce_dtype=None`. torch 2.15's FSDP2 changed
+//! that default: `reduce_dtype=None` now reduces in the gradient's own dtype (`f32` for `f32`
+//! parameters under `param_dtype=bfloat16`), so torch 2.15's default policy is
+//! `--param-dtype bf16 --reduce-dtype f32` here.
+//!
+//! FSDP2's other two fields, `output_dtype` and `cast_forward_inputs`, are not offered.
+//! torch 2.15 defines them as: `output_dtype`, "the dtype for casting floating-point forward
+//! outputs" of a wrapped module (default `None`: no cast), "to help implement cases where
+//! different modules have different mixed precision policies"; `cast_forward_inputs`
+//! (default `True`), whether FSDP casts "the forward's floating-point input tensors to
+//! `param_dtype`" before each module's forward, so that a bf16 module computes in bf16 from
+//! its first op. Both are casts at module boundaries that exist because torch's modules
+//! compute in `param_dtype`. Here they would change nothing but rounding:
+//! - compute is `f32` whatever the policy (the CPU backend's `gemm` 0.19 has no bf16
+//!   kernel; the gathered unit is upcast once), and a `Tensor` holds `f32` or `u32` only, so
+//!   an activation rounded to bf16 values still takes four bytes: no activation memory saved
+//!   (saved activations, recomputation checkpoints), no faster kernel;
+//! - activations never travel: data parallelism sends parameters and gradients, never a
+//!   unit's input or output, so no wire bytes change either;
+//! - the policy is one for every unit (no per-unit policies for `output_dtype` to join), and
+//!   every unit already hands its successor and the loss `f32`, which `output_dtype=f32`
+//!   would ask for; rounding inputs or outputs to bf16 would round the values at unit
+//!   boundaries only, which matches neither torch's bf16 numerics (every op's result
+//!   rounded) nor `f32`'s.
+//!
+//! They become worth offering with a backend that computes in bf16 (a CUDA bf16 GEMM, or a
+//! CPU bf16 kernel) and bf16 tensors: then `cast_forward_inputs` would round each unit's
+//! input once for its kernels, and `output_dtype` would let an `f32` unit (a loss head)
+//! follow bf16 ones.
 //!
 //! Invariants:
 //! - PREC-1: parameter masters, gradients as the optimizer reads them, optimizer state,
 //!   BatchNorm buffers and statistics, the loss and its all-reduce, checkpoints and exports
-//!   are `f32` under every policy.
+//!   are `f32` under every policy (an export is bf16 only where `checkpoint export --dtype
+//!   bf16` asks, CKPT-9).
 //! - PREC-2: with param dtype bf16 every forward and backward (training and evaluation) sees
 //!   each parameter as its master rounded to bf16 (round to nearest even, BFLOAT-1), at every
 //!   stage and on every rank.
