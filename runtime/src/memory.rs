@@ -411,6 +411,50 @@ mod tests {
     const MIB: u64 = 1024 * 1024;
 
     #[test]
+    fn layers_tensors_are_registered_and_a_refusal_is_reported_mem_4() {
+        // MEM-4
+        use shardline_models::{meter, Tensor};
+        let mem = MemoryTracker::new(0, Some(4096));
+        let m = RankMeter::new(mem.clone());
+        let g = meter::install(Arc::clone(&m) as _);
+        let t = Tensor::zeros(&[256]);
+        assert_eq!(mem.current(Category::Activations), 1024);
+        let big = Tensor::zeros(&[2048]);
+        assert_eq!(mem.current(Category::Activations), 1024, "refused: not registered");
+        match m.check() {
+            Err(RuntimeError::OutOfMemory { category, requested, .. }) => {
+                assert_eq!((category, requested), (Category::Activations, 8192));
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        assert!(m.check().is_ok(), "reported once");
+        drop((t, big, g));
+        assert_eq!(mem.current(Category::Activations), 0);
+    }
+
+    #[test]
+    fn the_pool_keeps_only_what_the_cap_allows_mem_5() {
+        // MEM-5
+        use shardline_collectives::BufferPool;
+        let mem = MemoryTracker::new(0, Some(10_000));
+        let pool = BufferPool::new(1 << 20, 8);
+        pool.set_account(PoolHeld::new(&mem).unwrap() as _);
+        let a = pool.take(1000);
+        let b = pool.take(1500);
+        pool.give(a);
+        assert_eq!(mem.current(Category::CommBuffers), 4000);
+        pool.give(b); // 4000 + 6000 = 10000: kept
+        assert_eq!(mem.current(Category::CommBuffers), 10_000);
+        let c = pool.take(1000);
+        assert_eq!(mem.current(Category::CommBuffers), 6000, "taken: no longer the pool's");
+        let extra = mem.alloc(Category::Grads, 1000, "held elsewhere").unwrap();
+        pool.give(c); // 6000 + 4000 + 1000 > 10000: freed instead
+        assert_eq!(mem.current(Category::CommBuffers), 6000);
+        assert_eq!(pool.held_bytes(), 6000);
+        drop(extra);
+    }
+
+    #[test]
     fn format_bytes_units() {
         assert_eq!(format_bytes(0), "0 B");
         assert_eq!(format_bytes(1023), "1023 B");

@@ -97,6 +97,9 @@ fn the_accounted_peak_is_exactly_the_cap_a_run_needs() {
         at.device_memory = Some(peak);
         let s = run_ok(at, quiet());
         assert_eq!(s.peak_bytes.iter().copied().max(), Some(peak), "{}: same peak", cfg.model);
+        // EVAL-2: the closing evaluation, whose tensors are registered too (MEM-4), ran
+        // under the cap the training needed.
+        assert!(s.test_count > 0, "{}: evaluated", cfg.model);
         let mut below = cfg.clone();
         below.device_memory = Some(peak - 1);
         match run_with_deadline(below, quiet()) {
