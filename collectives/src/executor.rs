@@ -149,6 +149,19 @@ impl Executor {
         self.sent
     }
 
+    /// Grows the scratch to `len` values ahead of a run (so that its size can be reported
+    /// before the op uses it).
+    pub(crate) fn reserve_scratch(&mut self, len: usize) {
+        if self.scratch.len() < len {
+            self.scratch.resize(len, 0.0);
+        }
+    }
+
+    /// Heap bytes of the scratch.
+    pub(crate) fn scratch_bytes(&self) -> usize {
+        self.scratch.capacity() * 4
+    }
+
     /// Runs `sched` over the op's `regions`. Message tags are `wire.tag` with the step number
     /// filled in.
     pub(crate) fn run(

@@ -17,12 +17,16 @@
 //! - LANE-8: [`Lane::bytes_sent`] counts the payload bytes this rank has handed to its
 //!   transport on the lane (every send of every schedule step, headers not included), as
 //!   each op runs; the communicator's [`crate::Communicator::bytes_sent`] sums its lanes.
+//! - LANE-9: with an account set ([`Lane::set_account`]), the lane reports its staging heap
+//!   bytes (links' receive scratch plus the collectives' scratch) when set and before every
+//!   op that grows them, so an op never holds more than was reported.
 
 use crate::algo::{self, Algorithm, Schedule};
 use crate::communicator::Shared;
 use crate::error::CollectiveError;
 use crate::executor::{Executor, Regions, WireCtx};
 use crate::fingerprint::{self, describe, describe_pair, op_tag, parse_reason, OpKind, Reason};
+use crate::pool::PoolAccount;
 use crate::reduce::{scale_avg, Combine, ReduceOp};
 use crate::transport::{LaneLinks, Poison, Tag, TransportError};
 use crate::work::{self, Completer, Work};
@@ -227,6 +231,7 @@ impl Lane {
             failed: None,
             next_seq: 0,
             schedules: HashMap::new(),
+            account: None,
         };
         let worker = Arc::new(Mutex::new(worker));
         let pending = Arc::new(AtomicUsize::new(0));
@@ -265,10 +270,20 @@ impl Lane {
         self.inner.sent.load(Ordering::Acquire)
     }
 
-    /// Heap bytes the lane's links hold for staging while it is open (receive scratch; not
-    /// the mapped shared-memory rings), for a memory accountant to register.
+    /// Heap bytes the lane's links held for staging when it opened (receive scratch; not
+    /// the mapped shared-memory rings).
     pub fn staging_bytes(&self) -> usize {
         self.inner.staging
+    }
+
+    /// Reports the lane's staging bytes (its links' receive scratch and its collectives'
+    /// scratch, which grows with the largest op) to `account`: now, and before every op
+    /// that changes them (LANE-9).
+    pub fn set_account(&self, account: Arc<dyn PoolAccount>) {
+        let mut w = self.inner.worker.lock().unwrap_or_else(|e| e.into_inner());
+        let now = w.staging_bytes();
+        account.held(now as u64);
+        w.account = Some((account, now));
     }
 
     pub(crate) fn poke_abort(&self) {
@@ -580,6 +595,28 @@ struct Worker {
     /// Schedules by (kind, algorithm, count, root): steady-state training repeats the same
     /// few ops, so each schedule is built once.
     schedules: HashMap<(OpKind, Algorithm, usize, usize), Arc<Schedule>>,
+    /// Told the lane's staging bytes whenever they change (`Lane::set_account`).
+    account: Option<(Arc<dyn PoolAccount>, usize)>,
+}
+
+impl Worker {
+    /// The links' staging and the executor's scratch.
+    fn staging_bytes(&self) -> usize {
+        self.links.staging_bytes() + self.exec.scratch_bytes()
+    }
+
+    /// Reports the staging bytes to the account when they changed.
+    fn report_staging(&mut self) {
+        let now = self.staging_bytes();
+        if let Some((a, told)) = &mut self.account {
+            if *told != now {
+                // A refusal cannot take back scratch an op needs: the account keeps its
+                // old figure (the accountant reports its refusals itself).
+                a.held(now as u64);
+                *told = now;
+            }
+        }
+    }
 }
 
 /// Most schedules a lane keeps; beyond it the cache starts over.
@@ -924,6 +961,8 @@ impl Worker {
         }
         let kind = fingerprint::OpKind::from_code(ctx.tag.kind & 0xff).map_or("op", |k| k.name());
         self.shared.recent.start(&self.name, ctx.seq, kind, regions.buf.len() * 4);
+        self.exec.reserve_scratch(sched.scratch_len);
+        self.report_staging();
         let wire = WireCtx { tag: ctx.tag, deadline: ctx.deadline, cancel: &self.shared.cancel };
         let before = self.exec.sent_bytes();
         let res = self.exec.run(&mut *self.links, sched, regions, combine, wire);

@@ -17,8 +17,9 @@
 //!   (`shardline_models::meter`): tensors as [`Category::Activations`], kernels' scratch as
 //!   [`Category::Scratch`]; a charge the cap refuses is kept, and [`RankMeter::check`]
 //!   returns it as the OutOfMemory it is, naming the category.
-//! - **MEM-5**: the buffers the communicator's pool keeps between uses are registered as
-//!   [`Category::CommBuffers`] ([`PoolHeld`]); past the cap the pool frees them instead.
+//! - **MEM-5**: the buffers the communicator's pool keeps between uses, and each lane's
+//!   staging, are registered as [`Category::CommBuffers`] ([`HeldBytes`]) as they change;
+//!   past the cap the pool frees a buffer instead of keeping it.
 //!
 //! ```
 //! use shardline_runtime::memory::{Category, MemoryTracker};
@@ -341,26 +342,27 @@ impl Drop for Allocation {
     }
 }
 
-/// The communicator's buffer pool, registered as communication memory: what it keeps
-/// between uses, resized at every change, and refused past the cap (the pool then frees the
-/// buffer, MEM-5).
+/// Communication memory whose size the communicator reports as it changes, registered as
+/// [`Category::CommBuffers`]: what the buffer pool keeps between uses (past the cap the pool
+/// frees the buffer instead), and a lane's staging (MEM-5).
 #[derive(Debug)]
-pub struct PoolHeld {
+pub struct HeldBytes {
     held: Mutex<Allocation>,
+    what: String,
 }
 
-impl PoolHeld {
-    /// An account of nothing yet, registering with `mem`.
-    pub fn new(mem: &MemoryTracker) -> Result<Arc<Self>> {
-        let held = mem.alloc(Category::CommBuffers, 0, "buffer pool")?;
-        Ok(Arc::new(PoolHeld { held: Mutex::new(held) }))
+impl HeldBytes {
+    /// An account of nothing yet for `what`, registering with `mem`.
+    pub fn new(mem: &MemoryTracker, what: &str) -> Result<Arc<Self>> {
+        let held = mem.alloc(Category::CommBuffers, 0, what)?;
+        Ok(Arc::new(HeldBytes { held: Mutex::new(held), what: what.to_string() }))
     }
 }
 
-impl shardline_collectives::pool::PoolAccount for PoolHeld {
+impl shardline_collectives::pool::PoolAccount for HeldBytes {
     fn held(&self, bytes: u64) -> bool {
         let mut a = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        a.resize(bytes, "buffer pool").is_ok()
+        a.resize(bytes, &self.what).is_ok()
     }
 }
 
@@ -438,7 +440,7 @@ mod tests {
         use shardline_collectives::BufferPool;
         let mem = MemoryTracker::new(0, Some(10_000));
         let pool = BufferPool::new(1 << 20, 8);
-        pool.set_account(PoolHeld::new(&mem).unwrap() as _);
+        pool.set_account(HeldBytes::new(&mem, "buffer pool").unwrap() as _);
         let a = pool.take(1000);
         let b = pool.take(1500);
         pool.give(a);

@@ -85,7 +85,7 @@ use stats::StatsLane;
 
 use crate::error::{Result, RuntimeError};
 use crate::fault::Phase;
-use crate::memory::{Allocation, Category, MemoryTracker, PoolHeld, RankMeter};
+use crate::memory::{HeldBytes, MemoryTracker, RankMeter};
 use crate::optim::{self, Optimizer, WeightDecayOn};
 use crate::schedule::LrSchedule;
 use crate::shard::{ShardedModelLayout, Stage};
@@ -222,8 +222,6 @@ pub struct RankEngine {
     mem: MemoryTracker,
     /// Registers what the layers allocate while the engine computes (MEM-4).
     meter: Arc<RankMeter>,
-    /// The registration of the lanes' staging buffers.
-    _staging: Vec<Allocation>,
     trace: Trace,
     /// What the rank keeps of every unit.
     state: ShardState,
@@ -266,15 +264,11 @@ impl RankEngine {
                 spec.name
             )));
         }
-        // The lanes' staging buffers are communication memory while they are open.
-        let staging = [&gather, &reduce, stats.lane()]
-            .iter()
-            .map(|l| {
-                let what = format!("{} lane staging", l.name());
-                mem.alloc(Category::CommBuffers, l.staging_bytes() as u64, &what)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        comm.pool().set_account(PoolHeld::new(&mem)? as _);
+        // The lanes' staging and the pool's kept buffers are communication memory (MEM-5).
+        for l in [&gather, &reduce, stats.lane()] {
+            l.set_account(HeldBytes::new(&mem, &format!("{} lane staging", l.name()))? as _);
+        }
+        comm.pool().set_account(HeldBytes::new(&mem, "buffer pool")? as _);
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
@@ -295,7 +289,6 @@ impl RankEngine {
             stats,
             backend,
             meter: RankMeter::new(mem.clone()),
-            _staging: staging,
             mem,
             trace,
             state,

@@ -84,12 +84,9 @@ fn run_rank(
         trace.clone(),
     )?;
     let control = joined.comm.lane("launch")?;
-    // The control lane's staging is communication memory for the rank's whole run.
-    let _control_staging = engine.memory().alloc(
-        crate::memory::Category::CommBuffers,
-        control.staging_bytes() as u64,
-        "launch lane staging",
-    )?;
+    // The control lane's staging is communication memory for the rank's whole run (MEM-5).
+    control
+        .set_account(crate::memory::HeldBytes::new(engine.memory(), "launch lane staging")? as _);
     let hook = worker_fault_hook(&opts, env);
     if let Some(h) = &hook {
         engine.set_fault_hook(Arc::clone(h));
