@@ -36,6 +36,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod activations;
 pub mod actors;
 pub mod checkpoint;
 pub mod config_file;

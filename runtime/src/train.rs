@@ -586,15 +586,34 @@ pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(St
 }
 
 /// Resolves `--stage auto`; returns the stage and the explanation lines.
-pub fn choose_stage(model: &dyn Network, cfg: &TrainConfig) -> Result<(Stage, Vec<String>)> {
+///
+/// Each stage's estimate is its model state ([`stage_estimates`]) plus the activations and
+/// kernel scratch of one microbatch, measured by running it once
+/// ([`crate::activations::activation_peak`]), with the job's recompute choice.
+pub fn choose_stage(
+    model: &dyn Network,
+    cfg: &TrainConfig,
+    train: &Dataset,
+) -> Result<(Stage, Vec<String>)> {
     match cfg.stage {
         StageChoice::Fixed(s) => Ok((s, vec![])),
         StageChoice::Auto => {
+            let act = crate::activations::activation_peak(model, train, cfg)?;
             let est = stage_estimates(model, cfg)?;
-            let mut lines: Vec<String> = est
-                .iter()
-                .map(|(s, b)| format!("  stage {}: ~{} per rank", s.index(), format_bytes(*b)))
-                .collect();
+            let mut lines = vec![format!(
+                "  activations and scratch: ~{} per rank (one microbatch of {} samples run once, --recompute {})",
+                format_bytes(act),
+                crate::activations::microbatch(cfg),
+                cfg.recompute.name()
+            )];
+            let est: Vec<(Stage, u64)> = est.into_iter().map(|(s, b)| (s, b + act)).collect();
+            lines.extend(est.iter().map(|(s, b)| {
+                format!(
+                    "  stage {}: ~{} per rank (model state + activations)",
+                    s.index(),
+                    format_bytes(*b)
+                )
+            }));
             let pick = match cfg.device_memory {
                 None => Some(Stage::Zero0),
                 Some(cap) => est.iter().find(|(_, b)| *b <= cap).map(|(s, _)| *s),
@@ -835,7 +854,7 @@ fn job_plan(
         }
         None => model,
     };
-    let (stage, stage_lines) = choose_stage(&*model, cfg)?;
+    let (stage, stage_lines) = choose_stage(&*model, cfg, &train)?;
     if train.is_empty() {
         return Err(RuntimeError::config(format!(
             "the training set of '{}' is empty (--samples {}): nothing to train on",

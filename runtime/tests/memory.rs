@@ -126,3 +126,83 @@ fn the_accounted_peak_is_exactly_the_cap_a_run_needs() {
         }
     }
 }
+
+fn narrow_gpt(batch: usize) -> TrainConfig {
+    TrainConfig {
+        world: 1,
+        stage: StageChoice::Fixed(Stage::Zero0),
+        model: "gpt".into(),
+        dataset: "text".into(),
+        n_layer: Some(2),
+        n_head: Some(2),
+        n_embd: Some(32),
+        block_size: Some(16),
+        optimizer: "adamw".into(),
+        lr: 1e-3,
+        steps: Some(1),
+        batch_size: batch,
+        timeout_s: 30,
+        ..TrainConfig::default()
+    }
+}
+
+/// ACTEST-1: the dry run's activations grow with the microbatch, shrink with recomputation,
+/// and match what a training step registers (its activations and scratch peaks).
+#[test]
+fn the_activation_estimate_is_what_a_step_registers_actest_1() {
+    use shardline_runtime::activations::activation_peak;
+    use shardline_runtime::engine::Recompute;
+    use shardline_runtime::train;
+    let est = |cfg: &TrainConfig| {
+        let p = train::plan(cfg).expect("plan");
+        activation_peak(&*p.model, &p.train, cfg).expect("dry run")
+    };
+    let (small, big) = (est(&narrow_gpt(4)), est(&narrow_gpt(16)));
+    assert!(big > small, "batch 16 {big} <= batch 4 {small}");
+    let mut units = narrow_gpt(16);
+    units.recompute = Recompute::Units;
+    let rec = est(&units);
+    assert!(rec < big, "recompute {rec} >= none {big}");
+    // Against the engine's registrations over a real step at world 1 (the closing
+    // evaluation holds less, EVAL-2).
+    for cfg in [narrow_gpt(16), units] {
+        let s = run_ok(cfg.clone(), quiet());
+        let cat = |k: &str| s.peak_by_category[0].iter().find(|c| c.0 == k).map(|c| c.1).unwrap();
+        let (act, scratch) = (cat("activations"), cat("scratch"));
+        let e = est(&cfg) as f64;
+        let step = (act + scratch) as f64;
+        // Without recomputation the dry run registers what the step does (1.8% less on this
+        // model); with it the engine's step holds about 0.2 MiB more than the dry run
+        // (7.6%), not yet traced, so the estimate may be low by that much.
+        let tol = if cfg.recompute == Recompute::None { 0.05 } else { 0.10 };
+        assert!(
+            e <= step && e / step > 1.0 - tol,
+            "{:?}: estimate {e} against the step's {step}",
+            cfg.recompute
+        );
+    }
+}
+
+/// `--stage auto` adds one microbatch's activations to each stage's model state: a cap that
+/// fits stage 0's model state but not with its activations picks a higher stage, and says
+/// what it measured.
+#[test]
+fn stage_auto_counts_the_activations() {
+    use shardline_runtime::train;
+    let mut cfg = narrow_gpt(16);
+    cfg.world = 2;
+    let p = train::plan(&cfg).expect("plan");
+    let state = train::stage_estimates(&*p.model, &cfg).unwrap();
+    let act = shardline_runtime::activations::activation_peak(&*p.model, &p.train, &cfg).unwrap();
+    // Room for stage 0's model state and half the activations: not enough.
+    cfg.device_memory = Some(state[0].1 + act / 2);
+    cfg.stage = StageChoice::Auto;
+    let lines = train::choose_stage(&*p.model, &cfg, &p.train).map(|(s, l)| (s, l.join("\n")));
+    match lines {
+        Ok((s, text)) => {
+            assert_ne!(s, Stage::Zero0, "{text}");
+            assert!(text.contains("activations and scratch"), "{text}");
+        }
+        Err(e) => assert!(e.to_string().contains("activations and scratch"), "{e}"),
+    }
+}
