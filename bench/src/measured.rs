@@ -20,6 +20,7 @@ use crate::alloc;
 use crate::report;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use shardline_runtime::engine::Recompute;
 use shardline_runtime::launch::{run_worker_planned, WorkerEnv};
 use shardline_runtime::memory::format_bytes;
 use shardline_runtime::shard::Stage;
@@ -41,6 +42,9 @@ pub struct Args {
     /// ZeRO stages, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
     pub stage: Vec<u8>,
+    /// Recompute choices, comma-separated: none, units (`--recompute`).
+    #[arg(long, value_delimiter = ',', default_value = "none,units")]
+    pub recompute: Vec<String>,
     /// Training steps per run.
     #[arg(long, default_value_t = 3)]
     pub steps: u64,
@@ -87,6 +91,8 @@ pub struct Row {
     pub world: usize,
     /// ZeRO stage.
     pub stage: u8,
+    /// `--recompute`.
+    pub recompute: String,
     /// What the rank reported.
     #[serde(flatten)]
     pub report: RankReport,
@@ -94,7 +100,17 @@ pub struct Row {
     pub ratio: f64,
 }
 
-fn config(a: &Args, model: &str, world: usize, stage: u8) -> anyhow::Result<TrainConfig> {
+fn config(
+    a: &Args,
+    model: &str,
+    world: usize,
+    (stage, recompute): (u8, &str),
+) -> anyhow::Result<TrainConfig> {
+    let recompute = match recompute {
+        "none" => Recompute::None,
+        "units" => Recompute::Units,
+        other => bail!("--recompute: unknown choice '{other}' (none, units)"),
+    };
     let mut cfg = TrainConfig {
         world,
         stage: StageChoice::Fixed(Stage::from_index(stage)?),
@@ -103,6 +119,7 @@ fn config(a: &Args, model: &str, world: usize, stage: u8) -> anyhow::Result<Trai
         steps: Some(a.steps),
         batch_size: a.batch_size,
         sync_bn: SyncBnMode::On,
+        recompute,
         timeout_s: 120,
         ..TrainConfig::default()
     };
@@ -225,16 +242,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         a.batch_size, a.steps
     );
     println!(
-        "{:<10} {:>5} {:>5} {:>4} {:>11} {:>11} {:>7} {:>11}  accounted categories",
-        "model", "world", "stage", "rank", "accounted", "measured", "ratio", "baseline"
+        "{:<10} {:>5} {:>5} {:>9} {:>4} {:>11} {:>11} {:>7} {:>11}  accounted categories",
+        "model",
+        "world",
+        "stage",
+        "recompute",
+        "rank",
+        "accounted",
+        "measured",
+        "ratio",
+        "baseline"
     );
     let mut rows = Vec::new();
     for model in &a.models {
         for &world in &a.world {
-            for &stage in &a.stage {
-                let cfg = config(&a, model, world, stage)?;
-                let reports = run_job(&cfg, Duration::from_secs(a.deadline_s))
-                    .with_context(|| format!("{model} world {world} stage {stage}"))?;
+            for (&stage, rec) in
+                a.stage.iter().flat_map(|s| a.recompute.iter().map(move |r| (s, r)))
+            {
+                let cfg = config(&a, model, world, (stage, rec))?;
+                let reports =
+                    run_job(&cfg, Duration::from_secs(a.deadline_s)).with_context(|| {
+                        format!("{model} world {world} stage {stage} recompute {rec}")
+                    })?;
                 for r in reports {
                     let ratio = r.measured_bytes as f64 / r.accounted_bytes.max(1) as f64;
                     let mut cats: Vec<&(String, u64)> =
@@ -246,10 +275,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         .map(|(k, b)| format!("{k} {}", format_bytes(*b)))
                         .collect();
                     println!(
-                        "{:<10} {:>5} {:>5} {:>4} {:>11} {:>11} {:>7.2} {:>11}  {}",
+                        "{:<10} {:>5} {:>5} {:>9} {:>4} {:>11} {:>11} {:>7.3} {:>11}  {}",
                         model,
                         world,
                         stage,
+                        rec,
                         r.rank,
                         format_bytes(r.accounted_bytes),
                         format_bytes(r.measured_bytes),
@@ -257,7 +287,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         format_bytes(r.baseline_bytes),
                         cats.join(", ")
                     );
-                    rows.push(Row { model: model.clone(), world, stage, report: r, ratio });
+                    let recompute = rec.clone();
+                    rows.push(Row {
+                        model: model.clone(),
+                        world,
+                        stage,
+                        recompute,
+                        report: r,
+                        ratio,
+                    });
                 }
             }
         }

@@ -105,6 +105,8 @@ fn memory_measured_runs_one_process_per_rank_meas_2() {
         "3",
         "--steps",
         "1",
+        "--recompute",
+        "none",
         "--deadline-s",
         "100",
         "--json",
