@@ -31,7 +31,7 @@ use super::prefetch::GatherIo;
 use super::stage::{BeforeUse, GradReduce, Update};
 use super::{RankEngine, StepState};
 use crate::error::{Result, RuntimeError};
-use crate::memory::Allocation;
+use crate::memory::{Allocation, Category};
 use crate::optim;
 use crate::telemetry::Row;
 
@@ -197,8 +197,14 @@ pub(crate) enum ReduceWork {
     ReduceScatterInPlace(Work<Vec<f32>>),
     /// Stages 2 and 3: reduce-scatter of the unit's transient full gradient (counted by
     /// `alloc`) into its shard; `add`: into the gradients an earlier microbatch left there
-    /// (ACC-3), else in place of the last step's.
-    ReduceScatter { work: Work<(Vec<f32>, Vec<f32>)>, alloc: Option<Allocation>, add: bool },
+    /// (ACC-3), else in place of the last step's. `out` counts the shard buffer the result
+    /// arrives in until it takes the place of the kept shard (MEM-5).
+    ReduceScatter {
+        work: Work<(Vec<f32>, Vec<f32>)>,
+        alloc: Option<Allocation>,
+        out: Allocation,
+        add: bool,
+    },
     /// Any stage with reduce dtype bf16 (PREC-4).
     Packed(super::precision::PackedReduction),
 }
@@ -237,10 +243,12 @@ impl RankEngine {
             ),
             GradReduce::ReduceScatter => {
                 let len = self.layout.unit(u).shard_len();
-                let mut out = self.comm.pool().take(len);
-                out.resize(len, 0.0);
-                let work = self.reduce.reduce_scatter(gfull, out, ReduceOp::Sum);
-                ReduceWork::ReduceScatter { work, alloc, add }
+                let mut buf = self.comm.pool().take(len);
+                buf.resize(len, 0.0);
+                let what = format!("{} (reduce-scatter output)", self.labels[u]);
+                let out = self.mem.alloc_f32(Category::Grads, len, &what)?;
+                let work = self.reduce.reduce_scatter(gfull, buf, ReduceOp::Sum);
+                ReduceWork::ReduceScatter { work, alloc, out, add }
             }
         };
         reds.issue(u, unreduced, work);
@@ -266,7 +274,7 @@ impl RankEngine {
                 // The persistent full buffer; its own slice holds the result.
                 self.state.grads[unit] = clock.wait(trace, rank, work, Row::Reduce, &what)?;
             }
-            ReduceWork::ReduceScatter { work, alloc, add } => {
+            ReduceWork::ReduceScatter { work, alloc, out, add } => {
                 let what = format!("reduce-scatter {}", self.labels[unit]);
                 let (full, shard) = clock.wait(trace, rank, work, Row::Reduce, &what)?;
                 let old = if add {
@@ -277,8 +285,9 @@ impl RankEngine {
                 } else {
                     std::mem::replace(&mut self.state.grads[unit], shard)
                 };
-                // Unregistered before the pool keeps it: never counted twice (MEM-5).
-                drop(alloc);
+                // Unregistered before the pool keeps it: never counted twice (MEM-5). The
+                // result now holds the kept shard's registration, or was added into it.
+                drop((alloc, out));
                 self.comm.pool().give(old);
                 self.comm.pool().give(full);
             }
