@@ -225,8 +225,9 @@ impl RankEngine {
             None if self.rules.transient_grads() => {
                 let what = format!("{} (unreduced)", self.labels[u]);
                 // Taken before it is registered: never counted twice (MEM-5).
+                // Its capacity: a kept buffer may be longer than asked for.
                 let buf = self.comm.pool().take(padded);
-                let a = self.mem.alloc_f32(Category::Grads, padded, &what)?;
+                let a = self.mem.alloc_f32(Category::Grads, buf.capacity(), &what)?;
                 (true, (Some(a), buf))
             }
             None => (true, (None, std::mem::take(&mut self.state.grads[u]))),

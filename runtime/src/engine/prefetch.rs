@@ -334,8 +334,9 @@ impl GatherIo for LaneGathers<'_> {
         // (MEM-5). In place: the own shard goes straight into its slot of the gathered
         // buffer, with no separate input to copy from.
         let mut full = self.comm.pool().take(l.padded_numel());
+        // Its capacity: a kept buffer may be longer than asked for.
         let alloc =
-            self.mem.alloc_f32(Category::GatheredUnits, l.padded_numel(), &self.labels[unit])?;
+            self.mem.alloc_f32(Category::GatheredUnits, full.capacity(), &self.labels[unit])?;
         full[l.shard_range(self.rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
         Ok(PendingGather { work, alloc, packed: false })
