@@ -246,7 +246,7 @@ impl RankEngine {
                 let mut buf = self.comm.pool().take(len);
                 buf.resize(len, 0.0);
                 let what = format!("{} (reduce-scatter output)", self.labels[u]);
-                let out = self.mem.alloc_f32(Category::Grads, buf.capacity(), &what)?;
+                let out = self.mem.alloc_f32(Category::CommBuffers, buf.capacity(), &what)?;
                 let work = self.reduce.reduce_scatter(gfull, buf, ReduceOp::Sum);
                 ReduceWork::ReduceScatter { work, alloc, out, add }
             }
