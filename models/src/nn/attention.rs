@@ -17,13 +17,17 @@
 //! and running sum `l` of `exp(S - m)`: with the new maximum `m'`, the output accumulator and
 //! `l` are rescaled by `exp(m - m')`, then `l += rowsum(P)` and `O_i += P V_j`, where `P =
 //! exp(S - m')`. At the end of the row `O_i /= l` and `lse = m + ln(l)` is kept. The whole `seq
-//! x seq` score matrix never exists; the scratch is one `block x block` score block.
+//! x seq` score matrix never exists; the scratch is one `block x block` score block. With
+//! dropout ([`AttnDropout`], nanoGPT's `attn_dropout`), `l` still sums the undropped `P` and
+//! `O_i += (P * Z) V_j`, the mask `Z` drawn from the key of each (sample, head, query, key).
 //!
 //! ## Backward
 //! With `D = rowsum(dO * O)` per query row, for every key block `j` and every query block `i`
 //! at or below the diagonal the scores are recomputed and `P = exp(S - lse)` (masked entries
 //! 0); then `dV_j += P^T dO_i`, `dP = dO_i V_j^T`, `dS = P * (dP - D)`, `dQ_i += scale * dS
-//! K_j` and `dK_j += scale * dS^T Q_i`.
+//! K_j` and `dK_j += scale * dS^T Q_i`. With dropout the mask is redrawn from the saved key:
+//! `dV_j += (P * Z)^T dO_i` and `dS = (P * Z) * dP - P * D` (derived in
+//! [`super::attn_dropout`]).
 //!
 //! Every block product is a product of contiguous row-major blocks, one [`Gemm::gemm`] call
 //! (a [`GemmShape`] with [`crate::Backend::gemm`]'s meaning), in `f32` and `f64` alike.
@@ -32,7 +36,8 @@
 //! - `ATTN-1`: what [`attention_forward`] saves for [`attention_backward`] is `q`, `k`, `v`
 //!   (the caller's buffers, not copies), the output and one logsumexp per (batch, head, query
 //!   row): `4 * batch * heads * seq * head_dim + batch * heads * seq` values
-//!   ([`AttnSaved::saved_values`]); no scores, whole or per block, are kept.
+//!   ([`AttnSaved::saved_values`]); no scores, whole or per block, are kept, and with
+//!   dropout no mask either, only its key.
 //! - `ATTN-2`: the blocked forward (output and logsumexp) and backward equal attention
 //!   computed from the materialised score matrix, to rounding (1e-12 in f64), for every block
 //!   size, including sizes that do not divide `seq`, sizes above `seq`, and `seq = 1`.
@@ -44,6 +49,7 @@
 
 use num_traits::Float;
 
+use super::attn_dropout::AttnDropout;
 use super::exp::RowExp;
 use super::gemm::Gemm;
 use crate::backend::GemmShape;
@@ -97,6 +103,9 @@ pub struct AttnSaved<F> {
     v: Vec<F>,
     o: Vec<F>,
     lse: Vec<F>,
+    /// The dropout of the probabilities, if any: the key its backward redraws the mask
+    /// from (ADROP-1), not the mask.
+    dropout: Option<AttnDropout>,
 }
 
 impl<F> AttnSaved<F> {
@@ -118,6 +127,22 @@ impl<F> AttnSaved<F> {
     /// `ln(sum_j exp(score_ij))` of every query row, `[batch, heads, seq]`.
     pub fn logsumexp(&self) -> &[F] {
         &self.lse
+    }
+
+    /// The dropout of the attention probabilities the call ran with.
+    pub fn dropout(&self) -> Option<AttnDropout> {
+        self.dropout
+    }
+
+    /// The same saved state with another dropout for the backward: a backward keyed
+    /// differently from its forward (ADROP-3's negative control).
+    #[cfg(test)]
+    pub(crate) fn with_dropout(mut self, dropout: Option<AttnDropout>) -> Self
+    where
+        F: Clone,
+    {
+        self.dropout = dropout;
+        self
     }
 
     /// Number of values kept (q, k, v, output, logsumexp): `4 * numel + rows` (ATTN-1).
@@ -164,10 +189,13 @@ fn check_block(block: usize, shape: &AttnShape) -> Result<(), ModelError> {
 
 /// Causal attention over `qkv` (each `[batch, heads, seq, head_dim]`, consumed and kept for
 /// backward without copying), with the softmax computed online over key blocks of `block`
-/// keys (queries go in blocks of the same size). The output is [`AttnSaved::output`].
+/// keys (queries go in blocks of the same size). With `dropout`, the probabilities are
+/// dropped after the softmax and before the product with `v` (nanoGPT's `attn_dropout`,
+/// ADROP-n). The output is [`AttnSaved::output`].
 pub fn attention_forward<F: Gemm + RowExp>(
     shape: AttnShape,
     block: usize,
+    dropout: Option<AttnDropout>,
     qkv: Qkv<F>,
 ) -> Result<AttnSaved<F>, ModelError> {
     check_block(block, &shape)?;
@@ -178,6 +206,7 @@ pub fn attention_forward<F: Gemm + RowExp>(
     shape.check("attention v", v.len(), n)?;
     let (seq, d) = (shape.seq, shape.head_dim);
     let scale = F::one() / constant::<F>(d as f64).sqrt();
+    let keep_scale = dropout.map(|dr| constant::<F>(dr.scale()));
     let mut o = vec![F::zero(); n];
     let mut lse = vec![F::zero(); shape.rows()];
     // Scratch: one block of scores (then probabilities), and each row's running max and sum.
@@ -222,6 +251,14 @@ pub fn attention_forward<F: Gemm + RowExp>(
                     let alpha = (m[r] - mx).exp();
                     let sum = F::exp_shifted(live, scale, mx);
                     masked.fill(F::zero());
+                    // The normaliser `l` sums the undropped probabilities; only the product
+                    // with V sees the dropped ones.
+                    if let (Some(dr), Some(ks)) = (dropout, keep_scale) {
+                        let mask = dr.row(bh / shape.heads, bh % shape.heads, i0 + r);
+                        for (c, x) in live.iter_mut().enumerate() {
+                            *x = if mask.keep(j0 + c) { *x * ks } else { F::zero() };
+                        }
+                    }
                     l[r] = l[r] * alpha + sum;
                     m[r] = mx;
                     for x in &mut oi[r * d..(r + 1) * d] {
@@ -246,7 +283,7 @@ pub fn attention_forward<F: Gemm + RowExp>(
             }
         }
     }
-    Ok(AttnSaved { shape, block, q, k, v, o, lse })
+    Ok(AttnSaved { shape, block, q, k, v, o, lse, dropout })
 }
 
 /// Gradients of q, k and v from the gradient of the output (`[batch, heads, seq, head_dim]`),
@@ -255,13 +292,15 @@ pub fn attention_backward<F: Gemm + RowExp>(
     saved: &AttnSaved<F>,
     grad_output: &[F],
 ) -> Result<AttnGrads<F>, ModelError> {
-    let AttnSaved { shape, block, q, k, v, o, lse } = saved;
-    let (shape, block) = (*shape, *block);
+    let AttnSaved { shape, block, q, k, v, o, lse, dropout } = saved;
+    let (shape, block, dropout) = (*shape, *block, *dropout);
     let n = shape.numel();
     shape.check("attention grad_output", grad_output.len(), n)?;
     let (seq, d) = (shape.seq, shape.head_dim);
     let scale = F::one() / constant::<F>(d as f64).sqrt();
-    // D = rowsum(dO * O), one per query row.
+    let keep_scale = dropout.map(|dr| constant::<F>(dr.scale()));
+    // D = rowsum(dO * O), one per query row; with dropout too (ADROP-n: the row sum of the
+    // softmax Jacobian is dO . O whether or not the probabilities were dropped).
     let dsum: Vec<F> = grad_output
         .chunks_exact(d)
         .zip(o.chunks_exact(d))
@@ -273,6 +312,8 @@ pub fn attention_backward<F: Gemm + RowExp>(
     // Scratch: probabilities and their gradient for one block pair.
     let mut p = vec![F::zero(); block * block];
     let mut dp = vec![F::zero(); block * block];
+    // The dropped probabilities `P * Z` of the block pair (dropout only).
+    let mut pd = vec![F::zero(); if dropout.is_some() { block * block } else { 0 }];
     for bh in 0..shape.batch * shape.heads {
         let base = bh * seq * d;
         let span = base..base + seq * d;
@@ -312,10 +353,27 @@ pub fn attention_backward<F: Gemm + RowExp>(
                     F::exp_shifted(live, scale, lse_h[query]);
                     masked.fill(F::zero());
                 }
-                // dV_j += P^T dO_i
+                // The probabilities that reached V: the forward's mask, redrawn.
+                let pv: &[F] = match (dropout, keep_scale) {
+                    (Some(dr), Some(ks)) => {
+                        let pdij = &mut pd[..br * bc];
+                        for r in 0..br {
+                            let mask = dr.row(bh / shape.heads, bh % shape.heads, i0 + r);
+                            let at = r * bc..(r + 1) * bc;
+                            for (c, (x, &pv)) in
+                                pdij[at.clone()].iter_mut().zip(&pij[at]).enumerate()
+                            {
+                                *x = if mask.keep(j0 + c) { pv * ks } else { F::zero() };
+                            }
+                        }
+                        pdij
+                    }
+                    _ => pij,
+                };
+                // dV_j += (P * Z)^T dO_i
                 F::gemm(
                     GemmShape { m: bc, n: d, k: br, trans_a: true, trans_b: false },
-                    pij,
+                    pv,
                     doi,
                     dvj,
                     true,
@@ -328,12 +386,21 @@ pub fn attention_backward<F: Gemm + RowExp>(
                     dpij,
                     false,
                 );
-                // dS = P * (dP - D), with the score scale folded in.
+                // dS = P * (dP - D), with the score scale folded in. With dropout, dP~ is the
+                // gradient of the dropped probabilities and dS = P~ * dP~ - P * D (ADROP-n).
                 for r in 0..br {
                     let dr = dsum_h[i0 + r];
-                    let prow = &pij[r * bc..(r + 1) * bc];
-                    for (x, &pv) in dpij[r * bc..(r + 1) * bc].iter_mut().zip(prow) {
-                        *x = pv * (*x - dr) * scale;
+                    let at = r * bc..(r + 1) * bc;
+                    let prow = &pij[at.clone()];
+                    if dropout.is_some() {
+                        let pdrow = &pv[at.clone()];
+                        for ((x, &pu), &pdv) in dpij[at].iter_mut().zip(prow).zip(pdrow) {
+                            *x = (pdv * *x - pu * dr) * scale;
+                        }
+                    } else {
+                        for (x, &pv) in dpij[at].iter_mut().zip(prow) {
+                            *x = pv * (*x - dr) * scale;
+                        }
                     }
                 }
                 // dQ_i += dS K_j
@@ -537,20 +604,21 @@ mod tests {
     /// logsumexp per (batch, head, row): nothing of size seq x seq, for any block size.
     #[test]
     fn saved_state_is_qkv_output_and_logsumexp() {
-        // The struct holds five vectors, the shape and the block size and nothing else, so
-        // no field can hold scores: a new field changes its size.
+        // The struct holds five vectors, the shape, the block size and the dropout key and
+        // nothing else, so no field can hold scores or a mask: a new field changes its size.
         assert_eq!(
             std::mem::size_of::<AttnSaved<f64>>(),
             5 * std::mem::size_of::<Vec<f64>>()
                 + std::mem::size_of::<AttnShape>()
                 + std::mem::size_of::<usize>()
+                + std::mem::size_of::<Option<AttnDropout>>()
         );
         for (s, block) in
             [(shape(2, 3, 37, 4), 8), (shape(1, 2, 64, 3), 64), (shape(2, 2, 1, 3), 5)]
         {
             let x = rand_qkv(s, 7);
             let ptrs = (x.q.as_ptr(), x.k.as_ptr(), x.v.as_ptr());
-            let saved = attention_forward(s, block, x).unwrap();
+            let saved = attention_forward(s, block, None, x).unwrap();
             assert_eq!(
                 (saved.q.as_ptr(), saved.k.as_ptr(), saved.v.as_ptr()),
                 ptrs,
@@ -581,7 +649,7 @@ mod tests {
             let go = rand_vec(s.numel(), 200 + seq as u64);
             let want = naive_backward(s, &x, &p, &go);
             for block in [1, 2, 3, 4, 5, 8, 16, 32, 64] {
-                let saved = attention_forward(s, block, x.clone()).unwrap();
+                let saved = attention_forward(s, block, None, x.clone()).unwrap();
                 let at = format!("seq {seq} block {block}");
                 assert!(max_diff(saved.output(), &o) < 1e-12, "{at}: output");
                 assert!(max_diff(saved.logsumexp(), &lse) < 1e-12, "{at}: logsumexp");
@@ -603,7 +671,7 @@ mod tests {
         let want = naive_backward(s, &x, &p, &go);
         let f = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
         let x32 = Qkv { q: f(&x.q), k: f(&x.k), v: f(&x.v) };
-        let saved = attention_forward(s, 4, x32).unwrap();
+        let saved = attention_forward(s, 4, None, x32).unwrap();
         let g = attention_backward(&saved, &f(&go)).unwrap();
         let up = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
         assert!(max_diff(&up(saved.output()), &o) < 1e-5);
@@ -627,7 +695,7 @@ mod tests {
         grads: &AttnGrads<f64>,
     ) -> Vec<String> {
         let loss = |x: Qkv<f64>| -> f64 {
-            let saved = attention_forward(s, block, x).unwrap();
+            let saved = attention_forward(s, block, None, x).unwrap();
             saved.output().iter().zip(r).map(|(a, b)| a * b).sum()
         };
         let h = 1e-5;
@@ -668,7 +736,7 @@ mod tests {
         for (case, (s, block)) in FD_CASES.into_iter().enumerate() {
             let x = rand_qkv(s, 40 + case as u64);
             let r = rand_vec(s.numel(), 50 + case as u64);
-            let saved = attention_forward(s, block, x.clone()).unwrap();
+            let saved = attention_forward(s, block, None, x.clone()).unwrap();
             let g = attention_backward(&saved, &r).unwrap();
             let bad = fd_mismatches(s, block, &x, &r, &g);
             assert!(bad.is_empty(), "{s:?} block {block}:\n{}", bad.join("\n"));
@@ -686,7 +754,7 @@ mod tests {
         let (s, block) = FD_CASES[0];
         let x = rand_qkv(s, 40);
         let r = rand_vec(s.numel(), 50);
-        let saved = attention_forward(s, block, x.clone()).unwrap();
+        let saved = attention_forward(s, block, None, x.clone()).unwrap();
         let good = attention_backward(&saved, &r).unwrap();
         for (which, i) in [("dq", 17), ("dk", 0), ("dv", s.numel() - 1)] {
             let mut g = good.clone();
@@ -797,7 +865,7 @@ mod tests {
         let dy: Vec<f64> =
             (0..s.batch * s.seq * s.embd()).map(|i| (0.23 * i as f64 - 0.4).cos()).collect();
         for block in [1, 2, 3, 4, 64] {
-            let saved = attention_forward(s, block, split_qkv(s, &qkv).unwrap()).unwrap();
+            let saved = attention_forward(s, block, None, split_qkv(s, &qkv).unwrap()).unwrap();
             let y = merge_heads(s, saved.output()).unwrap();
             assert!(max_diff(&y, &TORCH_Y) < 1e-12, "block {block}: y");
             let g = attention_backward(&saved, &merge_heads_backward(s, &dy).unwrap()).unwrap();
@@ -862,14 +930,14 @@ mod tests {
     fn rejects_bad_lengths_and_sizes() {
         let s = shape(1, 2, 3, 4);
         let x = rand_qkv(s, 1);
-        assert!(matches!(attention_forward(s, 0, x.clone()), Err(ModelError::Config(_))));
+        assert!(matches!(attention_forward(s, 0, None, x.clone()), Err(ModelError::Config(_))));
         let zero_dim = shape(1, 2, 3, 0);
         let empty: Qkv<f64> = Qkv { q: vec![], k: vec![], v: vec![] };
-        assert!(matches!(attention_forward(zero_dim, 4, empty), Err(ModelError::Config(_))));
+        assert!(matches!(attention_forward(zero_dim, 4, None, empty), Err(ModelError::Config(_))));
         let mut short = x.clone();
         short.k.pop();
-        assert!(matches!(attention_forward(s, 2, short), Err(ModelError::Shape { .. })));
-        let saved = attention_forward(s, 2, x).unwrap();
+        assert!(matches!(attention_forward(s, 2, None, short), Err(ModelError::Shape { .. })));
+        let saved = attention_forward(s, 2, None, x).unwrap();
         assert!(matches!(attention_backward(&saved, &[0.0; 5]), Err(ModelError::Shape { .. })));
         assert!(split_qkv(s, &[0.0f64; 7]).is_err());
         assert!(merge_heads(s, &[0.0f64; 7]).is_err());
@@ -879,7 +947,8 @@ mod tests {
         // An empty batch is a valid call with empty results.
         let none = shape(0, 2, 3, 4);
         let saved =
-            attention_forward(none, 2, Qkv { q: vec![0.0f64; 0], k: vec![], v: vec![] }).unwrap();
+            attention_forward(none, 2, None, Qkv { q: vec![0.0f64; 0], k: vec![], v: vec![] })
+                .unwrap();
         assert!(saved.output().is_empty() && saved.logsumexp().is_empty());
     }
 }

@@ -449,7 +449,8 @@ impl GptConfig {
             let ln_1 = k.ln.forward(&params[br.ln_1.clone()], &x, &mut h1)?;
             let mut qkv = vec![T::zero(); rows * 3 * e];
             k.c_attn.forward(&params[br.c_attn.clone()], &h1, &mut qkv)?;
-            let attn = attention_forward(shape, ATTN_BLOCK.min(seq), split_qkv(shape, &qkv)?)?;
+            let attn =
+                attention_forward(shape, ATTN_BLOCK.min(seq), None, split_qkv(shape, &qkv)?)?;
             let y = merge_heads(shape, attn.output())?;
             let mut ao = vec![T::zero(); rows * e];
             k.attn_proj.forward(&params[br.attn_proj.clone()], &y, &mut ao)?;
