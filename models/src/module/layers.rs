@@ -12,8 +12,7 @@ use crate::error::ModelError;
 use crate::layers::{self, LinearSaved, MaxPool2d, MaxPoolSaved, ReluSaved, ShapeSaved};
 use crate::model::Ctx;
 use crate::nn::attention::{
-    attention_backward, attention_forward, merge_heads, merge_heads_backward, split_qkv,
-    split_qkv_backward, AttnSaved, AttnShape,
+    attention_backward_tokens, attention_forward_tokens, AttnSaved, AttnShape,
 };
 use crate::nn::attn_dropout::AttnDropout;
 use crate::nn::dropout::DropoutKey;
@@ -612,6 +611,9 @@ impl CausalSelfAttention {
 struct AttnModSaved {
     c_attn: Saved,
     attn: AttnSaved<f32>,
+    /// The merged attention output: the values `c_proj` saved as its input (shared, not
+    /// copied), which the attention backward reads (ATTN-1).
+    y: Tensor,
     c_proj: Saved,
     shape: AttnShape,
 }
@@ -645,15 +647,20 @@ impl Module for CausalSelfAttention {
         let shape = AttnShape { batch, heads: self.n_head, seq, head_dim: e / self.n_head };
         let k = self.split();
         let (qkv, c_attn) = self.c_attn.forward(p.slice(0..k)?, Buffers::none(), x, ctx)?;
-        let attn = attention_forward(
+        // q, k, v are read in place from c_attn's output and the heads are written merged
+        // (ATTN-5): no split or merge copies.
+        let mut y = vec![0.0f32; shape.numel()];
+        let attn = attention_forward_tokens(
             shape,
             ATTN_BLOCK.min(seq.max(1)),
             self.kernel_dropout(ctx)?,
-            split_qkv(shape, qkv.as_f32()?)?,
+            qkv.into_f32()?,
+            &mut y,
         )?;
-        let y = Tensor::new(vec![batch, seq, e], merge_heads(shape, attn.output())?)?;
-        let (out, c_proj) = self.c_proj.forward(p.slice(k..p.len())?, Buffers::none(), y, ctx)?;
-        Ok((out, Box::new(AttnModSaved { c_attn, attn, c_proj, shape })))
+        let y = Tensor::new(vec![batch, seq, e], y)?;
+        let (out, c_proj) =
+            self.c_proj.forward(p.slice(k..p.len())?, Buffers::none(), y.clone(), ctx)?;
+        Ok((out, Box::new(AttnModSaved { c_attn, attn, y, c_proj, shape })))
     }
 
     fn backward(
@@ -667,8 +674,7 @@ impl Module for CausalSelfAttention {
         let s: AttnModSaved = unsave(saved, "CausalSelfAttention")?;
         let (k, n) = (self.split(), p.len());
         let dyh = self.c_proj.backward(p.slice(k..n)?, s.c_proj, dy, g.slice(k..n)?, ctx)?;
-        let dqkv = attention_backward(&s.attn, &merge_heads_backward(s.shape, dyh.as_f32()?)?)?;
-        let dqkv = split_qkv_backward(s.shape, &dqkv)?;
+        let dqkv = attention_backward_tokens(&s.attn, s.y.as_f32()?, dyh.as_f32()?)?;
         let e = self.embd();
         let dqkv = Tensor::new(vec![s.shape.batch, s.shape.seq, 3 * e], dqkv)?;
         self.c_attn.backward(p.slice(0..k)?, s.c_attn, dqkv, g.slice(0..k)?, ctx)
