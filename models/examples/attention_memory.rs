@@ -56,7 +56,10 @@ fn main() {
     // kernel's.
     let shape = AttnShape { batch: 1, heads, seq: 64, head_dim: d };
     let z = vec![0.0f32; shape.numel()];
-    drop(attention_forward(shape, 64, Qkv { q: z.clone(), k: z.clone(), v: z }).expect("warm-up"));
+    drop(
+        attention_forward(shape, 64, None, Qkv { q: z.clone(), k: z.clone(), v: z })
+            .expect("warm-up"),
+    );
     println!(
         "{:>6} {:>12} {:>12} {:>12} {:>14} {:>10}",
         "T", "kept", "peak_fwd", "peak_bwd", "scores (TxT)", "kept/T"
@@ -68,7 +71,7 @@ fn main() {
         let qkv = Qkv { q: v(3), k: v(5), v: v(7) };
         let inputs = 3 * n * 4;
         let before = reset_peak();
-        let saved = attention_forward(shape, 64.min(t), qkv).expect("forward");
+        let saved = attention_forward(shape, 64.min(t), None, qkv).expect("forward");
         let peak_fwd = PEAK.load(Relaxed) - before;
         // The inputs moved into `saved`; what is live beyond them is what forward added.
         let kept = LIVE.load(Relaxed) - before + inputs;

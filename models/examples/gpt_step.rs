@@ -138,7 +138,7 @@ fn time_attention(cfg: &GptConfig) -> f64 {
     };
     let dout = randn(s.numel(), 7, 1.0);
     let t = secs(|| {
-        let saved = attention_forward(s, ATTN_BLOCK.min(SEQ), qkv).unwrap();
+        let saved = attention_forward(s, ATTN_BLOCK.min(SEQ), None, qkv).unwrap();
         attention_backward(&saved, &dout).unwrap();
     });
     t * cfg.n_layer as f64

@@ -13,12 +13,13 @@
 //!   zero biases, unit LayerNorm gains.
 //! - `MGPT-2`: `transformer.wte.weight`'s gradient sums the output head's use and the
 //!   embedding's (GPT-2), both in the root unit before it is reduced.
-//! - `MGPT-3`: with `dropout > 0`, training drops where nanoGPT's dropout layers do:
-//!   `transformer.drop` (the embeddings' sum, dropout layer 0), and each block's
-//!   `attn.resid_dropout` and `mlp.dropout` (the two residual branches' outputs, layers
-//!   `1 + 2 i` and `2 + 2 i` of block `i`), each keyed as DROP-1 says, so any world size
-//!   and a resumed run draw the same masks. nanoGPT's `attn_dropout` (on the attention
-//!   weights) is not applied. `dropout = 0` builds no dropout module at all.
+//! - `MGPT-3`: with `dropout > 0`, training drops where nanoGPT's four dropout layers do:
+//!   `transformer.drop` (the embeddings' sum, dropout layer 0), and in block `i`
+//!   `attn.attn_dropout` (the attention probabilities after the softmax, layer `1 + 3 i`,
+//!   keyed as ADROP-1 says), `attn.resid_dropout` and `mlp.dropout` (the two residual
+//!   branches' outputs, layers `2 + 3 i` and `3 + 3 i`, keyed as DROP-1 says), so any world
+//!   size, a resumed run and a recomputed forward draw the same masks. `dropout = 0` builds
+//!   no dropout at all.
 
 use super::layers::{Activation, CausalSelfAttention, Dropout, LayerNorm, Linear};
 use super::{unsave, Grads, Init, Param, Params, Residual, RootModule, Saved, Sequential};
@@ -205,8 +206,8 @@ impl RootModule for GptRoot {
 }
 
 /// Block `layer` of a `gpt`: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (nanoGPT's
-/// `Block`, with its names), each branch ending in its dropout when `cfg.dropout > 0`
-/// (MGPT-3).
+/// `Block`, with its names); when `cfg.dropout > 0` the attention drops its probabilities
+/// and each branch ends in its dropout (MGPT-3).
 pub fn block(cfg: &GptConfig, layer: usize) -> Result<Sequential, ModelError> {
     let (e, bias) = (cfg.n_embd, cfg.bias);
     let ln = || LayerNorm(nn::LayerNorm { dim: e, eps: cfg.layernorm_eps as f32, bias });
@@ -219,11 +220,14 @@ pub fn block(cfg: &GptConfig, layer: usize) -> Result<Sequential, ModelError> {
         .push("c_fc", Linear::new(e, 4 * e, bias).with_init(w, z))
         .push("", Activation::Gelu)
         .push("c_proj", Linear::new(4 * e, e, bias).with_init(proj, z));
+    let drop = |k: usize| Dropout { p: cfg.dropout, layer: (1 + 3 * layer + k) as u64 };
+    if cfg.dropout > 0.0 {
+        attn = attn.with_attn_dropout(drop(0));
+    }
     let mut attn_branch = Sequential::new().push("ln_1", ln()).push("attn", attn);
     if cfg.dropout > 0.0 {
-        let drop = |k: usize| Dropout { p: cfg.dropout, layer: (1 + 2 * layer + k) as u64 };
-        attn_branch = attn_branch.push("", drop(0));
-        mlp = mlp.push("", drop(1));
+        attn_branch = attn_branch.push("", drop(1));
+        mlp = mlp.push("", drop(2));
     }
     Ok(Sequential::new()
         .push("", Residual::new(attn_branch))
@@ -353,6 +357,39 @@ mod tests {
                 at += n;
             }
         }
+    }
+
+    /// MGPT-3: the attention drops its probabilities while training (ADROP-n) and not in
+    /// evaluation; the drop moves the output and the gradient, and the layer's mask is its
+    /// own (another layer index draws another).
+    #[test]
+    fn attention_drops_its_probabilities_while_training_mgpt_3() {
+        use crate::module::{Buffers, Grads};
+        let be = Cpu::new();
+        let (e, heads, b, t) = (8, 2, 3, 6);
+        let plain = CausalSelfAttention::new(e, heads, true).unwrap();
+        let dropping = |layer| plain.clone().with_attn_dropout(Dropout { p: 0.4, layer });
+        let n = super::super::numel(&plain.params());
+        let params: Vec<f32> = (0..n).map(|i| (0.7 * i as f32).sin() * 0.5).collect();
+        let x: Vec<f32> = (0..b * t * e).map(|i| (0.31 * i as f32).cos()).collect();
+        let run = |m: &CausalSelfAttention, training: bool| {
+            let mut ctx = Ctx::new(&be, training, b);
+            (ctx.seed, ctx.step, ctx.first_sample) = (5, 2, 7);
+            let xt = Tensor::new(vec![b, t, e], x.clone()).unwrap();
+            let (y, s) = m.forward(Params::new(&params), Buffers::none(), xt, &ctx).unwrap();
+            let dy = Tensor::new(vec![b, t, e], vec![1.0; b * t * e]).unwrap();
+            let mut g = vec![0.0f32; n];
+            let dx = m.backward(Params::new(&params), s, dy, Grads::new(&mut g), &ctx).unwrap();
+            (y.as_f32().unwrap().to_vec(), dx.as_f32().unwrap().to_vec(), g)
+        };
+        let none = run(&plain, true);
+        let dropped = run(&dropping(1), true);
+        assert_ne!(dropped.0, none.0, "output");
+        assert_ne!(dropped.1, none.1, "input gradient");
+        assert_ne!(dropped.2, none.2, "parameter gradients");
+        assert_eq!(run(&dropping(1), true), dropped, "the same key draws the same mask");
+        assert_ne!(run(&dropping(4), true).0, dropped.0, "another layer draws another mask");
+        assert_eq!(run(&dropping(1), false), run(&plain, false), "no dropout in evaluation");
     }
 
     #[test]

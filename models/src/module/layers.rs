@@ -12,9 +12,9 @@ use crate::error::ModelError;
 use crate::layers::{self, LinearSaved, MaxPool2d, MaxPoolSaved, ReluSaved, ShapeSaved};
 use crate::model::Ctx;
 use crate::nn::attention::{
-    attention_backward, attention_forward, merge_heads, merge_heads_backward, split_qkv,
-    split_qkv_backward, AttnSaved, AttnShape,
+    attention_backward_tokens, attention_forward_tokens, AttnSaved, AttnShape,
 };
+use crate::nn::attn_dropout::AttnDropout;
 use crate::nn::dropout::DropoutKey;
 use crate::nn::{self, LayerNormSaved, RmsNormSaved};
 use crate::tensor::Tensor;
@@ -552,7 +552,10 @@ impl Module for Dropout {
 
 /// nanoGPT's `CausalSelfAttention` over `[batch, seq, n_embd]`: `c_attn` (fused q, k, v),
 /// causal attention with a blocked online softmax that saves q, k, v, the output and one
-/// logsumexp per row, never the `seq x seq` scores (ATTN-n), then `c_proj`.
+/// logsumexp per row, never the `seq x seq` scores (ATTN-n), then `c_proj`. With
+/// `attn_dropout`, the attention probabilities are dropped while training (nanoGPT's
+/// `attn_dropout`), the mask keyed by the layer, the step and each probability's place
+/// (ADROP-1).
 #[derive(Clone, Debug, PartialEq)]
 pub struct CausalSelfAttention {
     /// Heads.
@@ -561,6 +564,8 @@ pub struct CausalSelfAttention {
     pub c_attn: Linear,
     /// `c_proj`: `n_embd -> n_embd`.
     pub c_proj: Linear,
+    /// Dropout of the attention probabilities (`None`: none).
+    pub attn_dropout: Option<Dropout>,
 }
 
 impl CausalSelfAttention {
@@ -576,7 +581,22 @@ impl CausalSelfAttention {
             n_head,
             c_attn: Linear::new(n_embd, 3 * n_embd, bias),
             c_proj: Linear::new(n_embd, n_embd, bias),
+            attn_dropout: None,
         })
+    }
+
+    /// The same layer dropping its attention probabilities with `dropout` while training.
+    pub fn with_attn_dropout(mut self, dropout: Dropout) -> Self {
+        self.attn_dropout = Some(dropout);
+        self
+    }
+
+    /// The kernel's dropout in this call: none outside training or at `p = 0`.
+    fn kernel_dropout(&self, ctx: &Ctx) -> Result<Option<AttnDropout>, ModelError> {
+        match self.attn_dropout {
+            Some(d) if ctx.training => AttnDropout::new(d.p, d.key(ctx), ctx.first_sample as u64),
+            _ => Ok(None),
+        }
     }
 
     fn embd(&self) -> usize {
@@ -591,6 +611,9 @@ impl CausalSelfAttention {
 struct AttnModSaved {
     c_attn: Saved,
     attn: AttnSaved<f32>,
+    /// The merged attention output: the values `c_proj` saved as its input (shared, not
+    /// copied), which the attention backward reads (ATTN-1).
+    y: Tensor,
     c_proj: Saved,
     shape: AttnShape,
 }
@@ -624,11 +647,20 @@ impl Module for CausalSelfAttention {
         let shape = AttnShape { batch, heads: self.n_head, seq, head_dim: e / self.n_head };
         let k = self.split();
         let (qkv, c_attn) = self.c_attn.forward(p.slice(0..k)?, Buffers::none(), x, ctx)?;
-        let attn =
-            attention_forward(shape, ATTN_BLOCK.min(seq.max(1)), split_qkv(shape, qkv.as_f32()?)?)?;
-        let y = Tensor::new(vec![batch, seq, e], merge_heads(shape, attn.output())?)?;
-        let (out, c_proj) = self.c_proj.forward(p.slice(k..p.len())?, Buffers::none(), y, ctx)?;
-        Ok((out, Box::new(AttnModSaved { c_attn, attn, c_proj, shape })))
+        // q, k, v are read in place from c_attn's output and the heads are written merged
+        // (ATTN-5): no split or merge copies.
+        let mut y = vec![0.0f32; shape.numel()];
+        let attn = attention_forward_tokens(
+            shape,
+            ATTN_BLOCK.min(seq.max(1)),
+            self.kernel_dropout(ctx)?,
+            qkv.into_f32()?,
+            &mut y,
+        )?;
+        let y = Tensor::new(vec![batch, seq, e], y)?;
+        let (out, c_proj) =
+            self.c_proj.forward(p.slice(k..p.len())?, Buffers::none(), y.clone(), ctx)?;
+        Ok((out, Box::new(AttnModSaved { c_attn, attn, y, c_proj, shape })))
     }
 
     fn backward(
@@ -642,8 +674,7 @@ impl Module for CausalSelfAttention {
         let s: AttnModSaved = unsave(saved, "CausalSelfAttention")?;
         let (k, n) = (self.split(), p.len());
         let dyh = self.c_proj.backward(p.slice(k..n)?, s.c_proj, dy, g.slice(k..n)?, ctx)?;
-        let dqkv = attention_backward(&s.attn, &merge_heads_backward(s.shape, dyh.as_f32()?)?)?;
-        let dqkv = split_qkv_backward(s.shape, &dqkv)?;
+        let dqkv = attention_backward_tokens(&s.attn, s.y.as_f32()?, dyh.as_f32()?)?;
         let e = self.embd();
         let dqkv = Tensor::new(vec![s.shape.batch, s.shape.seq, 3 * e], dqkv)?;
         self.c_attn.backward(p.slice(0..k)?, s.c_attn, dqkv, g.slice(0..k)?, ctx)

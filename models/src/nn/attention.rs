@@ -17,22 +17,32 @@
 //! and running sum `l` of `exp(S - m)`: with the new maximum `m'`, the output accumulator and
 //! `l` are rescaled by `exp(m - m')`, then `l += rowsum(P)` and `O_i += P V_j`, where `P =
 //! exp(S - m')`. At the end of the row `O_i /= l` and `lse = m + ln(l)` is kept. The whole `seq
-//! x seq` score matrix never exists; the scratch is one `block x block` score block.
+//! x seq` score matrix never exists; the scratch is one `block x block` score block. With
+//! dropout ([`AttnDropout`], nanoGPT's `attn_dropout`), `l` still sums the undropped `P` and
+//! `O_i += (P * Z) V_j`, the mask `Z` drawn from the key of each (sample, head, query, key).
 //!
 //! ## Backward
 //! With `D = rowsum(dO * O)` per query row, for every key block `j` and every query block `i`
 //! at or below the diagonal the scores are recomputed and `P = exp(S - lse)` (masked entries
 //! 0); then `dV_j += P^T dO_i`, `dP = dO_i V_j^T`, `dS = P * (dP - D)`, `dQ_i += scale * dS
-//! K_j` and `dK_j += scale * dS^T Q_i`.
+//! K_j` and `dK_j += scale * dS^T Q_i`. With dropout the mask is redrawn from the saved key:
+//! `dV_j += (P * Z)^T dO_i` and `dS = (P * Z) * dP - P * D` (derived in
+//! [`super::attn_dropout`]).
 //!
-//! Every block product is a product of contiguous row-major blocks, one [`Gemm::gemm`] call
-//! (a [`GemmShape`] with [`crate::Backend::gemm`]'s meaning), in `f32` and `f64` alike.
+//! Every block product is one [`Gemm::gemm_view`] call over row blocks of q, k, v, the
+//! output and the gradients where they lie, in `f32` and `f64` alike. [`attention_forward`]
+//! takes q, k, v with heads apart (`[batch, heads, seq, head_dim]`);
+//! [`attention_forward_tokens`] reads them in place from nanoGPT's fused `c_attn` output and
+//! writes the output with its heads merged, and its backward writes the gradient of the
+//! fused buffer: no split, merge or their backwards move values on that route.
 //!
 //! Invariants:
-//! - `ATTN-1`: what [`attention_forward`] saves for [`attention_backward`] is `q`, `k`, `v`
-//!   (the caller's buffers, not copies), the output and one logsumexp per (batch, head, query
-//!   row): `4 * batch * heads * seq * head_dim + batch * heads * seq` values
-//!   ([`AttnSaved::saved_values`]); no scores, whole or per block, are kept.
+//! - `ATTN-1`: what the forward saves for the backward is `q`, `k`, `v` (the caller's fused
+//!   buffer itself on the token route), the output (on the token route the caller's merged
+//!   output, which `c_proj` keeps as its input anyway) and one logsumexp per (batch, head,
+//!   query row): `4 * batch * heads * seq * head_dim + batch * heads * seq` values in all
+//!   ([`AttnSaved::saved_values`]); no scores, whole or per block, are kept, and with
+//!   dropout no mask either, only its key.
 //! - `ATTN-2`: the blocked forward (output and logsumexp) and backward equal attention
 //!   computed from the materialised score matrix, to rounding (1e-12 in f64), for every block
 //!   size, including sizes that do not divide `seq`, sizes above `seq`, and `seq = 1`.
@@ -41,12 +51,15 @@
 //! - `ATTN-4`: [`split_qkv`] and [`merge_heads`] only move values (each input value lands in
 //!   exactly one output place), and [`split_qkv_backward`] and [`merge_heads_backward`] are the
 //!   inverse moves, which for a permutation is the exact derivative.
+//! - `ATTN-5`: the token route ([`attention_forward_tokens`], [`attention_backward_tokens`])
+//!   computes what split, [`attention_forward`], merge and their backwards compute, to
+//!   rounding (1e-12 in f64), with and without dropout.
 
 use num_traits::Float;
 
+use super::attn_dropout::AttnDropout;
 use super::exp::RowExp;
-use super::gemm::Gemm;
-use crate::backend::GemmShape;
+use super::gemm::{Gemm, View};
 use crate::error::ModelError;
 
 /// The shape of one attention call: q, k, v and the output are `[batch, heads, seq,
@@ -87,16 +100,63 @@ impl AttnShape {
     }
 }
 
-/// What [`attention_forward`] keeps for [`attention_backward`] (ATTN-1), and the output.
+/// Where the rows of one (sample, head) of q, k, v, the output and their gradients lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// Heads apart: `[parts, batch, heads, seq, head_dim]` (q, k, v one after the other;
+    /// the output one part).
+    Heads,
+    /// Token rows, nanoGPT's layout: `[batch, seq, parts * embd]`, head `h` of part `part`
+    /// at columns `part * embd + h * head_dim` (the fused `c_attn` output has 3 parts, the
+    /// merged output 1).
+    Tokens { parts: usize },
+}
+
+impl Layout {
+    /// The view of head `h` of sample `b` of `part`, as `seq` rows of `head_dim` values.
+    fn head(self, s: &AttnShape, part: usize, b: usize, h: usize) -> View {
+        match self {
+            Layout::Heads => {
+                View::rows((((part * s.batch + b) * s.heads + h) * s.seq) * s.head_dim, s.head_dim)
+            }
+            Layout::Tokens { parts } => View::rows(
+                b * s.seq * parts * s.embd() + part * s.embd() + h * s.head_dim,
+                parts * s.embd(),
+            ),
+        }
+    }
+
+    /// The layout of the output (and its gradient) that goes with this layout of q, k, v.
+    fn output(self) -> Layout {
+        match self {
+            Layout::Heads => Layout::Heads,
+            Layout::Tokens { .. } => Layout::Tokens { parts: 1 },
+        }
+    }
+}
+
+/// `view` moved down `rows` rows.
+fn down(view: View, rows: usize) -> View {
+    View { off: view.off + rows * view.rs, ..view }
+}
+
+/// What the forward keeps for the backward (ATTN-1), and, from [`attention_forward`], the
+/// output.
 #[derive(Clone, Debug)]
 pub struct AttnSaved<F> {
     shape: AttnShape,
     block: usize,
-    q: Vec<F>,
-    k: Vec<F>,
-    v: Vec<F>,
+    layout: Layout,
+    /// q, k and v: `[3, batch, heads, seq, head_dim]` from [`attention_forward`], the
+    /// caller's fused `[batch, seq, 3 * embd]` from [`attention_forward_tokens`].
+    src: Vec<F>,
+    /// The output in head layout; empty from [`attention_forward_tokens`], whose caller
+    /// holds the merged output.
     o: Vec<F>,
     lse: Vec<F>,
+    /// The dropout of the probabilities, if any: the key its backward redraws the mask
+    /// from (ADROP-1), not the mask.
+    dropout: Option<AttnDropout>,
 }
 
 impl<F> AttnSaved<F> {
@@ -110,7 +170,8 @@ impl<F> AttnSaved<F> {
         self.block
     }
 
-    /// The attention output, `[batch, heads, seq, head_dim]`.
+    /// The attention output of [`attention_forward`], `[batch, heads, seq, head_dim]`; empty
+    /// after [`attention_forward_tokens`], which hands its output to the caller.
     pub fn output(&self) -> &[F] {
         &self.o
     }
@@ -120,9 +181,24 @@ impl<F> AttnSaved<F> {
         &self.lse
     }
 
-    /// Number of values kept (q, k, v, output, logsumexp): `4 * numel + rows` (ATTN-1).
+    /// The dropout of the attention probabilities the call ran with.
+    pub fn dropout(&self) -> Option<AttnDropout> {
+        self.dropout
+    }
+
+    /// The same saved state with another dropout for the backward: a backward keyed
+    /// differently from its forward (ADROP-3's negative control).
+    #[cfg(test)]
+    pub(crate) fn with_dropout(mut self, dropout: Option<AttnDropout>) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Number of values kept: q, k, v, the output when the struct holds it, and the
+    /// logsumexp; `4 * numel + rows` from [`attention_forward`], `3 * numel + rows` from
+    /// [`attention_forward_tokens`] (ATTN-1).
     pub fn saved_values(&self) -> usize {
-        self.q.len() + self.k.len() + self.v.len() + self.o.len() + self.lse.len()
+        self.src.len() + self.o.len() + self.lse.len()
     }
 }
 
@@ -162,12 +238,14 @@ fn check_block(block: usize, shape: &AttnShape) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Causal attention over `qkv` (each `[batch, heads, seq, head_dim]`, consumed and kept for
-/// backward without copying), with the softmax computed online over key blocks of `block`
-/// keys (queries go in blocks of the same size). The output is [`AttnSaved::output`].
+/// Causal attention over `qkv` (each `[batch, heads, seq, head_dim]`), with the softmax
+/// computed online over key blocks of `block` keys (queries go in blocks of the same size).
+/// With `dropout`, the probabilities are dropped after the softmax and before the product
+/// with `v` (nanoGPT's `attn_dropout`, ADROP-n). The output is [`AttnSaved::output`].
 pub fn attention_forward<F: Gemm + RowExp>(
     shape: AttnShape,
     block: usize,
+    dropout: Option<AttnDropout>,
     qkv: Qkv<F>,
 ) -> Result<AttnSaved<F>, ModelError> {
     check_block(block, &shape)?;
@@ -176,40 +254,76 @@ pub fn attention_forward<F: Gemm + RowExp>(
     shape.check("attention q", q.len(), n)?;
     shape.check("attention k", k.len(), n)?;
     shape.check("attention v", v.len(), n)?;
-    let (seq, d) = (shape.seq, shape.head_dim);
-    let scale = F::one() / constant::<F>(d as f64).sqrt();
+    let mut src = q;
+    src.extend_from_slice(&k);
+    src.extend_from_slice(&v);
     let mut o = vec![F::zero(); n];
     let mut lse = vec![F::zero(); shape.rows()];
+    forward_core(shape, block, dropout, (&src, Layout::Heads), &mut o, &mut lse);
+    Ok(AttnSaved { shape, block, layout: Layout::Heads, src, o, lse, dropout })
+}
+
+/// [`attention_forward`] on nanoGPT's layout, without moving a value: q, k and v are read in
+/// place from the fused `c_attn` output `qkv` (`[batch, seq, 3 * embd]`, consumed and kept
+/// for the backward), and the output is written merged, `[batch, seq, embd]` (nanoGPT's `y`
+/// after its heads are put back side by side), into `out`, which the caller keeps and hands
+/// to [`attention_backward_tokens`] (ATTN-5).
+pub fn attention_forward_tokens<F: Gemm + RowExp>(
+    shape: AttnShape,
+    block: usize,
+    dropout: Option<AttnDropout>,
+    qkv: Vec<F>,
+    out: &mut [F],
+) -> Result<AttnSaved<F>, ModelError> {
+    check_block(block, &shape)?;
+    shape.check("attention qkv", qkv.len(), 3 * shape.numel())?;
+    shape.check("attention output", out.len(), shape.numel())?;
+    let mut lse = vec![F::zero(); shape.rows()];
+    let layout = Layout::Tokens { parts: 3 };
+    forward_core(shape, block, dropout, (&qkv, layout), out, &mut lse);
+    Ok(AttnSaved { shape, block, layout, src: qkv, o: Vec::new(), lse, dropout })
+}
+
+/// The blocked forward over q, k, v at `layout`, the output at the matching output layout
+/// (overwritten: the first key block writes it, the next ones rescale and add).
+fn forward_core<F: Gemm + RowExp>(
+    shape: AttnShape,
+    block: usize,
+    dropout: Option<AttnDropout>,
+    (src, layout): (&[F], Layout),
+    o: &mut [F],
+    lse: &mut [F],
+) {
+    let (seq, d) = (shape.seq, shape.head_dim);
+    let scale = F::one() / constant::<F>(d as f64).sqrt();
+    let keep_scale = dropout.map(|dr| constant::<F>(dr.scale()));
+    let olay = layout.output();
     // Scratch: one block of scores (then probabilities), and each row's running max and sum.
     let mut s = vec![F::zero(); block * block];
     let mut m = vec![F::neg_infinity(); block];
     let mut l = vec![F::zero(); block];
     for bh in 0..shape.batch * shape.heads {
-        let base = bh * seq * d;
-        let (qh, kh, vh) =
-            (&q[base..base + seq * d], &k[base..base + seq * d], &v[base..base + seq * d]);
-        let oh = &mut o[base..base + seq * d];
+        let (b, h) = (bh / shape.heads, bh % shape.heads);
+        let (qh, kh, vh) = (
+            layout.head(&shape, 0, b, h),
+            layout.head(&shape, 1, b, h),
+            layout.head(&shape, 2, b, h),
+        );
+        let oh = olay.head(&shape, 0, b, h);
         for i0 in (0..seq).step_by(block) {
             let br = block.min(seq - i0);
-            let qi = &qh[i0 * d..(i0 + br) * d];
-            let oi = &mut oh[i0 * d..(i0 + br) * d];
+            let (qi, oi) = (down(qh, i0), down(oh, i0));
             m[..br].fill(F::neg_infinity());
             l[..br].fill(F::zero());
             // Key blocks up to the diagonal. The first (j0 = 0) holds key 0, which no row
             // masks, so every row's maximum is finite from then on.
             for j0 in (0..i0 + br).step_by(block) {
                 let bc = block.min(seq - j0);
-                let kj = &kh[j0 * d..(j0 + bc) * d];
-                let vj = &vh[j0 * d..(j0 + bc) * d];
+                let (kj, vj) = (down(kh, j0), down(vh, j0));
                 let sij = &mut s[..br * bc];
                 // S = Q_i K_j^T
-                F::gemm(
-                    GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
-                    qi,
-                    kj,
-                    sij,
-                    false,
-                );
+                let sv = View::rows(0, bc);
+                F::gemm_view((br, bc, d), (src, qi), (src, kj.t()), (&mut *sij, sv), false);
                 for r in 0..br {
                     // Keys past the query (`j0 + c > i0 + r`) are masked: they end the row.
                     // `j0 <= i0`, since both step by `block` from 0.
@@ -222,88 +336,129 @@ pub fn attention_forward<F: Gemm + RowExp>(
                     let alpha = (m[r] - mx).exp();
                     let sum = F::exp_shifted(live, scale, mx);
                     masked.fill(F::zero());
+                    // The normaliser `l` sums the undropped probabilities; only the product
+                    // with V sees the dropped ones.
+                    if let (Some(dr), Some(ks)) = (dropout, keep_scale) {
+                        let mask = dr.row(b, h, i0 + r);
+                        for (c, x) in live.iter_mut().enumerate() {
+                            *x = if mask.keep(j0 + c) { *x * ks } else { F::zero() };
+                        }
+                    }
                     l[r] = l[r] * alpha + sum;
                     m[r] = mx;
-                    for x in &mut oi[r * d..(r + 1) * d] {
-                        *x = *x * alpha;
+                    if j0 > 0 {
+                        let at = oi.off + r * oi.rs;
+                        for x in &mut o[at..at + d] {
+                            *x = *x * alpha;
+                        }
                     }
                 }
-                // O_i += P V_j
-                F::gemm(
-                    GemmShape { m: br, n: d, k: bc, trans_a: false, trans_b: false },
-                    sij,
-                    vj,
-                    oi,
-                    true,
-                );
+                // O_i = P V_j for the first key block, then O_i += P V_j
+                F::gemm_view((br, d, bc), (&*sij, sv), (src, vj), (&mut *o, oi), j0 > 0);
             }
             for r in 0..br {
                 let inv = F::one() / l[r];
-                for x in &mut oi[r * d..(r + 1) * d] {
+                let at = oi.off + r * oi.rs;
+                for x in &mut o[at..at + d] {
                     *x = *x * inv;
                 }
                 lse[bh * seq + i0 + r] = m[r] + l[r].ln();
             }
         }
     }
-    Ok(AttnSaved { shape, block, q, k, v, o, lse })
 }
 
-/// Gradients of q, k and v from the gradient of the output (`[batch, heads, seq, head_dim]`),
-/// recomputing the probabilities block by block from the saved logsumexp.
+/// Gradients of q, k and v from the gradient of the output (`[batch, heads, seq, head_dim]`)
+/// of [`attention_forward`], recomputing the probabilities block by block from the saved
+/// logsumexp.
 pub fn attention_backward<F: Gemm + RowExp>(
     saved: &AttnSaved<F>,
     grad_output: &[F],
 ) -> Result<AttnGrads<F>, ModelError> {
-    let AttnSaved { shape, block, q, k, v, o, lse } = saved;
-    let (shape, block) = (*shape, *block);
-    let n = shape.numel();
-    shape.check("attention grad_output", grad_output.len(), n)?;
+    if saved.layout != Layout::Heads {
+        return Err(ModelError::Config(
+            "attention_backward: the forward ran on tokens; use attention_backward_tokens".into(),
+        ));
+    }
+    let n = saved.shape.numel();
+    saved.shape.check("attention grad_output", grad_output.len(), n)?;
+    let mut dq = vec![F::zero(); 3 * n];
+    backward_core(saved, &saved.o, grad_output, &mut dq);
+    let dv = dq.split_off(2 * n);
+    let dk = dq.split_off(n);
+    Ok(AttnGrads { dq, dk, dv })
+}
+
+/// The gradient of the fused `c_attn` output (`[batch, seq, 3 * embd]`) from the merged
+/// output `out` of [`attention_forward_tokens`] and its gradient `grad_output` (both
+/// `[batch, seq, embd]`), written in place as the forward read (ATTN-5).
+pub fn attention_backward_tokens<F: Gemm + RowExp>(
+    saved: &AttnSaved<F>,
+    out: &[F],
+    grad_output: &[F],
+) -> Result<Vec<F>, ModelError> {
+    if saved.layout == Layout::Heads {
+        return Err(ModelError::Config(
+            "attention_backward_tokens: the forward ran on heads; use attention_backward".into(),
+        ));
+    }
+    let n = saved.shape.numel();
+    saved.shape.check("attention output", out.len(), n)?;
+    saved.shape.check("attention grad_output", grad_output.len(), n)?;
+    let mut dqkv = vec![F::zero(); 3 * n];
+    backward_core(saved, out, grad_output, &mut dqkv);
+    Ok(dqkv)
+}
+
+/// The blocked backward: `dsrc` (zeros on entry, q, k and v's layout) receives the
+/// gradients; `o` and `go` are the output and its gradient in the output layout.
+fn backward_core<F: Gemm + RowExp>(saved: &AttnSaved<F>, o: &[F], go: &[F], dsrc: &mut [F]) {
+    let AttnSaved { shape, block, layout, src, lse, dropout, .. } = saved;
+    let (shape, block, layout, dropout) = (*shape, *block, *layout, *dropout);
+    let src: &[F] = src;
     let (seq, d) = (shape.seq, shape.head_dim);
     let scale = F::one() / constant::<F>(d as f64).sqrt();
-    // D = rowsum(dO * O), one per query row.
-    let dsum: Vec<F> = grad_output
-        .chunks_exact(d)
-        .zip(o.chunks_exact(d))
-        .map(|(g, o)| g.iter().zip(o).fold(F::zero(), |acc, (&g, &o)| acc + g * o))
-        .collect();
-    let mut dq = vec![F::zero(); n];
-    let mut dk = vec![F::zero(); n];
-    let mut dv = vec![F::zero(); n];
+    let keep_scale = dropout.map(|dr| constant::<F>(dr.scale()));
+    let olay = layout.output();
+    // D = rowsum(dO * O), one per query row; with dropout too (ADROP-n: the row sum of the
+    // softmax Jacobian is dO . O whether or not the probabilities were dropped).
+    let mut dsum = vec![F::zero(); shape.rows()];
+    for bh in 0..shape.batch * shape.heads {
+        let oh = olay.head(&shape, 0, bh / shape.heads, bh % shape.heads);
+        for t in 0..seq {
+            let at = oh.off + t * oh.rs;
+            dsum[bh * seq + t] = go[at..at + d]
+                .iter()
+                .zip(&o[at..at + d])
+                .fold(F::zero(), |acc, (&g, &o)| acc + g * o);
+        }
+    }
     // Scratch: probabilities and their gradient for one block pair.
     let mut p = vec![F::zero(); block * block];
     let mut dp = vec![F::zero(); block * block];
+    // The dropped probabilities `P * Z` of the block pair (dropout only).
+    let mut pd = vec![F::zero(); if dropout.is_some() { block * block } else { 0 }];
     for bh in 0..shape.batch * shape.heads {
-        let base = bh * seq * d;
-        let span = base..base + seq * d;
-        let (qh, kh, vh, doh) =
-            (&q[span.clone()], &k[span.clone()], &v[span.clone()], &grad_output[span.clone()]);
-        let dqh = &mut dq[span.clone()];
-        let dkh = &mut dk[span.clone()];
-        let dvh = &mut dv[span];
+        let (b, h) = (bh / shape.heads, bh % shape.heads);
+        let (qh, kh, vh) = (
+            layout.head(&shape, 0, b, h),
+            layout.head(&shape, 1, b, h),
+            layout.head(&shape, 2, b, h),
+        );
+        let doh = olay.head(&shape, 0, b, h);
         let (lse_h, dsum_h) = (&lse[bh * seq..(bh + 1) * seq], &dsum[bh * seq..(bh + 1) * seq]);
         for j0 in (0..seq).step_by(block) {
             let bc = block.min(seq - j0);
-            let kj = &kh[j0 * d..(j0 + bc) * d];
-            let vj = &vh[j0 * d..(j0 + bc) * d];
-            let dkj = &mut dkh[j0 * d..(j0 + bc) * d];
-            let dvj = &mut dvh[j0 * d..(j0 + bc) * d];
+            let (kj, vj) = (down(kh, j0), down(vh, j0));
             // Query blocks at or below the diagonal (the blocks of both kinds line up).
             for i0 in (j0..seq).step_by(block) {
                 let br = block.min(seq - i0);
-                let qi = &qh[i0 * d..(i0 + br) * d];
-                let doi = &doh[i0 * d..(i0 + br) * d];
-                let dqi = &mut dqh[i0 * d..(i0 + br) * d];
+                let (qi, doi) = (down(qh, i0), down(doh, i0));
                 let pij = &mut p[..br * bc];
                 let dpij = &mut dp[..br * bc];
+                let block_view = View::rows(0, bc);
                 // S = Q_i K_j^T, then P = exp(S * scale - lse), masked entries 0.
-                F::gemm(
-                    GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
-                    qi,
-                    kj,
-                    pij,
-                    false,
-                );
+                F::gemm_view((br, bc, d), (src, qi), (src, kj.t()), (&mut *pij, block_view), false);
                 for r in 0..br {
                     let query = i0 + r;
                     // Masked keys end the row (`j0 <= i0`, as in the forward).
@@ -312,50 +467,66 @@ pub fn attention_backward<F: Gemm + RowExp>(
                     F::exp_shifted(live, scale, lse_h[query]);
                     masked.fill(F::zero());
                 }
-                // dV_j += P^T dO_i
-                F::gemm(
-                    GemmShape { m: bc, n: d, k: br, trans_a: true, trans_b: false },
-                    pij,
-                    doi,
-                    dvj,
-                    true,
-                );
+                // The probabilities that reached V: the forward's mask, redrawn.
+                let pv: &[F] = match (dropout, keep_scale) {
+                    (Some(dr), Some(ks)) => {
+                        let pdij = &mut pd[..br * bc];
+                        for r in 0..br {
+                            let mask = dr.row(b, h, i0 + r);
+                            let at = r * bc..(r + 1) * bc;
+                            for (c, (x, &pu)) in
+                                pdij[at.clone()].iter_mut().zip(&pij[at]).enumerate()
+                            {
+                                *x = if mask.keep(j0 + c) { pu * ks } else { F::zero() };
+                            }
+                        }
+                        pdij
+                    }
+                    _ => pij,
+                };
+                // dV_j += (P * Z)^T dO_i
+                let dvj = down(layout.head(&shape, 2, b, h), j0);
+                F::gemm_view((bc, d, br), (pv, block_view.t()), (go, doi), (&mut *dsrc, dvj), true);
                 // dP = dO_i V_j^T
-                F::gemm(
-                    GemmShape { m: br, n: bc, k: d, trans_a: false, trans_b: true },
-                    doi,
-                    vj,
-                    dpij,
+                F::gemm_view(
+                    (br, bc, d),
+                    (go, doi),
+                    (src, vj.t()),
+                    (&mut *dpij, block_view),
                     false,
                 );
-                // dS = P * (dP - D), with the score scale folded in.
+                // dS = P * (dP - D), with the score scale folded in. With dropout, dP~ is the
+                // gradient of the dropped probabilities and dS = P~ * dP~ - P * D (ADROP-n).
                 for r in 0..br {
                     let dr = dsum_h[i0 + r];
-                    let prow = &pij[r * bc..(r + 1) * bc];
-                    for (x, &pv) in dpij[r * bc..(r + 1) * bc].iter_mut().zip(prow) {
-                        *x = pv * (*x - dr) * scale;
+                    let at = r * bc..(r + 1) * bc;
+                    let prow = &pij[at.clone()];
+                    if dropout.is_some() {
+                        let pdrow = &pv[at.clone()];
+                        for ((x, &pu), &pdv) in dpij[at].iter_mut().zip(prow).zip(pdrow) {
+                            *x = (pdv * *x - pu * dr) * scale;
+                        }
+                    } else {
+                        for (x, &pu) in dpij[at].iter_mut().zip(prow) {
+                            *x = pu * (*x - dr) * scale;
+                        }
                     }
                 }
                 // dQ_i += dS K_j
-                F::gemm(
-                    GemmShape { m: br, n: d, k: bc, trans_a: false, trans_b: false },
-                    dpij,
-                    kj,
-                    dqi,
-                    true,
-                );
+                let dqi = down(layout.head(&shape, 0, b, h), i0);
+                F::gemm_view((br, d, bc), (&*dpij, block_view), (src, kj), (&mut *dsrc, dqi), true);
                 // dK_j += dS^T Q_i
-                F::gemm(
-                    GemmShape { m: bc, n: d, k: br, trans_a: true, trans_b: false },
-                    dpij,
-                    qi,
-                    dkj,
+                let dkj = down(layout.head(&shape, 1, b, h), j0);
+                F::gemm_view(
+                    (bc, d, br),
+                    (&*dpij, block_view.t()),
+                    (src, qi),
+                    (&mut *dsrc, dkj),
                     true,
                 );
             }
         }
     }
-    Ok(AttnGrads { dq, dk, dv })
 }
 
 /// Index in `[batch, heads, seq, head_dim]` of (b, h, t, c).
@@ -448,438 +619,4 @@ pub fn merge_heads_backward<F: Copy + Default>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::rng::SplitMix64;
-
-    fn shape(batch: usize, heads: usize, seq: usize, head_dim: usize) -> AttnShape {
-        AttnShape { batch, heads, seq, head_dim }
-    }
-
-    /// Uniform values in [-2, 2).
-    fn rand_vec(n: usize, seed: u64) -> Vec<f64> {
-        let mut rng = SplitMix64::new(seed);
-        (0..n).map(|_| 4.0 * rng.next_f64() - 2.0).collect()
-    }
-
-    fn rand_qkv(s: AttnShape, seed: u64) -> Qkv<f64> {
-        let n = s.numel();
-        Qkv { q: rand_vec(n, seed), k: rand_vec(n, seed ^ 0x1111), v: rand_vec(n, seed ^ 0x2222) }
-    }
-
-    fn max_diff(a: &[f64], b: &[f64]) -> f64 {
-        assert_eq!(a.len(), b.len(), "lengths differ");
-        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
-    }
-
-    /// Attention with the whole `seq x seq` probability matrix of every (batch, head)
-    /// materialised: returns (output, probabilities `[batch, heads, seq, seq]`, logsumexp).
-    fn naive_forward(s: AttnShape, x: &Qkv<f64>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-        let (t, d) = (s.seq, s.head_dim);
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut o = vec![0.0; s.numel()];
-        let mut p = vec![0.0; s.batch * s.heads * t * t];
-        let mut lse = vec![0.0; s.rows()];
-        for bh in 0..s.batch * s.heads {
-            let base = bh * t * d;
-            for i in 0..t {
-                let scores: Vec<f64> = (0..=i)
-                    .map(|j| {
-                        (0..d).map(|c| x.q[base + i * d + c] * x.k[base + j * d + c]).sum::<f64>()
-                            * scale
-                    })
-                    .collect();
-                let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = scores.iter().map(|v| (v - mx).exp()).sum();
-                lse[bh * t + i] = mx + z.ln();
-                for (j, sc) in scores.iter().enumerate() {
-                    let pij = (sc - mx).exp() / z;
-                    p[(bh * t + i) * t + j] = pij;
-                    for c in 0..d {
-                        o[base + i * d + c] += pij * x.v[base + j * d + c];
-                    }
-                }
-            }
-        }
-        (o, p, lse)
-    }
-
-    /// The backward of [`naive_forward`] from its materialised probabilities:
-    /// `dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - rowsum(P * dP))`, `dQ = scale dS K`,
-    /// `dK = scale dS^T Q`.
-    fn naive_backward(s: AttnShape, x: &Qkv<f64>, p: &[f64], go: &[f64]) -> AttnGrads<f64> {
-        let (t, d) = (s.seq, s.head_dim);
-        let scale = 1.0 / (d as f64).sqrt();
-        let n = s.numel();
-        let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        for bh in 0..s.batch * s.heads {
-            let base = bh * t * d;
-            for i in 0..t {
-                let prow = &p[(bh * t + i) * t..(bh * t + i + 1) * t];
-                let dp: Vec<f64> = (0..t)
-                    .map(|j| (0..d).map(|c| go[base + i * d + c] * x.v[base + j * d + c]).sum())
-                    .collect();
-                let dot: f64 = prow.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for j in 0..t {
-                    let ds = prow[j] * (dp[j] - dot) * scale;
-                    for c in 0..d {
-                        dv[base + j * d + c] += prow[j] * go[base + i * d + c];
-                        dq[base + i * d + c] += ds * x.k[base + j * d + c];
-                        dk[base + j * d + c] += ds * x.q[base + i * d + c];
-                    }
-                }
-            }
-        }
-        AttnGrads { dq, dk, dv }
-    }
-
-    /// ATTN-1: forward keeps exactly q, k, v (the caller's buffers), the output and one
-    /// logsumexp per (batch, head, row): nothing of size seq x seq, for any block size.
-    #[test]
-    fn saved_state_is_qkv_output_and_logsumexp() {
-        // The struct holds five vectors, the shape and the block size and nothing else, so
-        // no field can hold scores: a new field changes its size.
-        assert_eq!(
-            std::mem::size_of::<AttnSaved<f64>>(),
-            5 * std::mem::size_of::<Vec<f64>>()
-                + std::mem::size_of::<AttnShape>()
-                + std::mem::size_of::<usize>()
-        );
-        for (s, block) in
-            [(shape(2, 3, 37, 4), 8), (shape(1, 2, 64, 3), 64), (shape(2, 2, 1, 3), 5)]
-        {
-            let x = rand_qkv(s, 7);
-            let ptrs = (x.q.as_ptr(), x.k.as_ptr(), x.v.as_ptr());
-            let saved = attention_forward(s, block, x).unwrap();
-            assert_eq!(
-                (saved.q.as_ptr(), saved.k.as_ptr(), saved.v.as_ptr()),
-                ptrs,
-                "q, k, v are kept without copying"
-            );
-            for (what, len) in [
-                ("q", saved.q.len()),
-                ("k", saved.k.len()),
-                ("v", saved.v.len()),
-                ("o", saved.o.len()),
-            ] {
-                assert_eq!(len, s.numel(), "{what}");
-            }
-            assert_eq!(saved.lse.len(), s.batch * s.heads * s.seq, "one logsumexp per row");
-            assert_eq!(saved.saved_values(), 4 * s.numel() + s.rows());
-            assert_eq!(saved.output().len(), s.numel());
-        }
-    }
-
-    /// ATTN-2: blocked forward (output and logsumexp) and backward equal the materialised
-    /// computation, for block sizes that divide seq, do not, exceed it, and for seq = 1.
-    #[test]
-    fn blocked_equals_materialised_attention() {
-        for seq in [1, 2, 3, 5, 7, 8, 13, 16, 33] {
-            let s = shape(2, 3, seq, 4);
-            let x = rand_qkv(s, 100 + seq as u64);
-            let (o, p, lse) = naive_forward(s, &x);
-            let go = rand_vec(s.numel(), 200 + seq as u64);
-            let want = naive_backward(s, &x, &p, &go);
-            for block in [1, 2, 3, 4, 5, 8, 16, 32, 64] {
-                let saved = attention_forward(s, block, x.clone()).unwrap();
-                let at = format!("seq {seq} block {block}");
-                assert!(max_diff(saved.output(), &o) < 1e-12, "{at}: output");
-                assert!(max_diff(saved.logsumexp(), &lse) < 1e-12, "{at}: logsumexp");
-                let g = attention_backward(&saved, &go).unwrap();
-                assert!(max_diff(&g.dq, &want.dq) < 1e-12, "{at}: dq");
-                assert!(max_diff(&g.dk, &want.dk) < 1e-12, "{at}: dk");
-                assert!(max_diff(&g.dv, &want.dv) < 1e-12, "{at}: dv");
-            }
-        }
-    }
-
-    /// The f32 instantiation agrees with the f64 reference to f32 rounding.
-    #[test]
-    fn f32_matches_f64_reference() {
-        let s = shape(2, 2, 19, 8);
-        let x = rand_qkv(s, 31);
-        let (o, p, _) = naive_forward(s, &x);
-        let go = rand_vec(s.numel(), 32);
-        let want = naive_backward(s, &x, &p, &go);
-        let f = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
-        let x32 = Qkv { q: f(&x.q), k: f(&x.k), v: f(&x.v) };
-        let saved = attention_forward(s, 4, x32).unwrap();
-        let g = attention_backward(&saved, &f(&go)).unwrap();
-        let up = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
-        assert!(max_diff(&up(saved.output()), &o) < 1e-5);
-        assert!(max_diff(&up(&g.dq), &want.dq) < 1e-5);
-        assert!(max_diff(&up(&g.dk), &want.dk) < 1e-5);
-        assert!(max_diff(&up(&g.dv), &want.dv) < 1e-5);
-    }
-
-    /// Tolerance of the finite-difference check: central differences with step 1e-5 in f64
-    /// agree with the analytical gradients of these cases to 4e-10.
-    const FD_TOL: f64 = 1e-7;
-
-    /// Compares every element of `grads` with central finite differences of
-    /// `L = sum(output * r)`; returns one line per element that disagrees by more than
-    /// [`FD_TOL`].
-    fn fd_mismatches(
-        s: AttnShape,
-        block: usize,
-        x: &Qkv<f64>,
-        r: &[f64],
-        grads: &AttnGrads<f64>,
-    ) -> Vec<String> {
-        let loss = |x: Qkv<f64>| -> f64 {
-            let saved = attention_forward(s, block, x).unwrap();
-            saved.output().iter().zip(r).map(|(a, b)| a * b).sum()
-        };
-        let h = 1e-5;
-        let mut bad = Vec::new();
-        for (which, ana) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)] {
-            assert_eq!(ana.len(), s.numel(), "{which} length");
-            for (i, &ana) in ana.iter().enumerate() {
-                let nudge = |delta: f64| {
-                    let mut y = x.clone();
-                    match which {
-                        "dq" => y.q[i] += delta,
-                        "dk" => y.k[i] += delta,
-                        _ => y.v[i] += delta,
-                    }
-                    loss(y)
-                };
-                let num = (nudge(h) - nudge(-h)) / (2.0 * h);
-                if (num - ana).abs() > FD_TOL {
-                    bad.push(format!("{which}[{i}]: finite difference {num} vs {ana}"));
-                }
-            }
-        }
-        bad
-    }
-
-    const FD_CASES: [(AttnShape, usize); 5] = [
-        (AttnShape { batch: 2, heads: 2, seq: 7, head_dim: 3 }, 3),
-        (AttnShape { batch: 2, heads: 2, seq: 7, head_dim: 4 }, 2),
-        (AttnShape { batch: 2, heads: 2, seq: 5, head_dim: 4 }, 64),
-        (AttnShape { batch: 2, heads: 2, seq: 6, head_dim: 3 }, 4),
-        (AttnShape { batch: 2, heads: 2, seq: 1, head_dim: 3 }, 1),
-    ];
-
-    /// ATTN-3: every element of dq, dk, dv equals the central finite difference in f64.
-    #[test]
-    fn gradients_match_finite_differences() {
-        let mut worst = 0.0f64;
-        for (case, (s, block)) in FD_CASES.into_iter().enumerate() {
-            let x = rand_qkv(s, 40 + case as u64);
-            let r = rand_vec(s.numel(), 50 + case as u64);
-            let saved = attention_forward(s, block, x.clone()).unwrap();
-            let g = attention_backward(&saved, &r).unwrap();
-            let bad = fd_mismatches(s, block, &x, &r, &g);
-            assert!(bad.is_empty(), "{s:?} block {block}:\n{}", bad.join("\n"));
-            worst =
-                worst.max(g.dq.iter().chain(&g.dk).chain(&g.dv).fold(0.0, |m, v| m.max(v.abs())));
-        }
-        // The gradients are far from zero, so FD_TOL is a strict bound relative to them.
-        assert!(worst > 0.1, "largest gradient {worst}");
-    }
-
-    /// The check of ATTN-3 catches one wrong element: each of dq, dk, dv with a single
-    /// element off by 1e-6 (ten times the tolerance) is reported, and only that element.
-    #[test]
-    fn finite_difference_check_catches_one_wrong_element() {
-        let (s, block) = FD_CASES[0];
-        let x = rand_qkv(s, 40);
-        let r = rand_vec(s.numel(), 50);
-        let saved = attention_forward(s, block, x.clone()).unwrap();
-        let good = attention_backward(&saved, &r).unwrap();
-        for (which, i) in [("dq", 17), ("dk", 0), ("dv", s.numel() - 1)] {
-            let mut g = good.clone();
-            match which {
-                "dq" => g.dq[i] += 1e-6,
-                "dk" => g.dk[i] += 1e-6,
-                _ => g.dv[i] += 1e-6,
-            }
-            let bad = fd_mismatches(s, block, &x, &r, &g);
-            assert_eq!(bad.len(), 1, "{which}[{i}]: {bad:?}");
-            assert!(bad[0].starts_with(&format!("{which}[{i}]:")), "{bad:?}");
-        }
-    }
-
-    // Reference values from torch 2.15 (float64, CPU), nanoGPT's attention path: split of the
-    // fused c_attn output, scaled_dot_product_attention with is_causal=True, heads merged:
-    //
-    // import math, torch
-    // import torch.nn.functional as F
-    // B, T, C, nh = 2, 5, 6, 2
-    // qkv = torch.tensor([1.5 * math.sin(0.37 * i + 0.1) for i in range(B * T * 3 * C)],
-    //                    dtype=torch.float64).view(B, T, 3 * C).requires_grad_()
-    // q, k, v = qkv.split(C, dim=2)
-    // q = q.view(B, T, nh, C // nh).transpose(1, 2)
-    // k = k.view(B, T, nh, C // nh).transpose(1, 2)
-    // v = v.view(B, T, nh, C // nh).transpose(1, 2)
-    // y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    // y = y.transpose(1, 2).contiguous().view(B, T, C)
-    // dy = torch.tensor([math.cos(0.23 * i - 0.4) for i in range(B * T * C)],
-    //                   dtype=torch.float64).view(B, T, C)
-    // y.backward(dy)
-    // TORCH_Y = y.reshape(-1).tolist(); TORCH_DQKV = qkv.grad.reshape(-1).tolist()
-    #[rustfmt::skip]
-    const TORCH_Y: [f64; 60] = [
-        -1.477766672255789, -1.4708075966911036, -1.2647816127846259, -0.887573370946515,
-        -0.3902362371457033, 0.159917540671834, -1.4753210936273518, -1.4133231763688219,
-        -1.1600385973875145, -0.7360784530806075, -0.2228821730927403, 0.32048016343568836,
-        -1.4619896097992198, -1.3885280731956966, -1.1271357757647915, -0.5577105252819042,
-        -0.04075124631446944, 0.4817235226688904, -1.4537706799680372, -1.3776724637690307,
-        -1.115112742552575, -0.2919622033282493, 0.21243860801221529, 0.6880868503527893,
-        -1.4383912298103274, -1.3487180181591127, -1.0765021498723069, 0.02302890479060553,
-        0.490593224080914, 0.891758051968725, 0.2106337900245267, 0.7334282824715775,
-        1.1569566975537122, 1.42389645115118, 1.498118499885548, 1.3695772376519968,
-        0.4645398971819488, 0.9387747564555571, 1.2859508564343765, 1.446341039313009,
-        1.4576797832689492, 1.2717284068444314, 0.6718200548874607, 1.0828298943767174,
-        1.347283787446758, 1.4364840628622104, 1.4345641795892043, 1.2384827644535952,
-        0.7566173643672984, 1.1246071935205884, 1.3403867148017077, 1.4295896644148958,
-        1.4291955399931788, 1.2353665038927544, 0.7367713752711335, 1.1037238522202482,
-        1.3212924835740107, 1.4235896723563066, 1.4157893210716634, 1.2163685269479232,
-    ];
-    #[rustfmt::skip]
-    const TORCH_DQKV: [f64; 180] = [
-        0.0, 0.0, 0.0, 0.0,
-        0.0, 0.0, 0.04402408264118074, 0.07920614671133011,
-        0.1036680303969326, 0.3272071543565622, 0.4075091383633828, 0.43265667220450654,
-        0.48481049166284085, 0.5448734314778284, 0.5762394078596105, 0.46145469641674164,
-        0.3268177443819309, 0.1749682135755434, -0.006726188036426883, -0.008056323930414607,
-        -0.00829607417434473, 0.03118705438592488, 0.023250824207889827, 0.012167704047864089,
-        -0.03174873820647402, -0.04174404872622836, -0.04608949808107298, -0.2853767993349799,
-        -0.19296920698354403, -0.07444413772635891, -0.08156350766641055, -0.09431712470923481,
-        -0.10210332193941532, -0.1710949012199516, -0.16197591786495896, -0.14432611483057134,
-        0.06548975130535943, 0.07411567780348963, 0.07271039500327948, 0.23422675778139856,
-        0.15637450428420577, 0.05735769521810746, -0.04180811608297787, -0.06114532532377649,
-        -0.07220680162769019, -0.2685700456005703, -0.23498946184681177, -0.16960415681748678,
-        -0.06307559714303047, -0.05120090133696297, -0.036629596908542665, -0.059188638994437354,
-        -0.0006087794141229619, 0.058003142879432035, 0.06352163262635516, 0.0689807187079156,
-        0.06510358811553964, 0.025828529308362734, 0.01385509903718725, 6.446108536267009e-06,
-        0.007912853020701618, 0.003811579291898192, -0.0008055738131369297, 0.08690626373416932,
-        0.002004788876324057, -0.08316802475104111, -0.005328209833236846, 0.0013324336143038917,
-        0.007922901500883369, 0.1047807495812135, 0.1566016379234029, 0.2001747549164197,
-        -0.10657766732930649, -0.11176554106831371, -0.10182647313957967, -0.4210804405933348,
-        -0.16496201282106482, 0.11348324951475133, 0.021619918627570074, 0.019871648046777136,
-        0.015433843124968042, 0.1398334268448189, 0.018444741590648964, -0.10544035290961978,
-        0.003631168681469059, 0.00545272288970512, 0.006987097396495895, 0.13891299392755213,
-        0.1514688170973448, 0.1560472002702482, 0.0, 0.0,
-        0.0, 0.0, 0.0, 0.0,
-        0.2662686214681966, 0.20607652125419956, 0.11799293063711033, -0.1304001192838877,
-        -0.10001089150818447, -0.05608565873914981, 0.7804690981085207, 0.6925053842741828,
-        0.5680693439475882, 0.4836387312339821, 0.3827339100077674, 0.2616715615731665,
-        0.006335269378378305, -0.0010086910304343139, -0.008216129840261231, 0.01736988481532494,
-        0.022416948147317754, 0.02442998271022931, -0.07841049026758447, -0.05385335680391683,
-        -0.022007424134356267, 0.009963755011190255, -0.013361728383675574, -0.03487876452451255,
-        -0.1756733862011442, -0.1926395676398897, -0.19945996051750808, -0.11621755237011455,
-        -0.10058058264319952, -0.07964631424937374, 0.032066461914572714, -0.04530083253582107,
-        -0.11653687181830266, 0.03260960239592858, 0.03896773327934705, 0.040051764269306775,
-        -0.15044224405526244, -0.09403482900827259, -0.024900240992338632, 0.049513038583061816,
-        0.04165364563848951, 0.028156627162832994, -0.20278038740946716, -0.13840273684770182,
-        -0.06673580028129192, 0.015868068422001037, 0.033816463273558396, 0.04998383935279346,
-        0.0006021258250812275, -0.021187709878348646, -0.04010988844578431, -0.04798134365241625,
-        -0.05543644976992825, -0.05538849247522304, -0.03008110576804743, -0.044077839187827234,
-        -0.0521088438520253, 0.05069013074362115, 0.052039094422562736, 0.04634481079783829,
-        0.03263406839717512, 0.07461614721951326, 0.1126684017476522, 0.02281006118792167,
-        0.025139551046065557, 0.02614501089023082, -0.007022283748043371, 0.0807695287443982,
-        0.15762956442827306, -0.09484085171849943, -0.10480354734034068, -0.10058157448533336,
-        -0.007334781377302044, -0.014110496254182649, -0.01897642165838984, 0.020233194946013996,
-        0.019679879830807313, 0.01646298530299065, 0.03575515066661184, 0.039770621513515715,
-        0.04169148468576426, 0.006489238224389396, 0.006104394501851819, 0.005398049352227984,
-    ];
-
-    /// The torch reference: nanoGPT's split, causal attention and merge, forward and
-    /// backward, for several block sizes (ATTN-2, ATTN-4).
-    #[test]
-    fn matches_torch_scaled_dot_product_attention() {
-        let s = shape(2, 2, 5, 3);
-        let qkv: Vec<f64> = (0..s.batch * s.seq * 3 * s.embd())
-            .map(|i| 1.5 * (0.37 * i as f64 + 0.1).sin())
-            .collect();
-        let dy: Vec<f64> =
-            (0..s.batch * s.seq * s.embd()).map(|i| (0.23 * i as f64 - 0.4).cos()).collect();
-        for block in [1, 2, 3, 4, 64] {
-            let saved = attention_forward(s, block, split_qkv(s, &qkv).unwrap()).unwrap();
-            let y = merge_heads(s, saved.output()).unwrap();
-            assert!(max_diff(&y, &TORCH_Y) < 1e-12, "block {block}: y");
-            let g = attention_backward(&saved, &merge_heads_backward(s, &dy).unwrap()).unwrap();
-            let dqkv = split_qkv_backward(s, &g).unwrap();
-            assert!(max_diff(&dqkv, &TORCH_DQKV) < 1e-12, "block {block}: dqkv");
-        }
-    }
-
-    /// ATTN-4: split and merge place every value exactly once, in nanoGPT's layout, and their
-    /// backwards undo them exactly.
-    #[test]
-    fn split_and_merge_are_permutations_with_inverse_backward() {
-        let s = shape(2, 3, 4, 2);
-        let (embd, n) = (s.embd(), s.numel());
-        let qkv: Vec<f64> = (0..s.batch * s.seq * 3 * embd).map(|i| i as f64).collect();
-        let x = split_qkv(s, &qkv).unwrap();
-        // Element (b, h, t, c) of q, k, v is column part * embd + h * head_dim + c of token
-        // (b, t).
-        for b in 0..s.batch {
-            for h in 0..s.heads {
-                for t in 0..s.seq {
-                    for c in 0..s.head_dim {
-                        let at = head_index(&s, b, h, t, c);
-                        for (part, dst) in [&x.q, &x.k, &x.v].into_iter().enumerate() {
-                            let want = qkv[(b * s.seq + t) * 3 * embd + part * embd + h * 2 + c];
-                            assert_eq!(dst[at], want);
-                        }
-                    }
-                }
-            }
-        }
-        let mut all: Vec<f64> = x.q.iter().chain(&x.k).chain(&x.v).copied().collect();
-        all.sort_by(f64::total_cmp);
-        assert_eq!(all, qkv, "every value exactly once");
-        let back =
-            split_qkv_backward(s, &AttnGrads { dq: x.q.clone(), dk: x.k.clone(), dv: x.v.clone() })
-                .unwrap();
-        assert_eq!(back, qkv);
-
-        let o: Vec<f64> = (0..n).map(|i| i as f64).collect();
-        let y = merge_heads(s, &o).unwrap();
-        for b in 0..s.batch {
-            for t in 0..s.seq {
-                for h in 0..s.heads {
-                    for c in 0..s.head_dim {
-                        assert_eq!(
-                            y[(b * s.seq + t) * embd + h * 2 + c],
-                            o[head_index(&s, b, h, t, c)]
-                        );
-                    }
-                }
-            }
-        }
-        let mut sorted = y.clone();
-        sorted.sort_by(f64::total_cmp);
-        assert_eq!(sorted, o, "every value exactly once");
-        assert_eq!(merge_heads_backward(s, &y).unwrap(), o);
-        assert_eq!(merge_heads(s, &merge_heads_backward(s, &y).unwrap()).unwrap(), y);
-    }
-
-    #[test]
-    fn rejects_bad_lengths_and_sizes() {
-        let s = shape(1, 2, 3, 4);
-        let x = rand_qkv(s, 1);
-        assert!(matches!(attention_forward(s, 0, x.clone()), Err(ModelError::Config(_))));
-        let zero_dim = shape(1, 2, 3, 0);
-        let empty: Qkv<f64> = Qkv { q: vec![], k: vec![], v: vec![] };
-        assert!(matches!(attention_forward(zero_dim, 4, empty), Err(ModelError::Config(_))));
-        let mut short = x.clone();
-        short.k.pop();
-        assert!(matches!(attention_forward(s, 2, short), Err(ModelError::Shape { .. })));
-        let saved = attention_forward(s, 2, x).unwrap();
-        assert!(matches!(attention_backward(&saved, &[0.0; 5]), Err(ModelError::Shape { .. })));
-        assert!(split_qkv(s, &[0.0f64; 7]).is_err());
-        assert!(merge_heads(s, &[0.0f64; 7]).is_err());
-        assert!(merge_heads_backward(s, &[0.0f64; 7]).is_err());
-        let g = AttnGrads { dq: vec![0.0f64; 24], dk: vec![0.0; 24], dv: vec![0.0; 23] };
-        assert!(split_qkv_backward(s, &g).is_err());
-        // An empty batch is a valid call with empty results.
-        let none = shape(0, 2, 3, 4);
-        let saved =
-            attention_forward(none, 2, Qkv { q: vec![0.0f64; 0], k: vec![], v: vec![] }).unwrap();
-        assert!(saved.output().is_empty() && saved.logsumexp().is_empty());
-    }
-}
+mod tests;

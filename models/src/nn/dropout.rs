@@ -40,23 +40,42 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// One more field `v` through the mix: the hash of a key is its fields absorbed in turn.
+pub(crate) fn absorb(h: u64, v: u64) -> u64 {
+    mix(h ^ v.wrapping_add(GOLDEN))
+}
+
+/// The smallest 53-bit draw that is kept at drop probability `p` (`p` in `[0, 1]`): a
+/// draw `n` stands for the uniform `u = n / 2^53`, exactly, and `u >= p` exactly when
+/// `n >= ceil(p 2^53)`, since scaling by a power of two is exact.
+pub(crate) fn keep_threshold(p: f64) -> u64 {
+    (p * (1u64 << 53) as f64).ceil() as u64
+}
+
+/// Whether 64 hashed bits are a kept element at `threshold` ([`keep_threshold`]): their
+/// top 53 bits are the uniform draw.
+pub(crate) fn kept(bits: u64, threshold: u64) -> bool {
+    bits >> 11 >= threshold
+}
+
 impl DropoutKey {
+    /// The hash of (seed, step, layer): the start of every element's hash under this key.
+    pub(crate) fn state(&self) -> u64 {
+        absorb(absorb(mix(self.seed.wrapping_add(GOLDEN)), self.step), self.layer)
+    }
+
     /// 64 uniform bits for element `element` of global sample `sample` (DROP-1): each field
     /// goes through the mix in turn, so that nearby keys give unrelated streams.
     fn bits(&self, sample: u64, element: u64) -> u64 {
-        const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut h = mix(self.seed.wrapping_add(GOLDEN));
-        for v in [self.step, self.layer, sample, element] {
-            h = mix(h ^ v.wrapping_add(GOLDEN));
-        }
-        h
+        absorb(absorb(self.state(), sample), element)
     }
 
     /// Whether the element is kept at drop probability `p`: its 53-bit uniform draw is at
     /// least `p`.
     fn keep(&self, p: f64, sample: u64, element: u64) -> bool {
-        let u = (self.bits(sample, element) >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-        u >= p
+        kept(self.bits(sample, element), keep_threshold(p))
     }
 }
 
@@ -204,6 +223,20 @@ mod tests {
             // The forward is linear: dx = mask * scale * dy wherever y = mask * scale * x.
             let kept = y[i] != 0.0;
             assert_eq!(dx[i], if kept { dy[i] * scale } else { 0.0 }, "element {i}");
+        }
+    }
+
+    /// The integer threshold keeps exactly the draws `u = n / 2^53 >= p` (DROP-2), at the
+    /// edges of every probability the kernels use.
+    #[test]
+    fn the_integer_threshold_is_the_float_comparison_drop_2() {
+        let unit = 1.0 / (1u64 << 53) as f64;
+        for p in [0.0, 1e-9, 0.1, 0.2, 0.25, 1.0 / 3.0, 0.5, 0.9, 1.0 - 1e-16, 1.0] {
+            let t = keep_threshold(p);
+            for n in [t.saturating_sub(2), t.saturating_sub(1), t, t + 1, (1u64 << 53) - 1] {
+                let n = n.min((1u64 << 53) - 1);
+                assert_eq!(kept(n << 11, t), n as f64 * unit >= p, "p {p} n {n}");
+            }
         }
     }
 

@@ -17,6 +17,10 @@
 //!   accumulating) and empty `m` or `n` (nothing written).
 //! - `GEMM-2`: only the first `m * n` values of `c` are written; longer slices are fine,
 //!   shorter ones are a caller bug and panic before anything is written.
+//! - `GEMM-3`: [`Gemm::gemm_view`] computes `c (+)= a b` over matrices that lie inside their
+//!   slices at any offset and row and column strides ([`View`]), as the plain triple loop
+//!   does, and writes only the elements of `c`'s view; a view reaching past its slice panics
+//!   before anything is written.
 
 use std::cell::RefCell;
 
@@ -25,10 +29,52 @@ use num_traits::Float;
 use crate::backend::GemmShape;
 use crate::meter::{self, Scratch, Use};
 
+/// A matrix inside a slice: element `(r, c)` at `off + r * rs + c * cs` (GEMM-3). Attention
+/// reads one head of q, k and v in place from the fused `c_attn` output this way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct View {
+    /// Index of element `(0, 0)`.
+    pub off: usize,
+    /// Distance between rows.
+    pub rs: usize,
+    /// Distance between columns.
+    pub cs: usize,
+}
+
+impl View {
+    /// Rows of `rs` values apart, each contiguous, from `off`.
+    pub fn rows(off: usize, rs: usize) -> Self {
+        View { off, rs, cs: 1 }
+    }
+
+    /// The transposed matrix over the same values.
+    pub fn t(self) -> Self {
+        View { off: self.off, rs: self.cs, cs: self.rs }
+    }
+
+    /// One past the last index of a `rows x cols` matrix at this view (0 when empty).
+    fn end(&self, rows: usize, cols: usize) -> usize {
+        if rows == 0 || cols == 0 {
+            return 0;
+        }
+        self.off + (rows - 1) * self.rs + (cols - 1) * self.cs + 1
+    }
+}
+
 /// A float type whose matrix products go through the `gemm` crate: `f32` and `f64`.
 pub trait Gemm: Float + 'static {
     /// `c = op(a) op(b)`, or `c += op(a) op(b)` when `accumulate` (GEMM-1), on this thread.
     fn gemm(shape: GemmShape, a: &[Self], b: &[Self], c: &mut [Self], accumulate: bool);
+
+    /// `c = a b`, or `c += a b` when `accumulate`, with `a` an `m x k`, `b` a `k x n` and `c`
+    /// an `m x n` matrix at their views (GEMM-3), on this thread.
+    fn gemm_view(
+        mnk: (usize, usize, usize),
+        a: (&[Self], View),
+        b: (&[Self], View),
+        c: (&mut [Self], View),
+        accumulate: bool,
+    );
 }
 
 thread_local! {
@@ -57,6 +103,16 @@ impl Gemm for f32 {
     fn gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
         gemm_f32(shape, a, b, c, accumulate, gemm::Parallelism::None);
     }
+
+    fn gemm_view(
+        mnk: (usize, usize, usize),
+        a: (&[f32], View),
+        b: (&[f32], View),
+        c: (&mut [f32], View),
+        accumulate: bool,
+    ) {
+        SCRATCH_F32.with(|s| product_view(mnk, a, b, c, accumulate, &mut s.borrow_mut()));
+    }
 }
 
 impl Gemm for f64 {
@@ -64,6 +120,87 @@ impl Gemm for f64 {
         let par = gemm::Parallelism::None;
         charge_slab();
         SCRATCH_F64.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
+    }
+
+    fn gemm_view(
+        mnk: (usize, usize, usize),
+        a: (&[f64], View),
+        b: (&[f64], View),
+        c: (&mut [f64], View),
+        accumulate: bool,
+    ) {
+        SCRATCH_F64.with(|s| product_view(mnk, a, b, c, accumulate, &mut s.borrow_mut()));
+    }
+}
+
+/// [`Gemm::gemm_view`] for a float type the `gemm` crate handles, with that type's scratch.
+fn product_view<T: Float + 'static>(
+    (m, n, k): (usize, usize, usize),
+    (a, va): (&[T], View),
+    (b, vb): (&[T], View),
+    (c, vc): (&mut [T], View),
+    accumulate: bool,
+    scratch: &mut Vec<T>,
+) {
+    assert!(va.end(m, k) <= a.len(), "gemm_view: a {va:?} ({m} x {k}) past {} values", a.len());
+    assert!(vb.end(k, n) <= b.len(), "gemm_view: b {vb:?} ({k} x {n}) past {} values", b.len());
+    assert!(vc.end(m, n) <= c.len(), "gemm_view: c {vc:?} ({m} x {n}) past {} values", c.len());
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    c[vc.off + i * vc.rs + j * vc.cs] = T::zero();
+                }
+            }
+        }
+        return;
+    }
+    // `b` stored as the rows of its transpose (`a b^T`, attention's scores) into a row-major
+    // `c` is `gemm`'s slow case (see `product`): multiply a row-major copy of `b` instead,
+    // `k x n` values, one key or value block.
+    let (b, vb) = if vb.rs == 1 && vb.cs > 1 && vc.cs == 1 {
+        if scratch.len() < k * n {
+            scratch.resize(k * n, T::zero());
+        }
+        // Row `p` of the copy is column `p` of the stored rows: written contiguously, read
+        // with a stride (the block stays in L1), without per-element bounds checks.
+        for (p, row) in scratch[..k * n].chunks_exact_mut(n).enumerate() {
+            let col = b[vb.off + p..].iter().step_by(vb.cs);
+            row.iter_mut().zip(col).for_each(|(x, &v)| *x = v);
+        }
+        (&scratch[..k * n], View::rows(0, n))
+    } else {
+        (b, vb)
+    };
+    // SAFETY: the asserts above put every index the views reach (row < m, col < n,
+    // inner < k) inside the slices (the copy of `b` is `k x n` at `View::rows(0, n)`); `c`
+    // is borrowed mutably and does not alias `a` or `b`. `T` is f32 or f64 (the `Gemm`
+    // impls), which `gemm` supports. Strides are below `isize::MAX` as slice lengths are.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr().add(vc.off),
+            vc.cs as isize,
+            vc.rs as isize,
+            accumulate,
+            a.as_ptr().add(va.off),
+            va.cs as isize,
+            va.rs as isize,
+            b.as_ptr().add(vb.off),
+            vb.cs as isize,
+            vb.rs as isize,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
     }
 }
 
@@ -249,6 +386,70 @@ mod tests {
     fn matches_the_triple_loop_gemm_1_2() {
         check::<f64>(|v| v, 1e-13);
         check::<f32>(|v| to_f32(&v), 1e-5);
+    }
+
+    /// GEMM-3: products over views (offsets, row strides, transposes) equal the triple loop
+    /// on the matrices copied out, and leave everything outside `c`'s view alone.
+    #[test]
+    fn views_match_the_triple_loop_gemm_3() {
+        fn run<T: Gemm + std::fmt::Debug>(conv: impl Fn(Vec<f64>) -> Vec<T>, tol: f64) {
+            let mut seed = 70;
+            for (m, n, k) in [(1, 1, 1), (3, 5, 7), (17, 9, 33), (64, 64, 64), (5, 4, 0), (0, 2, 3)]
+            {
+                for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                    seed += 3;
+                    // Each matrix at an offset inside wider rows (a head inside fused rows).
+                    let (wa, wb, wc) = (3 * k.max(m) + 2, 2 * n.max(k) + 5, 3 * n + 1);
+                    let va = if ta { View::rows(1, wa).t() } else { View::rows(2, wa) };
+                    let vb = if tb { View::rows(3, wb).t() } else { View::rows(1, wb) };
+                    let vc = View::rows(n + 1, wc);
+                    let a = conv(randn(wa * (m.max(k) + 1), seed));
+                    let b = conv(randn(wb * (k.max(n) + 1), seed + 1));
+                    let c0 = conv(randn(wc * (m + 1) + n + 1, seed + 2));
+                    let at = |v: &[T], w: View, r: usize, c: usize| v[w.off + r * w.rs + c * w.cs];
+                    let dense = |v: &[T], w: View, rows: usize, cols: usize| -> Vec<T> {
+                        (0..rows * cols).map(|i| at(v, w, i / cols, i % cols)).collect()
+                    };
+                    let shape = GemmShape { m, n, k, trans_a: false, trans_b: false };
+                    for accumulate in [false, true] {
+                        let mut want = dense(&c0, vc, m, n);
+                        naive(
+                            shape,
+                            &dense(&a, va, m, k),
+                            &dense(&b, vb, k, n),
+                            &mut want,
+                            accumulate,
+                        );
+                        let mut got = c0.clone();
+                        T::gemm_view((m, n, k), (&a, va), (&b, vb), (&mut got, vc), accumulate);
+                        let what = format!("{m}x{n}x{k} ta {ta} tb {tb} acc {accumulate}");
+                        for (i, (g, w)) in dense(&got, vc, m, n).iter().zip(&want).enumerate() {
+                            let (g, w) = (g.to_f64().unwrap(), w.to_f64().unwrap());
+                            assert!(
+                                (g - w).abs() <= tol * (1.0 + w.abs()),
+                                "{what}: c[{i}] {g} vs {w}"
+                            );
+                        }
+                        // Outside the view nothing moved.
+                        let mut inside = vec![false; got.len()];
+                        (0..m * n).for_each(|i| inside[vc.off + (i / n) * vc.rs + i % n] = true);
+                        for (i, (g, c)) in got.iter().zip(&c0).enumerate() {
+                            assert!(inside[i] || g == c, "{what}: wrote outside the view at {i}");
+                        }
+                    }
+                }
+            }
+        }
+        run::<f64>(|v| v, 1e-13);
+        run::<f32>(|v| to_f32(&v), 1e-5);
+    }
+
+    /// GEMM-3: a view reaching past its slice panics.
+    #[test]
+    #[should_panic(expected = "gemm_view: b")]
+    fn a_view_past_its_slice_panics_gemm_3() {
+        let v = View::rows(0, 2);
+        f64::gemm_view((2, 2, 2), (&[1.0; 4], v), (&[1.0; 3], v), (&mut [0.0; 4], v), false);
     }
 
     /// GEMM-2: a destination shorter than `m * n` panics.

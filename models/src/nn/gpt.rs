@@ -56,10 +56,7 @@ use num_traits::Float;
 use serde::{Deserialize, Serialize};
 
 use super::activation::{Activation, Erf};
-use super::attention::{
-    attention_backward, attention_forward, merge_heads, merge_heads_backward, split_qkv,
-    split_qkv_backward, AttnSaved, AttnShape,
-};
+use super::attention::{attention_backward_tokens, attention_forward_tokens, AttnSaved, AttnShape};
 use super::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use super::embedding::Embedding;
 use super::exp::RowExp;
@@ -449,8 +446,9 @@ impl GptConfig {
             let ln_1 = k.ln.forward(&params[br.ln_1.clone()], &x, &mut h1)?;
             let mut qkv = vec![T::zero(); rows * 3 * e];
             k.c_attn.forward(&params[br.c_attn.clone()], &h1, &mut qkv)?;
-            let attn = attention_forward(shape, ATTN_BLOCK.min(seq), split_qkv(shape, &qkv)?)?;
-            let y = merge_heads(shape, attn.output())?;
+            // The route the `gpt` module trains with: q, k, v in place, heads merged (ATTN-5).
+            let mut y = vec![T::zero(); rows * e];
+            let attn = attention_forward_tokens(shape, ATTN_BLOCK.min(seq), None, qkv, &mut y)?;
             let mut ao = vec![T::zero(); rows * e];
             k.attn_proj.forward(&params[br.attn_proj.clone()], &y, &mut ao)?;
             let x_mid = sum(&x, &ao);
@@ -492,7 +490,6 @@ impl GptConfig {
         let (e, seq) = (self.n_embd, saved.seq);
         let rows = saved.batch * seq;
         check_len("gpt dlogits", dlogits.len(), rows * self.vocab_size)?;
-        let shape = self.attn_shape(saved.batch, seq);
         let mut grads = vec![T::zero(); r.total];
 
         // The output projection's share of wte's gradient (GPT-2).
@@ -529,12 +526,11 @@ impl GptConfig {
             k.ln.backward(&params[p.clone()], &s.x_mid, &s.ln_2, &dh2, &mut dx_ln, &mut grads[p])?;
             add_into(&mut dx, &dx_ln);
 
-            // x_mid = x + attn_proj(merge(attention(split(c_attn(ln_1(x))))))
+            // x_mid = x + attn_proj(attention(c_attn(ln_1(x)))), heads merged
             let mut dy = vec![T::zero(); rows * e];
             let p = br.attn_proj.clone();
             k.attn_proj.backward(&params[p.clone()], &s.y, &dx, Some(&mut dy), &mut grads[p])?;
-            let dqkv = attention_backward(&s.attn, &merge_heads_backward(shape, &dy)?)?;
-            let dqkv = split_qkv_backward(shape, &dqkv)?;
+            let dqkv = attention_backward_tokens(&s.attn, &s.y, &dy)?;
             let mut dh1 = vec![T::zero(); rows * e];
             let p = br.c_attn.clone();
             k.c_attn.backward(&params[p.clone()], &s.h1, &dqkv, Some(&mut dh1), &mut grads[p])?;

@@ -19,6 +19,8 @@
 //! - [`dropout`]: dropout whose mask depends on the element's place in the global batch.
 //! - [`attention`]: causal multi-head self-attention with a blocked softmax, and nanoGPT's
 //!   q/k/v split and head merge.
+//! - [`attn_dropout`]: dropout of the attention probabilities, keyed by (sample, head,
+//!   query, key), redrawn by the backward.
 //! - [`exp`]: `exp` over rows for the softmaxes, vectorised in `f32`.
 //! - [`gemm`]: the matrix products of the kernels (`f32` and `f64`) through the `gemm` crate.
 //! - [`linear`]: fully connected kernel, `y = x W^T + b`.
@@ -39,6 +41,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod attn_dropout;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;

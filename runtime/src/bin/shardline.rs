@@ -310,9 +310,9 @@ struct TrainArgs {
     /// text [default: 64].
     #[arg(long)]
     block_size: Option<usize>,
-    /// gpt: drop probability of nanoGPT's dropout layers while training (the embeddings'
-    /// sum and each block's two residual branches; not the attention weights), in [0, 1)
-    /// [default: 0].
+    /// gpt: drop probability of nanoGPT's four dropout layers while training (the
+    /// embeddings' sum, and in each block the attention probabilities after the softmax and
+    /// the two residual branches), in [0, 1) [default: 0].
     #[arg(long)]
     dropout: Option<f64>,
     /// resnet-bn: channels of conv1 and layer1, doubled by each of layer2..layer4 (8 or 16
