@@ -84,7 +84,8 @@ pub fn charge(bytes: usize, what: Use) -> Option<Charge> {
     m.charge(bytes as u64, what)
 }
 
-/// Values with their charge: the storage of a tensor (METER-1).
+/// Values with their charge: the storage of a tensor (METER-1), and what kernels save for
+/// backward outside tensors (attention's q, k, v, output and log-sum-exps).
 #[derive(Debug)]
 pub(crate) struct Metered<T> {
     pub(crate) values: Vec<T>,
@@ -116,6 +117,19 @@ impl<T> Metered<T> {
 
     pub(crate) fn into_values(self) -> Vec<T> {
         self.values
+    }
+}
+
+impl<T> std::ops::Deref for Metered<T> {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
+        &self.values
+    }
+}
+
+impl<T> std::ops::DerefMut for Metered<T> {
+    fn deref_mut(&mut self) -> &mut Vec<T> {
+        &mut self.values
     }
 }
 

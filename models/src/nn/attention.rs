@@ -61,6 +61,7 @@ use super::attn_dropout::AttnDropout;
 use super::exp::RowExp;
 use super::gemm::{Gemm, View};
 use crate::error::ModelError;
+use crate::meter::Metered;
 
 /// The shape of one attention call: q, k, v and the output are `[batch, heads, seq,
 /// head_dim]`.
@@ -149,11 +150,11 @@ pub struct AttnSaved<F> {
     layout: Layout,
     /// q, k and v: `[3, batch, heads, seq, head_dim]` from [`attention_forward`], the
     /// caller's fused `[batch, seq, 3 * embd]` from [`attention_forward_tokens`].
-    src: Vec<F>,
+    src: Metered<F>,
     /// The output in head layout; empty from [`attention_forward_tokens`], whose caller
     /// holds the merged output.
-    o: Vec<F>,
-    lse: Vec<F>,
+    o: Metered<F>,
+    lse: Metered<F>,
     /// The dropout of the probabilities, if any: the key its backward redraws the mask
     /// from (ADROP-1), not the mask.
     dropout: Option<AttnDropout>,
@@ -260,6 +261,7 @@ pub fn attention_forward<F: Gemm + RowExp>(
     let mut o = vec![F::zero(); n];
     let mut lse = vec![F::zero(); shape.rows()];
     forward_core(shape, block, dropout, (&src, Layout::Heads), &mut o, &mut lse);
+    let (src, o, lse) = (Metered::new(src), Metered::new(o), Metered::new(lse));
     Ok(AttnSaved { shape, block, layout: Layout::Heads, src, o, lse, dropout })
 }
 
@@ -281,7 +283,9 @@ pub fn attention_forward_tokens<F: Gemm + RowExp>(
     let mut lse = vec![F::zero(); shape.rows()];
     let layout = Layout::Tokens { parts: 3 };
     forward_core(shape, block, dropout, (&qkv, layout), out, &mut lse);
-    Ok(AttnSaved { shape, block, layout, src: qkv, o: Vec::new(), lse, dropout })
+    // What backward needs is charged to the thread's meter while it is held (METER-1).
+    let (src, o, lse) = (Metered::new(qkv), Metered::new(Vec::new()), Metered::new(lse));
+    Ok(AttnSaved { shape, block, layout, src, o, lse, dropout })
 }
 
 /// The blocked forward over q, k, v at `layout`, the output at the matching output layout
@@ -415,7 +419,7 @@ pub fn attention_backward_tokens<F: Gemm + RowExp>(
 fn backward_core<F: Gemm + RowExp>(saved: &AttnSaved<F>, o: &[F], go: &[F], dsrc: &mut [F]) {
     let AttnSaved { shape, block, layout, src, lse, dropout, .. } = saved;
     let (shape, block, layout, dropout) = (*shape, *block, *layout, *dropout);
-    let src: &[F] = src;
+    let (src, lse): (&[F], &[F]) = (src, lse);
     let (seq, d) = (shape.seq, shape.head_dim);
     let scale = F::one() / constant::<F>(d as f64).sqrt();
     let keep_scale = dropout.map(|dr| constant::<F>(dr.scale()));

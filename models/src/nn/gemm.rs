@@ -111,6 +111,7 @@ impl Gemm for f32 {
         c: (&mut [f32], View),
         accumulate: bool,
     ) {
+        charge_slab();
         SCRATCH_F32.with(|s| product_view(mnk, a, b, c, accumulate, &mut s.borrow_mut()));
     }
 }
@@ -129,18 +130,19 @@ impl Gemm for f64 {
         c: (&mut [f64], View),
         accumulate: bool,
     ) {
+        charge_slab();
         SCRATCH_F64.with(|s| product_view(mnk, a, b, c, accumulate, &mut s.borrow_mut()));
     }
 }
 
 /// [`Gemm::gemm_view`] for a float type the `gemm` crate handles, with that type's scratch.
-fn product_view<T: Float + 'static>(
+fn product_view<T: Float + Default + 'static>(
     (m, n, k): (usize, usize, usize),
     (a, va): (&[T], View),
     (b, vb): (&[T], View),
     (c, vc): (&mut [T], View),
     accumulate: bool,
-    scratch: &mut Vec<T>,
+    scratch: &mut Scratch<T>,
 ) {
     assert!(va.end(m, k) <= a.len(), "gemm_view: a {va:?} ({m} x {k}) past {} values", a.len());
     assert!(vb.end(k, n) <= b.len(), "gemm_view: b {vb:?} ({k} x {n}) past {} values", b.len());
@@ -162,16 +164,14 @@ fn product_view<T: Float + 'static>(
     // `c` is `gemm`'s slow case (see `product`): multiply a row-major copy of `b` instead,
     // `k x n` values, one key or value block.
     let (b, vb) = if vb.rs == 1 && vb.cs > 1 && vc.cs == 1 {
-        if scratch.len() < k * n {
-            scratch.resize(k * n, T::zero());
-        }
+        let copy = scratch.get(k * n);
         // Row `p` of the copy is column `p` of the stored rows: written contiguously, read
         // with a stride (the block stays in L1), without per-element bounds checks.
-        for (p, row) in scratch[..k * n].chunks_exact_mut(n).enumerate() {
+        for (p, row) in copy.chunks_exact_mut(n).enumerate() {
             let col = b[vb.off + p..].iter().step_by(vb.cs);
             row.iter_mut().zip(col).for_each(|(x, &v)| *x = v);
         }
-        (&scratch[..k * n], View::rows(0, n))
+        (&*copy, View::rows(0, n))
     } else {
         (b, vb)
     };
