@@ -89,12 +89,12 @@ fn naive_backward(s: AttnShape, x: &Qkv<f64>, p: &[f64], go: &[f64]) -> AttnGrad
 /// logsumexp per (batch, head, row): nothing of size seq x seq, for any block size.
 #[test]
 fn saved_state_is_qkv_output_and_logsumexp() {
-    // The struct holds three vectors, the shape, the block size, the layout and the
-    // dropout key and nothing else, so no field can hold scores or a mask: a new field
+    // The struct holds three metered vectors, the shape, the block size, the layout and
+    // the dropout key and nothing else, so no field can hold scores or a mask: a new field
     // changes its size.
     assert_eq!(
         std::mem::size_of::<AttnSaved<f64>>(),
-        3 * std::mem::size_of::<Vec<f64>>()
+        3 * std::mem::size_of::<crate::meter::Metered<f64>>()
             + std::mem::size_of::<AttnShape>()
             + std::mem::size_of::<usize>()
             + std::mem::size_of::<Layout>()
