@@ -72,24 +72,9 @@ fn a_cap_that_stage_0_exceeds_is_enough_for_stage_3() {
 fn the_accounted_peak_is_exactly_the_cap_a_run_needs() {
     use shardline_runtime::memory::Category;
     use shardline_runtime::RuntimeError;
-    let gpt = TrainConfig {
-        world: 1,
-        // Stages 0 and 1 hold no transient gradient whose release waits on a reduction's
-        // completion, so their peak does not depend on timing.
-        stage: StageChoice::Fixed(Stage::Zero0),
-        model: "gpt".into(),
-        dataset: "text".into(),
-        n_layer: Some(2),
-        n_head: Some(2),
-        n_embd: Some(32),
-        block_size: Some(16),
-        optimizer: "adamw".into(),
-        lr: 1e-3,
-        steps: Some(2),
-        batch_size: 4,
-        timeout_s: 30,
-        ..TrainConfig::default()
-    };
+    // Stages 0 and 1 hold no transient gradient whose release waits on a reduction's
+    // completion, so their peak does not depend on timing.
+    let gpt = TrainConfig { steps: Some(2), ..narrow_gpt(4) };
     for cfg in [gpt, wide(2, 0, 200_000)] {
         let peak = run_ok(cfg.clone(), quiet()).peak_bytes.iter().copied().max().unwrap_or(0);
         assert!(peak > 0);
