@@ -494,6 +494,9 @@ impl RankEngine {
         let (local_loss, mut grad) =
             self.model.loss().forward_backward(&x, y, pass.global_batch)?;
         st.compute += t0.elapsed();
+        // The output (a language model's logits: batch x tokens x vocabulary) is not needed
+        // in backward: free it before backward's peak.
+        drop(x);
 
         // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
         for i in nc..2 * nc {
