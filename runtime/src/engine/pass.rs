@@ -237,6 +237,10 @@ impl RankEngine {
         if first_use {
             gfull[numel..].fill(0.0);
         }
+        // The kept shard's buffer receives the reduce-scatter's result (taken before the
+        // parameters are borrowed).
+        let kept_shard = (last_use && self.takes_kept_shard(add))
+            .then(|| std::mem::take(&mut self.state.grads[u]));
         let params: &[f32] = match &gathered {
             Some(g) => &g.full[..numel],
             None => &self.state.params[u][..numel],
@@ -264,7 +268,7 @@ impl RankEngine {
         self.trace.record(self.rank, Row::Compute, format!("backward {label}"), t0, t1);
         if last_use {
             // Reduce as soon as the unit's gradients exist; do not wait (overlap).
-            self.issue_reduction(reds, u, (gfull, galloc), add)?;
+            self.issue_reduction(reds, u, (gfull, galloc), add, kept_shard)?;
         } else {
             self.partial_grads[u] = Some((galloc, gfull));
         }

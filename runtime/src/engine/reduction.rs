@@ -202,7 +202,7 @@ pub(crate) enum ReduceWork {
     ReduceScatter {
         work: Work<(Vec<f32>, Vec<f32>)>,
         alloc: Option<Allocation>,
-        out: Allocation,
+        out: Option<Allocation>,
         add: bool,
     },
     /// Any stage with reduce dtype bf16 (PREC-4).
@@ -220,15 +220,23 @@ impl InFlight for ReduceWork {
 }
 
 impl RankEngine {
+    /// Whether a reduction whose result does not add to earlier microbatches' (`add`) lands
+    /// in the kept shard's own buffer, taken out until it finishes: stages 2 and 3 in f32.
+    pub(super) fn takes_kept_shard(&self, add: bool) -> bool {
+        !add && self.rules.reduce == GradReduce::ReduceScatter && !self.bf16_grads()
+    }
+
     /// Issues unit `u`'s reduction of its full gradient `gfull` (ENG-9: as soon as backward
     /// has produced it) and records it; `alloc` counts a transient gradient (ENG-7); `add`:
-    /// a reduce-scatter's result adds to the shard's gradients (ACC-3).
+    /// a reduce-scatter's result adds to the shard's gradients (ACC-3); `kept_shard`: the
+    /// kept shard's own buffer, taken for a reduce-scatter's result ([`Self::takes_kept_shard`]).
     pub(super) fn issue_reduction(
         &self,
         reds: &mut Reductions<ReduceWork>,
         u: usize,
         (gfull, alloc): (Vec<f32>, Option<Allocation>),
         add: bool,
+        kept_shard: Option<Vec<f32>>,
     ) -> Result<()> {
         if self.bf16_grads() {
             return self.issue_packed_reduction(reds, u, (gfull, alloc), add);
@@ -243,10 +251,25 @@ impl RankEngine {
             ),
             GradReduce::ReduceScatter => {
                 let len = self.layout.unit(u).shard_len();
-                let mut buf = self.comm.pool().take(len);
-                buf.resize(len, 0.0);
-                let what = format!("{} (reduce-scatter output)", self.labels[u]);
-                let out = self.mem.alloc_f32(Category::CommBuffers, buf.capacity(), &what)?;
+                // The result lands in the kept shard's own buffer, whose last values the
+                // optimizer has used: no second shard-sized buffer, and the kept one keeps
+                // its registration. An earlier microbatch's gradients there are added to
+                // instead (ACC-3): the result then comes in a pool buffer, counted while in
+                // flight (MEM-5).
+                let (buf, out) = match kept_shard {
+                    Some(mut buf) => {
+                        buf.resize(len, 0.0);
+                        (buf, None)
+                    }
+                    _ => {
+                        let mut buf = self.comm.pool().take(len);
+                        buf.resize(len, 0.0);
+                        let what = format!("{} (reduce-scatter output)", self.labels[u]);
+                        let out =
+                            self.mem.alloc_f32(Category::CommBuffers, buf.capacity(), &what)?;
+                        (buf, Some(out))
+                    }
+                };
                 let work = self.reduce.reduce_scatter(gfull, buf, ReduceOp::Sum);
                 ReduceWork::ReduceScatter { work, alloc, out, add }
             }
@@ -283,6 +306,7 @@ impl RankEngine {
                     acc.iter_mut().zip(&shard).for_each(|(a, s)| *a += s);
                     shard
                 } else {
+                    // The kept shard's own buffer, back with the result.
                     std::mem::replace(&mut self.state.grads[unit], shard)
                 };
                 // Unregistered before the pool keeps it: never counted twice (MEM-5). The
