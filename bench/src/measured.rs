@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "mlp-bn,convnet-bn,gpt,resnet-bn")]
     pub models: Vec<String>,
     /// World sizes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     pub world: Vec<usize>,
     /// ZeRO stages, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
