@@ -4,7 +4,7 @@
 //! computes ([`install`]). From then on every tensor's storage made on that thread is charged
 //! when it is allocated and given back when it is freed, on whatever thread that happens, as a
 //! GPU's caching allocator counts every block; so are the scratch buffers that kernels keep
-//! ([`Scratch`]): the GEMM's transposed copies and the `gemm` crate's per-thread packing slab,
+//! (`Scratch`): the GEMM's transposed copies and the `gemm` crate's per-thread packing slab,
 //! and im2col columns. Layers need no bookkeeping of their own, and what they save for
 //! backward is counted exactly as long as it is held.
 //!
