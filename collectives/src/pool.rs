@@ -75,6 +75,17 @@ impl BufferPool {
         *self.account.lock().unwrap_or_else(|e| e.into_inner()) = Some(account);
     }
 
+    /// Frees every kept buffer (reported to the account: nothing held).
+    pub fn clear(&self) {
+        let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
+        classes.iter_mut().for_each(Vec::clear);
+        self.bytes.store(0, Ordering::Relaxed);
+        drop(classes);
+        if let Some(a) = self.account() {
+            a.held(0);
+        }
+    }
+
     fn account(&self) -> Option<Arc<dyn PoolAccount>> {
         self.account.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }

@@ -20,6 +20,9 @@
 //! - **MEM-5**: the buffers the communicator's pool keeps between uses, and each lane's
 //!   staging, are registered as [`Category::CommBuffers`] ([`HeldBytes`]) as they change;
 //!   past the cap the pool frees a buffer instead of keeping it.
+//! - **MEM-6**: an allocation the cap would refuse first frees idle cached memory (the
+//!   pool's kept buffers, [`MemoryTracker::set_reclaim`]); it is refused only if it still
+//!   does not fit.
 //!
 //! ```
 //! use shardline_runtime::memory::{Category, MemoryTracker};
@@ -144,6 +147,19 @@ struct Inner {
     rank: usize,
     cap: Option<u64>,
     counters: Mutex<Counters>,
+    /// Frees idle cached memory (the buffer pool's kept buffers) when an allocation would
+    /// exceed the cap (MEM-6).
+    reclaim: Mutex<Option<Reclaim>>,
+}
+
+/// What frees idle cached memory (MEM-6).
+#[derive(Clone)]
+struct Reclaim(Arc<dyn Fn() + Send + Sync>);
+
+impl fmt::Debug for Reclaim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Reclaim")
+    }
 }
 
 /// One rank's memory tracker. Cloning gives another handle to the same counters.
@@ -184,7 +200,12 @@ impl MemoryTracker {
     /// A tracker for `rank`, with an optional cap in bytes.
     pub fn new(rank: usize, cap: Option<u64>) -> Self {
         MemoryTracker {
-            inner: Arc::new(Inner { rank, cap, counters: Mutex::new(Counters::default()) }),
+            inner: Arc::new(Inner {
+                rank,
+                cap,
+                counters: Mutex::new(Counters::default()),
+                reclaim: Mutex::new(None),
+            }),
         }
     }
 
@@ -207,6 +228,14 @@ impl MemoryTracker {
     /// Registers `bytes` of `cat` for `what` (e.g. `blocks.3`). Refused with
     /// [`RuntimeError::OutOfMemory`] if it would exceed the cap (MEM-2).
     pub fn alloc(&self, cat: Category, bytes: u64, what: &str) -> Result<Allocation> {
+        // MEM-6: before refusing, idle cached memory is freed, as a caching allocator frees
+        // its cache on an out-of-memory; outside the counters' lock, since freeing updates
+        // them.
+        if let (Some(cap), Some(reclaim)) = (self.inner.cap, self.reclaimer()) {
+            if self.lock().total.saturating_add(bytes) > cap {
+                reclaim();
+            }
+        }
         let mut c = self.lock();
         let new_total = c.total.saturating_add(bytes);
         if let Some(cap) = self.inner.cap {
@@ -229,6 +258,16 @@ impl MemoryTracker {
         c.total = new_total;
         c.peak_total = c.peak_total.max(new_total);
         Ok(Allocation { tracker: self.clone(), cat, bytes })
+    }
+
+    /// Sets what frees idle cached memory before an allocation is refused (MEM-6).
+    /// `None` removes it (the owner of what it frees is going away).
+    pub fn set_reclaim(&self, reclaim: Option<Arc<dyn Fn() + Send + Sync>>) {
+        *self.inner.reclaim.lock().unwrap_or_else(|e| e.into_inner()) = reclaim.map(Reclaim);
+    }
+
+    fn reclaimer(&self) -> Option<Arc<dyn Fn() + Send + Sync>> {
+        self.inner.reclaim.lock().unwrap_or_else(|e| e.into_inner()).clone().map(|r| r.0)
     }
 
     /// Registers `count` f32 values (4 bytes each).
@@ -432,6 +471,24 @@ mod tests {
         assert!(m.check().is_ok(), "reported once");
         drop((t, big, g));
         assert_eq!(mem.current(Category::Activations), 0);
+    }
+
+    #[test]
+    fn an_allocation_first_frees_the_pools_idle_buffers_mem_6() {
+        // MEM-6
+        use shardline_collectives::BufferPool;
+        let mem = MemoryTracker::new(0, Some(10_000));
+        let pool = Arc::new(BufferPool::new(1 << 20, 8));
+        pool.set_account(HeldBytes::new(&mem, "buffer pool").unwrap() as _);
+        let p2 = Arc::clone(&pool);
+        mem.set_reclaim(Some(Arc::new(move || p2.clear())));
+        pool.give(vec![0.0; 2000]); // 8000 bytes kept
+        assert_eq!(mem.current(Category::CommBuffers), 8000);
+        let a = mem.alloc(Category::Activations, 5000, "needs the room").expect("reclaimed");
+        assert_eq!((pool.held_bytes(), mem.current(Category::CommBuffers)), (0, 0));
+        assert!(mem.alloc(Category::Activations, 6000, "too much").is_err(), "still refused");
+        drop(a);
+        mem.set_reclaim(None);
     }
 
     #[test]

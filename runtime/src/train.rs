@@ -567,13 +567,12 @@ pub fn stage_estimates(model: &dyn Network, cfg: &TrainConfig) -> Result<Vec<(St
         .into_iter()
         .map(|s| {
             let state = layout.model_state_bytes(s, &opt);
-            // Transient: an unreduced gradient of one unit (stages 1-3) and, at stage 3, the
-            // gathered units (current + prefetch).
-            let transient = match s {
-                Stage::Zero0 => 0,
-                Stage::Zero3 => unit * (2 + cfg.prefetch as u64),
-                _ => unit,
-            };
+            // Transient: the unreduced gradients in flight where gradients are sharded (the
+            // reduce budget, and the unit whose backward runs while it is full, ENG-7) and,
+            // at stage 3, the gathered units (current + prefetch).
+            let unreduced = if s.grads_sharded() { reduce_budget(&layout) + unit } else { 0 };
+            let gathered = if s == Stage::Zero3 { unit * (2 + cfg.prefetch as u64) } else { 0 };
+            let transient = unreduced + gathered;
             // ACC-3: `--accum-reduce last` keeps every unit's full gradient until the last
             // microbatch.
             let held = cfg.grad_accum > 1

@@ -40,7 +40,7 @@ enum Cmd {
     ///
     /// Examples:
     ///   shardline train
-    ///   shardline train --stage auto --device-memory 64M --model wide-mlp --params 20M --dataset synthetic --steps 5
+    ///   shardline train --stage auto --device-memory 180M --model wide-mlp --params 20M --dataset synthetic --steps 5
     ///   shardline train --model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --world 2 --steps 20
     ///   shardline train --checkpoint-dir ckpt --checkpoint-every 20 --resume
     ///   shardline train --model convnet-bn --dataset fashion-mnist --steps 200

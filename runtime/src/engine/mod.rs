@@ -238,6 +238,14 @@ pub struct RankEngine {
     cast: Cell<Duration>,
 }
 
+/// The tracker's reclaim holds the communicator: removed here, so that neither keeps the
+/// other alive.
+impl Drop for RankEngine {
+    fn drop(&mut self) {
+        self.mem.set_reclaim(None);
+    }
+}
+
 impl RankEngine {
     /// Builds the rank's state: initial parameters (the same on every rank, from the seed),
     /// sharded as the stage says, and opens the lanes (collective: every rank calls it).
@@ -269,6 +277,9 @@ impl RankEngine {
             l.set_account(HeldBytes::new(&mem, &format!("{} lane staging", l.name()))? as _);
         }
         comm.pool().set_account(HeldBytes::new(&mem, "buffer pool")? as _);
+        // MEM-6: under a cap, the pool's idle buffers give way to an allocation.
+        let pool_comm = comm.clone();
+        mem.set_reclaim(Some(Arc::new(move || pool_comm.pool().clear())));
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
