@@ -114,20 +114,12 @@ fn the_accounted_peak_is_exactly_the_cap_a_run_needs() {
 
 fn narrow_gpt(batch: usize) -> TrainConfig {
     TrainConfig {
-        world: 1,
-        stage: StageChoice::Fixed(Stage::Zero0),
-        model: "gpt".into(),
-        dataset: "text".into(),
-        n_layer: Some(2),
-        n_head: Some(2),
         n_embd: Some(32),
-        block_size: Some(16),
         optimizer: "adamw".into(),
         lr: 1e-3,
         steps: Some(1),
-        batch_size: batch,
         timeout_s: 30,
-        ..TrainConfig::default()
+        ..gpt_cfg(1, 0, batch)
     }
 }
 

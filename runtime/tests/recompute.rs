@@ -71,18 +71,10 @@ fn convnet_bn_with_syncbn_recomputes_bitwise_recomp_3() {
 #[test]
 fn gpt_with_dropout_recomputes_bitwise_at_every_stage_recomp_3() {
     let gpt = |stage: u8, accum: usize| TrainConfig {
-        model: "gpt".into(),
-        dataset: "text".into(),
-        n_layer: Some(2),
-        n_head: Some(2),
-        n_embd: Some(16),
-        block_size: Some(16),
         dropout: Some(0.2),
-        lr: 0.3,
-        cosine: false,
-        sync_bn: SyncBnMode::Auto,
+        steps: Some(4),
         grad_accum: accum,
-        ..small_cfg(2, stage, 4, 8)
+        ..gpt_cfg(2, stage, 8)
     };
     for stage in 0..4u8 {
         same_with_and_without(gpt(stage, 1), quiet());
