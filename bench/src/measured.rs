@@ -237,6 +237,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     })?;
     report::check_flags(a.stage.iter().all(|&s| s <= 3), || "--stage takes 0, 1, 2, 3".into())?;
     report::check_flags(a.steps > 0, || "--steps must be at least 1".into())?;
+    let known = ["mlp-bn", "convnet-bn", "gpt", "resnet-bn"];
+    if let Some(m) = a.models.iter().find(|m| !known.contains(&m.as_str())) {
+        report::check_flags(false, || {
+            format!("--models: unknown model '{m}' ({})", known.join(", "))
+        })?;
+    }
+    if let Some(r) = a.recompute.iter().find(|r| !["none", "units"].contains(&r.as_str())) {
+        report::check_flags(false, || format!("--recompute takes none, units, not '{r}'"))?;
+    }
     println!(
         "shardline-bench memory-measured: accounted (MemoryTracker) against measured (counting allocator, one process per rank, minus the heap held once the job is planned); global batch {}, {} steps, SyncBN on",
         a.batch_size, a.steps

@@ -51,6 +51,8 @@ fn bad_flags_exit_2_with_a_clear_message() {
         (&["overlap", "--busbw-sizes", "lots"], "lots"),
         (&["syncbn", "--seeds", "0"], "--seeds must be at least 1"),
         (&["memory", "--world", "0"], "--world must be at least 1"),
+        (&["memory-measured", "--recompute", "some"], "--recompute takes none, units"),
+        (&["memory-measured", "--models", "vgg"], "unknown model 'vgg'"),
         (&["faults", "--world", "1"], "--world must be at least 2"),
         (&["no-such-benchmark"], "no-such-benchmark"),
     ];
