@@ -65,6 +65,11 @@ pub enum RuntimeError {
     /// without the feature); the text names what is missing.
     #[error("device unavailable: {0}")]
     DeviceUnavailable(String),
+    /// A device refused or failed a call: an unordered access (naming the buffer and the
+    /// streams), a collective desync (naming the ranks and the calls), memory past its
+    /// capacity.
+    #[error("device: {0}")]
+    Device(#[from] shardline_collectives::device::DeviceError),
     /// A model computation failed (shapes, BatchNorm on a single value).
     #[error("model: {0}")]
     Model(String),

@@ -7,7 +7,9 @@
 //!   it is recorded, and a download's values are there at once.
 
 use super::hazard::StreamId;
-use super::{Device, DeviceBuffer, DeviceError, Download, Event, Kernel, Result, VectorClock};
+use super::{
+    Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, Result, VectorClock,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -118,13 +120,13 @@ impl Device for CpuDevice {
         self.upload(stream, &v, dst)
     }
 
-    fn launch(
+    fn launch_fallible(
         &self,
         _stream: StreamId,
         name: &str,
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
-        kernel: Kernel,
+        kernel: FallibleKernel,
     ) -> Result<()> {
         let mut st = lock(&self.state);
         for b in reads.iter().chain(writes) {
@@ -137,15 +139,15 @@ impl Device for CpuDevice {
         let r: Vec<Vec<f32>> = reads.iter().map(|b| st.values[&b.id].clone()).collect();
         let mut taken: Vec<Vec<f32>> =
             writes.iter().map(|b| st.values.remove(&b.id).unwrap_or_default()).collect();
-        {
+        let ran = {
             let rs: Vec<&[f32]> = r.iter().map(|v| v.as_slice()).collect();
             let mut ws: Vec<&mut [f32]> = taken.iter_mut().map(|v| v.as_mut_slice()).collect();
-            kernel(&rs, &mut ws);
-        }
+            kernel(&rs, &mut ws)
+        };
         for (b, v) in writes.iter().zip(taken) {
             st.values.insert(b.id, v);
         }
-        Ok(())
+        ran
     }
 
     fn record(&self, stream: StreamId) -> Event {

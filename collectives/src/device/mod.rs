@@ -99,6 +99,10 @@ pub struct Event {
 /// A kernel: reads the buffers it was given to read, writes those it was given to write.
 pub type Kernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) + Send>;
 
+/// A kernel that may fail: a collective whose peers never come, a layer that refuses its
+/// input. Its error fails the device (SIM-2) and every later call reports it.
+pub type FallibleKernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) -> Result<()> + Send>;
+
 /// A copy to the host in flight: [`Download::wait`] blocks until it is done.
 pub struct Download {
     pub(crate) event: Event,
@@ -138,6 +142,21 @@ pub trait Device: Send + Sync {
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
         kernel: Kernel,
+    ) -> Result<()> {
+        let k: FallibleKernel = Box::new(move |r, w| {
+            kernel(r, w);
+            Ok(())
+        });
+        self.launch_fallible(stream, name, reads, writes, k)
+    }
+    /// [`Device::launch`] for a kernel that may fail: its error fails the device.
+    fn launch_fallible(
+        &self,
+        stream: StreamId,
+        name: &str,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+        kernel: FallibleKernel,
     ) -> Result<()>;
     /// Records an event on `stream`.
     fn record(&self, stream: StreamId) -> Event;

@@ -16,7 +16,7 @@
 //!   is refused and changes nothing.
 
 use super::hazard::{Ordering, StreamId, Use, VectorClock};
-use super::{Device, DeviceBuffer, DeviceError, Download, Event, Kernel, Result};
+use super::{Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, Result};
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -47,8 +47,6 @@ impl Default for SimOptions {
 
 type Values = Arc<Mutex<Vec<f32>>>;
 type Work = Box<dyn FnOnce() -> Result<()> + Send>;
-/// A kernel that may fail (a collective whose peers never come).
-pub(crate) type FallibleKernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) -> Result<()> + Send>;
 
 struct Job {
     seq: u64,
@@ -195,44 +193,6 @@ impl SimDevice {
         st.senders[stream]
             .send(job)
             .map_err(|_| DeviceError::Failed("a stream worker is gone".into()))
-    }
-
-    /// Enqueues a kernel that may fail (the communicator's collectives).
-    pub(crate) fn launch_fallible(
-        &self,
-        stream: StreamId,
-        name: &str,
-        reads: &[&DeviceBuffer],
-        writes: &[&DeviceBuffer],
-        kernel: FallibleKernel,
-    ) -> Result<()> {
-        for r in reads {
-            if writes.iter().any(|w| w.id == r.id) {
-                return Err(DeviceError::Invalid(format!(
-                    "{name}: buffer '{}' is both read and written (pass it as written)",
-                    r.label()
-                )));
-            }
-        }
-        let mut uses: Vec<(&DeviceBuffer, Use)> = reads.iter().map(|b| (*b, Use::Read)).collect();
-        uses.extend(writes.iter().map(|b| (*b, Use::Write)));
-        let n_reads = reads.len();
-        let ids: Vec<u64> = uses.iter().map(|(b, _)| b.id).collect();
-        self.enqueue(stream, name, &uses, move |vals| {
-            // Lock in id order, so that two streams never wait on each other's locks.
-            let mut order: Vec<usize> = (0..vals.len()).collect();
-            order.sort_by_key(|&i| ids[i]);
-            let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
-                (0..vals.len()).map(|_| None).collect();
-            for i in order {
-                guards[i] = Some(lock(&vals[i]));
-            }
-            let (rg, wg) = guards.split_at_mut(n_reads);
-            let r: Vec<&[f32]> = rg.iter().map(|g| g.as_deref().map_or(&[][..], |v| v)).collect();
-            let mut w: Vec<&mut [f32]> =
-                wg.iter_mut().map(|g| g.as_deref_mut().map_or(&mut [][..], |v| v)).collect();
-            kernel(&r, &mut w)
-        })
     }
 
     fn spawn_worker(&self, stream: StreamId, name: &str) -> Sender<Job> {
@@ -402,24 +362,42 @@ impl Device for SimDevice {
         )
     }
 
-    fn launch(
+    /// Enqueues a kernel that may fail (the communicator's collectives).
+    fn launch_fallible(
         &self,
         stream: StreamId,
         name: &str,
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
-        kernel: Kernel,
+        kernel: FallibleKernel,
     ) -> Result<()> {
-        self.launch_fallible(
-            stream,
-            name,
-            reads,
-            writes,
-            Box::new(move |r, w| {
-                kernel(r, w);
-                Ok(())
-            }),
-        )
+        for r in reads {
+            if writes.iter().any(|w| w.id == r.id) {
+                return Err(DeviceError::Invalid(format!(
+                    "{name}: buffer '{}' is both read and written (pass it as written)",
+                    r.label()
+                )));
+            }
+        }
+        let mut uses: Vec<(&DeviceBuffer, Use)> = reads.iter().map(|b| (*b, Use::Read)).collect();
+        uses.extend(writes.iter().map(|b| (*b, Use::Write)));
+        let n_reads = reads.len();
+        let ids: Vec<u64> = uses.iter().map(|(b, _)| b.id).collect();
+        self.enqueue(stream, name, &uses, move |vals| {
+            // Lock in id order, so that two streams never wait on each other's locks.
+            let mut order: Vec<usize> = (0..vals.len()).collect();
+            order.sort_by_key(|&i| ids[i]);
+            let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
+                (0..vals.len()).map(|_| None).collect();
+            for i in order {
+                guards[i] = Some(lock(&vals[i]));
+            }
+            let (rg, wg) = guards.split_at_mut(n_reads);
+            let r: Vec<&[f32]> = rg.iter().map(|g| g.as_deref().map_or(&[][..], |v| v)).collect();
+            let mut w: Vec<&mut [f32]> =
+                wg.iter_mut().map(|g| g.as_deref_mut().map_or(&mut [][..], |v| v)).collect();
+            kernel(&r, &mut w)
+        })
     }
 
     fn record(&self, stream: StreamId) -> Event {

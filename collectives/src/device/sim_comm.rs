@@ -1,4 +1,4 @@
-//! Collectives between simulated devices, with NCCL's semantics: a call is enqueued on a
+//! Collectives between devices of one process (simulated, or the host as a device), with NCCL's semantics: a call is enqueued on a
 //! stream and runs when the stream reaches it; every rank must issue the same collectives in
 //! the same order (kind, element count, root), and a group (`group_start` .. `group_end`)
 //! is one call made of several. The ranks meet in a [`SimWorld`], which checks each call
@@ -11,12 +11,12 @@
 //!   every later one, naming both ranks and both calls.
 //! - SCOMM-2: results equal the naive reduction: all-reduce sums every rank's buffer
 //!   elementwise in rank order, all-gather concatenates in rank order, reduce-scatter gives
-//!   rank r the r-th block of the sum, broadcast copies the root's buffer.
+//!   rank r the r-th block of the sum, broadcast copies the root's buffer; the in-place
+//!   forms read and write the own block of one buffer (NCCL's in-place convention).
 //! - SCOMM-3: a rank whose peers never arrive fails after the world's timeout, naming the
 //!   missing ranks, instead of waiting forever.
 
-use super::sim::SimDevice;
-use super::{DeviceBuffer, DeviceError, Result, StreamId};
+use super::{Device, DeviceBuffer, DeviceError, Result, StreamId};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -64,6 +64,8 @@ struct Table {
     calls: Vec<Vec<String>>,
     meetings: HashMap<usize, Meeting>,
     desync: Option<String>,
+    /// Why the world was aborted ([`SimWorld::abort`]).
+    aborted: Option<String>,
 }
 
 /// Where the ranks of one simulated job meet.
@@ -88,9 +90,25 @@ impl SimWorld {
                 calls: vec![Vec::new(); size],
                 meetings: HashMap::new(),
                 desync: None,
+                aborted: None,
             }),
             cv: Condvar::new(),
         })
+    }
+
+    /// Ranks in the world.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Fails every pending and later call of every rank with `why` (a rank failed, and its
+    /// peers should not wait for it until the timeout).
+    pub fn abort(&self, why: &str) {
+        let mut t = lock(&self.table);
+        if t.aborted.is_none() {
+            t.aborted = Some(why.to_string());
+        }
+        self.cv.notify_all();
     }
 
     /// Records rank `rank`'s next call and checks it against the others' (SCOMM-1).
@@ -98,6 +116,9 @@ impl SimWorld {
         let mut t = lock(&self.table);
         if let Some(d) = &t.desync {
             return Err(DeviceError::Desync(d.clone()));
+        }
+        if let Some(a) = &t.aborted {
+            return Err(DeviceError::Failed(a.clone()));
         }
         let n = t.calls[rank].len();
         for (other, calls) in t.calls.iter().enumerate() {
@@ -129,6 +150,9 @@ impl SimWorld {
             if let Some(d) = &t.desync {
                 return Err(DeviceError::Desync(d.clone()));
             }
+            if let Some(a) = &t.aborted {
+                return Err(DeviceError::Failed(a.clone()));
+            }
             let m = &t.meetings[&n];
             if m.inputs.len() == self.size {
                 break;
@@ -154,18 +178,19 @@ impl SimWorld {
     }
 }
 
-/// One rank's communicator on its simulated device.
+/// One rank's communicator on its device (simulated, or the host as a device: the same
+/// semantics, so that the two give bitwise-equal results).
 pub struct SimComm {
     rank: usize,
     world: Arc<SimWorld>,
-    device: Arc<SimDevice>,
+    device: Arc<dyn Device>,
     /// Ops of an open group, with their buffers' places in `group_bufs`.
     group: Option<Vec<(Op, usize, usize)>>,
 }
 
 impl SimComm {
     /// Rank `rank` of `world`, on `device`.
-    pub fn new(rank: usize, world: Arc<SimWorld>, device: Arc<SimDevice>) -> Self {
+    pub fn new(rank: usize, world: Arc<SimWorld>, device: Arc<dyn Device>) -> Self {
         SimComm { rank, world, device, group: None }
     }
 
@@ -213,6 +238,26 @@ impl SimComm {
             send.len() == recv.len() * self.size(),
         )?;
         self.call(stream, vec![(Op::ReduceScatter { len: recv.len() }, send, recv)])
+    }
+
+    /// All-gather in place: `buf` (`world` blocks) holds this rank's block at its rank's
+    /// place, and every rank's afterwards (NCCL's in-place form).
+    pub fn all_gather_in_place(&mut self, stream: StreamId, buf: &DeviceBuffer) -> Result<()> {
+        self.check(
+            "all_gather_in_place: length not a multiple of the world",
+            buf.len().is_multiple_of(self.size()),
+        )?;
+        self.call(stream, vec![(Op::AllGather { len: buf.len() / self.size() }, buf, buf)])
+    }
+
+    /// Reduce-scatter in place: rank r's block of `buf` (`world` blocks) receives the r-th
+    /// block of the sum; the other blocks keep their values (NCCL's in-place form).
+    pub fn reduce_scatter_in_place(&mut self, stream: StreamId, buf: &DeviceBuffer) -> Result<()> {
+        self.check(
+            "reduce_scatter_in_place: length not a multiple of the world",
+            buf.len().is_multiple_of(self.size()),
+        )?;
+        self.call(stream, vec![(Op::ReduceScatter { len: buf.len() / self.size() }, buf, buf)])
     }
 
     /// Copies `root`'s `buf` into every rank's, on `stream`.
@@ -288,6 +333,7 @@ impl SimComm {
                     .collect();
                 let all = world.meet(n, rank, inputs)?;
                 for (k, op) in ops.iter().enumerate() {
+                    let in_place = places[k].0.is_none();
                     let out = &mut *w[places[k].1];
                     let input = |q: usize| &all[q][k];
                     // SCOMM-2: the naive reductions, in rank order.
@@ -300,10 +346,15 @@ impl SimComm {
                         }
                         Op::AllGather { len } => {
                             for q in 0..size {
-                                out[q * len..(q + 1) * len].copy_from_slice(input(q));
+                                // In place, rank q's block lies at its place in its buffer.
+                                let from = if in_place { q * len } else { 0 };
+                                out[q * len..(q + 1) * len]
+                                    .copy_from_slice(&input(q)[from..from + len]);
                             }
                         }
                         Op::ReduceScatter { len } => {
+                            let at = if in_place { rank * len } else { 0 };
+                            let out = &mut out[at..at + len];
                             out.iter_mut().for_each(|x| *x = 0.0);
                             for q in 0..size {
                                 let block = &input(q)[rank * len..(rank + 1) * len];
@@ -322,7 +373,7 @@ impl SimComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::{Device, SimOptions};
+    use crate::device::{SimDevice, SimOptions};
 
     /// Runs `body(rank, comm, device, stream)` on `world` threads; each thread returns its
     /// result (thread joins bounded by the world's timeout through the device's waits).
@@ -346,7 +397,7 @@ mod tests {
                         ..SimOptions::default()
                     }));
                     let s = dev.stream("reduce");
-                    let mut c = SimComm::new(r, w, Arc::clone(&dev));
+                    let mut c = SimComm::new(r, w, Arc::clone(&dev) as Arc<dyn Device>);
                     body(r, &mut c, &dev, s)
                 })
             })
@@ -383,6 +434,27 @@ mod tests {
             assert_eq!(rs, sum[2 * r..2 * r + 2].to_vec(), "reduce_scatter, rank {r}");
             assert_eq!(b, v(2).collect::<Vec<_>>(), "broadcast, rank {r}");
         }
+    }
+
+    /// SCOMM-2 in place: the all-gather fills the other ranks' blocks, the reduce-scatter
+    /// writes the own block's sum and leaves the others.
+    #[test]
+    fn in_place_forms_equal_the_naive_reductions_scomm_2() {
+        let out = ranks(2, Duration::from_secs(20), |r, c, d, s| {
+            let vals: Vec<f32> = (0..4).map(|i| (r * 10 + i) as f32).collect();
+            let g = d.alloc(4, "g").unwrap();
+            d.upload(s, &vals, &g).unwrap();
+            c.all_gather_in_place(s, &g).unwrap();
+            let rs = d.alloc(4, "rs").unwrap();
+            d.upload(s, &vals, &rs).unwrap();
+            c.reduce_scatter_in_place(s, &rs).unwrap();
+            [&g, &rs].map(|x| d.download(s, x).unwrap().wait(d).unwrap())
+        });
+        // Rank 0 holds 0..4, rank 1 holds 10..14.
+        assert_eq!(out[0][0], vec![0.0, 1.0, 12.0, 13.0]);
+        assert_eq!(out[1][0], vec![0.0, 1.0, 12.0, 13.0]);
+        assert_eq!(out[0][1], vec![10.0, 12.0, 2.0, 3.0]);
+        assert_eq!(out[1][1], vec![10.0, 11.0, 14.0, 16.0]);
     }
 
     #[test]

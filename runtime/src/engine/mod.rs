@@ -52,6 +52,7 @@
 mod accum;
 mod clock;
 mod device;
+pub mod on_device;
 mod pass;
 mod precision;
 mod prefetch;

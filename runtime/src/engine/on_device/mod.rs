@@ -1,0 +1,690 @@
+//! The engine on a [`Device`]: a rank's parameters, gradients, optimizer state and buffers
+//! live in device memory, and a step is work enqueued on streams, ordered by events.
+//!
+//! Streams: `compute` runs every forward, backward, loss and update kernel; `gather` the
+//! stage 3 gathers and the stage 1/2 all-gathers after the update; `reduce` the gradient
+//! reductions and the loss reduction. The gather and reduce streams each have their own
+//! communicator. The same pure cores as the host engine decide: `StageRules` what a rank
+//! keeps and how it reduces, `GatherPlan` which gathers go out when and what is kept
+//! (ENG-5), `Reductions` the reduce budget and the order of updates (ENG-7, ENG-8,
+//! ENG-10).
+//!
+//! What is not on the device yet: the activations and what the layers save for backward
+//! are host values handed from one kernel of the compute stream to the next (in stream
+//! order, so never raced); SyncBN statistics, accumulation, recomputation, bf16 and
+//! gradient clipping are refused with a message naming them.
+//!
+//! Invariants:
+//! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
+//!   norm ([`DeviceStepStats::host_syncs`]); gathers, reductions and updates are ordered by
+//!   events alone.
+//! - DEV-2: every kernel that reads a unit's parameters runs after the event of the gather
+//!   or update that wrote them; every update runs after its unit's reduction's event; a
+//!   unit's transient gradient is freed on the reduce stream, after the reduction read it.
+//! - DEV-3: the negative controls of [`InjectedBug`] each break one rule of DEV-2, and the
+//!   simulated device refuses the step that breaks it, naming the buffer and the streams.
+//! - DEV-4: on the simulated device (any delay seed) the results are bitwise those on the
+//!   cpu device, whose every call runs at once: the order of the work is fixed by streams
+//!   and events, not by timing.
+
+mod io;
+mod run;
+
+pub use run::{run_on_devices, DeviceKind, DeviceRun};
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Event, SimComm, SimWorld};
+use shardline_models::module::Saved;
+use shardline_models::{Backend, CallBackward, Ctx, DistributedSampler, Network, Tensor};
+
+use super::prefetch::GatherPlan;
+use super::reduction::{ReduceIo, Reduction, Reductions};
+use super::stage::{BeforeUse, GradReduce, StageRules, Update};
+use super::{open_backend, EngineConfig, Recompute};
+use crate::error::{Result, RuntimeError};
+use crate::shard::ShardedModelLayout;
+use io::{DeviceGathers, DeviceReduction, PendingGather};
+
+/// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InjectedBug {
+    /// Stage 3: the compute stream does not wait for a gather's event before the kernels
+    /// that read the gathered parameters.
+    pub skip_gather_wait: bool,
+    /// Stages 2 and 3: a unit's transient gradient is freed on the compute stream right
+    /// after its reduce-scatter is enqueued, not on the reduce stream after it has read the
+    /// buffer (the `record_stream` class of bug: the memory is reused while the reduction
+    /// still reads it).
+    pub free_grads_on_compute: bool,
+    /// This rank issues an all-reduce of its loss before the step's first gradient
+    /// reduction, where the others issue the reduction itself: a desync (SCOMM-1).
+    pub desync_rank: Option<usize>,
+}
+
+/// The streams of a rank's device.
+pub(crate) struct Streams {
+    pub(crate) compute: usize,
+    pub(crate) gather: usize,
+    pub(crate) reduce: usize,
+}
+
+/// Where the ranks of a job meet: one world per communicator.
+#[derive(Clone)]
+pub struct DeviceWorlds {
+    /// The gather stream's communicator.
+    pub gather: Arc<SimWorld>,
+    /// The reduce stream's communicator.
+    pub reduce: Arc<SimWorld>,
+}
+
+impl DeviceWorlds {
+    /// Worlds of `size` ranks whose collectives give up after `timeout` (SCOMM-3).
+    pub fn new(size: usize, timeout: Duration) -> Self {
+        DeviceWorlds { gather: SimWorld::new(size, timeout), reduce: SimWorld::new(size, timeout) }
+    }
+
+    /// Fails every rank's pending and later collectives, naming `why` (a rank failed).
+    pub fn abort(&self, why: &str) {
+        self.gather.abort(why);
+        self.reduce.abort(why);
+    }
+}
+
+/// Figures of one step on one rank.
+#[derive(Clone, Debug)]
+pub struct DeviceStepStats {
+    /// Mean loss over the global batch (the same on every rank, ENG-2).
+    pub loss: f32,
+    /// Global gradient norm.
+    pub grad_norm: f64,
+    /// Wall time of the step.
+    pub step_time: Duration,
+    /// Times the host waited on the device during the step (DEV-1).
+    pub host_syncs: u64,
+    /// Device bytes allocated at the end of the step.
+    pub device_bytes: u64,
+}
+
+/// A value handed from one kernel of the compute stream to a later one (an activation, a
+/// gradient flowing back, what a call saved): kernels of one stream run in order, so a slot
+/// is filled before it is read.
+struct Slot<T>(Mutex<Option<T>>);
+
+impl<T> Slot<T> {
+    fn new(v: Option<T>) -> Arc<Self> {
+        Arc::new(Slot(Mutex::new(v)))
+    }
+    fn put(&self, v: T) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+    }
+    fn take(&self, what: &str) -> std::result::Result<T, DeviceError> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| DeviceError::Failed(format!("{what}: its input was never produced")))
+    }
+}
+
+/// A model error inside a kernel, as the device reports it.
+fn kernel_error(rank: usize, what: &str, e: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Failed(format!("rank {rank}: {what}: {e}"))
+}
+
+/// One rank's engine on a device.
+pub struct DeviceEngine {
+    rank: usize,
+    world: usize,
+    model: Arc<dyn Network>,
+    calls: Vec<usize>,
+    layout: ShardedModelLayout,
+    cfg: EngineConfig,
+    rules: &'static StageRules,
+    labels: Vec<String>,
+    dev: Arc<dyn Device>,
+    streams: Streams,
+    gather_comm: SimComm,
+    reduce_comm: SimComm,
+    backend: Arc<dyn Backend>,
+    /// Per unit, what the rank keeps (as the stage's rules say).
+    params: Vec<DeviceBuffer>,
+    grads: Vec<DeviceBuffer>,
+    optim_state: Vec<DeviceBuffer>,
+    buffers: Vec<DeviceBuffer>,
+    /// Per unit, the event after which its kept parameters are current.
+    ready: Vec<Option<Event>>,
+    plan: GatherPlan<PendingGather, DeviceBuffer>,
+    no_decay: Vec<Vec<Range<usize>>>,
+    /// Per unit, the squared norm of its own reduced gradient (an `f64`'s bits in two
+    /// elements), written by its update.
+    sq: DeviceBuffer,
+    /// The rank's share of the loss.
+    loss: DeviceBuffer,
+    /// Loss, squared norm: summed over the group.
+    sums: DeviceBuffer,
+    step: u64,
+    bug: InjectedBug,
+}
+
+impl DeviceEngine {
+    /// Rank `rank`'s engine on `dev`, meeting the other ranks in `worlds`: the initial
+    /// parameters from the seed, kept as the stage says, uploaded. Refuses what the device
+    /// engine does not do yet, naming it.
+    pub fn new(
+        rank: usize,
+        dev: Arc<dyn Device>,
+        worlds: &DeviceWorlds,
+        model: Arc<dyn Network>,
+        cfg: EngineConfig,
+        bug: InjectedBug,
+    ) -> Result<Self> {
+        let world = worlds.gather.size();
+        let missing = [
+            (cfg.sync_bn && world > 1, "SyncBatchNorm (--sync-bn off)"),
+            (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
+            (cfg.recompute != Recompute::None, "recomputation (--recompute)"),
+            (!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)"),
+            (cfg.clip_grad_norm.is_some(), "gradient clipping (--clip-grad-norm)"),
+        ];
+        if let Some((_, what)) = missing.iter().find(|m| m.0) {
+            return Err(RuntimeError::config(format!(
+                "the device engine does not run {what} yet; use the host engine"
+            )));
+        }
+        let spec = model.spec();
+        let layout = ShardedModelLayout::new(&spec, world)?;
+        let labels: Vec<String> = spec.units.iter().map(|u| u.name.clone()).collect();
+        let no_decay = spec.units.iter().map(|u| cfg.weight_decay_on.no_decay_ranges(u)).collect();
+        let rules = StageRules::of(cfg.stage);
+        let streams = Streams {
+            compute: dev.stream("compute"),
+            gather: dev.stream("gather"),
+            reduce: dev.stream("reduce"),
+        };
+        let n = layout.units().len();
+        let k = cfg.optimizer.state_len_per_param();
+        let (mut params, mut grads, mut optim_state, mut buffers) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let upload = |v: &[f32], what: String| -> Result<DeviceBuffer> {
+            let b = dev.alloc(v.len(), &what)?;
+            dev.upload(streams.compute, v, &b)?;
+            Ok(b)
+        };
+        for (u, name) in labels.iter().enumerate() {
+            let l = layout.unit(u);
+            let init = model.init_params(u, cfg.seed)?;
+            let mut full = vec![0.0f32; l.padded_numel()];
+            full[..init.len()].copy_from_slice(&init);
+            let kept = match rules.params {
+                super::stage::Holding::Full => full,
+                super::stage::Holding::Shard => full[l.shard_range(rank)].to_vec(),
+            };
+            params.push(upload(&kept, format!("{name} params"))?);
+            grads.push(upload(&vec![0.0; rules.grads.len(l)], format!("{name} grads"))?);
+            let slen = rules.optim_state.len(l) * k;
+            optim_state.push(upload(&vec![0.0; slen], format!("{name} optimizer state"))?);
+            buffers.push(upload(&model.init_buffers(u)?, format!("{name} buffers"))?);
+        }
+        let up = dev.record(streams.compute);
+        let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
+        let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
+        let backend: Arc<dyn Backend> = Arc::from(open_backend(cfg.device, cfg.threads)?);
+        Ok(DeviceEngine {
+            rank,
+            world,
+            calls: model.calls(),
+            model,
+            gather_comm: SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev)),
+            reduce_comm: SimComm::new(rank, Arc::clone(&worlds.reduce), Arc::clone(&dev)),
+            sq: dev.alloc(2 * n, "squared norms")?,
+            loss: dev.alloc(1, "loss")?,
+            sums: dev.alloc(2, "loss and norm (summed)")?,
+            ready: vec![Some(up); n],
+            layout,
+            rules,
+            labels,
+            streams,
+            backend,
+            params,
+            grads,
+            optim_state,
+            buffers,
+            plan,
+            no_decay,
+            cfg,
+            dev,
+            step: 0,
+            bug,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+
+    /// A kernel's context of this step.
+    fn ctx_of(&self, global_batch: usize, first_sample: usize) -> CtxOf {
+        CtxOf {
+            global_batch,
+            seed: self.cfg.seed,
+            step: self.step + 1,
+            first_sample,
+            backend: Arc::clone(&self.backend),
+        }
+    }
+
+    /// The parameters use `i` of the pass reads: stage 3 gathers them (the plan decides
+    /// when, ENG-5); the other stages keep them, current after `ready` (DEV-2).
+    fn acquire(&mut self, i: usize) -> Result<Option<DeviceBuffer>> {
+        let u = self.plan.unit_at(i);
+        if self.rules.before_use != BeforeUse::Gather {
+            if let Some(e) = &self.ready[u] {
+                self.dev.wait(self.streams.compute, e);
+            }
+            return Ok(None);
+        }
+        let mut io = DeviceGathers {
+            dev: &self.dev,
+            streams: &self.streams,
+            comm: &mut self.gather_comm,
+            layout: &self.layout,
+            shards: &self.params,
+            ready: &self.ready,
+            labels: &self.labels,
+            skip_wait: self.bug.skip_gather_wait,
+        };
+        self.plan.acquire(i, &mut io).map(Some)
+    }
+
+    /// After use `i`: the plan keeps or frees its gathered parameters.
+    fn done_with(&mut self, i: usize, gathered: Option<DeviceBuffer>) {
+        if let Some(g) = gathered {
+            let mut io = DeviceGathers {
+                dev: &self.dev,
+                streams: &self.streams,
+                comm: &mut self.gather_comm,
+                layout: &self.layout,
+                shards: &self.params,
+                ready: &self.ready,
+                labels: &self.labels,
+                skip_wait: self.bug.skip_gather_wait,
+            };
+            self.plan.done_with(i, g, &mut io);
+        }
+    }
+
+    /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
+    /// samples; every rank calls it with its own slice.
+    pub fn train_step(
+        &mut self,
+        x: Tensor,
+        y: &Tensor,
+        global_batch: usize,
+    ) -> Result<DeviceStepStats> {
+        let t0 = Instant::now();
+        let (n, nc) = (self.layout.units().len(), self.calls.len());
+        let first_sample =
+            DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
+        let ctx = self.ctx_of(global_batch, first_sample);
+        self.plan.begin_step(&self.calls, 1);
+        let act = Slot::new(Some(x));
+        let saved: Vec<Arc<Slot<Saved>>> = (0..nc).map(|_| Slot::new(None)).collect();
+        for (i, s) in saved.iter().enumerate() {
+            self.forward(i, &act, s, &ctx)?;
+        }
+        self.loss_kernel(&act, y.clone(), global_batch)?;
+        let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
+        let mut partial: Vec<Option<Option<DeviceBuffer>>> = (0..n).map(|_| None).collect();
+        for i in nc..2 * nc {
+            self.backward(i, &act, &saved[2 * nc - 1 - i], &ctx, &mut reds, &mut partial)?;
+            let mut io = StepIo { eng: self, lr: 0.0 };
+            reds.bound(&mut io)?; // ENG-7
+            reds.collect(&mut io)?;
+        }
+        let mut io = DeviceGathers {
+            dev: &self.dev,
+            streams: &self.streams,
+            comm: &mut self.gather_comm,
+            layout: &self.layout,
+            shards: &self.params,
+            ready: &self.ready,
+            labels: &self.labels,
+            skip_wait: self.bug.skip_gather_wait,
+        };
+        self.plan.end_pass(&mut io);
+        // ENG-8, ENG-10: each unit steps once its reduction is in, in the order they come.
+        let lr = self.cfg.lr.lr_at(self.step);
+        self.step += 1;
+        reds.update_as_reduced(n, &mut StepIo { eng: self, lr })?;
+        // Stages 1 and 2: the updated parameters all-gathered in unit order, the same on
+        // every rank whatever order the updates ran in.
+        if self.rules.gather_after_update {
+            for u in 0..n {
+                if let Some(e) = &self.ready[u] {
+                    self.dev.wait(self.streams.gather, e);
+                }
+                self.gather_comm.all_gather_in_place(self.streams.gather, &self.params[u])?;
+                self.ready[u] = Some(self.dev.record(self.streams.gather));
+            }
+        }
+        let (loss, sq) = self.reduce_loss_and_norm(n)?;
+        Ok(DeviceStepStats {
+            loss,
+            grad_norm: sq.sqrt(),
+            step_time: t0.elapsed(),
+            host_syncs: 1,
+            device_bytes: self.dev.in_use(),
+        })
+    }
+
+    /// Use `i`'s forward kernel: the call's output replaces its input in `act`, and what
+    /// its layers save goes to `saved`.
+    fn forward(
+        &mut self,
+        i: usize,
+        act: &Arc<Slot<Tensor>>,
+        saved: &Arc<Slot<Saved>>,
+        c: &CtxOf,
+    ) -> Result<()> {
+        let u = self.plan.unit_at(i);
+        let gathered = self.acquire(i)?;
+        let numel = self.layout.unit(u).numel();
+        let what = format!("forward {}", self.labels[u]);
+        let (model, act, saved, c) =
+            (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
+        let rank = self.rank;
+        let name = what.clone();
+        let p = gathered.as_ref().unwrap_or(&self.params[u]);
+        self.dev.launch_fallible(
+            self.streams.compute,
+            &what,
+            &[p],
+            &[&self.buffers[u]],
+            Box::new(move |r, w| {
+                let x = act.take(&name)?;
+                let (y, s) = model
+                    .forward_call(i, &r[0][..numel], &mut *w[0], x, &c.ctx(false))
+                    .map_err(|e| kernel_error(rank, &name, e))?;
+                act.put(y);
+                saved.put(s);
+                Ok(())
+            }),
+        )?;
+        self.done_with(i, gathered);
+        Ok(())
+    }
+
+    /// The loss kernel: the rank's share of the loss into `self.loss`, and the gradient of
+    /// the output into `act`.
+    fn loss_kernel(
+        &mut self,
+        act: &Arc<Slot<Tensor>>,
+        y: Tensor,
+        global_batch: usize,
+    ) -> Result<()> {
+        let (model, act, rank) = (Arc::clone(&self.model), act.clone(), self.rank);
+        self.dev.launch_fallible(
+            self.streams.compute,
+            "loss",
+            &[],
+            &[&self.loss],
+            Box::new(move |_, w| {
+                let out = act.take("loss")?;
+                let (l, g) = model
+                    .loss()
+                    .forward_backward(&out, &y, global_batch)
+                    .map_err(|e| kernel_error(rank, "loss", e))?;
+                w[0][0] = l;
+                act.put(g);
+                Ok(())
+            }),
+        )?;
+        Ok(())
+    }
+
+    /// Use `i`'s backward kernel (call `2 nc - 1 - i`): the unit's gradients into its
+    /// gradient buffer, the input gradient into `act`; the unit's reduction is enqueued as
+    /// soon as its last call is done (ENG-9's first half; NET-1).
+    fn backward(
+        &mut self,
+        i: usize,
+        act: &Arc<Slot<Tensor>>,
+        saved: &Arc<Slot<Saved>>,
+        c: &CtxOf,
+        reds: &mut Reductions<DeviceReduction>,
+        partial: &mut [Option<Option<DeviceBuffer>>],
+    ) -> Result<()> {
+        let u = self.plan.unit_at(i);
+        let call = 2 * self.calls.len() - 1 - i;
+        let last_use = !self.calls[..call].contains(&u);
+        let gathered = self.acquire(i)?;
+        let l = self.layout.unit(u);
+        let (numel, padded) = (l.numel(), l.padded_numel());
+        // A transient full gradient (stages 2 and 3) lives until its reduce-scatter is done;
+        // stages 0 and 1 write the kept full buffer.
+        let (first_use, transient) = match partial[u].take() {
+            Some(t) => (false, t),
+            None if self.rules.transient_grads() => {
+                let what = format!("{} grads (unreduced)", self.labels[u]);
+                (true, Some(self.dev.alloc(padded, &what)?))
+            }
+            None => (true, None),
+        };
+        let what = format!("backward {}", self.labels[u]);
+        let (model, act, saved, c) =
+            (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
+        let (rank, name) = (self.rank, what.clone());
+        let p = gathered.as_ref().unwrap_or(&self.params[u]);
+        let g = transient.as_ref().unwrap_or(&self.grads[u]);
+        self.dev.launch_fallible(
+            self.streams.compute,
+            &what,
+            &[p],
+            &[g],
+            Box::new(move |r, w| {
+                let params = &r[0][..numel];
+                let grads = &mut *w[0];
+                // The first call writes the gradients; only the padding needs clearing.
+                if first_use {
+                    grads[numel..].fill(0.0);
+                }
+                let ctx = c.ctx(first_use);
+                let b = CallBackward {
+                    params,
+                    saved: saved.take(&name)?,
+                    grad_output: act.take(&name)?,
+                    grads_out: &mut grads[..numel],
+                    input_grad: call > 0,
+                };
+                let err = |e| kernel_error(rank, &name, e);
+                let ig = model.backward_call(call, b, &ctx).map_err(err)?;
+                act.put(ig.finish(&*c.backend, params).map_err(err)?.unwrap_or_default());
+                Ok(())
+            }),
+        )?;
+        if last_use {
+            self.issue_reduction(reds, u, transient)?;
+        } else {
+            partial[u] = Some(transient);
+        }
+        self.done_with(i, gathered);
+        Ok(())
+    }
+
+    /// Unit `u`'s reduction on the reduce stream, after its backward (DEV-2), as its stage
+    /// says; a transient gradient is freed on the reduce stream once read.
+    fn issue_reduction(
+        &mut self,
+        reds: &mut Reductions<DeviceReduction>,
+        u: usize,
+        transient: Option<DeviceBuffer>,
+    ) -> Result<()> {
+        let (s, dev) = (&self.streams, &self.dev);
+        let computed = dev.record(s.compute);
+        dev.wait(s.reduce, &computed);
+        let comm = &mut self.reduce_comm;
+        if self.bug.desync_rank.take_if(|r| *r == self.rank).is_some() {
+            comm.all_reduce(s.reduce, &self.loss)?;
+        }
+        let mut unreduced = 0;
+        match (self.rules.reduce, transient) {
+            (GradReduce::AllReduce, None) => comm.all_reduce(s.reduce, &self.grads[u])?,
+            (GradReduce::ReduceScatterInPlace, None) => {
+                comm.reduce_scatter_in_place(s.reduce, &self.grads[u])?
+            }
+            (GradReduce::ReduceScatter, Some(full)) => {
+                comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
+                unreduced = full.len() as u64 * 4;
+                let on = if self.bug.free_grads_on_compute { s.compute } else { s.reduce };
+                dev.free(on, full)?;
+            }
+            (how, _) => {
+                return Err(RuntimeError::config(format!(
+                    "unit {u}: reduction {how:?} with the wrong gradient buffer"
+                )))
+            }
+        }
+        let done = dev.record(s.reduce);
+        reds.issue(u, unreduced, DeviceReduction { dev: Arc::clone(dev), done });
+        Ok(())
+    }
+
+    /// The loss and the squared norms summed over the group on the reduce stream, then the
+    /// step's one host wait (DEV-1).
+    fn reduce_loss_and_norm(&mut self, n: usize) -> Result<(f32, f64)> {
+        let s = &self.streams;
+        self.dev.launch(
+            s.compute,
+            "loss and norm",
+            &[&self.loss, &self.sq],
+            &[&self.sums],
+            Box::new(move |r, w| {
+                // ENG-1: the norms summed in unit order.
+                let sq: f64 = (0..n).map(|u| f64_of(&r[1][2 * u..2 * u + 2])).sum();
+                w[0][0] = r[0][0];
+                w[0][1] = sq as f32;
+            }),
+        )?;
+        let e = self.dev.record(s.compute);
+        self.dev.wait(s.reduce, &e);
+        self.reduce_comm.all_reduce(s.reduce, &self.sums)?;
+        let sums = self.dev.download(s.reduce, &self.sums)?.wait(&*self.dev)?;
+        Ok((sums[0], f64::from(sums[1])))
+    }
+
+    /// Every unit's full parameters (unpadded), gathered at stage 3 (collective: every rank
+    /// calls it).
+    pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::new();
+        let s = self.streams.gather;
+        for u in 0..self.layout.units().len() {
+            if let Some(e) = &self.ready[u] {
+                self.dev.wait(s, e);
+            }
+            let l = self.layout.unit(u);
+            let mut v = if self.rules.before_use == BeforeUse::Gather {
+                let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
+                self.gather_comm.all_gather(s, &self.params[u], &full)?;
+                let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
+                self.dev.free(s, full)?;
+                v
+            } else {
+                self.dev.download(s, &self.params[u])?.wait(&*self.dev)?
+            };
+            v.truncate(l.numel());
+            out.push(v);
+        }
+        Ok(out)
+    }
+
+    /// Every unit's buffers (BatchNorm running statistics).
+    pub fn buffers(&self) -> Result<Vec<Vec<f32>>> {
+        let s = self.streams.compute;
+        let d = &*self.dev;
+        self.buffers.iter().map(|b| Ok(d.download(s, b)?.wait(d)?)).collect()
+    }
+}
+
+/// The `f64` stored as its bits in two elements.
+fn f64_of(two: &[f32]) -> f64 {
+    f64::from_bits(u64::from(two[0].to_bits()) << 32 | u64::from(two[1].to_bits()))
+}
+
+/// An `f64`'s bits in two elements (carried exactly: the elements are only copied).
+fn store_f64(v: f64, two: &mut [f32]) {
+    let b = v.to_bits();
+    two[0] = f32::from_bits((b >> 32) as u32);
+    two[1] = f32::from_bits(b as u32);
+}
+
+/// What a kernel needs to build its [`Ctx`]: owned, so that it travels with the kernel.
+#[derive(Clone)]
+struct CtxOf {
+    global_batch: usize,
+    seed: u64,
+    step: u64,
+    first_sample: usize,
+    backend: Arc<dyn Backend>,
+}
+
+impl CtxOf {
+    fn ctx(&self, overwrite_grads: bool) -> Ctx<'_> {
+        Ctx {
+            training: true,
+            sync_bn: false,
+            reducer: None,
+            global_batch: self.global_batch,
+            backend: &*self.backend,
+            overwrite_grads,
+            seed: self.seed,
+            step: self.step,
+            first_sample: self.first_sample,
+        }
+    }
+}
+
+/// The reduction core's I/O on the device: finishing a reduction makes the compute stream
+/// wait for its event; an update is a kernel on the compute stream.
+struct StepIo<'a> {
+    eng: &'a mut DeviceEngine,
+    lr: f32,
+}
+
+impl ReduceIo<DeviceReduction> for StepIo<'_> {
+    type Error = RuntimeError;
+
+    fn finish(&mut self, r: Reduction<DeviceReduction>) -> Result<()> {
+        self.eng.dev.wait(self.eng.streams.compute, &r.work.done);
+        Ok(())
+    }
+
+    fn update(&mut self, u: usize) -> Result<()> {
+        let e = &mut *self.eng;
+        let own = e.layout.unit(u).shard_range(e.rank);
+        let (rules, opt, lr, step) = (e.rules, e.cfg.optimizer, self.lr, e.step);
+        let no_decay = e.no_decay[u].clone();
+        let (rank, what) = (e.rank, format!("update {}", e.labels[u]));
+        let name = what.clone();
+        e.dev.launch_fallible(
+            e.streams.compute,
+            &what,
+            &[],
+            &[&e.params[u], &e.grads[u], &e.optim_state[u], &e.sq],
+            Box::new(move |_, w| {
+                let update = Update { opt: &opt, lr, step, coef: 1.0 };
+                let [p, g, st, sq] = w else { unreachable!("four buffers") };
+                let norm = rules
+                    .update_unit(&update, &own, &no_decay, p, g, st)
+                    .map_err(|e| kernel_error(rank, &name, e))?;
+                store_f64(norm, &mut sq[2 * u..2 * u + 2]);
+                Ok(())
+            }),
+        )?;
+        e.ready[u] = Some(e.dev.record(e.streams.compute));
+        Ok(())
+    }
+}

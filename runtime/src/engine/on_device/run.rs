@@ -1,0 +1,114 @@
+//! A job of the device engine in one process: one thread per rank, each with its own
+//! device (the host as a device, or a simulated accelerator), the ranks meeting in the
+//! communicators' worlds. The job's plan (data, model, stage, optimizer) is the host
+//! engine's ([`crate::train::plan`]), and each rank reads the same batches as there.
+
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use shardline_collectives::device::{CpuDevice, Device, SimDevice, SimOptions};
+use shardline_models::{DistributedSampler, RankBatches};
+
+use super::{DeviceEngine, DeviceStepStats, DeviceWorlds, InjectedBug};
+use crate::error::{Result, RuntimeError};
+use crate::train::{self, TrainConfig};
+
+/// The device each rank runs on.
+#[derive(Clone, Debug)]
+pub enum DeviceKind {
+    /// The host as a device: every call runs at once (the reference).
+    Cpu,
+    /// A simulated accelerator; rank `r`'s delays are seeded with `seed + r`.
+    Sim(SimOptions),
+}
+
+/// What a job of the device engine gives back.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceRun {
+    /// Per step, rank 0's figures.
+    pub steps: Vec<DeviceStepStats>,
+    /// Final full parameters per unit (unpadded).
+    pub final_params: Vec<Vec<f32>>,
+    /// Final buffers per unit.
+    pub final_buffers: Vec<Vec<f32>>,
+    /// Most device bytes any rank held at the end of a step.
+    pub max_device_bytes: u64,
+}
+
+/// Trains `cfg` on devices of `kind` with `cfg.world` rank threads; the first rank error is
+/// the job's error, and it aborts the others' collectives so that none waits for it.
+pub fn run_on_devices(cfg: &TrainConfig, kind: DeviceKind, bug: InjectedBug) -> Result<DeviceRun> {
+    let plan = train::plan(cfg)?;
+    let world = cfg.world;
+    let timeout = Duration::from_secs(cfg.timeout_s.max(1));
+    let worlds = DeviceWorlds::new(world, timeout);
+    let sampler = DistributedSampler::new(plan.train.len(), world, cfg.batch_size, cfg.seed, true)
+        .map_err(RuntimeError::from_model)?;
+    let data = Arc::new(plan.train);
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..world {
+        let dev: Arc<dyn Device> = match &kind {
+            DeviceKind::Cpu => Arc::new(CpuDevice::new()),
+            DeviceKind::Sim(o) => Arc::new(SimDevice::new(SimOptions {
+                seed: o.seed.wrapping_add(rank as u64),
+                timeout: o.timeout.max(timeout * 2),
+                ..o.clone()
+            })),
+        };
+        let (worlds, model, ecfg) = (worlds.clone(), Arc::clone(&plan.model), plan.engine.clone());
+        let (data, sampler, tx) = (Arc::clone(&data), sampler.clone(), tx.clone());
+        let (total, per_epoch) = (plan.total_steps, plan.steps_per_epoch);
+        std::thread::spawn(move || {
+            let r = (|| {
+                let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, bug)?;
+                let mut batches = RankBatches::default();
+                let mut steps = Vec::new();
+                let mut most = 0;
+                for done in 0..total {
+                    let (epoch, index) = (done / per_epoch, (done % per_epoch) as usize);
+                    let (global, idx) =
+                        batches.get(&sampler, epoch, rank, index).ok_or_else(|| {
+                            RuntimeError::config(format!("epoch {epoch} has no batch {index}"))
+                        })?;
+                    let (x, y) = data.batch_tensors(idx);
+                    let s = eng.train_step(x, &y, *global)?;
+                    most = most.max(s.device_bytes);
+                    steps.push(s);
+                }
+                let final_params = eng.full_params()?;
+                let final_buffers = eng.buffers()?;
+                Ok(DeviceRun { steps, final_params, final_buffers, max_device_bytes: most })
+            })();
+            if let Err(e) = &r {
+                worlds.abort(&format!("rank {rank} failed: {e}"));
+            }
+            let _ = tx.send((rank, r));
+        });
+    }
+    drop(tx);
+    let mut runs: Vec<Option<DeviceRun>> = vec![None; world];
+    let mut first_err = None;
+    // Every rank's collectives give up after the timeout, and its host waits after twice
+    // that: each thread answers within this bound.
+    let deadline = timeout * 4 + Duration::from_secs(10);
+    for _ in 0..world {
+        let (rank, r) = rx.recv_timeout(deadline).map_err(|_| {
+            RuntimeError::Failed(format!("a rank did not finish within {deadline:?}"))
+        })?;
+        match r {
+            Ok(run) => runs[rank] = Some(run),
+            Err(e) if first_err.is_none() => first_err = Some((rank, e)),
+            Err(_) => {}
+        }
+    }
+    if let Some((rank, e)) = first_err {
+        return Err(match e {
+            RuntimeError::Config(_) => e,
+            other => RuntimeError::Failed(format!("rank {rank}: {other}")),
+        });
+    }
+    let most = runs.iter().flatten().map(|r| r.max_device_bytes).max().unwrap_or(0);
+    let mut run = runs[0].take().unwrap_or_default();
+    run.max_device_bytes = most;
+    Ok(run)
+}

@@ -1,0 +1,190 @@
+//! The engine on devices (DEV-1..4): the simulated accelerator gives bitwise the results of
+//! the cpu device across stages, prefetch depths, worlds and delay seeds; the cpu device
+//! gives the host engine's results (bitwise at world 1, where no reduction reorders a sum);
+//! each negative control is refused by name; a desync names the ranks and the calls.
+//!
+//! Every run is bounded: the communicators give up after `timeout_s`, the simulated
+//! device's host waits after twice that, and `run_on_devices` after four times that.
+
+mod common;
+
+use common::{bits_eq, gpt_cfg, losses_bits_eq, max_abs_diff, quiet, run_ok, small_cfg};
+use shardline_collectives::device::SimOptions;
+use shardline_runtime::engine::on_device::{run_on_devices, DeviceKind, DeviceRun, InjectedBug};
+use shardline_runtime::train::{SyncBnMode, TrainConfig};
+use std::time::Duration;
+
+fn sim(seed: u64) -> DeviceKind {
+    DeviceKind::Sim(SimOptions {
+        seed,
+        max_delay_us: 150,
+        timeout: Duration::from_secs(60),
+        ..SimOptions::default()
+    })
+}
+
+/// The small mlp-bn of the other tests, with per-rank BatchNorm (SyncBN is not on devices).
+fn mlp(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
+    let mut c = small_cfg(world, stage, 3, 24);
+    c.sync_bn = SyncBnMode::Off;
+    c.prefetch = prefetch;
+    c.timeout_s = 20;
+    c
+}
+
+fn gpt(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
+    let mut c = gpt_cfg(world, stage, 4);
+    c.steps = Some(2);
+    c.prefetch = prefetch;
+    c.timeout_s = 20;
+    c
+}
+
+fn run(cfg: &TrainConfig, kind: DeviceKind) -> DeviceRun {
+    run_on_devices(cfg, kind.clone(), InjectedBug::default())
+        .unwrap_or_else(|e| panic!("{} world {} on {kind:?}: {e}", cfg.model, cfg.world))
+}
+
+fn losses(r: &DeviceRun) -> Vec<f32> {
+    r.steps.iter().map(|s| s.loss).collect()
+}
+
+fn same(a: &DeviceRun, b: &DeviceRun) -> bool {
+    bits_eq(&a.final_params, &b.final_params)
+        && losses_bits_eq(&losses(a), &losses(b))
+        && a.steps.iter().zip(&b.steps).all(|(x, y)| x.grad_norm.to_bits() == y.grad_norm.to_bits())
+        && (a.final_buffers.iter().all(Vec::is_empty)
+            || bits_eq(&a.final_buffers, &b.final_buffers))
+}
+
+/// DEV-4: the full grid (stages 0-3 x prefetch 0/1/2, worlds 2 and 3, mlp-bn and gpt) on
+/// the simulated device with one delay seed equals the cpu device bitwise; DEV-1: one host
+/// wait per step.
+#[test]
+fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
+    let mut rows = 0;
+    for world in [2, 3] {
+        for stage in 0..4u8 {
+            for prefetch in [0, 1, 2] {
+                for cfg in [mlp(world, stage, prefetch), gpt(world, stage, prefetch)] {
+                    let want = run(&cfg, DeviceKind::Cpu);
+                    let got = run(&cfg, sim(11));
+                    assert!(
+                        same(&got, &want),
+                        "{} world {world} stage {stage} prefetch {prefetch}: sim differs from cpu",
+                        cfg.model
+                    );
+                    assert!(got.steps.iter().all(|s| s.host_syncs == 1), "DEV-1");
+                    assert!(losses(&got).iter().all(|l| l.is_finite()));
+                    rows += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(rows, 48);
+}
+
+/// DEV-4: twenty delay seeds on two configurations (gpt stage 3 with prefetch, mlp-bn
+/// stage 2), each bitwise the cpu device's.
+#[test]
+fn twenty_delay_seeds_equal_cpu_bitwise_dev_4() {
+    for cfg in [gpt(2, 3, 1), mlp(3, 2, 0)] {
+        let want = run(&cfg, DeviceKind::Cpu);
+        for seed in 0..20 {
+            let got = run(&cfg, sim(1000 + seed));
+            assert!(same(&got, &want), "{} stage {:?} seed {seed}", cfg.model, cfg.stage);
+        }
+    }
+}
+
+/// The cpu device against the host engine: bitwise at world 1 (every stage), and within
+/// float rounding at worlds 2 and 4, where the host's ring reduction adds in another order
+/// than the device communicator's rank order.
+#[test]
+fn the_cpu_device_equals_the_host_engine() {
+    for (world, tol) in [(1usize, 0.0f32), (2, 2e-6), (4, 2e-6)] {
+        for stage in 0..4u8 {
+            for cfg in [mlp(world, stage, 1), gpt(world, stage, 1)] {
+                let host = run_ok(cfg.clone(), quiet());
+                let dev = run(&cfg, DeviceKind::Cpu);
+                let what = format!("{} world {world} stage {stage}", cfg.model);
+                let diff = max_abs_diff(&dev.final_params, &host.final_params);
+                let norms = dev.steps.iter().zip(&host.step_stats);
+                if world == 1 {
+                    assert!(bits_eq(&dev.final_params, &host.final_params), "{what}: {diff}");
+                    assert!(losses_bits_eq(&losses(&dev), &host.losses), "{what}: losses");
+                    for (d, h) in norms {
+                        assert_eq!(d.grad_norm.to_bits(), h.grad_norm.to_bits(), "{what}: norm");
+                    }
+                } else {
+                    assert!(diff <= tol, "{what}: parameters differ by {diff}");
+                    for (a, b) in losses(&dev).iter().zip(&host.losses) {
+                        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{what}: {a} vs {b}");
+                    }
+                    for (d, h) in norms {
+                        let (a, b) = (d.grad_norm, h.grad_norm);
+                        assert!((a - b).abs() <= 1e-5 * b.max(1.0), "{what}: norm {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// DEV-3, first control: without the compute stream's wait for a gather, the simulated
+/// device refuses the first kernel that reads the gathered parameters, naming the buffer
+/// and the gather stream, in every delay seed (HAZ-2); the cpu device, which runs every
+/// call at once, cannot tell.
+#[test]
+fn a_missing_gather_wait_is_caught_dev_3() {
+    let bug = InjectedBug { skip_gather_wait: true, ..InjectedBug::default() };
+    for seed in 0..5 {
+        for cfg in [gpt(2, 3, 1), mlp(2, 3, 0)] {
+            let e = run_on_devices(&cfg, sim(seed), bug).expect_err("the sim must refuse");
+            let msg = e.to_string();
+            assert!(msg.contains("(gathered)") && msg.contains("gather"), "{msg}");
+        }
+    }
+    assert!(run_on_devices(&mlp(2, 3, 0), DeviceKind::Cpu, bug).is_ok());
+}
+
+/// DEV-3, second control: a transient gradient freed on the compute stream while its
+/// reduce-scatter still reads it is refused, naming the buffer.
+#[test]
+fn a_gradient_freed_before_its_reduction_is_caught_dev_3() {
+    let bug = InjectedBug { free_grads_on_compute: true, ..InjectedBug::default() };
+    for stage in [2, 3] {
+        for cfg in [gpt(2, stage, 1), mlp(2, stage, 0)] {
+            let e = run_on_devices(&cfg, sim(3), bug).expect_err("the sim must refuse");
+            let msg = e.to_string();
+            assert!(msg.contains("(unreduced)") && msg.contains("reduce"), "stage {stage}: {msg}");
+        }
+    }
+}
+
+/// SCOMM-1 through the engine: a rank that issues another collective than its peers is
+/// named, with both calls, on the simulated device and on the cpu device alike.
+#[test]
+fn a_desync_names_the_ranks_and_the_calls() {
+    let bug = InjectedBug { desync_rank: Some(1), ..InjectedBug::default() };
+    for kind in [sim(5), DeviceKind::Cpu] {
+        let e = run_on_devices(&mlp(2, 2, 0), kind, bug).expect_err("desync");
+        let msg = e.to_string();
+        assert!(msg.contains("desync") && msg.contains("rank 1"), "{msg}");
+        assert!(msg.contains("all_reduce(1 elements)"), "{msg}");
+        assert!(msg.contains("reduce_scatter"), "{msg}");
+    }
+}
+
+/// What the device engine does not run yet is refused by name, before any step.
+#[test]
+fn unsupported_settings_are_refused_by_name() {
+    let mut c = mlp(2, 1, 0);
+    c.sync_bn = SyncBnMode::On;
+    let msg = run_on_devices(&c, DeviceKind::Cpu, InjectedBug::default()).unwrap_err().to_string();
+    assert!(msg.contains("SyncBatchNorm"), "{msg}");
+    let mut c = gpt(2, 3, 1);
+    c.clip_grad_norm = Some(1.0);
+    let msg = run_on_devices(&c, DeviceKind::Cpu, InjectedBug::default()).unwrap_err().to_string();
+    assert!(msg.contains("clipping"), "{msg}");
+}
