@@ -10,7 +10,10 @@ mod common;
 
 use common::{bits_eq, gpt_cfg, losses_bits_eq, max_abs_diff, quiet, run_ok, small_cfg};
 use shardline_collectives::device::SimOptions;
-use shardline_runtime::engine::on_device::{run_on_devices, DeviceKind, DeviceRun, InjectedBug};
+use shardline_runtime::engine::on_device::{
+    run_on_devices, DeviceKind, DeviceOptions, DeviceRun, InjectedBug, Offload,
+};
+use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{SyncBnMode, TrainConfig};
 use std::time::Duration;
 
@@ -41,7 +44,7 @@ fn gpt(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
 }
 
 fn run(cfg: &TrainConfig, kind: DeviceKind) -> DeviceRun {
-    run_on_devices(cfg, kind.clone(), InjectedBug::default())
+    run_on_devices(cfg, kind.clone(), DeviceOptions::default())
         .unwrap_or_else(|e| panic!("{} world {} on {kind:?}: {e}", cfg.model, cfg.world))
 }
 
@@ -140,12 +143,19 @@ fn a_missing_gather_wait_is_caught_dev_3() {
     let bug = InjectedBug { skip_gather_wait: true, ..InjectedBug::default() };
     for seed in 0..5 {
         for cfg in [gpt(2, 3, 1), mlp(2, 3, 0)] {
-            let e = run_on_devices(&cfg, sim(seed), bug).expect_err("the sim must refuse");
+            let e =
+                run_on_devices(&cfg, sim(seed), DeviceOptions { bug, ..DeviceOptions::default() })
+                    .expect_err("the sim must refuse");
             let msg = e.to_string();
             assert!(msg.contains("(gathered)") && msg.contains("gather"), "{msg}");
         }
     }
-    assert!(run_on_devices(&mlp(2, 3, 0), DeviceKind::Cpu, bug).is_ok());
+    assert!(run_on_devices(
+        &mlp(2, 3, 0),
+        DeviceKind::Cpu,
+        DeviceOptions { bug, ..DeviceOptions::default() }
+    )
+    .is_ok());
 }
 
 /// DEV-3, second control: a transient gradient freed on the compute stream while its
@@ -155,7 +165,8 @@ fn a_gradient_freed_before_its_reduction_is_caught_dev_3() {
     let bug = InjectedBug { free_grads_on_compute: true, ..InjectedBug::default() };
     for stage in [2, 3] {
         for cfg in [gpt(2, stage, 1), mlp(2, stage, 0)] {
-            let e = run_on_devices(&cfg, sim(3), bug).expect_err("the sim must refuse");
+            let e = run_on_devices(&cfg, sim(3), DeviceOptions { bug, ..DeviceOptions::default() })
+                .expect_err("the sim must refuse");
             let msg = e.to_string();
             assert!(msg.contains("(unreduced)") && msg.contains("reduce"), "stage {stage}: {msg}");
         }
@@ -168,7 +179,9 @@ fn a_gradient_freed_before_its_reduction_is_caught_dev_3() {
 fn a_desync_names_the_ranks_and_the_calls() {
     let bug = InjectedBug { desync_rank: Some(1), ..InjectedBug::default() };
     for kind in [sim(5), DeviceKind::Cpu] {
-        let e = run_on_devices(&mlp(2, 2, 0), kind, bug).expect_err("desync");
+        let e =
+            run_on_devices(&mlp(2, 2, 0), kind, DeviceOptions { bug, ..DeviceOptions::default() })
+                .expect_err("desync");
         let msg = e.to_string();
         assert!(msg.contains("desync") && msg.contains("rank 1"), "{msg}");
         assert!(msg.contains("all_reduce(1 elements)"), "{msg}");
@@ -181,10 +194,48 @@ fn a_desync_names_the_ranks_and_the_calls() {
 fn unsupported_settings_are_refused_by_name() {
     let mut c = mlp(2, 1, 0);
     c.sync_bn = SyncBnMode::On;
-    let msg = run_on_devices(&c, DeviceKind::Cpu, InjectedBug::default()).unwrap_err().to_string();
+    let msg =
+        run_on_devices(&c, DeviceKind::Cpu, DeviceOptions::default()).unwrap_err().to_string();
     assert!(msg.contains("SyncBatchNorm"), "{msg}");
     let mut c = gpt(2, 3, 1);
     c.clip_grad_norm = Some(1.0);
-    let msg = run_on_devices(&c, DeviceKind::Cpu, InjectedBug::default()).unwrap_err().to_string();
+    let msg =
+        run_on_devices(&c, DeviceKind::Cpu, DeviceOptions::default()).unwrap_err().to_string();
     assert!(msg.contains("clipping"), "{msg}");
+}
+
+fn offloading(offload: Offload) -> DeviceOptions {
+    DeviceOptions { offload, ..DeviceOptions::default() }
+}
+
+/// OFFL-1: each offload policy trains bitwise as without, on the simulated device (three
+/// delay seeds), and the device holds less: the optimizer state, and with `params` also
+/// the parameter shards.
+#[test]
+fn offloading_changes_where_values_live_not_results_offl_1() {
+    for cfg in [gpt(2, 3, 1), mlp(2, 3, 0), gpt(2, 1, 0), mlp(3, 0, 0), mlp(2, 2, 1)] {
+        let want = run(&cfg, DeviceKind::Cpu);
+        let stage3 = cfg.stage == shardline_runtime::train::StageChoice::Fixed(Stage::Zero3);
+        let mut policies = vec![Offload::Optimizer];
+        if stage3 {
+            policies.push(Offload::Params);
+        }
+        let mut last = want.max_device_bytes;
+        for offload in policies {
+            for seed in 0..3 {
+                let got = run_on_devices(&cfg, sim(seed), offloading(offload))
+                    .unwrap_or_else(|e| panic!("{offload:?}: {e}"));
+                let what = format!("{} {:?} {offload:?} seed {seed}", cfg.model, cfg.stage);
+                assert!(same(&got, &want), "{what}: results differ");
+                assert!(got.max_device_bytes < last, "{what}: {} bytes", got.max_device_bytes);
+                assert!(got.peak_device_bytes < want.peak_device_bytes, "{what}: peak");
+            }
+            last = run_on_devices(&cfg, DeviceKind::Cpu, offloading(offload))
+                .expect("cpu device")
+                .max_device_bytes;
+        }
+    }
+    let e = run_on_devices(&mlp(2, 2, 0), DeviceKind::Cpu, offloading(Offload::Params))
+        .expect_err("params offload needs stage 3");
+    assert!(e.to_string().contains("--stage 3"), "{e}");
 }

@@ -28,6 +28,8 @@ struct State {
     next_buffer: u64,
     streams: usize,
     in_use: u64,
+    /// Most bytes in use at once.
+    peak: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -78,6 +80,7 @@ impl Device for CpuDevice {
         let id = st.next_buffer;
         st.next_buffer += 1;
         st.in_use += len as u64 * 4;
+        st.peak = st.peak.max(st.in_use);
         st.values.insert(id, vec![0.0; len]);
         Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
     }
@@ -166,6 +169,10 @@ impl Device for CpuDevice {
 
     fn in_use(&self) -> u64 {
         lock(&self.state).in_use
+    }
+
+    fn peak(&self) -> u64 {
+        lock(&self.state).peak
     }
 }
 

@@ -168,4 +168,7 @@ pub trait Device: Send + Sync {
     fn synchronize(&self, event: &Event) -> Result<()>;
     /// Bytes allocated and not freed.
     fn in_use(&self) -> u64;
+    /// Most bytes allocated at once so far (freed bytes count as free when the free is
+    /// enqueued, as a caching allocator reuses them for work ordered after it).
+    fn peak(&self) -> u64;
 }

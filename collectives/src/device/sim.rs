@@ -80,6 +80,8 @@ struct State {
     ordering: Ordering,
     values: HashMap<u64, Values>,
     in_use: u64,
+    /// Most bytes in use at once.
+    peak: u64,
     next_buffer: u64,
     senders: Vec<Sender<Job>>,
 }
@@ -130,6 +132,7 @@ impl SimDevice {
                 ordering: Ordering::new(),
                 values: HashMap::new(),
                 in_use: 0,
+                peak: 0,
                 next_buffer: 1,
                 senders: Vec::new(),
             }),
@@ -296,6 +299,7 @@ impl Device for SimDevice {
         let id = st.next_buffer;
         st.next_buffer += 1;
         st.in_use += bytes;
+        st.peak = st.peak.max(st.in_use);
         st.ordering.add_buffer(id, label);
         st.values.insert(id, Arc::new(Mutex::new(vec![0.0; len])));
         Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
@@ -438,6 +442,10 @@ impl Device for SimDevice {
     fn in_use(&self) -> u64 {
         lock(&self.state).in_use
     }
+
+    fn peak(&self) -> u64 {
+        lock(&self.state).peak
+    }
 }
 
 #[cfg(test)]
@@ -526,6 +534,7 @@ mod tests {
         assert_eq!(d.in_use(), 0);
         let b = d.alloc(250, "b").unwrap();
         assert_eq!(d.in_use(), 1000);
+        assert_eq!(d.peak(), 1000, "the peak counts what was in use at once");
         // A freed buffer is gone for good (HAZ-3 through the device).
         let c2 = d.alloc(0, "c").unwrap();
         d.free(s, c2).unwrap();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use shardline_collectives::device::{Device, DeviceBuffer, Event, SimComm};
 
+use super::offload::{lock, Kept};
 use super::Streams;
 use crate::engine::prefetch::GatherIo;
 use crate::engine::reduction::InFlight;
@@ -25,8 +26,8 @@ pub(crate) struct DeviceGathers<'a> {
     pub(crate) streams: &'a Streams,
     pub(crate) comm: &'a mut SimComm,
     pub(crate) layout: &'a ShardedModelLayout,
-    /// This rank's parameter shards.
-    pub(crate) shards: &'a [DeviceBuffer],
+    /// This rank's parameter shards (on the device, or offloaded).
+    pub(crate) shards: &'a [Kept],
     /// Per unit, the event after which its shard holds the current parameters.
     pub(crate) ready: &'a [Option<Event>],
     pub(crate) labels: &'a [String],
@@ -43,11 +44,29 @@ impl GatherIo for DeviceGathers<'_> {
         let l = self.layout.unit(unit);
         let label = format!("{} (gathered)", self.labels[unit]);
         let full = self.dev.alloc(l.padded_numel(), &label)?;
-        // The shard's last update ran on the compute stream.
+        // The shard's last update ran on the compute (or offload) stream.
+        let g = self.streams.gather;
         if let Some(e) = &self.ready[unit] {
-            self.dev.wait(self.streams.gather, e);
+            self.dev.wait(g, e);
         }
-        self.comm.all_gather(self.streams.gather, &self.shards[unit], &full)?;
+        match &self.shards[unit] {
+            Kept::Device(shard) => self.comm.all_gather(g, shard, &full)?,
+            Kept::Host(host) => {
+                // OFFL-1: the shard copied to the device on the gather stream, as it runs.
+                let label = format!("{} shard (from host)", self.labels[unit]);
+                let shard = self.dev.alloc(l.shard_len(), &label)?;
+                let host = std::sync::Arc::clone(host);
+                self.dev.launch(
+                    g,
+                    &format!("copy {label}"),
+                    &[],
+                    &[&shard],
+                    Box::new(move |_, w| w[0].copy_from_slice(&lock(&host))),
+                )?;
+                self.comm.all_gather(g, &shard, &full)?;
+                self.dev.free(g, shard)?;
+            }
+        }
         let done = self.dev.record(self.streams.gather);
         Ok(PendingGather { full, done })
     }

@@ -28,8 +28,10 @@
 //!   and events, not by timing.
 
 mod io;
+mod offload;
 mod run;
 
+pub use offload::Offload;
 pub use run::{run_on_devices, DeviceKind, DeviceRun};
 
 use std::ops::Range;
@@ -47,6 +49,7 @@ use super::{open_backend, EngineConfig, Recompute};
 use crate::error::{Result, RuntimeError};
 use crate::shard::ShardedModelLayout;
 use io::{DeviceGathers, DeviceReduction, PendingGather};
+use offload::{lock, Kept};
 
 /// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -64,11 +67,22 @@ pub struct InjectedBug {
     pub desync_rank: Option<usize>,
 }
 
+/// How a rank's engine runs on its device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// What lives in host memory (OFFL-1).
+    pub offload: Offload,
+    /// Test-only negative controls (DEV-3).
+    pub bug: InjectedBug,
+}
+
 /// The streams of a rank's device.
 pub(crate) struct Streams {
     pub(crate) compute: usize,
     pub(crate) gather: usize,
     pub(crate) reduce: usize,
+    /// Host functions of the offloaded updates.
+    pub(crate) offload: usize,
 }
 
 /// Where the ranks of a job meet: one world per communicator.
@@ -106,6 +120,8 @@ pub struct DeviceStepStats {
     pub host_syncs: u64,
     /// Device bytes allocated at the end of the step.
     pub device_bytes: u64,
+    /// Most device bytes allocated at once so far.
+    pub device_peak: u64,
 }
 
 /// A value handed from one kernel of the compute stream to a later one (an activation, a
@@ -149,13 +165,16 @@ pub struct DeviceEngine {
     gather_comm: SimComm,
     reduce_comm: SimComm,
     backend: Arc<dyn Backend>,
-    /// Per unit, what the rank keeps (as the stage's rules say).
-    params: Vec<DeviceBuffer>,
+    /// Per unit, what the rank keeps (as the stage's rules say), on the device or offloaded.
+    params: Vec<Kept>,
     grads: Vec<DeviceBuffer>,
-    optim_state: Vec<DeviceBuffer>,
+    optim_state: Vec<Kept>,
     buffers: Vec<DeviceBuffer>,
     /// Per unit, the event after which its kept parameters are current.
     ready: Vec<Option<Event>>,
+    /// Per unit, the event after its last reduction (an offloaded update waits for it).
+    reduced: Vec<Option<Event>>,
+    offload: Offload,
     plan: GatherPlan<PendingGather, DeviceBuffer>,
     no_decay: Vec<Vec<Range<usize>>>,
     /// Per unit, the squared norm of its own reduced gradient (an `f64`'s bits in two
@@ -179,9 +198,15 @@ impl DeviceEngine {
         worlds: &DeviceWorlds,
         model: Arc<dyn Network>,
         cfg: EngineConfig,
-        bug: InjectedBug,
+        opts: DeviceOptions,
     ) -> Result<Self> {
+        let (offload, bug) = (opts.offload, opts.bug);
         let world = worlds.gather.size();
+        if offload == Offload::Params && cfg.stage != crate::shard::Stage::Zero3 {
+            return Err(RuntimeError::config(
+                "--offload params keeps the parameter shards on the host: it needs --stage 3",
+            ));
+        }
         let missing = [
             (cfg.sync_bn && world > 1, "SyncBatchNorm (--sync-bn off)"),
             (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
@@ -203,6 +228,7 @@ impl DeviceEngine {
             compute: dev.stream("compute"),
             gather: dev.stream("gather"),
             reduce: dev.stream("reduce"),
+            offload: dev.stream("offload"),
         };
         let n = layout.units().len();
         let k = cfg.optimizer.state_len_per_param();
@@ -222,10 +248,17 @@ impl DeviceEngine {
                 super::stage::Holding::Full => full,
                 super::stage::Holding::Shard => full[l.shard_range(rank)].to_vec(),
             };
-            params.push(upload(&kept, format!("{name} params"))?);
+            let host = |v: Vec<f32>| Kept::Host(Arc::new(Mutex::new(v)));
+            params.push(match offload {
+                Offload::Params => host(kept),
+                _ => Kept::Device(upload(&kept, format!("{name} params"))?),
+            });
             grads.push(upload(&vec![0.0; rules.grads.len(l)], format!("{name} grads"))?);
-            let slen = rules.optim_state.len(l) * k;
-            optim_state.push(upload(&vec![0.0; slen], format!("{name} optimizer state"))?);
+            let state = vec![0.0; rules.optim_state.len(l) * k];
+            optim_state.push(match offload {
+                Offload::None => Kept::Device(upload(&state, format!("{name} optimizer state"))?),
+                _ => host(state),
+            });
             buffers.push(upload(&model.init_buffers(u)?, format!("{name} buffers"))?);
         }
         let up = dev.record(streams.compute);
@@ -243,6 +276,8 @@ impl DeviceEngine {
             loss: dev.alloc(1, "loss")?,
             sums: dev.alloc(2, "loss and norm (summed)")?,
             ready: vec![Some(up); n],
+            reduced: vec![None; n],
+            offload,
             layout,
             rules,
             labels,
@@ -277,6 +312,28 @@ impl DeviceEngine {
         }
     }
 
+    /// The gather plan and the gather stream that carries out its decisions, borrowed apart.
+    fn gathers(&mut self) -> (&mut GatherPlan<PendingGather, DeviceBuffer>, DeviceGathers<'_>) {
+        let io = DeviceGathers {
+            dev: &self.dev,
+            streams: &self.streams,
+            comm: &mut self.gather_comm,
+            layout: &self.layout,
+            shards: &self.params,
+            ready: &self.ready,
+            labels: &self.labels,
+            skip_wait: self.bug.skip_gather_wait,
+        };
+        (&mut self.plan, io)
+    }
+
+    /// Unit `u`'s kept parameters on the device (stages 0-2; offloading them needs stage 3).
+    fn resident(&self, u: usize) -> Result<&DeviceBuffer> {
+        self.params[u].on_device().ok_or_else(|| {
+            RuntimeError::config(format!("{}: its parameters are on the host", self.labels[u]))
+        })
+    }
+
     /// The parameters use `i` of the pass reads: stage 3 gathers them (the plan decides
     /// when, ENG-5); the other stages keep them, current after `ready` (DEV-2).
     fn acquire(&mut self, i: usize) -> Result<Option<DeviceBuffer>> {
@@ -287,33 +344,15 @@ impl DeviceEngine {
             }
             return Ok(None);
         }
-        let mut io = DeviceGathers {
-            dev: &self.dev,
-            streams: &self.streams,
-            comm: &mut self.gather_comm,
-            layout: &self.layout,
-            shards: &self.params,
-            ready: &self.ready,
-            labels: &self.labels,
-            skip_wait: self.bug.skip_gather_wait,
-        };
-        self.plan.acquire(i, &mut io).map(Some)
+        let (plan, mut io) = self.gathers();
+        plan.acquire(i, &mut io).map(Some)
     }
 
     /// After use `i`: the plan keeps or frees its gathered parameters.
     fn done_with(&mut self, i: usize, gathered: Option<DeviceBuffer>) {
         if let Some(g) = gathered {
-            let mut io = DeviceGathers {
-                dev: &self.dev,
-                streams: &self.streams,
-                comm: &mut self.gather_comm,
-                layout: &self.layout,
-                shards: &self.params,
-                ready: &self.ready,
-                labels: &self.labels,
-                skip_wait: self.bug.skip_gather_wait,
-            };
-            self.plan.done_with(i, g, &mut io);
+            let (plan, mut io) = self.gathers();
+            plan.done_with(i, g, &mut io);
         }
     }
 
@@ -345,17 +384,8 @@ impl DeviceEngine {
             reds.bound(&mut io)?; // ENG-7
             reds.collect(&mut io)?;
         }
-        let mut io = DeviceGathers {
-            dev: &self.dev,
-            streams: &self.streams,
-            comm: &mut self.gather_comm,
-            layout: &self.layout,
-            shards: &self.params,
-            ready: &self.ready,
-            labels: &self.labels,
-            skip_wait: self.bug.skip_gather_wait,
-        };
-        self.plan.end_pass(&mut io);
+        let (plan, mut io) = self.gathers();
+        plan.end_pass(&mut io);
         // ENG-8, ENG-10: each unit steps once its reduction is in, in the order they come.
         let lr = self.cfg.lr.lr_at(self.step);
         self.step += 1;
@@ -367,9 +397,17 @@ impl DeviceEngine {
                 if let Some(e) = &self.ready[u] {
                     self.dev.wait(self.streams.gather, e);
                 }
-                self.gather_comm.all_gather_in_place(self.streams.gather, &self.params[u])?;
+                let p = self.params[u].on_device().ok_or_else(|| {
+                    RuntimeError::config("stages 1 and 2 keep their parameters on the device")
+                })?;
+                self.gather_comm.all_gather_in_place(self.streams.gather, p)?;
                 self.ready[u] = Some(self.dev.record(self.streams.gather));
             }
+        }
+        if self.offload != Offload::None {
+            // The norms the host updates wrote are read on the compute stream.
+            let e = self.dev.record(self.streams.offload);
+            self.dev.wait(self.streams.compute, &e);
         }
         let (loss, sq) = self.reduce_loss_and_norm(n)?;
         Ok(DeviceStepStats {
@@ -378,6 +416,7 @@ impl DeviceEngine {
             step_time: t0.elapsed(),
             host_syncs: 1,
             device_bytes: self.dev.in_use(),
+            device_peak: self.dev.peak(),
         })
     }
 
@@ -398,7 +437,10 @@ impl DeviceEngine {
             (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
         let rank = self.rank;
         let name = what.clone();
-        let p = gathered.as_ref().unwrap_or(&self.params[u]);
+        let p = match &gathered {
+            Some(g) => g,
+            None => self.resident(u)?,
+        };
         self.dev.launch_fallible(
             self.streams.compute,
             &what,
@@ -478,7 +520,10 @@ impl DeviceEngine {
         let (model, act, saved, c) =
             (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
         let (rank, name) = (self.rank, what.clone());
-        let p = gathered.as_ref().unwrap_or(&self.params[u]);
+        let p = match &gathered {
+            Some(g) => g,
+            None => self.resident(u)?,
+        };
         let g = transient.as_ref().unwrap_or(&self.grads[u]);
         self.dev.launch_fallible(
             self.streams.compute,
@@ -549,6 +594,7 @@ impl DeviceEngine {
             }
         }
         let done = dev.record(s.reduce);
+        self.reduced[u] = Some(done.clone());
         reds.issue(u, unreduced, DeviceReduction { dev: Arc::clone(dev), done });
         Ok(())
     }
@@ -586,14 +632,31 @@ impl DeviceEngine {
                 self.dev.wait(s, e);
             }
             let l = self.layout.unit(u);
-            let mut v = if self.rules.before_use == BeforeUse::Gather {
-                let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
-                self.gather_comm.all_gather(s, &self.params[u], &full)?;
-                let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
-                self.dev.free(s, full)?;
-                v
-            } else {
-                self.dev.download(s, &self.params[u])?.wait(&*self.dev)?
+            let mut v = match (&self.params[u], self.rules.before_use) {
+                (Kept::Device(p), BeforeUse::Gather) => {
+                    let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
+                    self.gather_comm.all_gather(s, p, &full)?;
+                    let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
+                    self.dev.free(s, full)?;
+                    v
+                }
+                (Kept::Device(p), BeforeUse::Resident) => {
+                    self.dev.download(s, p)?.wait(&*self.dev)?
+                }
+                (Kept::Host(h), _) => {
+                    // The host update must have run before the host reads its result.
+                    if let Some(e) = &self.ready[u] {
+                        self.dev.synchronize(e)?;
+                    }
+                    let shard = self.dev.alloc(l.shard_len(), "parameter shard")?;
+                    self.dev.upload(s, &lock(h), &shard)?;
+                    let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
+                    self.gather_comm.all_gather(s, &shard, &full)?;
+                    let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
+                    self.dev.free(s, full)?;
+                    self.dev.free(s, shard)?;
+                    v
+                }
             };
             v.truncate(l.numel());
             out.push(v);
@@ -667,20 +730,55 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
         let own = e.layout.unit(u).shard_range(e.rank);
         let (rules, opt, lr, step) = (e.rules, e.cfg.optimizer, self.lr, e.step);
         let no_decay = e.no_decay[u].clone();
-        let (rank, what) = (e.rank, format!("update {}", e.labels[u]));
-        let name = what.clone();
+        let rank = e.rank;
+        let (p, st) = (&e.params[u], &e.optim_state[u]);
+        let step_unit = move |p: &mut [f32], g: &mut [f32], st: &mut [f32], name: &str| {
+            let update = Update { opt: &opt, lr, step, coef: 1.0 };
+            rules
+                .update_unit(&update, &own, &no_decay, p, g, st)
+                .map_err(|e| kernel_error(rank, name, e))
+        };
+        let (Kept::Device(p), Kept::Device(st)) = (p, st) else {
+            // OFFL-1: the same update as a host function on the offload stream, after the
+            // unit's reduction: the gradient shard copied to the host, the state there, the
+            // parameters written back to the device or kept on the host.
+            let name = format!("host update {}", e.labels[u]);
+            if let Some(done) = &e.reduced[u] {
+                e.dev.wait(e.streams.offload, done);
+            }
+            let (host_p, host_st) = (p.on_host(), st.on_host());
+            let mut writes = vec![&e.sq];
+            writes.extend(p.on_device());
+            let what = name.clone();
+            e.dev.launch_fallible(
+                e.streams.offload,
+                &what,
+                &[&e.grads[u]],
+                &writes,
+                Box::new(move |r, w| {
+                    let mut g = r[0].to_vec();
+                    let mut st = lock(host_st.as_ref().expect("offloaded state"));
+                    let (sq, rest) = w.split_first_mut().expect("the norms buffer");
+                    let norm = match &host_p {
+                        Some(hp) => step_unit(&mut lock(hp), &mut g, &mut st, &name)?,
+                        None => step_unit(&mut *rest[0], &mut g, &mut st, &name)?,
+                    };
+                    store_f64(norm, &mut sq[2 * u..2 * u + 2]);
+                    Ok(())
+                }),
+            )?;
+            e.ready[u] = Some(e.dev.record(e.streams.offload));
+            return Ok(());
+        };
+        let name = format!("update {}", e.labels[u]);
         e.dev.launch_fallible(
             e.streams.compute,
-            &what,
+            &name.clone(),
             &[],
-            &[&e.params[u], &e.grads[u], &e.optim_state[u], &e.sq],
+            &[p, &e.grads[u], st, &e.sq],
             Box::new(move |_, w| {
-                let update = Update { opt: &opt, lr, step, coef: 1.0 };
                 let [p, g, st, sq] = w else { unreachable!("four buffers") };
-                let norm = rules
-                    .update_unit(&update, &own, &no_decay, p, g, st)
-                    .map_err(|e| kernel_error(rank, &name, e))?;
-                store_f64(norm, &mut sq[2 * u..2 * u + 2]);
+                store_f64(step_unit(p, g, st, &name)?, &mut sq[2 * u..2 * u + 2]);
                 Ok(())
             }),
         )?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use shardline_collectives::device::{CpuDevice, Device, SimDevice, SimOptions};
 use shardline_models::{DistributedSampler, RankBatches};
 
-use super::{DeviceEngine, DeviceStepStats, DeviceWorlds, InjectedBug};
+use super::{DeviceEngine, DeviceOptions, DeviceStepStats, DeviceWorlds};
 use crate::error::{Result, RuntimeError};
 use crate::train::{self, TrainConfig};
 
@@ -33,11 +33,17 @@ pub struct DeviceRun {
     pub final_buffers: Vec<Vec<f32>>,
     /// Most device bytes any rank held at the end of a step.
     pub max_device_bytes: u64,
+    /// Most device bytes any rank held at once.
+    pub peak_device_bytes: u64,
 }
 
 /// Trains `cfg` on devices of `kind` with `cfg.world` rank threads; the first rank error is
 /// the job's error, and it aborts the others' collectives so that none waits for it.
-pub fn run_on_devices(cfg: &TrainConfig, kind: DeviceKind, bug: InjectedBug) -> Result<DeviceRun> {
+pub fn run_on_devices(
+    cfg: &TrainConfig,
+    kind: DeviceKind,
+    opts: DeviceOptions,
+) -> Result<DeviceRun> {
     let plan = train::plan(cfg)?;
     let world = cfg.world;
     let timeout = Duration::from_secs(cfg.timeout_s.max(1));
@@ -60,7 +66,7 @@ pub fn run_on_devices(cfg: &TrainConfig, kind: DeviceKind, bug: InjectedBug) -> 
         let (total, per_epoch) = (plan.total_steps, plan.steps_per_epoch);
         std::thread::spawn(move || {
             let r = (|| {
-                let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, bug)?;
+                let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, opts)?;
                 let mut batches = RankBatches::default();
                 let mut steps = Vec::new();
                 let mut most = 0;
@@ -77,7 +83,14 @@ pub fn run_on_devices(cfg: &TrainConfig, kind: DeviceKind, bug: InjectedBug) -> 
                 }
                 let final_params = eng.full_params()?;
                 let final_buffers = eng.buffers()?;
-                Ok(DeviceRun { steps, final_params, final_buffers, max_device_bytes: most })
+                let peak = steps.last().map_or(0, |s: &DeviceStepStats| s.device_peak);
+                Ok(DeviceRun {
+                    steps,
+                    final_params,
+                    final_buffers,
+                    max_device_bytes: most,
+                    peak_device_bytes: peak,
+                })
             })();
             if let Err(e) = &r {
                 worlds.abort(&format!("rank {rank} failed: {e}"));
@@ -108,7 +121,9 @@ pub fn run_on_devices(cfg: &TrainConfig, kind: DeviceKind, bug: InjectedBug) -> 
         });
     }
     let most = runs.iter().flatten().map(|r| r.max_device_bytes).max().unwrap_or(0);
+    let peak = runs.iter().flatten().map(|r| r.peak_device_bytes).max().unwrap_or(0);
     let mut run = runs[0].take().unwrap_or_default();
     run.max_device_bytes = most;
+    run.peak_device_bytes = peak;
     Ok(run)
 }
