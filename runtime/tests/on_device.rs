@@ -26,13 +26,18 @@ fn sim(seed: u64) -> DeviceKind {
     })
 }
 
-/// The small mlp-bn of the other tests, with per-rank BatchNorm (SyncBN is not on devices).
+/// The small mlp-bn of the other tests, with per-rank BatchNorm.
 fn mlp(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
     let mut c = small_cfg(world, stage, 3, 24);
     c.sync_bn = SyncBnMode::Off;
     c.prefetch = prefetch;
     c.timeout_s = 20;
     c
+}
+
+/// The same with SyncBatchNorm.
+fn mlp_sync(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
+    TrainConfig { sync_bn: SyncBnMode::On, ..mlp(world, stage, prefetch) }
 }
 
 fn gpt(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
@@ -60,16 +65,17 @@ fn same(a: &DeviceRun, b: &DeviceRun) -> bool {
             || bits_eq(&a.final_buffers, &b.final_buffers))
 }
 
-/// DEV-4: the full grid (stages 0-3 x prefetch 0/1/2, worlds 2 and 3, mlp-bn and gpt) on
-/// the simulated device with one delay seed equals the cpu device bitwise; DEV-1: one host
-/// wait per step.
+/// DEV-4: the full grid (stages 0-3 x prefetch 0/1/2, worlds 2 and 3; mlp-bn with per-rank
+/// BatchNorm and with SyncBN, and gpt) on the simulated device with one delay seed equals
+/// the cpu device bitwise; DEV-1: one host wait per step; SyncBN sends its messages.
 #[test]
 fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
     let mut rows = 0;
     for world in [2, 3] {
         for stage in 0..4u8 {
             for prefetch in [0, 1, 2] {
-                for cfg in [mlp(world, stage, prefetch), gpt(world, stage, prefetch)] {
+                let sync = mlp_sync(world, stage, prefetch);
+                for cfg in [mlp(world, stage, prefetch), sync, gpt(world, stage, prefetch)] {
                     let want = run(&cfg, DeviceKind::Cpu);
                     let got = run(&cfg, sim(11));
                     assert!(
@@ -79,19 +85,21 @@ fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
                     );
                     assert!(got.steps.iter().all(|s| s.host_syncs == 1), "DEV-1");
                     assert!(losses(&got).iter().all(|l| l.is_finite()));
+                    let messages = got.steps[0].stats_messages;
+                    assert_eq!(messages > 0, cfg.sync_bn == SyncBnMode::On, "{messages}");
                     rows += 1;
                 }
             }
         }
     }
-    assert_eq!(rows, 48);
+    assert_eq!(rows, 72);
 }
 
-/// DEV-4: twenty delay seeds on two configurations (gpt stage 3 with prefetch, mlp-bn
-/// stage 2), each bitwise the cpu device's.
+/// DEV-4: twenty delay seeds on two configurations (gpt stage 3 with prefetch, mlp-bn with
+/// SyncBN at stage 2), each bitwise the cpu device's.
 #[test]
 fn twenty_delay_seeds_equal_cpu_bitwise_dev_4() {
-    for cfg in [gpt(2, 3, 1), mlp(3, 2, 0)] {
+    for cfg in [gpt(2, 3, 1), mlp_sync(3, 2, 0)] {
         let want = run(&cfg, DeviceKind::Cpu);
         for seed in 0..20 {
             let got = run(&cfg, sim(1000 + seed));
@@ -107,7 +115,8 @@ fn twenty_delay_seeds_equal_cpu_bitwise_dev_4() {
 fn the_cpu_device_equals_the_host_engine() {
     for (world, tol) in [(1usize, 0.0f32), (2, 2e-6), (4, 2e-6)] {
         for stage in 0..4u8 {
-            for cfg in [mlp(world, stage, 1), gpt(world, stage, 1)] {
+            let sync = mlp_sync(world, stage, 1);
+            for cfg in [mlp(world, stage, 1), sync, gpt(world, stage, 1)] {
                 let host = run_ok(cfg.clone(), quiet());
                 let dev = run(&cfg, DeviceKind::Cpu);
                 let what = format!("{} world {world} stage {stage}", cfg.model);
@@ -143,19 +152,11 @@ fn a_missing_gather_wait_is_caught_dev_3() {
     let bug = InjectedBug { skip_gather_wait: true, ..InjectedBug::default() };
     for seed in 0..5 {
         for cfg in [gpt(2, 3, 1), mlp(2, 3, 0)] {
-            let e =
-                run_on_devices(&cfg, sim(seed), DeviceOptions { bug, ..DeviceOptions::default() })
-                    .expect_err("the sim must refuse");
-            let msg = e.to_string();
+            let msg = refused(&cfg, sim(seed), with_bug(bug));
             assert!(msg.contains("(gathered)") && msg.contains("gather"), "{msg}");
         }
     }
-    assert!(run_on_devices(
-        &mlp(2, 3, 0),
-        DeviceKind::Cpu,
-        DeviceOptions { bug, ..DeviceOptions::default() }
-    )
-    .is_ok());
+    assert!(run_on_devices(&mlp(2, 3, 0), DeviceKind::Cpu, with_bug(bug)).is_ok());
 }
 
 /// DEV-3, second control: a transient gradient freed on the compute stream while its
@@ -165,9 +166,7 @@ fn a_gradient_freed_before_its_reduction_is_caught_dev_3() {
     let bug = InjectedBug { free_grads_on_compute: true, ..InjectedBug::default() };
     for stage in [2, 3] {
         for cfg in [gpt(2, stage, 1), mlp(2, stage, 0)] {
-            let e = run_on_devices(&cfg, sim(3), DeviceOptions { bug, ..DeviceOptions::default() })
-                .expect_err("the sim must refuse");
-            let msg = e.to_string();
+            let msg = refused(&cfg, sim(3), with_bug(bug));
             assert!(msg.contains("(unreduced)") && msg.contains("reduce"), "stage {stage}: {msg}");
         }
     }
@@ -179,13 +178,22 @@ fn a_gradient_freed_before_its_reduction_is_caught_dev_3() {
 fn a_desync_names_the_ranks_and_the_calls() {
     let bug = InjectedBug { desync_rank: Some(1), ..InjectedBug::default() };
     for kind in [sim(5), DeviceKind::Cpu] {
-        let e =
-            run_on_devices(&mlp(2, 2, 0), kind, DeviceOptions { bug, ..DeviceOptions::default() })
-                .expect_err("desync");
-        let msg = e.to_string();
+        let msg = refused(&mlp(2, 2, 0), kind, with_bug(bug));
         assert!(msg.contains("desync") && msg.contains("rank 1"), "{msg}");
         assert!(msg.contains("all_reduce(1 elements)"), "{msg}");
         assert!(msg.contains("reduce_scatter"), "{msg}");
+    }
+}
+
+fn with_bug(bug: InjectedBug) -> DeviceOptions {
+    DeviceOptions { bug, ..DeviceOptions::default() }
+}
+
+/// The error of a run that must fail (no dump of a successful run's parameters).
+fn refused(cfg: &TrainConfig, kind: DeviceKind, opts: DeviceOptions) -> String {
+    match run_on_devices(cfg, kind, opts) {
+        Ok(_) => panic!("{} stage {:?}: the run should have been refused", cfg.model, cfg.stage),
+        Err(e) => e.to_string(),
     }
 }
 
@@ -193,14 +201,12 @@ fn a_desync_names_the_ranks_and_the_calls() {
 #[test]
 fn unsupported_settings_are_refused_by_name() {
     let mut c = mlp(2, 1, 0);
-    c.sync_bn = SyncBnMode::On;
-    let msg =
-        run_on_devices(&c, DeviceKind::Cpu, DeviceOptions::default()).unwrap_err().to_string();
-    assert!(msg.contains("SyncBatchNorm"), "{msg}");
+    c.grad_accum = 2;
+    let msg = refused(&c, DeviceKind::Cpu, DeviceOptions::default());
+    assert!(msg.contains("accumulation"), "{msg}");
     let mut c = gpt(2, 3, 1);
     c.clip_grad_norm = Some(1.0);
-    let msg =
-        run_on_devices(&c, DeviceKind::Cpu, DeviceOptions::default()).unwrap_err().to_string();
+    let msg = refused(&c, DeviceKind::Cpu, DeviceOptions::default());
     assert!(msg.contains("clipping"), "{msg}");
 }
 
@@ -235,7 +241,36 @@ fn offloading_changes_where_values_live_not_results_offl_1() {
                 .max_device_bytes;
         }
     }
-    let e = run_on_devices(&mlp(2, 2, 0), DeviceKind::Cpu, offloading(Offload::Params))
-        .expect_err("params offload needs stage 3");
-    assert!(e.to_string().contains("--stage 3"), "{e}");
+    let e = refused(&mlp(2, 2, 0), DeviceKind::Cpu, offloading(Offload::Params));
+    assert!(e.contains("--stage 3"), "{e}");
+}
+
+/// `shardline train --device sim`: trains and says what runs where; what it does not
+/// support exits 2 naming the flag.
+#[test]
+fn the_cli_trains_on_the_simulated_device() {
+    let base = ["train", "--device", "sim", "--world", "2", "--steps", "3", "--sync-bn", "on"];
+    let out = common::shardline(&[&base[..], &["--stage", "3", "--offload", "params"]].concat());
+    assert_eq!(out.code, Some(0), "{}{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("device: sim (a simulated accelerator for testing"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(out.stdout.lines().filter(|l| l.starts_with("step ")).count(), 3);
+    assert!(out.stdout.contains("offload params"), "{}", out.stdout);
+    assert!(out.stdout.contains("done: 3 steps"), "{}", out.stdout);
+    for (extra, flag) in [
+        (&["--checkpoint-dir", "/nonexistent"][..], "--checkpoint-dir"),
+        (&["--stage", "2", "--offload", "params"][..], "--stage 3"),
+        (&["--grad-accum", "2"][..], "accumulation"),
+    ] {
+        let out = common::shardline(&[&base[..], extra].concat());
+        assert_eq!(out.code, Some(2), "{extra:?}: {}{}", out.stdout, out.stderr);
+        assert!(out.stderr.contains(flag), "{extra:?}: {}", out.stderr);
+    }
+    let out =
+        common::shardline(&["train", "--world", "2", "--steps", "1", "--offload", "optimizer"]);
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("--device sim"), "{}", out.stderr);
 }

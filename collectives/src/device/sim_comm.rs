@@ -140,6 +140,16 @@ impl SimWorld {
         Ok(n)
     }
 
+    /// A call made by the host thread itself rather than enqueued on a stream (a kernel's
+    /// own collective, as SyncBatchNorm's statistics are): rank `rank` issues call `what`
+    /// (checked as every call is, SCOMM-1), brings `values` and gets every rank's, in rank
+    /// order (SCOMM-3's timeout holds).
+    pub fn exchange(&self, rank: usize, what: &str, values: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+        let n = self.issue(rank, what.to_string())?;
+        let all = self.meet(n, rank, vec![values])?;
+        Ok(all.into_iter().map(|mut v| v.pop().unwrap_or_default()).collect())
+    }
+
     /// Rank `rank` brings its inputs to call `n` and waits for every rank's (SCOMM-3).
     fn meet(&self, n: usize, rank: usize, inputs: Vec<Vec<f32>>) -> Result<Vec<Vec<Vec<f32>>>> {
         let deadline = Instant::now() + self.timeout;

@@ -2,6 +2,7 @@
 //! checkpoints, evaluate a checkpoint on a data set, and sample text from a `gpt` checkpoint.
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use shardline_runtime::engine::on_device::Offload;
 use shardline_runtime::engine::{AccumReduce, Device, PrecisionDtype, Recompute};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
@@ -259,15 +260,45 @@ enum DeviceKind {
     Cpu,
     /// The CUDA backend (needs the `cuda` feature and a GPU).
     Cuda,
+    /// A strict simulated accelerator, for testing (the device engine).
+    Sim,
+}
+
+/// `--offload`: what lives in host memory (`--device sim`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OffloadArg {
+    /// Everything on the device.
+    None,
+    /// The optimizer state; updates run on the host.
+    Optimizer,
+    /// The optimizer state and the parameter shards (stage 3).
+    Params,
 }
 
 #[derive(Args, Debug)]
 struct TrainArgs {
-    /// Compute device: cpu, or cuda (a build with the `cuda` feature, on a host with a GPU:
+    /// Compute device: cpu; cuda (a build with the `cuda` feature, on a host with a GPU:
     /// matrix multiplies and elementwise kernels run on GPU 0, the shards, the optimizer and
-    /// the collectives stay on the host). Without a GPU: exit 2 naming what is missing.
+    /// the collectives stay on the host; without a GPU: exit 2 naming what is missing); or
+    /// sim, a simulated accelerator for testing: the device engine keeps each rank's
+    /// parameters, gradients and optimizer state in device memory, runs kernels on a compute
+    /// stream and gathers and reductions on their own streams ordered by events, and fails
+    /// loudly on any unordered access. Kernels run on the CPU; timings include seeded delays.
+    /// --device-memory is its capacity. It does not yet run accumulation, recomputation,
+    /// bf16, clipping, checkpoints or evaluation (each is refused by name).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceKind,
+    /// --device sim: what lives in host memory: none, optimizer (optimizer state; updates run
+    /// on the host, overlapping device compute) or params (also the parameter shards; --stage
+    /// 3). Results are bitwise those of none.
+    #[arg(long, value_enum, default_value = "none")]
+    offload: OffloadArg,
+    /// --device sim: seed of the streams' delays (rank r uses seed + r).
+    #[arg(long, default_value_t = 0)]
+    sim_seed: u64,
+    /// --device sim: longest delay before each device operation, in microseconds.
+    #[arg(long, default_value_t = 50)]
+    sim_delay_us: u64,
     /// Number of ranks (threads, one actor each).
     #[arg(long, default_value_t = 4)]
     world: usize,
@@ -618,6 +649,48 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
     })
 }
 
+/// `train --device sim`: the device engine on simulated devices; the flags of the host
+/// engine's run that it does not honour are refused by name.
+fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
+    let refused = [
+        (a.checkpoint_dir.is_some(), "--checkpoint-dir"),
+        (a.resume, "--resume"),
+        (a.trace.is_some(), "--trace"),
+        (!a.faults.is_empty(), "--fault"),
+        (a.dump_on_failure.is_some(), "--dump-on-failure"),
+        (a.stop_after.is_some(), "--stop-after"),
+        (a.metrics_addr.is_some(), "--metrics-addr"),
+        (a.summary_json.is_some(), "--summary-json"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|r| r.0) {
+        eprintln!("error: {flag} is not supported with --device sim");
+        return 2;
+    }
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        eprintln!("error: --device sim runs its ranks as threads of one process, not launched");
+        return 2;
+    }
+    let o = shardline_runtime::engine::on_device::SimTrainOptions {
+        seed: a.sim_seed,
+        max_delay_us: a.sim_delay_us,
+        capacity: a.device_memory,
+        offload: match a.offload {
+            OffloadArg::None => Offload::None,
+            OffloadArg::Optimizer => Offload::Optimizer,
+            OffloadArg::Params => Offload::Params,
+        },
+        log_json: a.log_json.clone(),
+        progress: !a.no_progress,
+    };
+    match shardline_runtime::engine::on_device::train_on_sim(cfg, &o) {
+        Ok(_) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit_for(&e)
+        }
+    }
+}
+
 fn exit_for(e: &RuntimeError) -> i32 {
     // Configuration mistakes are usage errors (2); failures while running are 1.
     match e {
@@ -636,7 +709,8 @@ fn exit_for(e: &RuntimeError) -> i32 {
 /// feature) is a usage error with exit code 2, naming what is missing.
 fn check_device(device: DeviceKind) -> Result<Device, String> {
     let d = match device {
-        DeviceKind::Cpu => Device::Cpu,
+        // The simulated device's kernels run on the CPU backend.
+        DeviceKind::Cpu | DeviceKind::Sim => Device::Cpu,
         DeviceKind::Cuda => Device::Cuda(0),
     };
     shardline_runtime::engine::open_backend(d, 1).map_err(|e| format!("--device {d}: {e}"))?;
@@ -692,6 +766,13 @@ fn main() {
                     std::process::exit(2);
                 }
             };
+            if a.device == DeviceKind::Sim {
+                std::process::exit(sim_train(&a, &cfg));
+            }
+            if a.offload != OffloadArg::None {
+                eprintln!("error: --offload runs on the device engine: use it with --device sim");
+                std::process::exit(2);
+            }
             if let Some(addr) = a.metrics_addr {
                 if let Err(e) = shardline_runtime::telemetry::serve_prometheus(addr) {
                     eprintln!("error: {e}");

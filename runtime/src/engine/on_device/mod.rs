@@ -3,16 +3,18 @@
 //!
 //! Streams: `compute` runs every forward, backward, loss and update kernel; `gather` the
 //! stage 3 gathers and the stage 1/2 all-gathers after the update; `reduce` the gradient
-//! reductions and the loss reduction. The gather and reduce streams each have their own
-//! communicator. The same pure cores as the host engine decide: `StageRules` what a rank
+//! reductions and the loss reduction; `offload` the host functions of offloaded updates
+//! ([`Offload`]). The gather and reduce streams each have their own communicator;
+//! SyncBatchNorm's statistics are reduced by the kernel that needs them, on the compute
+//! stream, over a third one (`stats`). The same pure cores as the host engine decide: `StageRules` what a rank
 //! keeps and how it reduces, `GatherPlan` which gathers go out when and what is kept
 //! (ENG-5), `Reductions` the reduce budget and the order of updates (ENG-7, ENG-8,
 //! ENG-10).
 //!
 //! What is not on the device yet: the activations and what the layers save for backward
 //! are host values handed from one kernel of the compute stream to the next (in stream
-//! order, so never raced); SyncBN statistics, accumulation, recomputation, bf16 and
-//! gradient clipping are refused with a message naming them.
+//! order, so never raced). Accumulation, recomputation, bf16 and gradient clipping are
+//! refused with a message naming them.
 //!
 //! Invariants:
 //! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
@@ -27,12 +29,15 @@
 //!   cpu device, whose every call runs at once: the order of the work is fixed by streams
 //!   and events, not by timing.
 
+mod cli;
 mod io;
 mod offload;
 mod run;
+mod stats;
 
+pub use cli::{train_on_sim, SimTrainOptions};
 pub use offload::Offload;
-pub use run::{run_on_devices, DeviceKind, DeviceRun};
+pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -50,6 +55,7 @@ use crate::error::{Result, RuntimeError};
 use crate::shard::ShardedModelLayout;
 use io::{DeviceGathers, DeviceReduction, PendingGather};
 use offload::{lock, Kept};
+use stats::DeviceStats;
 
 /// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -92,18 +98,25 @@ pub struct DeviceWorlds {
     pub gather: Arc<SimWorld>,
     /// The reduce stream's communicator.
     pub reduce: Arc<SimWorld>,
+    /// SyncBatchNorm's statistics.
+    pub stats: Arc<SimWorld>,
 }
 
 impl DeviceWorlds {
     /// Worlds of `size` ranks whose collectives give up after `timeout` (SCOMM-3).
     pub fn new(size: usize, timeout: Duration) -> Self {
-        DeviceWorlds { gather: SimWorld::new(size, timeout), reduce: SimWorld::new(size, timeout) }
+        DeviceWorlds {
+            gather: SimWorld::new(size, timeout),
+            reduce: SimWorld::new(size, timeout),
+            stats: SimWorld::new(size, timeout),
+        }
     }
 
     /// Fails every rank's pending and later collectives, naming `why` (a rank failed).
     pub fn abort(&self, why: &str) {
         self.gather.abort(why);
         self.reduce.abort(why);
+        self.stats.abort(why);
     }
 }
 
@@ -118,6 +131,8 @@ pub struct DeviceStepStats {
     pub step_time: Duration,
     /// Times the host waited on the device during the step (DEV-1).
     pub host_syncs: u64,
+    /// SyncBatchNorm statistics messages this step.
+    pub stats_messages: usize,
     /// Device bytes allocated at the end of the step.
     pub device_bytes: u64,
     /// Most device bytes allocated at once so far.
@@ -165,6 +180,8 @@ pub struct DeviceEngine {
     gather_comm: SimComm,
     reduce_comm: SimComm,
     backend: Arc<dyn Backend>,
+    /// SyncBatchNorm's reducer (with SyncBN on several ranks).
+    stats: Option<Arc<DeviceStats>>,
     /// Per unit, what the rank keeps (as the stage's rules say), on the device or offloaded.
     params: Vec<Kept>,
     grads: Vec<DeviceBuffer>,
@@ -208,7 +225,6 @@ impl DeviceEngine {
             ));
         }
         let missing = [
-            (cfg.sync_bn && world > 1, "SyncBatchNorm (--sync-bn off)"),
             (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
             (cfg.recompute != Recompute::None, "recomputation (--recompute)"),
             (!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)"),
@@ -272,6 +288,13 @@ impl DeviceEngine {
             model,
             gather_comm: SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev)),
             reduce_comm: SimComm::new(rank, Arc::clone(&worlds.reduce), Arc::clone(&dev)),
+            stats: (cfg.sync_bn && world > 1).then(|| {
+                Arc::new(DeviceStats {
+                    rank,
+                    world: Arc::clone(&worlds.stats),
+                    messages: Default::default(),
+                })
+            }),
             sq: dev.alloc(2 * n, "squared norms")?,
             loss: dev.alloc(1, "loss")?,
             sums: dev.alloc(2, "loss and norm (summed)")?,
@@ -301,9 +324,16 @@ impl DeviceEngine {
         &self.dev
     }
 
+    /// SyncBatchNorm messages so far.
+    fn stats_messages(&self) -> usize {
+        self.stats.as_ref().map_or(0, |s| s.messages.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// A kernel's context of this step.
     fn ctx_of(&self, global_batch: usize, first_sample: usize) -> CtxOf {
         CtxOf {
+            sync_bn: self.cfg.sync_bn,
+            stats: self.stats.clone(),
             global_batch,
             seed: self.cfg.seed,
             step: self.step + 1,
@@ -366,6 +396,7 @@ impl DeviceEngine {
     ) -> Result<DeviceStepStats> {
         let t0 = Instant::now();
         let (n, nc) = (self.layout.units().len(), self.calls.len());
+        let messages0 = self.stats_messages();
         let first_sample =
             DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
         let ctx = self.ctx_of(global_batch, first_sample);
@@ -415,6 +446,7 @@ impl DeviceEngine {
             grad_norm: sq.sqrt(),
             step_time: t0.elapsed(),
             host_syncs: 1,
+            stats_messages: self.stats_messages() - messages0,
             device_bytes: self.dev.in_use(),
             device_peak: self.dev.peak(),
         })
@@ -687,6 +719,8 @@ fn store_f64(v: f64, two: &mut [f32]) {
 /// What a kernel needs to build its [`Ctx`]: owned, so that it travels with the kernel.
 #[derive(Clone)]
 struct CtxOf {
+    sync_bn: bool,
+    stats: Option<Arc<DeviceStats>>,
     global_batch: usize,
     seed: u64,
     step: u64,
@@ -698,8 +732,8 @@ impl CtxOf {
     fn ctx(&self, overwrite_grads: bool) -> Ctx<'_> {
         Ctx {
             training: true,
-            sync_bn: false,
-            reducer: None,
+            sync_bn: self.sync_bn,
+            reducer: self.stats.as_deref().map(|s| s as &dyn shardline_models::StatsReducer),
             global_batch: self.global_batch,
             backend: &*self.backend,
             overwrite_grads,

@@ -15,8 +15,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardline_collectives::device::DeviceBuffer;
 
-use crate::error::{Result, RuntimeError};
-
 /// `--offload`: what lives in host memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -32,15 +30,12 @@ pub enum Offload {
 }
 
 impl Offload {
-    /// Parses the flag's value.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "none" => Ok(Offload::None),
-            "optimizer" => Ok(Offload::Optimizer),
-            "params" => Ok(Offload::Params),
-            other => Err(RuntimeError::config(format!(
-                "--offload {other}: expected none, optimizer or params"
-            ))),
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
         }
     }
 }

@@ -44,6 +44,18 @@ pub fn run_on_devices(
     kind: DeviceKind,
     opts: DeviceOptions,
 ) -> Result<DeviceRun> {
+    run_on_devices_with(cfg, kind, opts, |_, _| {})
+}
+
+/// [`run_on_devices`], calling `on_step(step, figures)` with rank 0's figures after each
+/// step (1-based), from rank 0's thread.
+pub fn run_on_devices_with(
+    cfg: &TrainConfig,
+    kind: DeviceKind,
+    opts: DeviceOptions,
+    on_step: impl Fn(u64, &DeviceStepStats) + Send + Sync + 'static,
+) -> Result<DeviceRun> {
+    let on_step = Arc::new(on_step);
     let plan = train::plan(cfg)?;
     let world = cfg.world;
     let timeout = Duration::from_secs(cfg.timeout_s.max(1));
@@ -64,6 +76,7 @@ pub fn run_on_devices(
         let (worlds, model, ecfg) = (worlds.clone(), Arc::clone(&plan.model), plan.engine.clone());
         let (data, sampler, tx) = (Arc::clone(&data), sampler.clone(), tx.clone());
         let (total, per_epoch) = (plan.total_steps, plan.steps_per_epoch);
+        let on_step = Arc::clone(&on_step);
         std::thread::spawn(move || {
             let r = (|| {
                 let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, opts)?;
@@ -79,6 +92,9 @@ pub fn run_on_devices(
                     let (x, y) = data.batch_tensors(idx);
                     let s = eng.train_step(x, &y, *global)?;
                     most = most.max(s.device_bytes);
+                    if rank == 0 {
+                        on_step(done + 1, &s);
+                    }
                     steps.push(s);
                 }
                 let final_params = eng.full_params()?;

@@ -1,0 +1,102 @@
+//! `shardline train --device sim`: a job of the device engine on simulated accelerators, one
+//! per rank thread, with a line per step and an optional JSON log. A testing device: it
+//! checks that every access is ordered by the streams and events, and its timings include
+//! its seeded delays, so they measure the simulation, not a GPU.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use shardline_collectives::device::SimOptions;
+
+use super::{run_on_devices_with, DeviceKind, DeviceOptions, DeviceRun, Offload};
+use crate::error::{Result, RuntimeError};
+use crate::train::TrainConfig;
+
+/// How `--device sim` runs.
+#[derive(Clone, Debug, Default)]
+pub struct SimTrainOptions {
+    /// Seeds the streams' delays (rank r: seed + r).
+    pub seed: u64,
+    /// Longest delay before each device operation, in microseconds.
+    pub max_delay_us: u64,
+    /// Each device's memory (`--device-memory`); unbounded when unset.
+    pub capacity: Option<u64>,
+    /// `--offload`.
+    pub offload: Offload,
+    /// One JSON object per step.
+    pub log_json: Option<PathBuf>,
+    /// Print a line per step.
+    pub progress: bool,
+}
+
+/// Human bytes (KiB, MiB).
+fn bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+/// Trains `cfg` with the device engine on simulated devices, printing what runs where.
+pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun> {
+    let log = match &o.log_json {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| RuntimeError::config(format!("--log-json {}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    println!(
+        "device: sim (a simulated accelerator for testing; kernels run on the CPU, delays \
+         seeded {} up to {} us) x {} ranks, memory {}, offload {}",
+        o.seed,
+        o.max_delay_us,
+        cfg.world,
+        o.capacity.map_or("unbounded".to_string(), bytes),
+        o.offload.name()
+    );
+    println!(
+        "streams per rank: compute, gather, reduce, offload; the gather and reduce streams \
+         each have their own communicator; the host waits once per step (the loss)"
+    );
+    let kind = DeviceKind::Sim(SimOptions {
+        seed: o.seed,
+        max_delay_us: o.max_delay_us,
+        capacity: o.capacity,
+        timeout: Duration::from_secs(cfg.timeout_s.max(1) * 2),
+    });
+    let log = Mutex::new(log);
+    let progress = o.progress;
+    let on_step = move |step: u64, s: &super::DeviceStepStats| {
+        if progress {
+            println!(
+                "step {step:>5}  loss {:.4}  grad-norm {:.4}  device {} (peak {})  {:.1} ms",
+                s.loss,
+                s.grad_norm,
+                bytes(s.device_bytes),
+                bytes(s.device_peak),
+                s.step_time.as_secs_f64() * 1e3
+            );
+        }
+        if let Some(f) = log.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            let v = serde_json::json!({
+                "step": step, "loss": s.loss, "grad_norm": s.grad_norm,
+                "step_time_s": s.step_time.as_secs_f64(), "device_bytes": s.device_bytes,
+                "device_peak_bytes": s.device_peak, "host_syncs": s.host_syncs,
+            });
+            let _ = writeln!(f, "{v}");
+        }
+    };
+    let opts = DeviceOptions { offload: o.offload, ..DeviceOptions::default() };
+    let run = run_on_devices_with(cfg, kind, opts, on_step)?;
+    let last = run.steps.last().map_or(f32::NAN, |s| s.loss);
+    println!(
+        "done: {} steps, final loss {last:.4}, device peak {} (largest rank)",
+        run.steps.len(),
+        bytes(run.peak_device_bytes)
+    );
+    Ok(run)
+}
