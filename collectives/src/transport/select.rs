@@ -87,10 +87,11 @@ pub enum Carrier {
     Rdma,
 }
 
-/// Where device (GPU) buffers inside a node go.
+/// Whether NCCL could carry device (GPU) buffers inside a node. Training does not use it
+/// yet: its buffers live in host memory, so [`Selection::describe`] says so.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceLanes {
-    /// NCCL communicators.
+    /// NCCL and a GPU are present.
     Nccl,
     /// Staged through host memory over the host carriers; the reason NCCL is not used.
     Host(String),
@@ -119,7 +120,10 @@ impl Selection {
             None => "-",
         };
         let device = match &self.device {
-            DeviceLanes::Nccl => "nccl inside nodes".to_string(),
+            // NCCL carries nothing in training yet: say so rather than imply it does.
+            DeviceLanes::Nccl => {
+                "nccl available but unused (training buffers live in host memory)".to_string()
+            }
             DeviceLanes::Host(why) => format!("host ({why})"),
         };
         format!(
@@ -362,6 +366,14 @@ mod tests {
         assert_eq!(sel.device, DeviceLanes::Nccl);
         assert!(sel.notes.is_empty());
         assert!(sel.describe().starts_with("shm inside nodes, rdma across"), "{}", sel.describe());
+        // NCCL carries no training buffer yet, and the line must not claim it does.
+        assert!(
+            sel.describe().ends_with(
+                "device buffers: nccl available but unused (training buffers live in host memory)"
+            ),
+            "{}",
+            sel.describe()
+        );
     }
 
     #[test]
