@@ -285,7 +285,7 @@ struct TrainArgs {
     /// stream and gathers and reductions on their own streams ordered by events, and fails
     /// loudly on any unordered access. Kernels run on the CPU; timings include seeded delays.
     /// --device-memory is its capacity. It does not yet run accumulation, recomputation,
-    /// bf16, clipping, checkpoints or evaluation (each is refused by name).
+    /// bf16, checkpoints or evaluation (each is refused by name).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceKind,
     /// --device sim: what lives in host memory: none, optimizer (optimizer state; updates run

@@ -13,8 +13,9 @@
 //!
 //! What is not on the device yet: the activations and what the layers save for backward
 //! are host values handed from one kernel of the compute stream to the next (in stream
-//! order, so never raced). Accumulation, recomputation, bf16 and gradient clipping are
-//! refused with a message naming them.
+//! order, so never raced). Accumulation, recomputation and bf16 are refused with a message
+//! naming them. With gradient clipping, the updates read the global norm where the reduce
+//! stream summed it, so clipping adds no host wait.
 //!
 //! Invariants:
 //! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
@@ -228,7 +229,6 @@ impl DeviceEngine {
             (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
             (cfg.recompute != Recompute::None, "recomputation (--recompute)"),
             (!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)"),
-            (cfg.clip_grad_norm.is_some(), "gradient clipping (--clip-grad-norm)"),
         ];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
             return Err(RuntimeError::config(format!(
@@ -411,16 +411,34 @@ impl DeviceEngine {
         let mut partial: Vec<Option<Option<DeviceBuffer>>> = (0..n).map(|_| None).collect();
         for i in nc..2 * nc {
             self.backward(i, &act, &saved[2 * nc - 1 - i], &ctx, &mut reds, &mut partial)?;
-            let mut io = StepIo { eng: self, lr: 0.0 };
+            let clip = self.cfg.clip_grad_norm;
+            let mut io = StepIo { eng: self, lr: 0.0, clip };
             reds.bound(&mut io)?; // ENG-7
             reds.collect(&mut io)?;
         }
         let (plan, mut io) = self.gathers();
         plan.end_pass(&mut io);
-        // ENG-8, ENG-10: each unit steps once its reduction is in, in the order they come.
         let lr = self.cfg.lr.lr_at(self.step);
-        self.step += 1;
-        reds.update_as_reduced(n, &mut StepIo { eng: self, lr })?;
+        if let Some(max) = self.cfg.clip_grad_norm {
+            // Clipping: every reduction in and its norm taken, the loss and norm summed on
+            // the reduce stream, then every update reads the global norm there: no host wait.
+            reds.finish_all(&mut StepIo { eng: self, lr, clip: Some(max) })?;
+            self.enqueue_loss_and_norm(n)?;
+            self.step += 1;
+            let mut io = StepIo { eng: self, lr, clip: Some(max) };
+            (0..n).try_for_each(|u| io.update(u))?;
+        } else {
+            // ENG-8, ENG-10: each unit steps once its reduction is in, in the order they
+            // come.
+            self.step += 1;
+            reds.update_as_reduced(n, &mut StepIo { eng: self, lr, clip: None })?;
+            if self.offload != Offload::None {
+                // The norms the host updates wrote are read on the compute stream.
+                let e = self.dev.record(self.streams.offload);
+                self.dev.wait(self.streams.compute, &e);
+            }
+            self.enqueue_loss_and_norm(n)?;
+        }
         // Stages 1 and 2: the updated parameters all-gathered in unit order, the same on
         // every rank whatever order the updates ran in.
         if self.rules.gather_after_update {
@@ -435,12 +453,9 @@ impl DeviceEngine {
                 self.ready[u] = Some(self.dev.record(self.streams.gather));
             }
         }
-        if self.offload != Offload::None {
-            // The norms the host updates wrote are read on the compute stream.
-            let e = self.dev.record(self.streams.offload);
-            self.dev.wait(self.streams.compute, &e);
-        }
-        let (loss, sq) = self.reduce_loss_and_norm(n)?;
+        // DEV-1: the step's one host wait.
+        let sums = self.dev.download(self.streams.reduce, &self.sums)?.wait(&*self.dev)?;
+        let (loss, sq) = (sums[0], f64::from(sums[1]));
         Ok(DeviceStepStats {
             loss,
             grad_norm: sq.sqrt(),
@@ -631,9 +646,9 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// The loss and the squared norms summed over the group on the reduce stream, then the
-    /// step's one host wait (DEV-1).
-    fn reduce_loss_and_norm(&mut self, n: usize) -> Result<(f32, f64)> {
+    /// The loss and the squared norms summed over the group on the reduce stream; the
+    /// compute stream (and the offload stream) wait for the sums (clipping reads them).
+    fn enqueue_loss_and_norm(&mut self, n: usize) -> Result<()> {
         let s = &self.streams;
         self.dev.launch(
             s.compute,
@@ -650,8 +665,10 @@ impl DeviceEngine {
         let e = self.dev.record(s.compute);
         self.dev.wait(s.reduce, &e);
         self.reduce_comm.all_reduce(s.reduce, &self.sums)?;
-        let sums = self.dev.download(s.reduce, &self.sums)?.wait(&*self.dev)?;
-        Ok((sums[0], f64::from(sums[1])))
+        let summed = self.dev.record(s.reduce);
+        self.dev.wait(s.compute, &summed);
+        self.dev.wait(s.offload, &summed);
+        Ok(())
     }
 
     /// Every unit's full parameters (unpadded), gathered at stage 3 (collective: every rank
@@ -749,28 +766,62 @@ impl CtxOf {
 struct StepIo<'a> {
     eng: &'a mut DeviceEngine,
     lr: f32,
+    /// Gradient clipping's maximum norm: norms are taken as reductions finish, and updates
+    /// read the summed norm on the device.
+    clip: Option<f64>,
 }
 
 impl ReduceIo<DeviceReduction> for StepIo<'_> {
     type Error = RuntimeError;
 
     fn finish(&mut self, r: Reduction<DeviceReduction>) -> Result<()> {
-        self.eng.dev.wait(self.eng.streams.compute, &r.work.done);
+        let e = &mut *self.eng;
+        e.dev.wait(e.streams.compute, &r.work.done);
+        if self.clip.is_some() {
+            // ENG-8 with clipping: the own reduced slice's squared norm, as it comes in.
+            let (u, rules) = (r.unit, e.rules);
+            let own = e.layout.unit(u).shard_range(e.rank);
+            e.dev.launch(
+                e.streams.compute,
+                &format!("norm {}", e.labels[u]),
+                &[&e.grads[u]],
+                &[&e.sq],
+                Box::new(move |r, w| {
+                    let sq = crate::optim::sq_norm(rules.own_grads(r[0], &own));
+                    store_f64(sq, &mut w[0][2 * u..2 * u + 2]);
+                }),
+            )?;
+        }
         Ok(())
     }
 
     fn update(&mut self, u: usize) -> Result<()> {
         let e = &mut *self.eng;
         let own = e.layout.unit(u).shard_range(e.rank);
-        let (rules, opt, lr, step) = (e.rules, e.cfg.optimizer, self.lr, e.step);
+        let (rules, opt, lr, step, clip) = (e.rules, e.cfg.optimizer, self.lr, e.step, self.clip);
         let no_decay = e.no_decay[u].clone();
         let rank = e.rank;
         let (p, st) = (&e.params[u], &e.optim_state[u]);
-        let step_unit = move |p: &mut [f32], g: &mut [f32], st: &mut [f32], name: &str| {
-            let update = Update { opt: &opt, lr, step, coef: 1.0 };
-            rules
+        // With clipping the update reads the summed norm (`sums`), and its own norm is not
+        // the one reported (that was taken before scaling).
+        let step_unit = move |p: &mut [f32],
+                              g: &mut [f32],
+                              st: &mut [f32],
+                              sums: Option<&[f32]>,
+                              sq: &mut [f32],
+                              name: &str| {
+            let coef = match (clip, sums) {
+                (Some(max), Some(s)) => crate::optim::clip_coef(f64::from(s[1]), max),
+                _ => 1.0,
+            };
+            let update = Update { opt: &opt, lr, step, coef };
+            let norm = rules
                 .update_unit(&update, &own, &no_decay, p, g, st)
-                .map_err(|e| kernel_error(rank, name, e))
+                .map_err(|e| kernel_error(rank, name, e))?;
+            if clip.is_none() {
+                store_f64(norm, &mut sq[2 * u..2 * u + 2]);
+            }
+            Ok(())
         };
         let (Kept::Device(p), Kept::Device(st)) = (p, st) else {
             // OFFL-1: the same update as a host function on the offload stream, after the
@@ -783,37 +834,38 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
             let (host_p, host_st) = (p.on_host(), st.on_host());
             let mut writes = vec![&e.sq];
             writes.extend(p.on_device());
+            let mut reads = vec![&e.grads[u]];
+            reads.extend(clip.map(|_| &e.sums));
             let what = name.clone();
             e.dev.launch_fallible(
                 e.streams.offload,
                 &what,
-                &[&e.grads[u]],
+                &reads,
                 &writes,
                 Box::new(move |r, w| {
                     let mut g = r[0].to_vec();
+                    let sums = r.get(1).copied();
                     let mut st = lock(host_st.as_ref().expect("offloaded state"));
                     let (sq, rest) = w.split_first_mut().expect("the norms buffer");
-                    let norm = match &host_p {
-                        Some(hp) => step_unit(&mut lock(hp), &mut g, &mut st, &name)?,
-                        None => step_unit(&mut *rest[0], &mut g, &mut st, &name)?,
-                    };
-                    store_f64(norm, &mut sq[2 * u..2 * u + 2]);
-                    Ok(())
+                    match &host_p {
+                        Some(hp) => step_unit(&mut lock(hp), &mut g, &mut st, sums, sq, &name),
+                        None => step_unit(&mut *rest[0], &mut g, &mut st, sums, sq, &name),
+                    }
                 }),
             )?;
             e.ready[u] = Some(e.dev.record(e.streams.offload));
             return Ok(());
         };
         let name = format!("update {}", e.labels[u]);
+        let reads: Vec<&DeviceBuffer> = clip.map(|_| &e.sums).into_iter().collect();
         e.dev.launch_fallible(
             e.streams.compute,
             &name.clone(),
-            &[],
+            &reads,
             &[p, &e.grads[u], st, &e.sq],
-            Box::new(move |_, w| {
+            Box::new(move |r, w| {
                 let [p, g, st, sq] = w else { unreachable!("four buffers") };
-                store_f64(step_unit(p, g, st, &name)?, &mut sq[2 * u..2 * u + 2]);
-                Ok(())
+                step_unit(p, g, st, r.first().copied(), sq, &name)
             }),
         )?;
         e.ready[u] = Some(e.dev.record(e.streams.compute));
