@@ -13,6 +13,7 @@ use shardline_collectives::device::SimOptions;
 use shardline_runtime::engine::on_device::{
     run_on_devices, DeviceKind, DeviceOptions, DeviceRun, InjectedBug, Offload,
 };
+use shardline_runtime::engine::Recompute;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{SyncBnMode, TrainConfig};
 use std::time::Duration;
@@ -38,6 +39,11 @@ fn mlp(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
 /// The same with SyncBatchNorm.
 fn mlp_sync(world: usize, stage: u8, prefetch: usize) -> TrainConfig {
     TrainConfig { sync_bn: SyncBnMode::On, ..mlp(world, stage, prefetch) }
+}
+
+/// `cfg` with every call but the last recomputed in backward (RECOMP-1).
+fn recomputed(cfg: TrainConfig) -> TrainConfig {
+    TrainConfig { recompute: Recompute::Units, ..cfg }
 }
 
 /// The narrow gpt, its gradient clipped (its norm is about 2 at the start, so the clip acts).
@@ -68,16 +74,18 @@ fn same(a: &DeviceRun, b: &DeviceRun) -> bool {
 }
 
 /// DEV-4: the full grid (stages 0-3 x prefetch 0/1/2, worlds 2 and 3; mlp-bn with per-rank
-/// BatchNorm and with SyncBN, and gpt) on the simulated device with one delay seed equals
-/// the cpu device bitwise; DEV-1: one host wait per step; SyncBN sends its messages.
+/// BatchNorm and with SyncBN, and gpt, each of the last two also with recomputation) on the
+/// simulated device with one delay seed equals the cpu device bitwise; DEV-1: one host wait
+/// per step; SyncBN sends its messages.
 #[test]
 fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
     let mut rows = 0;
     for world in [2, 3] {
         for stage in 0..4u8 {
             for prefetch in [0, 1, 2] {
-                let sync = mlp_sync(world, stage, prefetch);
-                for cfg in [mlp(world, stage, prefetch), sync, gpt(world, stage, prefetch)] {
+                let (sync, g) = (mlp_sync(world, stage, prefetch), gpt(world, stage, prefetch));
+                let (sync_r, g_r) = (recomputed(sync.clone()), recomputed(g.clone()));
+                for cfg in [mlp(world, stage, prefetch), sync, g, sync_r, g_r] {
                     let want = run(&cfg, DeviceKind::Cpu);
                     let got = run(&cfg, sim(11));
                     assert!(
@@ -94,7 +102,7 @@ fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
             }
         }
     }
-    assert_eq!(rows, 72);
+    assert_eq!(rows, 120);
 }
 
 /// DEV-4: twenty delay seeds on two configurations (gpt stage 3 with prefetch, mlp-bn with
@@ -117,8 +125,9 @@ fn twenty_delay_seeds_equal_cpu_bitwise_dev_4() {
 fn the_cpu_device_equals_the_host_engine() {
     for (world, tol) in [(1usize, 0.0f32), (2, 2e-6), (4, 2e-6)] {
         for stage in 0..4u8 {
-            let sync = mlp_sync(world, stage, 1);
-            for cfg in [mlp(world, stage, 1), sync, gpt(world, stage, 1)] {
+            let (sync, g) = (mlp_sync(world, stage, 1), gpt(world, stage, 1));
+            let (sync_r, g_r) = (recomputed(sync.clone()), recomputed(g.clone()));
+            for cfg in [mlp(world, stage, 1), sync, g, sync_r, g_r] {
                 let host = run_ok(cfg.clone(), quiet());
                 let dev = run(&cfg, DeviceKind::Cpu);
                 let what = format!("{} world {world} stage {stage}", cfg.model);
@@ -207,9 +216,9 @@ fn unsupported_settings_are_refused_by_name() {
     let msg = refused(&c, DeviceKind::Cpu, DeviceOptions::default());
     assert!(msg.contains("accumulation"), "{msg}");
     let mut c = gpt(2, 3, 1);
-    c.recompute = shardline_runtime::engine::Recompute::Units;
+    c.param_dtype = shardline_runtime::engine::PrecisionDtype::Bf16;
     let msg = refused(&c, DeviceKind::Cpu, DeviceOptions::default());
-    assert!(msg.contains("recomputation"), "{msg}");
+    assert!(msg.contains("bf16"), "{msg}");
 }
 
 fn offloading(offload: Offload) -> DeviceOptions {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use shardline_collectives::device::{Device, DeviceBuffer, Event, SimComm};
 
-use super::offload::{lock, Kept};
+use super::offload::{lock, Held};
 use super::Streams;
 use crate::engine::prefetch::GatherIo;
 use crate::engine::reduction::InFlight;
@@ -27,7 +27,7 @@ pub(crate) struct DeviceGathers<'a> {
     pub(crate) comm: &'a mut SimComm,
     pub(crate) layout: &'a ShardedModelLayout,
     /// This rank's parameter shards (on the device, or offloaded).
-    pub(crate) shards: &'a [Kept],
+    pub(crate) shards: &'a [Held],
     /// Per unit, the event after which its shard holds the current parameters.
     pub(crate) ready: &'a [Option<Event>],
     pub(crate) labels: &'a [String],
@@ -50,8 +50,8 @@ impl GatherIo for DeviceGathers<'_> {
             self.dev.wait(g, e);
         }
         match &self.shards[unit] {
-            Kept::Device(shard) => self.comm.all_gather(g, shard, &full)?,
-            Kept::Host(host) => {
+            Held::Device(shard) => self.comm.all_gather(g, shard, &full)?,
+            Held::Host(host) => {
                 // OFFL-1: the shard copied to the device on the gather stream, as it runs.
                 let label = format!("{} shard (from host)", self.labels[unit]);
                 let shard = self.dev.alloc(l.shard_len(), &label)?;

@@ -13,8 +13,9 @@
 //!
 //! What is not on the device yet: the activations and what the layers save for backward
 //! are host values handed from one kernel of the compute stream to the next (in stream
-//! order, so never raced). Accumulation, recomputation and bf16 are refused with a message
-//! naming them. With gradient clipping, the updates read the global norm where the reduce
+//! order, so never raced); with `--recompute units` a checkpointed call keeps only its
+//! input and re-runs its forward inside its backward kernel (RECOMP-1..3). Accumulation and
+//! bf16 are refused with a message naming them. With gradient clipping, the updates read the global norm where the reduce
 //! stream summed it, so clipping adds no host wait.
 //!
 //! Invariants:
@@ -45,17 +46,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Event, SimComm, SimWorld};
-use shardline_models::module::Saved;
 use shardline_models::{Backend, CallBackward, Ctx, DistributedSampler, Network, Tensor};
 
+use super::pass::Kept;
 use super::prefetch::GatherPlan;
+use super::recompute::{Checkpoint, Recording, Replay};
 use super::reduction::{ReduceIo, Reduction, Reductions};
 use super::stage::{BeforeUse, GradReduce, StageRules, Update};
-use super::{open_backend, EngineConfig, Recompute};
+use super::{open_backend, EngineConfig};
 use crate::error::{Result, RuntimeError};
 use crate::shard::ShardedModelLayout;
 use io::{DeviceGathers, DeviceReduction, PendingGather};
-use offload::{lock, Kept};
+use offload::{lock, Held};
 use stats::DeviceStats;
 
 /// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
@@ -184,9 +186,9 @@ pub struct DeviceEngine {
     /// SyncBatchNorm's reducer (with SyncBN on several ranks).
     stats: Option<Arc<DeviceStats>>,
     /// Per unit, what the rank keeps (as the stage's rules say), on the device or offloaded.
-    params: Vec<Kept>,
+    params: Vec<Held>,
     grads: Vec<DeviceBuffer>,
-    optim_state: Vec<Kept>,
+    optim_state: Vec<Held>,
     buffers: Vec<DeviceBuffer>,
     /// Per unit, the event after which its kept parameters are current.
     ready: Vec<Option<Event>>,
@@ -227,7 +229,6 @@ impl DeviceEngine {
         }
         let missing = [
             (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
-            (cfg.recompute != Recompute::None, "recomputation (--recompute)"),
             (!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)"),
         ];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
@@ -264,15 +265,15 @@ impl DeviceEngine {
                 super::stage::Holding::Full => full,
                 super::stage::Holding::Shard => full[l.shard_range(rank)].to_vec(),
             };
-            let host = |v: Vec<f32>| Kept::Host(Arc::new(Mutex::new(v)));
+            let host = |v: Vec<f32>| Held::Host(Arc::new(Mutex::new(v)));
             params.push(match offload {
                 Offload::Params => host(kept),
-                _ => Kept::Device(upload(&kept, format!("{name} params"))?),
+                _ => Held::Device(upload(&kept, format!("{name} params"))?),
             });
             grads.push(upload(&vec![0.0; rules.grads.len(l)], format!("{name} grads"))?);
             let state = vec![0.0; rules.optim_state.len(l) * k];
             optim_state.push(match offload {
-                Offload::None => Kept::Device(upload(&state, format!("{name} optimizer state"))?),
+                Offload::None => Held::Device(upload(&state, format!("{name} optimizer state"))?),
                 _ => host(state),
             });
             buffers.push(upload(&model.init_buffers(u)?, format!("{name} buffers"))?);
@@ -402,7 +403,7 @@ impl DeviceEngine {
         let ctx = self.ctx_of(global_batch, first_sample);
         self.plan.begin_step(&self.calls, 1);
         let act = Slot::new(Some(x));
-        let saved: Vec<Arc<Slot<Saved>>> = (0..nc).map(|_| Slot::new(None)).collect();
+        let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
         for (i, s) in saved.iter().enumerate() {
             self.forward(i, &act, s, &ctx)?;
         }
@@ -473,10 +474,12 @@ impl DeviceEngine {
         &mut self,
         i: usize,
         act: &Arc<Slot<Tensor>>,
-        saved: &Arc<Slot<Saved>>,
+        saved: &Arc<Slot<Kept>>,
         c: &CtxOf,
     ) -> Result<()> {
         let u = self.plan.unit_at(i);
+        // RECOMP-1: a checkpointed call keeps its input and the statistics it received.
+        let checkpoint = self.cfg.recompute.checkpoints(i, self.calls.len());
         let gathered = self.acquire(i)?;
         let numel = self.layout.unit(u).numel();
         let what = format!("forward {}", self.labels[u]);
@@ -495,11 +498,28 @@ impl DeviceEngine {
             &[&self.buffers[u]],
             Box::new(move |r, w| {
                 let x = act.take(&name)?;
-                let (y, s) = model
-                    .forward_call(i, &r[0][..numel], &mut *w[0], x, &c.ctx(false))
-                    .map_err(|e| kernel_error(rank, &name, e))?;
+                let err = |e| kernel_error(rank, &name, e);
+                let (params, buffers) = (&r[0][..numel], &mut *w[0]);
+                if !checkpoint {
+                    let (y, s) =
+                        model.forward_call(i, params, buffers, x, &c.ctx(false)).map_err(err)?;
+                    act.put(y);
+                    saved.put(Kept::State(s));
+                    return Ok(());
+                }
+                let input = x.clone();
+                let recording = c.ctx(false).reducer.map(Recording::new);
+                // What the layers save is dropped here; backward recomputes it.
+                let y = {
+                    let mut ctx = c.ctx(false);
+                    if let Some(rec) = &recording {
+                        ctx.reducer = Some(rec);
+                    }
+                    model.forward_call(i, params, buffers, x, &ctx).map_err(err)?.0
+                };
+                let received = recording.map(Recording::into_received).unwrap_or_default();
                 act.put(y);
-                saved.put(s);
+                saved.put(Kept::Input(Checkpoint { input, received }));
                 Ok(())
             }),
         )?;
@@ -542,7 +562,7 @@ impl DeviceEngine {
         &mut self,
         i: usize,
         act: &Arc<Slot<Tensor>>,
-        saved: &Arc<Slot<Saved>>,
+        saved: &Arc<Slot<Kept>>,
         c: &CtxOf,
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
@@ -572,14 +592,32 @@ impl DeviceEngine {
             None => self.resident(u)?,
         };
         let g = transient.as_ref().unwrap_or(&self.grads[u]);
+        let world = self.world;
         self.dev.launch_fallible(
             self.streams.compute,
             &what,
-            &[p],
+            // The buffers: a checkpointed call's forward runs again on a scratch copy.
+            &[p, &self.buffers[u]],
             &[g],
             Box::new(move |r, w| {
                 let params = &r[0][..numel];
                 let grads = &mut *w[0];
+                let err = |e| kernel_error(rank, &name, e);
+                let saved = match saved.take(&name)? {
+                    Kept::State(s) => s,
+                    Kept::Input(cp) => {
+                        // RECOMP-1..3: the same input and parameters, the statistics
+                        // replayed, the running statistics updated in a scratch copy.
+                        let replay = Replay::new(rank, world, cp.received);
+                        let mut ctx = c.ctx(false);
+                        if ctx.reducer.is_some() {
+                            ctx.reducer = Some(&replay);
+                        }
+                        let mut scratch = r[1].to_vec();
+                        let x = cp.input;
+                        model.forward_call(call, params, &mut scratch, x, &ctx).map_err(err)?.1
+                    }
+                };
                 // The first call writes the gradients; only the padding needs clearing.
                 if first_use {
                     grads[numel..].fill(0.0);
@@ -587,12 +625,11 @@ impl DeviceEngine {
                 let ctx = c.ctx(first_use);
                 let b = CallBackward {
                     params,
-                    saved: saved.take(&name)?,
+                    saved,
                     grad_output: act.take(&name)?,
                     grads_out: &mut grads[..numel],
                     input_grad: call > 0,
                 };
-                let err = |e| kernel_error(rank, &name, e);
                 let ig = model.backward_call(call, b, &ctx).map_err(err)?;
                 act.put(ig.finish(&*c.backend, params).map_err(err)?.unwrap_or_default());
                 Ok(())
@@ -682,17 +719,17 @@ impl DeviceEngine {
             }
             let l = self.layout.unit(u);
             let mut v = match (&self.params[u], self.rules.before_use) {
-                (Kept::Device(p), BeforeUse::Gather) => {
+                (Held::Device(p), BeforeUse::Gather) => {
                     let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
                     self.gather_comm.all_gather(s, p, &full)?;
                     let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
                     self.dev.free(s, full)?;
                     v
                 }
-                (Kept::Device(p), BeforeUse::Resident) => {
+                (Held::Device(p), BeforeUse::Resident) => {
                     self.dev.download(s, p)?.wait(&*self.dev)?
                 }
-                (Kept::Host(h), _) => {
+                (Held::Host(h), _) => {
                     // The host update must have run before the host reads its result.
                     if let Some(e) = &self.ready[u] {
                         self.dev.synchronize(e)?;
@@ -823,7 +860,7 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
             }
             Ok(())
         };
-        let (Kept::Device(p), Kept::Device(st)) = (p, st) else {
+        let (Held::Device(p), Held::Device(st)) = (p, st) else {
             // OFFL-1: the same update as a host function on the offload stream, after the
             // unit's reduction: the gradient shard copied to the host, the state there, the
             // parameters written back to the device or kept on the host.

@@ -44,27 +44,27 @@ impl Offload {
 pub(crate) type HostValues = Arc<Mutex<Vec<f32>>>;
 
 /// Where a kept buffer lives.
-pub(crate) enum Kept {
+pub(crate) enum Held {
     /// In device memory.
     Device(DeviceBuffer),
     /// In host memory (offloaded).
     Host(HostValues),
 }
 
-impl Kept {
+impl Held {
     /// The device buffer, if it is on the device.
     pub(crate) fn on_device(&self) -> Option<&DeviceBuffer> {
         match self {
-            Kept::Device(b) => Some(b),
-            Kept::Host(_) => None,
+            Held::Device(b) => Some(b),
+            Held::Host(_) => None,
         }
     }
 
     /// The host values, if offloaded.
     pub(crate) fn on_host(&self) -> Option<HostValues> {
         match self {
-            Kept::Device(_) => None,
-            Kept::Host(v) => Some(Arc::clone(v)),
+            Held::Device(_) => None,
+            Held::Host(v) => Some(Arc::clone(v)),
         }
     }
 }
