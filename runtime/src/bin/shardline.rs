@@ -284,8 +284,8 @@ struct TrainArgs {
     /// parameters, gradients and optimizer state in device memory, runs kernels on a compute
     /// stream and gathers and reductions on their own streams ordered by events, and fails
     /// loudly on any unordered access. Kernels run on the CPU; timings include seeded delays.
-    /// --device-memory is its capacity. It does not yet run accumulation, bf16, checkpoints
-    /// or evaluation (each is refused by name).
+    /// --device-memory is its capacity. It does not yet run bf16, checkpoints or evaluation
+    /// (each is refused by name).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceKind,
     /// --device sim: what lives in host memory: none, optimizer (optimizer state; updates run

@@ -14,8 +14,10 @@
 //! What is not on the device yet: the activations and what the layers save for backward
 //! are host values handed from one kernel of the compute stream to the next (in stream
 //! order, so never raced); with `--recompute units` a checkpointed call keeps only its
-//! input and re-runs its forward inside its backward kernel (RECOMP-1..3). Accumulation and
-//! bf16 are refused with a message naming them. With gradient clipping, the updates read the global norm where the reduce
+//! input and re-runs its forward inside its backward kernel (RECOMP-1..3). Accumulation
+//! runs the microbatches of ACC-1..3, a reduce-scatter that adds to earlier microbatches'
+//! going through an output buffer and an add on the reduce stream. bf16 is refused with a
+//! message naming it. With gradient clipping, the updates read the global norm where the reduce
 //! stream summed it, so clipping adds no host wait.
 //!
 //! Invariants:
@@ -48,7 +50,8 @@ use std::time::{Duration, Instant};
 use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Event, SimComm, SimWorld};
 use shardline_models::{Backend, CallBackward, Ctx, DistributedSampler, Network, Tensor};
 
-use super::pass::Kept;
+use super::accum;
+use super::pass::{Kept, Micro};
 use super::prefetch::GatherPlan;
 use super::recompute::{Checkpoint, Recording, Replay};
 use super::reduction::{ReduceIo, Reduction, Reductions};
@@ -227,10 +230,7 @@ impl DeviceEngine {
                 "--offload params keeps the parameter shards on the host: it needs --stage 3",
             ));
         }
-        let missing = [
-            (cfg.grad_accum > 1, "gradient accumulation (--grad-accum)"),
-            (!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)"),
-        ];
+        let missing = [(!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)")];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
             return Err(RuntimeError::config(format!(
                 "the device engine does not run {what} yet; use the host engine"
@@ -400,23 +400,37 @@ impl DeviceEngine {
         let messages0 = self.stats_messages();
         let first_sample =
             DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
-        let ctx = self.ctx_of(global_batch, first_sample);
-        self.plan.begin_step(&self.calls, 1);
-        let act = Slot::new(Some(x));
-        let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
-        for (i, s) in saved.iter().enumerate() {
-            self.forward(i, &act, s, &ctx)?;
-        }
-        self.loss_kernel(&act, y.clone(), global_batch)?;
+        // ACC-1: the slice in microbatches, each a forward and a backward; one set of
+        // reductions and of partial gradients for the whole step (ACC-2, ACC-3).
+        let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
+        self.plan.begin_step(&self.calls, micro.len());
         let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
         let mut partial: Vec<Option<Option<DeviceBuffer>>> = (0..n).map(|_| None).collect();
-        for i in nc..2 * nc {
-            self.backward(i, &act, &saved[2 * nc - 1 - i], &ctx, &mut reds, &mut partial)?;
-            let clip = self.cfg.clip_grad_norm;
-            let mut io = StepIo { eng: self, lr: 0.0, clip };
-            reds.bound(&mut io)?; // ENG-7
-            reds.collect(&mut io)?;
+        for (k, r) in micro.iter().enumerate() {
+            let (xk, yk) = if micro.len() == 1 {
+                (x.clone(), y.clone())
+            } else {
+                (x.rows(r.start, r.end)?, y.rows(r.start, r.end)?)
+            };
+            let ctx = self.ctx_of(global_batch, first_sample + r.start);
+            let mb = Micro { index: k, count: micro.len() };
+            let base = 2 * nc * k;
+            let act = Slot::new(Some(xk));
+            let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
+            for (i, s) in saved.iter().enumerate() {
+                self.forward(base + i, &act, s, &ctx)?;
+            }
+            self.loss_kernel(&act, yk, global_batch, k)?;
+            for i in nc..2 * nc {
+                let s = &saved[2 * nc - 1 - i];
+                self.backward(base + i, (mb, &act, &ctx), s, &mut reds, &mut partial)?;
+                let clip = self.cfg.clip_grad_norm;
+                let mut io = StepIo { eng: self, lr: 0.0, clip };
+                reds.bound(&mut io)?; // ENG-7
+                reds.collect(&mut io)?;
+            }
         }
+        drop(x);
         let (plan, mut io) = self.gathers();
         plan.end_pass(&mut io);
         let lr = self.cfg.lr.lr_at(self.step);
@@ -478,8 +492,11 @@ impl DeviceEngine {
         c: &CtxOf,
     ) -> Result<()> {
         let u = self.plan.unit_at(i);
+        // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
+        let nc = self.calls.len();
+        let call = i % (2 * nc);
         // RECOMP-1: a checkpointed call keeps its input and the statistics it received.
-        let checkpoint = self.cfg.recompute.checkpoints(i, self.calls.len());
+        let checkpoint = self.cfg.recompute.checkpoints(call, nc);
         let gathered = self.acquire(i)?;
         let numel = self.layout.unit(u).numel();
         let what = format!("forward {}", self.labels[u]);
@@ -502,7 +519,7 @@ impl DeviceEngine {
                 let (params, buffers) = (&r[0][..numel], &mut *w[0]);
                 if !checkpoint {
                     let (y, s) =
-                        model.forward_call(i, params, buffers, x, &c.ctx(false)).map_err(err)?;
+                        model.forward_call(call, params, buffers, x, &c.ctx(false)).map_err(err)?;
                     act.put(y);
                     saved.put(Kept::State(s));
                     return Ok(());
@@ -515,7 +532,7 @@ impl DeviceEngine {
                     if let Some(rec) = &recording {
                         ctx.reducer = Some(rec);
                     }
-                    model.forward_call(i, params, buffers, x, &ctx).map_err(err)?.0
+                    model.forward_call(call, params, buffers, x, &ctx).map_err(err)?.0
                 };
                 let received = recording.map(Recording::into_received).unwrap_or_default();
                 act.put(y);
@@ -534,6 +551,7 @@ impl DeviceEngine {
         act: &Arc<Slot<Tensor>>,
         y: Tensor,
         global_batch: usize,
+        micro: usize,
     ) -> Result<()> {
         let (model, act, rank) = (Arc::clone(&self.model), act.clone(), self.rank);
         self.dev.launch_fallible(
@@ -547,7 +565,8 @@ impl DeviceEngine {
                     .loss()
                     .forward_backward(&out, &y, global_batch)
                     .map_err(|e| kernel_error(rank, "loss", e))?;
-                w[0][0] = l;
+                // ACC-1: the microbatches' shares add up to the rank's.
+                w[0][0] = if micro == 0 { l } else { w[0][0] + l };
                 act.put(g);
                 Ok(())
             }),
@@ -561,15 +580,21 @@ impl DeviceEngine {
     fn backward(
         &mut self,
         i: usize,
-        act: &Arc<Slot<Tensor>>,
+        (mb, act, c): (Micro, &Arc<Slot<Tensor>>, &CtxOf),
         saved: &Arc<Slot<Kept>>,
-        c: &CtxOf,
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
     ) -> Result<()> {
         let u = self.plan.unit_at(i);
-        let call = 2 * self.calls.len() - 1 - i;
-        let last_use = !self.calls[..call].contains(&u);
+        let nc = self.calls.len();
+        let call = 2 * nc - 1 - i % (2 * nc);
+        // NET-1, ACC-2, ACC-3: reduced after the unit's last call of the microbatch, when the
+        // stage and the policy reduce after this microbatch; a reduce-scatter's result adds
+        // to the shard when an earlier microbatch's was reduced.
+        let (transient, how) = (self.rules.transient_grads(), self.cfg.accum_reduce);
+        let last_use = !self.calls[..call].contains(&u)
+            && accum::reduces_after(mb.index, mb.count, transient, how);
+        let add = mb.index > 0 && accum::reduces_after(mb.index - 1, mb.count, transient, how);
         let gathered = self.acquire(i)?;
         let l = self.layout.unit(u);
         let (numel, padded) = (l.numel(), l.padded_numel());
@@ -636,7 +661,7 @@ impl DeviceEngine {
             }),
         )?;
         if last_use {
-            self.issue_reduction(reds, u, transient)?;
+            self.issue_reduction(reds, u, transient, add)?;
         } else {
             partial[u] = Some(transient);
         }
@@ -651,6 +676,7 @@ impl DeviceEngine {
         reds: &mut Reductions<DeviceReduction>,
         u: usize,
         transient: Option<DeviceBuffer>,
+        add: bool,
     ) -> Result<()> {
         let (s, dev) = (&self.streams, &self.dev);
         let computed = dev.record(s.compute);
@@ -666,8 +692,23 @@ impl DeviceEngine {
                 comm.reduce_scatter_in_place(s.reduce, &self.grads[u])?
             }
             (GradReduce::ReduceScatter, Some(full)) => {
-                comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
                 unreduced = full.len() as u64 * 4;
+                if add {
+                    // ACC-3: the result adds to the earlier microbatches' in the shard.
+                    let label = format!("{} (reduce-scatter output)", self.labels[u]);
+                    let out = dev.alloc(self.grads[u].len(), &label)?;
+                    comm.reduce_scatter(s.reduce, &full, &out)?;
+                    dev.launch(
+                        s.reduce,
+                        &format!("accumulate {}", self.labels[u]),
+                        &[&out],
+                        &[&self.grads[u]],
+                        Box::new(|r, w| w[0].iter_mut().zip(r[0]).for_each(|(a, b)| *a += b)),
+                    )?;
+                    dev.free(s.reduce, out)?;
+                } else {
+                    comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
+                }
                 let on = if self.bug.free_grads_on_compute { s.compute } else { s.reduce };
                 dev.free(on, full)?;
             }
