@@ -318,3 +318,30 @@ fn accumulation_on_devices_matches_dev_4() {
         }
     }
 }
+
+/// SIM-3 through the engine: a device too small for the run fails it naming the buffer and
+/// the bytes; offloading the optimizer state and the shards lets the same run fit a device
+/// that held too little for it without (OFFL-1's purpose).
+#[test]
+fn device_capacity_is_enforced_and_offload_fits_a_smaller_device() {
+    let cfg = gpt(2, 3, 1);
+    let peak = |o: Offload| {
+        run_on_devices(&cfg, DeviceKind::Cpu, offloading(o)).unwrap().peak_device_bytes
+    };
+    let (none, params) = (peak(Offload::None), peak(Offload::Params));
+    assert!(params < none, "{params} vs {none}");
+    let small = |capacity: u64| {
+        DeviceKind::Sim(SimOptions {
+            capacity: Some(capacity),
+            max_delay_us: 50,
+            timeout: Duration::from_secs(60),
+            ..SimOptions::default()
+        })
+    };
+    let capacity = (none + params) / 2;
+    let msg = refused(&cfg, small(capacity), DeviceOptions::default());
+    assert!(msg.contains("out of device memory") && msg.contains(&capacity.to_string()), "{msg}");
+    let got = run_on_devices(&cfg, small(capacity), offloading(Offload::Params)).unwrap();
+    assert!(got.peak_device_bytes <= capacity);
+    assert!(same(&got, &run(&cfg, DeviceKind::Cpu)));
+}
