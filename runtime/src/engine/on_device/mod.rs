@@ -11,14 +11,15 @@
 //! (ENG-5), `Reductions` the reduce budget and the order of updates (ENG-7, ENG-8,
 //! ENG-10).
 //!
-//! What is not on the device yet: the activations and what the layers save for backward
-//! are host values handed from one kernel of the compute stream to the next (in stream
-//! order, so never raced); with `--recompute units` a checkpointed call keeps only its
-//! input and re-runs its forward inside its backward kernel (RECOMP-1..3). Accumulation
-//! runs the microbatches of ACC-1..3, a reduce-scatter that adds to earlier microbatches'
-//! going through an output buffer and an add on the reduce stream. bf16 is refused with a
-//! message naming it. With gradient clipping, the updates read the global norm where the reduce
-//! stream summed it, so clipping adds no host wait.
+//! The data, each call's output and the gradients flowing back are device buffers
+//! (`activations`, DACT-1). What the layers save for backward is not on the device yet: it
+//! stays a host value handed from a forward kernel to its backward kernel on the compute
+//! stream (in stream order, so never raced). With `--recompute units` a checkpointed call
+//! keeps only its input and re-runs its forward inside its backward kernel (RECOMP-1..3).
+//! Accumulation runs the microbatches of ACC-1..3; a reduce-scatter that adds to earlier
+//! microbatches' goes through an output buffer and an add on the reduce stream. With
+//! gradient clipping the updates read the global norm where the reduce stream summed it, so
+//! clipping adds no host wait. bf16 is refused with a message naming it.
 //!
 //! Invariants:
 //! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
@@ -33,6 +34,7 @@
 //!   cpu device, whose every call runs at once: the order of the work is fixed by streams
 //!   and events, not by timing.
 
+mod activations;
 mod cli;
 mod io;
 mod offload;
@@ -48,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Event, SimComm, SimWorld};
-use shardline_models::{Backend, CallBackward, Ctx, DistributedSampler, Network, Tensor};
+use shardline_models::{Backend, CallBackward, Ctx, DType, DistributedSampler, Network, Tensor};
 
 use super::accum;
 use super::pass::{Kept, Micro};
@@ -59,6 +61,7 @@ use super::stage::{BeforeUse, GradReduce, StageRules, Update};
 use super::{open_backend, EngineConfig};
 use crate::error::{Result, RuntimeError};
 use crate::shard::ShardedModelLayout;
+use activations::{Act, Shapes};
 use io::{DeviceGathers, DeviceReduction, PendingGather};
 use offload::{lock, Held};
 use stats::DeviceStats;
@@ -188,6 +191,8 @@ pub struct DeviceEngine {
     backend: Arc<dyn Backend>,
     /// SyncBatchNorm's reducer (with SyncBN on several ranks).
     stats: Option<Arc<DeviceStats>>,
+    /// The calls' output shapes, probed for the data (DACT-1).
+    shapes: Option<Shapes>,
     /// Per unit, what the rank keeps (as the stage's rules say), on the device or offloaded.
     params: Vec<Held>,
     grads: Vec<DeviceBuffer>,
@@ -289,6 +294,7 @@ impl DeviceEngine {
             model,
             gather_comm: SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev)),
             reduce_comm: SimComm::new(rank, Arc::clone(&worlds.reduce), Arc::clone(&dev)),
+            shapes: None,
             stats: (cfg.sync_bn && world > 1).then(|| {
                 Arc::new(DeviceStats {
                     rank,
@@ -406,6 +412,10 @@ impl DeviceEngine {
         self.plan.begin_step(&self.calls, micro.len());
         let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
         let mut partial: Vec<Option<Option<DeviceBuffer>>> = (0..n).map(|_| None).collect();
+        if !self.shapes.as_ref().is_some_and(|s| s.fits(&x)) {
+            let probed = Shapes::probe(&*self.model, &x, self.cfg.seed, &*self.backend);
+            self.shapes = Some(probed.map_err(RuntimeError::config)?);
+        }
         for (k, r) in micro.iter().enumerate() {
             let (xk, yk) = if micro.len() == 1 {
                 (x.clone(), y.clone())
@@ -415,15 +425,22 @@ impl DeviceEngine {
             let ctx = self.ctx_of(global_batch, first_sample + r.start);
             let mb = Micro { index: k, count: micro.len() };
             let base = 2 * nc * k;
-            let act = Slot::new(Some(xk));
+            // The microbatch's data, uploaded (DACT-1).
+            let label = format!("data (microbatch {k})");
+            let buf = self.dev.alloc(xk.numel(), &label)?;
+            self.dev.upload(self.streams.compute, &activations::values(&xk)?, &buf)?;
+            let mut act = Act { buf, shape: xk.shape().to_vec(), dtype: xk.dtype() };
             let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
             for (i, s) in saved.iter().enumerate() {
-                self.forward(base + i, &act, s, &ctx)?;
+                act = self.forward(base + i, act, s, &ctx)?;
             }
-            self.loss_kernel(&act, yk, global_batch, k)?;
+            let mut grad = Some(self.loss_kernel(act, yk, global_batch, k)?);
             for i in nc..2 * nc {
                 let s = &saved[2 * nc - 1 - i];
-                self.backward(base + i, (mb, &act, &ctx), s, &mut reds, &mut partial)?;
+                let g = grad.take().ok_or_else(|| {
+                    RuntimeError::config("a backward call after the data's (call 0)")
+                })?;
+                grad = self.backward(base + i, (mb, g, &ctx), s, &mut reds, &mut partial)?;
                 let clip = self.cfg.clip_grad_norm;
                 let mut io = StepIo { eng: self, lr: 0.0, clip };
                 reds.bound(&mut io)?; // ENG-7
@@ -482,15 +499,9 @@ impl DeviceEngine {
         })
     }
 
-    /// Use `i`'s forward kernel: the call's output replaces its input in `act`, and what
-    /// its layers save goes to `saved`.
-    fn forward(
-        &mut self,
-        i: usize,
-        act: &Arc<Slot<Tensor>>,
-        saved: &Arc<Slot<Kept>>,
-        c: &CtxOf,
-    ) -> Result<()> {
+    /// Use `i`'s forward kernel: reads its input from device memory and writes its output
+    /// there (returned; the input is freed once read); what its layers save goes to `saved`.
+    fn forward(&mut self, i: usize, input: Act, saved: &Arc<Slot<Kept>>, c: &CtxOf) -> Result<Act> {
         let u = self.plan.unit_at(i);
         // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
         let nc = self.calls.len();
@@ -500,10 +511,12 @@ impl DeviceEngine {
         let gathered = self.acquire(i)?;
         let numel = self.layout.unit(u).numel();
         let what = format!("forward {}", self.labels[u]);
-        let (model, act, saved, c) =
-            (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
+        let (model, saved, c) = (Arc::clone(&self.model), saved.clone(), c.clone());
         let rank = self.rank;
         let name = what.clone();
+        let (shape, dtype) = self.probed()?.output(call, input.shape[0]);
+        let out = self.dev.alloc(shape.iter().product(), &format!("{what} (output)"))?;
+        let (in_shape, in_dtype) = (input.shape.clone(), input.dtype);
         let p = match &gathered {
             Some(g) => g,
             None => self.resident(u)?,
@@ -511,16 +524,18 @@ impl DeviceEngine {
         self.dev.launch_fallible(
             self.streams.compute,
             &what,
-            &[p],
-            &[&self.buffers[u]],
+            &[p, &input.buf],
+            &[&self.buffers[u], &out],
             Box::new(move |r, w| {
-                let x = act.take(&name)?;
                 let err = |e| kernel_error(rank, &name, e);
-                let (params, buffers) = (&r[0][..numel], &mut *w[0]);
+                let x = activations::read(r[1], &in_shape, in_dtype).map_err(err)?;
+                let (params, [buffers, out]) = (&r[0][..numel], w) else {
+                    unreachable!("two written buffers")
+                };
                 if !checkpoint {
                     let (y, s) =
                         model.forward_call(call, params, buffers, x, &c.ctx(false)).map_err(err)?;
-                    act.put(y);
+                    activations::write(&y, out)?;
                     saved.put(Kept::State(s));
                     return Ok(());
                 }
@@ -535,43 +550,50 @@ impl DeviceEngine {
                     model.forward_call(call, params, buffers, x, &ctx).map_err(err)?.0
                 };
                 let received = recording.map(Recording::into_received).unwrap_or_default();
-                act.put(y);
+                activations::write(&y, out)?;
                 saved.put(Kept::Input(Checkpoint { input, received }));
                 Ok(())
             }),
         )?;
+        self.dev.free(self.streams.compute, input.buf)?;
         self.done_with(i, gathered);
-        Ok(())
+        Ok(Act { buf: out, shape, dtype })
+    }
+
+    /// The call shapes probed for this job's data.
+    fn probed(&self) -> Result<&Shapes> {
+        self.shapes.as_ref().ok_or_else(|| RuntimeError::config("no probed shapes"))
     }
 
     /// The loss kernel: the rank's share of the loss into `self.loss`, and the gradient of
-    /// the output into `act`.
+    /// the output (returned, in device memory; the output is freed once read).
     fn loss_kernel(
         &mut self,
-        act: &Arc<Slot<Tensor>>,
+        out: Act,
         y: Tensor,
         global_batch: usize,
         micro: usize,
-    ) -> Result<()> {
-        let (model, act, rank) = (Arc::clone(&self.model), act.clone(), self.rank);
+    ) -> Result<Act> {
+        let (model, rank) = (Arc::clone(&self.model), self.rank);
+        let grad = self.dev.alloc(out.buf.len(), "loss gradient")?;
+        let (shape, dtype) = (out.shape.clone(), out.dtype);
         self.dev.launch_fallible(
             self.streams.compute,
             "loss",
-            &[],
-            &[&self.loss],
-            Box::new(move |_, w| {
-                let out = act.take("loss")?;
-                let (l, g) = model
-                    .loss()
-                    .forward_backward(&out, &y, global_batch)
-                    .map_err(|e| kernel_error(rank, "loss", e))?;
+            &[&out.buf],
+            &[&self.loss, &grad],
+            Box::new(move |r, w| {
+                let err = |e| kernel_error(rank, "loss", e);
+                let logits = activations::read(r[0], &shape, dtype).map_err(err)?;
+                let (l, g) =
+                    model.loss().forward_backward(&logits, &y, global_batch).map_err(err)?;
                 // ACC-1: the microbatches' shares add up to the rank's.
                 w[0][0] = if micro == 0 { l } else { w[0][0] + l };
-                act.put(g);
-                Ok(())
+                activations::write(&g, w[1])
             }),
         )?;
-        Ok(())
+        self.dev.free(self.streams.compute, out.buf)?;
+        Ok(Act { buf: grad, shape: out.shape, dtype: DType::F32 })
     }
 
     /// Use `i`'s backward kernel (call `2 nc - 1 - i`): the unit's gradients into its
@@ -580,11 +602,11 @@ impl DeviceEngine {
     fn backward(
         &mut self,
         i: usize,
-        (mb, act, c): (Micro, &Arc<Slot<Tensor>>, &CtxOf),
+        (mb, grad_out, c): (Micro, Act, &CtxOf),
         saved: &Arc<Slot<Kept>>,
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
-    ) -> Result<()> {
+    ) -> Result<Option<Act>> {
         let u = self.plan.unit_at(i);
         let nc = self.calls.len();
         let call = 2 * nc - 1 - i % (2 * nc);
@@ -609,9 +631,21 @@ impl DeviceEngine {
             None => (true, None),
         };
         let what = format!("backward {}", self.labels[u]);
-        let (model, act, saved, c) =
-            (Arc::clone(&self.model), act.clone(), saved.clone(), c.clone());
+        let (model, saved, c) = (Arc::clone(&self.model), saved.clone(), c.clone());
         let (rank, name) = (self.rank, what.clone());
+        // The input gradient (none for call 0, whose input is data), in device memory.
+        let input_grad = if call > 0 {
+            let (shape, _) = self.probed()?.input(call, grad_out.shape[0]);
+            let label = format!("{what} (input gradient)");
+            Some(Act {
+                buf: self.dev.alloc(shape.iter().product(), &label)?,
+                shape,
+                dtype: DType::F32,
+            })
+        } else {
+            None
+        };
+        let (gshape, gdtype) = (grad_out.shape.clone(), grad_out.dtype);
         let p = match &gathered {
             Some(g) => g,
             None => self.resident(u)?,
@@ -622,12 +656,13 @@ impl DeviceEngine {
             self.streams.compute,
             &what,
             // The buffers: a checkpointed call's forward runs again on a scratch copy.
-            &[p, &self.buffers[u]],
-            &[g],
+            &[p, &self.buffers[u], &grad_out.buf],
+            &std::iter::once(g).chain(input_grad.as_ref().map(|a| &a.buf)).collect::<Vec<_>>(),
             Box::new(move |r, w| {
                 let params = &r[0][..numel];
-                let grads = &mut *w[0];
                 let err = |e| kernel_error(rank, &name, e);
+                let grad_output = activations::read(r[2], &gshape, gdtype).map_err(err)?;
+                let (grads, rest) = w.split_first_mut().expect("the gradient buffer");
                 let saved = match saved.take(&name)? {
                     Kept::State(s) => s,
                     Kept::Input(cp) => {
@@ -651,22 +686,26 @@ impl DeviceEngine {
                 let b = CallBackward {
                     params,
                     saved,
-                    grad_output: act.take(&name)?,
+                    grad_output,
                     grads_out: &mut grads[..numel],
                     input_grad: call > 0,
                 };
                 let ig = model.backward_call(call, b, &ctx).map_err(err)?;
-                act.put(ig.finish(&*c.backend, params).map_err(err)?.unwrap_or_default());
-                Ok(())
+                match (ig.finish(&*c.backend, params).map_err(err)?, rest.first_mut()) {
+                    (Some(gx), Some(out)) => activations::write(&gx, out),
+                    (None, None) => Ok(()),
+                    _ => Err(kernel_error(rank, &name, "an input gradient where none was due")),
+                }
             }),
         )?;
+        self.dev.free(self.streams.compute, grad_out.buf)?;
         if last_use {
             self.issue_reduction(reds, u, transient, add)?;
         } else {
             partial[u] = Some(transient);
         }
         self.done_with(i, gathered);
-        Ok(())
+        Ok(input_grad)
     }
 
     /// Unit `u`'s reduction on the reduce stream, after its backward (DEV-2), as its stage
