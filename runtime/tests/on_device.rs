@@ -345,3 +345,43 @@ fn device_capacity_is_enforced_and_offload_fits_a_smaller_device() {
     assert!(got.peak_device_bytes <= capacity);
     assert!(same(&got, &run(&cfg, DeviceKind::Cpu)));
 }
+
+/// One stream and one communicator for gathers and reductions (one NCCL process group)
+/// gives the same results bitwise: only when the collectives run changes.
+#[test]
+fn one_communicator_gives_the_same_results_dev_4() {
+    let one = DeviceOptions { one_comm: true, ..DeviceOptions::default() };
+    let accum = TrainConfig { grad_accum: 2, ..mlp_sync(2, 2, 0) };
+    for cfg in [gpt(2, 3, 1), gpt(3, 1, 0), accum] {
+        let want = run(&cfg, DeviceKind::Cpu);
+        for seed in 0..3 {
+            let got = run_on_devices(&cfg, sim(seed), one).expect("one communicator");
+            assert!(same(&got, &want), "{} {:?} seed {seed}", cfg.model, cfg.stage);
+        }
+    }
+}
+
+/// `--trace`: a Chrome trace with every rank's compute, gather and reduce streams and the
+/// host's one wait per step; the overlap line is printed.
+#[test]
+fn the_cli_writes_a_trace_of_the_streams() {
+    let dir = std::env::temp_dir().join(format!("shardline-devtrace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace.json");
+    let p = path.to_str().unwrap();
+    let args = ["train", "--device", "sim", "--world", "2", "--steps", "2", "--trace", p];
+    let out = common::shardline(&args);
+    assert_eq!(out.code, Some(0), "{}{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("while compute ran (simulated timing)"), "{}", out.stdout);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    for rank in 0..2 {
+        for tid in ["compute", "gather", "reduce", "host"] {
+            let n = events.iter().filter(|e| e["pid"] == rank && e["tid"] == tid).count();
+            assert!(n > 0, "rank {rank} has no {tid} row");
+        }
+        let waits = events.iter().filter(|e| e["pid"] == rank && e["tid"] == "host").count();
+        assert_eq!(waits, 2, "one host wait per step (DEV-1)");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -171,4 +171,22 @@ pub trait Device: Send + Sync {
     /// Most bytes allocated at once so far (freed bytes count as free when the free is
     /// enqueued, as a caching allocator reuses them for work ordered after it).
     fn peak(&self) -> u64;
+    /// The operations run since the last call, when the device records them
+    /// ([`SimOptions::timeline`]); none otherwise.
+    fn take_timeline(&self) -> Vec<OpSpan> {
+        Vec::new()
+    }
+}
+
+/// One operation as a stream ran it: for traces and overlap figures.
+#[derive(Clone, Debug)]
+pub struct OpSpan {
+    /// The stream's name.
+    pub stream: String,
+    /// The operation's name.
+    pub op: String,
+    /// When it started running (after its delay and its waits).
+    pub start: std::time::Instant,
+    /// When it ended.
+    pub end: std::time::Instant,
 }

@@ -16,7 +16,7 @@
 //!   is refused and changes nothing.
 
 use super::hazard::{Ordering, StreamId, Use, VectorClock};
-use super::{Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, Result};
+use super::{Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, OpSpan, Result};
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -37,11 +37,19 @@ pub struct SimOptions {
     pub capacity: Option<u64>,
     /// How long a host wait may take before the device is failed as hung.
     pub timeout: Duration,
+    /// Record every operation's span ([`Device::take_timeline`]).
+    pub timeline: bool,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { seed: 0, max_delay_us: 200, capacity: None, timeout: Duration::from_secs(60) }
+        SimOptions {
+            seed: 0,
+            max_delay_us: 200,
+            capacity: None,
+            timeout: Duration::from_secs(60),
+            timeline: false,
+        }
     }
 }
 
@@ -49,6 +57,8 @@ type Values = Arc<Mutex<Vec<f32>>>;
 type Work = Box<dyn FnOnce() -> Result<()> + Send>;
 
 struct Job {
+    /// The operation's name, when the timeline is recorded.
+    name: Option<Arc<str>>,
     seq: u64,
     clock: VectorClock,
     work: Work,
@@ -60,6 +70,8 @@ struct Shared {
     done: Mutex<Vec<u64>>,
     cv: Condvar,
     failed: Mutex<Option<String>>,
+    /// The operations run, when recorded.
+    timeline: Mutex<Vec<OpSpan>>,
 }
 
 impl Shared {
@@ -127,6 +139,7 @@ impl SimDevice {
                 done: Mutex::new(Vec::new()),
                 cv: Condvar::new(),
                 failed: Mutex::new(None),
+                timeline: Mutex::new(Vec::new()),
             }),
             state: Mutex::new(State {
                 ordering: Ordering::new(),
@@ -192,7 +205,8 @@ impl SimDevice {
         let values: Vec<Values> =
             uses.iter().map(|(b, _)| st.values.get(&b.id).cloned().unwrap_or_default()).collect();
         let seq = clock.get(stream);
-        let job = Job { seq, clock, work: Box::new(move || work(&values)) };
+        let name = self.opts.timeline.then(|| Arc::from(op));
+        let job = Job { name, seq, clock, work: Box::new(move || work(&values)) };
         st.senders[stream]
             .send(job)
             .map_err(|_| DeviceError::Failed("a stream worker is gone".into()))
@@ -204,6 +218,7 @@ impl SimDevice {
         let mut delays = Delays(self.opts.seed ^ (stream as u64).wrapping_mul(0x5851_F42D));
         let max = self.opts.max_delay_us;
         let timeout = self.opts.timeout;
+        let stream_name = name.to_string();
         let h = std::thread::Builder::new()
             .name(format!("sim-{name}"))
             .spawn(move || {
@@ -237,8 +252,17 @@ impl SimDevice {
                     drop(done);
                     // SIM-2: after a failure, work is skipped but still counted as done.
                     if shared.failure().is_none() {
+                        let start = Instant::now();
                         if let Err(e) = (job.work)() {
                             shared.fail(e.to_string());
+                        }
+                        if let Some(op) = job.name {
+                            lock(&shared.timeline).push(OpSpan {
+                                stream: stream_name.clone(),
+                                op: op.to_string(),
+                                start,
+                                end: Instant::now(),
+                            });
                         }
                     }
                     let mut done = lock(&shared.done);
@@ -446,6 +470,10 @@ impl Device for SimDevice {
     fn peak(&self) -> u64 {
         lock(&self.state).peak
     }
+
+    fn take_timeline(&self) -> Vec<OpSpan> {
+        std::mem::take(&mut *lock(&self.shared.timeline))
+    }
 }
 
 #[cfg(test)]
@@ -520,6 +548,29 @@ mod tests {
         d.copy(r, &g, &out).unwrap();
         let e = d.upload(c, &[2.0; 16], &g).expect_err("write before the read is done");
         assert!(e.to_string().contains("grad buffer") && e.to_string().contains("reduce"), "{e}");
+    }
+
+    /// SIM-1 on the timeline: every operation is recorded once, named, on its stream, and
+    /// one that waited for an event started after the operation before the event ended.
+    #[test]
+    fn the_timeline_shows_event_order_sim_1() {
+        let d = SimDevice::new(SimOptions {
+            timeline: true,
+            max_delay_us: 300,
+            ..SimOptions::default()
+        });
+        let (a, b) = (d.stream("a"), d.stream("b"));
+        let buf = d.alloc(4, "x").unwrap();
+        d.launch(a, "first", &[], &[&buf], Box::new(|_, w| w[0][0] = 1.0)).unwrap();
+        let e = d.record(a);
+        d.wait(b, &e);
+        d.launch(b, "second", &[&buf], &[], Box::new(|_, _| {})).unwrap();
+        d.synchronize(&d.record(b)).unwrap();
+        let t = d.take_timeline();
+        let names: Vec<_> = t.iter().map(|s| (s.stream.as_str(), s.op.as_str())).collect();
+        assert_eq!(names, [("a", "first"), ("b", "second")]);
+        assert!(t[1].start >= t[0].end);
+        assert!(d.take_timeline().is_empty(), "taken once");
     }
 
     #[test]

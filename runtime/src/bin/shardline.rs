@@ -299,6 +299,10 @@ struct TrainArgs {
     /// --device sim: longest delay before each device operation, in microseconds.
     #[arg(long, default_value_t = 50)]
     sim_delay_us: u64,
+    /// --device sim: gathers and reductions share one stream and one communicator (as one
+    /// NCCL process group would), instead of one each.
+    #[arg(long)]
+    sim_one_comm: bool,
     /// Number of ranks (threads, one actor each).
     #[arg(long, default_value_t = 4)]
     world: usize,
@@ -655,7 +659,6 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
     let refused = [
         (a.checkpoint_dir.is_some(), "--checkpoint-dir"),
         (a.resume, "--resume"),
-        (a.trace.is_some(), "--trace"),
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.stop_after.is_some(), "--stop-after"),
@@ -680,6 +683,8 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
             OffloadArg::Params => Offload::Params,
         },
         log_json: a.log_json.clone(),
+        trace: a.trace.clone(),
+        one_comm: a.sim_one_comm,
         progress: !a.no_progress,
     };
     match shardline_runtime::engine::on_device::train_on_sim(cfg, &o) {

@@ -27,6 +27,10 @@ pub struct SimTrainOptions {
     pub offload: Offload,
     /// One JSON object per step.
     pub log_json: Option<PathBuf>,
+    /// A Chrome trace of every rank's streams and host waits.
+    pub trace: Option<PathBuf>,
+    /// Gathers and reductions on one stream and communicator.
+    pub one_comm: bool,
     /// Print a line per step.
     pub progress: bool,
 }
@@ -59,14 +63,20 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
         o.offload.name()
     );
     println!(
-        "streams per rank: compute, gather, reduce, offload; the gather and reduce streams \
-         each have their own communicator; the host waits once per step (the loss)"
+        "streams per rank: {}; the host waits once per step (the loss)",
+        if o.one_comm {
+            "compute, gather (gathers and reductions, one communicator), offload"
+        } else {
+            "compute, gather, reduce (each with its own communicator), offload"
+        }
     );
     let kind = DeviceKind::Sim(SimOptions {
         seed: o.seed,
         max_delay_us: o.max_delay_us,
         capacity: o.capacity,
         timeout: Duration::from_secs(cfg.timeout_s.max(1) * 2),
+        // Every operation's span, for the overlap figure (and --trace).
+        timeline: true,
     });
     let log = Mutex::new(log);
     let progress = o.progress;
@@ -90,8 +100,24 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
             let _ = writeln!(f, "{v}");
         }
     };
-    let opts = DeviceOptions { offload: o.offload, ..DeviceOptions::default() };
+    let opts =
+        DeviceOptions { offload: o.offload, one_comm: o.one_comm, ..DeviceOptions::default() };
     let run = run_on_devices_with(cfg, kind, opts, on_step)?;
+    if let Some(p) = &o.trace {
+        let text = serde_json::to_string(&super::chrome_trace(&run.timelines)).unwrap_or_default();
+        std::fs::write(p, text)
+            .map_err(|e| RuntimeError::Failed(format!("writing --trace {}: {e}", p.display())))?;
+    }
+    if let Some(t) = run.timelines.first() {
+        let o = super::overlap(t);
+        println!(
+            "rank 0 streams: compute busy {:.1} ms, gather+reduce busy {:.1} ms, {:.0}% of it \
+             while compute ran (simulated timing)",
+            o.compute_s * 1e3,
+            o.comm_s * 1e3,
+            o.hidden_fraction() * 100.0
+        );
+    }
     let last = run.steps.last().map_or(f32::NAN, |s| s.loss);
     println!(
         "done: {} steps, final loss {last:.4}, device peak {} (largest rank)",

@@ -40,16 +40,20 @@ mod io;
 mod offload;
 mod run;
 mod stats;
+mod timeline;
 
 pub use cli::{train_on_sim, SimTrainOptions};
 pub use offload::Offload;
 pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun};
+pub use timeline::{chrome_trace, overlap, Overlap};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Event, SimComm, SimWorld};
+use shardline_collectives::device::{
+    Device, DeviceBuffer, DeviceError, Event, OpSpan, SimComm, SimWorld,
+};
 use shardline_models::{Backend, CallBackward, Ctx, DType, DistributedSampler, Network, Tensor};
 
 use super::accum;
@@ -89,6 +93,9 @@ pub struct DeviceOptions {
     pub offload: Offload,
     /// Test-only negative controls (DEV-3).
     pub bug: InjectedBug,
+    /// Gathers and reductions share one stream and one communicator, as a single NCCL
+    /// process group does (the default gives each its own).
+    pub one_comm: bool,
 }
 
 /// The streams of a rank's device.
@@ -193,6 +200,8 @@ pub struct DeviceEngine {
     stats: Option<Arc<DeviceStats>>,
     /// The calls' output shapes, probed for the data (DACT-1).
     shapes: Option<Shapes>,
+    /// The host's waits since the timeline was last taken (DEV-1).
+    host_waits: Vec<OpSpan>,
     /// Per unit, what the rank keeps (as the stage's rules say), on the device or offloaded.
     params: Vec<Held>,
     grads: Vec<DeviceBuffer>,
@@ -246,10 +255,11 @@ impl DeviceEngine {
         let labels: Vec<String> = spec.units.iter().map(|u| u.name.clone()).collect();
         let no_decay = spec.units.iter().map(|u| cfg.weight_decay_on.no_decay_ranges(u)).collect();
         let rules = StageRules::of(cfg.stage);
+        let (compute, gather) = (dev.stream("compute"), dev.stream("gather"));
         let streams = Streams {
-            compute: dev.stream("compute"),
-            gather: dev.stream("gather"),
-            reduce: dev.stream("reduce"),
+            compute,
+            gather,
+            reduce: if opts.one_comm { gather } else { dev.stream("reduce") },
             offload: dev.stream("offload"),
         };
         let n = layout.units().len();
@@ -293,8 +303,14 @@ impl DeviceEngine {
             calls: model.calls(),
             model,
             gather_comm: SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev)),
-            reduce_comm: SimComm::new(rank, Arc::clone(&worlds.reduce), Arc::clone(&dev)),
+            // One communicator: both sides number their calls in one sequence.
+            reduce_comm: SimComm::new(
+                rank,
+                Arc::clone(if opts.one_comm { &worlds.gather } else { &worlds.reduce }),
+                Arc::clone(&dev),
+            ),
             shapes: None,
+            host_waits: Vec::new(),
             stats: (cfg.sync_bn && world > 1).then(|| {
                 Arc::new(DeviceStats {
                     rank,
@@ -329,6 +345,14 @@ impl DeviceEngine {
     /// The device.
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
+    }
+
+    /// What ran since the last call: the device's operations (when it records them) and
+    /// the host's waits.
+    pub fn take_timeline(&mut self) -> Vec<OpSpan> {
+        let mut t = self.dev.take_timeline();
+        t.append(&mut self.host_waits);
+        t
     }
 
     /// SyncBatchNorm messages so far.
@@ -486,7 +510,15 @@ impl DeviceEngine {
             }
         }
         // DEV-1: the step's one host wait.
-        let sums = self.dev.download(self.streams.reduce, &self.sums)?.wait(&*self.dev)?;
+        let download = self.dev.download(self.streams.reduce, &self.sums)?;
+        let waited = Instant::now();
+        let sums = download.wait(&*self.dev)?;
+        self.host_waits.push(OpSpan {
+            stream: "host".into(),
+            op: "host wait (loss and norm)".into(),
+            start: waited,
+            end: Instant::now(),
+        });
         let (loss, sq) = (sums[0], f64::from(sums[1]));
         Ok(DeviceStepStats {
             loss,

@@ -6,7 +6,7 @@
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use shardline_collectives::device::{CpuDevice, Device, SimDevice, SimOptions};
+use shardline_collectives::device::{CpuDevice, Device, OpSpan, SimDevice, SimOptions};
 use shardline_models::{DistributedSampler, RankBatches};
 
 use super::{DeviceEngine, DeviceOptions, DeviceStepStats, DeviceWorlds};
@@ -35,6 +35,9 @@ pub struct DeviceRun {
     pub max_device_bytes: u64,
     /// Most device bytes any rank held at once.
     pub peak_device_bytes: u64,
+    /// Per rank, what its streams and its host did (empty unless the device records its
+    /// timeline, [`SimOptions::timeline`]).
+    pub timelines: Vec<Vec<OpSpan>>,
 }
 
 /// Trains `cfg` on devices of `kind` with `cfg.world` rank threads; the first rank error is
@@ -82,7 +85,7 @@ pub fn run_on_devices_with(
                 let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, opts)?;
                 let mut batches = RankBatches::default();
                 let mut steps = Vec::new();
-                let mut most = 0;
+                let (mut most, mut timeline) = (0, Vec::new());
                 for done in 0..total {
                     let (epoch, index) = (done / per_epoch, (done % per_epoch) as usize);
                     let (global, idx) =
@@ -91,6 +94,7 @@ pub fn run_on_devices_with(
                         })?;
                     let (x, y) = data.batch_tensors(idx);
                     let s = eng.train_step(x, &y, *global)?;
+                    timeline.append(&mut eng.take_timeline());
                     most = most.max(s.device_bytes);
                     if rank == 0 {
                         on_step(done + 1, &s);
@@ -106,6 +110,11 @@ pub fn run_on_devices_with(
                     final_buffers,
                     max_device_bytes: most,
                     peak_device_bytes: peak,
+                    timelines: if timeline.iter().any(|s| s.stream != "host") {
+                        vec![timeline]
+                    } else {
+                        Vec::new()
+                    },
                 })
             })();
             if let Err(e) = &r {
@@ -138,8 +147,11 @@ pub fn run_on_devices_with(
     }
     let most = runs.iter().flatten().map(|r| r.max_device_bytes).max().unwrap_or(0);
     let peak = runs.iter().flatten().map(|r| r.peak_device_bytes).max().unwrap_or(0);
+    let timelines: Vec<Vec<OpSpan>> =
+        runs.iter_mut().flatten().flat_map(|r| std::mem::take(&mut r.timelines)).collect();
     let mut run = runs[0].take().unwrap_or_default();
     run.max_device_bytes = most;
     run.peak_device_bytes = peak;
+    run.timelines = timelines;
     Ok(run)
 }
