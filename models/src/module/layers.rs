@@ -109,7 +109,7 @@ impl Module for Linear {
         let (s, shape): (LinearSaved, Vec<usize>) = unsave(saved, "Linear")?;
         let n = rows_of(dy.shape(), l.out_features, "linear grad_output")?;
         let dy = dy.reshape(vec![n, l.out_features])?;
-        let dx = l.backward(ctx.backend, p.f32()?, &s, &dy, g.f32_mut()?)?;
+        let dx = l.backward_taking(ctx.backend, p.f32()?, s, &dy, g.f32_mut()?)?;
         dx.reshape(shape)
     }
 }
