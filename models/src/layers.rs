@@ -175,8 +175,37 @@ impl Linear {
         params: &[f32],
         grad_output: &Tensor,
     ) -> Result<Tensor, ModelError> {
+        let n = self.check_input_grad(params, grad_output)?;
+        let mut gx = vec![0.0f32; n * self.in_features];
+        self.input_grad_into(be, params, grad_output, &mut gx)?;
+        Tensor::new(vec![n, self.in_features], gx)
+    }
+
+    /// [`Linear::backward`] taking what forward saved: the same gradients, with the input
+    /// gradient written over the saved input's values (its shape) unless a clone shares
+    /// them, so that no buffer is made and zero-filled for it.
+    pub fn backward_taking(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        saved: LinearSaved,
+        grad_output: &Tensor,
+        grads_out: &mut [f32],
+    ) -> Result<Tensor, ModelError> {
+        let n = self.check_input_grad(params, grad_output)?;
+        self.backward_params(be, &saved, grad_output, grads_out, true)?;
+        let mut x = saved.input;
+        if x.is_shared() || x.numel() != n * self.in_features {
+            return self.input_grad(be, params, grad_output);
+        }
+        self.input_grad_into(be, params, grad_output, x.as_f32_mut()?)?;
+        x.reshape(vec![n, self.in_features])
+    }
+
+    /// Rows of `grad_output`, once it and `params` fit the layer.
+    fn check_input_grad(&self, params: &[f32], grad_output: &Tensor) -> Result<usize, ModelError> {
         check_len("linear params", params.len(), self.num_params())?;
-        let (o, i) = (self.out_features, self.in_features);
+        let o = self.out_features;
         if grad_output.shape().len() != 2 || grad_output.shape()[1] != o {
             return Err(ModelError::shape(
                 "linear grad_output",
@@ -184,16 +213,26 @@ impl Linear {
                 format!("{:?}", grad_output.shape()),
             ));
         }
-        let n = grad_output.shape()[0];
-        let mut gx = vec![0.0f32; n * i];
+        Ok(grad_output.shape()[0])
+    }
+
+    /// `dX = dY W` written over `gx` (`[N, in]`, checked by the caller).
+    fn input_grad_into(
+        &self,
+        be: &dyn Backend,
+        params: &[f32],
+        grad_output: &Tensor,
+        gx: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let (o, i) = (self.out_features, self.in_features);
         be.gemm(
-            GemmShape { m: n, n: i, k: o, trans_a: false, trans_b: false },
+            GemmShape { m: grad_output.shape()[0], n: i, k: o, trans_a: false, trans_b: false },
             grad_output.as_f32()?,
             &params[..o * i],
-            &mut gx,
+            gx,
             false,
         );
-        Tensor::new(vec![n, i], gx)
+        Ok(())
     }
 }
 
@@ -398,6 +437,42 @@ mod tests {
             ptr,
             "the saved input is the caller's buffer"
         );
+    }
+
+    /// LAYER-3: `backward_taking` gives `backward`'s gradients, the input gradient over the
+    /// saved input's buffer when nothing else holds it, in a new buffer when a clone does.
+    #[test]
+    fn linear_backward_taking_matches_backward_and_reuses_the_input_layer_3() {
+        let be = Cpu::new();
+        let l = Linear::new(5, 3);
+        let params: Vec<f32> = (0..l.num_params()).map(|i| 0.1 * i as f32 - 0.7).collect();
+        let x = Tensor::new(vec![4, 5], (0..20).map(|i| 0.3 * i as f32 - 2.0).collect()).unwrap();
+        let dy = Tensor::new(vec![4, 3], (0..12).map(|i| 0.2 * i as f32 - 1.0).collect()).unwrap();
+        for shared in [false, true] {
+            let (_, saved) = l.forward(&be, &params, x.clone()).unwrap();
+            let mut want_grads = vec![0.5f32; l.num_params()];
+            let want = l.backward(&be, &params, &saved, &dy, &mut want_grads).unwrap();
+            let (_, saved) = l
+                .forward(
+                    &be,
+                    &params,
+                    Tensor::new(vec![4, 5], x.as_f32().unwrap().to_vec()).unwrap(),
+                )
+                .unwrap();
+            let held = shared.then(|| saved.input.clone());
+            let ptr = saved.input.as_f32().unwrap().as_ptr();
+            let mut grads = vec![0.5f32; l.num_params()];
+            let got = l.backward_taking(&be, &params, saved, &dy, &mut grads).unwrap();
+            assert_eq!(
+                (got.shape(), got.as_f32().unwrap()),
+                (want.shape(), want.as_f32().unwrap())
+            );
+            assert_eq!(grads, want_grads, "parameter gradients added");
+            assert_eq!(got.as_f32().unwrap().as_ptr() == ptr, !shared, "shared {shared}");
+            if let Some(h) = held {
+                assert_eq!(h.as_f32().unwrap(), x.as_f32().unwrap(), "the clone is unchanged");
+            }
+        }
     }
 
     #[test]

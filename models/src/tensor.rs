@@ -177,6 +177,15 @@ impl Tensor {
         }
     }
 
+    /// Whether a clone shares the values, so that a write through [`Tensor::as_f32_mut`]
+    /// would copy them first (TENSOR-3).
+    pub fn is_shared(&self) -> bool {
+        match &self.storage {
+            Storage::F32(v) => Arc::strong_count(v) > 1,
+            Storage::U32(v) => Arc::strong_count(v) > 1,
+        }
+    }
+
     /// The values as mutable `f32` (TENSOR-2); values shared with a clone are copied first
     /// (TENSOR-3).
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32], ModelError> {
@@ -281,9 +290,12 @@ mod tests {
     fn tensor_3_clones_share_until_written() {
         // TENSOR-3: a clone shares the values; a write copies them first.
         let a = Tensor::new(vec![3], vec![1.0, 2.0, 3.0]).unwrap();
+        assert!(!a.is_shared());
         let mut b = a.clone();
         assert_eq!(a.as_f32().unwrap().as_ptr(), b.as_f32().unwrap().as_ptr(), "shared");
+        assert!(a.is_shared() && b.is_shared());
         b.as_f32_mut().unwrap()[0] = 9.0;
+        assert!(!a.is_shared() && !b.is_shared(), "the write copied");
         assert_eq!(a.as_f32().unwrap(), &[1.0, 2.0, 3.0], "the other clone is unchanged");
         assert_eq!(b.as_f32().unwrap(), &[9.0, 2.0, 3.0]);
         // Unshared values are written in place, and taken without a copy.

@@ -109,7 +109,7 @@ impl Module for Linear {
         let (s, shape): (LinearSaved, Vec<usize>) = unsave(saved, "Linear")?;
         let n = rows_of(dy.shape(), l.out_features, "linear grad_output")?;
         let dy = dy.reshape(vec![n, l.out_features])?;
-        let dx = l.backward(ctx.backend, p.f32()?, &s, &dy, g.f32_mut()?)?;
+        let dx = l.backward_taking(ctx.backend, p.f32()?, s, &dy, g.f32_mut()?)?;
         dx.reshape(shape)
     }
 }
@@ -323,8 +323,7 @@ impl Module for Activation {
         mut x: Tensor,
         _: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
-        let mut y = vec![0.0f32; x.numel()];
-        self.forward_saving_derivative(x.as_f32_mut()?, &mut y)?;
+        let y = self.forward_saving_derivative_new(x.as_f32_mut()?)?;
         Ok((Tensor::new(x.shape().to_vec(), y)?, Box::new(x)))
     }
     fn backward(
@@ -427,8 +426,7 @@ impl Module for LayerNorm {
         x: Tensor,
         _: &Ctx,
     ) -> Result<(Tensor, Saved), ModelError> {
-        let mut y = vec![0.0f32; x.numel()];
-        let s = self.0.forward(p.f32()?, x.as_f32()?, &mut y)?;
+        let (y, s) = self.0.forward_new(p.f32()?, x.as_f32()?)?;
         Ok((Tensor::new(x.shape().to_vec(), y)?, Box::new((x, s))))
     }
     fn backward(
@@ -440,9 +438,10 @@ impl Module for LayerNorm {
         _: &Ctx,
     ) -> Result<Tensor, ModelError> {
         let (x, s): (Tensor, LayerNormSaved<f32>) = unsave(saved, "LayerNorm")?;
-        let mut dx = vec![0.0f32; x.numel()];
-        self.0.backward(p.f32()?, x.as_f32()?, &s, dy.as_f32()?, &mut dx, g.f32_mut()?)?;
-        Tensor::new(x.shape().to_vec(), dx)
+        // The input gradient over `dy`'s values (copied first only if a clone shares them).
+        let mut dx = dy;
+        self.0.backward_in_place(p.f32()?, x.as_f32()?, &s, dx.as_f32_mut()?, g.f32_mut()?)?;
+        dx.reshape(x.shape().to_vec())
     }
 }
 

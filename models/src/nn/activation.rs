@@ -9,6 +9,9 @@
 //! `libm` is not generic, so [`Erf`] maps each float type to its function. A hand-written
 //! approximation (Abramowitz-Stegun 7.1.26, about `1e-7` absolute) would not do: its error
 //! would exceed the `f64` gradient check's tolerance and the agreement with torch in `f64`.
+//! The `f32` slice route that training takes ([`Activation::forward_saving_derivative`]) has
+//! its own `erfc` in `f32` arithmetic instead, with the tail's relative accuracy (ACTIV-5),
+//! since a scalar `erff` and `expf` per element made the GELU a tenth of a GPT step.
 //!
 //! Invariants:
 //! - `ACTIV-1`: [`Activation::Gelu`] is `torch.nn.functional.gelu(x)`:
@@ -20,15 +23,14 @@
 //!   [`Activation::value`] and [`Activation::derivative`]: the same values in `f64` (and for
 //!   the tanh form and SiLU); for the exact GELU in `f32`, within 4 ulp of the exact values
 //!   (of the derivative's terms `Phi(x) + |x| phi(x)`, which cancel near GELU's minimum;
-//!   plus `1e-37` absolute), through [`Erf::gelu_saving_derivative`]'s vectorised path.
+//!   plus `1e-37` absolute), through [`Erf::gelu_saving_derivative`]'s vectorised `f32`
+//!   path, the same bits on every route (AVX-512, AVX2, none).
 //! - `ACTIV-4`: every forward and derivative is finite for every finite input, `f32` and
 //!   `f64`, up to `+-MAX` (the tanh form's derivative would give `0 * inf` there: it is
 //!   taken as 0, its limit).
 
 use num_traits::Float;
 
-#[cfg(target_arch = "x86_64")]
-use super::exp::{exp_f64, horner};
 use super::{lit, same_len};
 use crate::error::ModelError;
 
@@ -52,8 +54,9 @@ impl Erf for f32 {
     }
 
     /// `libm`'s `erff` and `expf` are scalar calls, which made the exact GELU the largest
-    /// elementwise cost of a training step; on x86-64 with FMA this path is branch-free `f64`
-    /// arithmetic that the compiler vectorises (AVX-512 or AVX2, chosen at run time).
+    /// elementwise cost of a training step; this path is branch-free `f32` arithmetic
+    /// ([`gelu_f32_one`]) that the compiler vectorises, on x86-64 for AVX-512 or AVX2 with
+    /// FMA, chosen at run time.
     fn gelu_saving_derivative(x_then_d: &mut [f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         {
@@ -69,16 +72,23 @@ impl Erf for f32 {
                 return;
             }
         }
-        // Without FMA, `mul_add` would be a library call: the scalar route.
-        for (v, o) in x_then_d.iter_mut().zip(y) {
-            (*o, *v) = Activation::Gelu.value_and_derivative(*v);
-        }
+        // Elsewhere the same arithmetic (`mul_add` is a fused multiply-add on every target,
+        // a library call where the CPU lacks one), so every route gives the same bits.
+        gelu_f32(x_then_d, y);
     }
 }
 
 impl Erf for f64 {
     fn erf(self) -> f64 {
         libm::erf(self)
+    }
+}
+
+/// Every element through [`gelu_f32_one`]; inlined into each of the routes below.
+#[inline(always)]
+fn gelu_f32(x_then_d: &mut [f32], y: &mut [f32]) {
+    for (v, o) in x_then_d.iter_mut().zip(y) {
+        (*o, *v) = gelu_f32_one(*v);
     }
 }
 
@@ -94,35 +104,80 @@ unsafe fn gelu_f32_avx2(x_then_d: &mut [f32], y: &mut [f32]) {
     gelu_f32(x_then_d, y);
 }
 
-#[cfg(target_arch = "x86_64")]
+/// The exact GELU and its derivative at one `f32` (ACTIV-5), branch-free `f32` arithmetic
+/// that the loops above vectorise (16 lanes with AVX-512), with one `exp` and one division.
+///
+/// `Phi(x)` goes through `erfc(|x| / sqrt(2)) = exp(-x^2 / 2) * erfcx(|x| / sqrt(2))` so that
+/// the negative tail keeps its relative accuracy (`1 + erf` cancels there), and the same
+/// `exp(-x^2 / 2)` is the derivative's `phi`. `erfcx(a) = P(q) / (a + 2)` with
+/// `q = (a - 2) / (a + 2)` (the form of N. Juffa's `erfcf`), `P` a degree-10 polynomial.
 #[inline(always)]
-fn gelu_f32(x_then_d: &mut [f32], y: &mut [f32]) {
-    // Numerical Recipes' `erfcc`: erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), for z >= 0,
-    // fractional error below 1.2e-7 for every z.
-    const ERFC: [f64; 10] = [
-        0.170_872_77,
-        -0.822_152_23,
-        1.488_515_87,
-        -1.135_203_98,
-        0.278_868_07,
-        -0.186_288_06,
-        0.096_784_18,
-        0.374_091_96,
-        1.000_023_68,
-        -1.265_512_23,
+fn gelu_f32_one(x: f32) -> (f32, f32) {
+    // `P`, highest coefficient first: a weighted least-squares fit (iterated towards minimax)
+    // of `(a + 2) * erfcx(a)` over `a` in `[0, A_MAX]` (`q` in `[-1, 0.652]`), in `f64`
+    // against `torch.special.erfcx`, rounded to `f32`: relative error below `3e-8`.
+    const ERFCX: [f32; 11] = [
+        6.700123e-05,
+        4.217123e-05,
+        -5.9266103e-04,
+        -8.2795887e-04,
+        3.0638243e-03,
+        6.4746956e-03,
+        -2.150612e-02,
+        -3.6441654e-02,
+        2.794718e-01,
+        -6.8716073e-01,
+        1.0215827e+00,
     ];
-    for (v, o) in x_then_d.iter_mut().zip(y) {
-        let x = f64::from(*v);
-        // Phi(x) = erfc(-x / sqrt(2)) / 2: relative accuracy kept in the negative tail,
-        // where 1 + erf would cancel.
-        let z = x.abs() * std::f64::consts::FRAC_1_SQRT_2;
-        let t = 1.0 / z.mul_add(0.5, 1.0);
-        let gauss = exp_f64(-z * z);
-        let half_erfc = 0.5 * t * gauss * exp_f64(horner(t, &ERFC));
-        let cdf = if x >= 0.0 { 1.0 - half_erfc } else { half_erfc };
-        *o = (x * cdf) as f32;
-        *v = (x * gauss).mul_add(INV_SQRT_2PI, cdf) as f32;
-    }
+    // Past `x^2 / 2 = H_MAX` (`|x| > 13.2`) `exp` would leave `f32`'s normal range: `phi` is
+    // taken as 0 there (what it rounds to is below `1e-37` in every result).
+    const H_MAX: f32 = 87.3;
+    // The fit's upper end, above `sqrt(H_MAX)`.
+    const A_MAX: f32 = 9.5;
+    // `x^2 / 2 = h + l` exactly (the FMA gives the product's rounding error): an `h` off by
+    // its rounding would put `h * 2^-24` of relative error into `exp(-h)`, 87 ulp at `h = 87`.
+    let sq = x * x;
+    let h = 0.5 * sq;
+    let l = 0.5 * x.mul_add(x, -sq);
+    let gauss = exp_neg_f32(h.min(H_MAX), l);
+    let gauss = if h <= H_MAX { gauss } else { 0.0 };
+    let a = (x.abs() * std::f32::consts::FRAC_1_SQRT_2).min(A_MAX);
+    // q = (a - 2) / (a + 2), its rounding corrected by the residual (a - 2) - q (a + 2).
+    let r = 1.0 / (a + 2.0);
+    let q = (a - 2.0) * r;
+    let t = (q + 1.0).mul_add(-2.0, a);
+    let q = r.mul_add(q.mul_add(-a, t), q);
+    // P(q) = c0 + q P1(q), its last step kept unrounded in the quotient's residual, which
+    // corrects both roundings of `P(q) / (a + 2)` (the sum's and the quotient's).
+    let p1 = ERFCX[1..10].iter().fold(ERFCX[0], |p, &c| p.mul_add(q, c));
+    let c0 = ERFCX[10];
+    let erfcx = p1.mul_add(q, c0) * r;
+    let res = q.mul_add(p1, (-erfcx).mul_add(a, (-erfcx).mul_add(2.0, c0)));
+    let erfcx = res.mul_add(r, erfcx);
+    let half_erfc = 0.5 * gauss * erfcx;
+    let cdf = if x < 0.0 { half_erfc } else { 1.0 - half_erfc };
+    (x * cdf, (x * gauss).mul_add(INV_SQRT_2PI as f32, cdf))
+}
+
+/// `exp(-h - l)` for `h` in `[0, 87.3]` and `|l|` below `h`'s half ulp (a normal `f32`),
+/// within about an ulp: `2^n exp(r)`, `|r| <= ln 2 / 2`, `exp(r)` by Taylor to `r^7` (the
+/// next term is below `5.4e-9`).
+#[inline(always)]
+fn exp_neg_f32(h: f32, l: f32) -> f32 {
+    // 1.5 * 2^23: adding it rounds to an integer, which lands in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    // ln 2 in two parts, the first with 9 significant bits so that `n * LN2_HI` is exact.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const TAYLOR: [f32; 8] =
+        [1.0 / 5_040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
+    let k = (-h).mul_add(std::f32::consts::LOG2_E, ROUND);
+    let n = k - ROUND;
+    // `n * LN2_HI - h` is exact; `l` and `n * LN2_LO` land below its ulp.
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, -h)) - l;
+    let e = TAYLOR[1..].iter().fold(TAYLOR[0], |p, &c| p.mul_add(r, c));
+    // 2^n from n's low bits (n + 127 lies in [1, 127]).
+    e * f32::from_bits(k.to_bits().wrapping_add(127) << 23)
 }
 
 /// An elementwise activation.
@@ -186,6 +241,23 @@ impl Activation {
             }
         }
         Ok(())
+    }
+
+    /// [`Self::forward_saving_derivative`] into a new output buffer, the same values. The
+    /// buffer grows a block at a time, each block first a copy of its inputs (in cache),
+    /// so that it is written once, with no zero fill first.
+    pub fn forward_saving_derivative_new<T: Erf>(
+        self,
+        x_then_d: &mut [T],
+    ) -> Result<Vec<T>, ModelError> {
+        const BLOCK: usize = 1024;
+        let mut y = Vec::with_capacity(x_then_d.len());
+        for block in x_then_d.chunks_mut(BLOCK) {
+            let at = y.len();
+            y.extend_from_slice(block);
+            self.forward_saving_derivative(block, &mut y[at..])?;
+        }
+        Ok(y)
     }
 
     /// Writes the activation of every element of `x` into `y` (same length).
@@ -448,6 +520,36 @@ mod tests {
                     let err = (f64::from(got) - want).abs();
                     assert!(err <= 4.0 * eps * scale + 1e-37, "{what} at {v}: {got} vs {want}");
                 }
+            }
+        }
+    }
+
+    /// ACTIV-5: the vectorised routes and the plain loop give the same bits (every
+    /// `mul_add` is one rounding), on normal draws, the tails and the extremes.
+    #[test]
+    fn gelu_f32_routes_agree_bitwise_activ_5() {
+        let mut x: Vec<f32> = to_f32(&randn(1000, 60)).iter().map(|v| 4.0 * v).collect();
+        x.extend([0.0, -0.0, 1e-30, -13.0, -13.3, 13.3, 40.0, -40.0, 1e30, f32::MAX, f32::MIN]);
+        let (mut d, mut y) = (x.clone(), vec![0.0f32; x.len()]);
+        f32::gelu_saving_derivative(&mut d, &mut y);
+        for (i, &v) in x.iter().enumerate() {
+            let (want_y, want_d) = gelu_f32_one(v);
+            assert_eq!((y[i].to_bits(), d[i].to_bits()), (want_y.to_bits(), want_d.to_bits()));
+        }
+    }
+
+    /// ACTIV-5: the new-buffer form writes what the slice form writes, over lengths off the
+    /// blocks too.
+    #[test]
+    fn forward_saving_derivative_new_matches_the_slice_form_activ_5() {
+        for act in ALL {
+            for len in [0, 1, 1023, 1024, 2500] {
+                let x = to_f32(&randn(len, 70 + len as u64));
+                let (mut d, mut y) = (x.clone(), vec![0.0f32; len]);
+                act.forward_saving_derivative(&mut d, &mut y).unwrap();
+                let mut d_new = x.clone();
+                let y_new = act.forward_saving_derivative_new(&mut d_new).unwrap();
+                assert_eq!((y_new, d_new), (y.clone(), d.clone()), "{act:?} over {len}");
             }
         }
     }

@@ -80,27 +80,61 @@ impl<T: Float> LayerNorm<T> {
         x: &[T],
         y: &mut [T],
     ) -> Result<LayerNormSaved<T>, ModelError> {
-        let d = self.dim;
-        let n = rows("layer_norm input", x.len(), d)?;
-        check_len("layer_norm params", params.len(), self.num_params())?;
+        let n = self.check_forward(params, x)?;
         check_len("layer_norm output", y.len(), x.len())?;
-        let (gain, bias) = params.split_at(d);
-        let inv_d = T::one() / lit(d as f64);
         let mut saved = LayerNormSaved { mean: Vec::with_capacity(n), rstd: Vec::with_capacity(n) };
-        for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-            // Two passes: the variance of the deviations, not E[x^2] - E[x]^2, which cancels
-            // catastrophically in f32 when the mean is large against the spread.
-            let mean = xr.iter().fold(T::zero(), |s, &v| s + v) * inv_d;
-            let var = xr.iter().fold(T::zero(), |s, &v| s + (v - mean) * (v - mean)) * inv_d;
-            let rstd = (var + self.eps).sqrt().recip();
-            for (j, (o, &v)) in yr.iter_mut().zip(xr).enumerate() {
-                let b = if self.bias { bias[j] } else { T::zero() };
-                *o = (v - mean) * rstd * gain[j] + b;
-            }
-            saved.mean.push(mean);
-            saved.rstd.push(rstd);
+        for (xr, yr) in x.chunks_exact(self.dim).zip(y.chunks_exact_mut(self.dim)) {
+            yr.copy_from_slice(xr);
+            self.normalize_row(params, yr, &mut saved);
         }
         Ok(saved)
+    }
+
+    /// [`LayerNorm::forward`] into a new buffer, the same values; the buffer grows row by
+    /// row, so it is written once (no zero fill first).
+    pub fn forward_new(
+        &self,
+        params: &[T],
+        x: &[T],
+    ) -> Result<(Vec<T>, LayerNormSaved<T>), ModelError> {
+        let n = self.check_forward(params, x)?;
+        let mut saved = LayerNormSaved { mean: Vec::with_capacity(n), rstd: Vec::with_capacity(n) };
+        let mut y = Vec::with_capacity(x.len());
+        for xr in x.chunks_exact(self.dim) {
+            let at = y.len();
+            y.extend_from_slice(xr);
+            self.normalize_row(params, &mut y[at..], &mut saved);
+        }
+        Ok((y, saved))
+    }
+
+    /// Rows of `x`, once `x` and `params` fit the layer.
+    fn check_forward(&self, params: &[T], x: &[T]) -> Result<usize, ModelError> {
+        let n = rows("layer_norm input", x.len(), self.dim)?;
+        check_len("layer_norm params", params.len(), self.num_params())?;
+        Ok(n)
+    }
+
+    /// Normalises one row in place, pushing its statistics.
+    #[inline(always)]
+    fn normalize_row(&self, params: &[T], row: &mut [T], saved: &mut LayerNormSaved<T>) {
+        let (gain, bias) = params.split_at(self.dim);
+        let inv_d = T::one() / lit(self.dim as f64);
+        // Two passes: the variance of the deviations, not E[x^2] - E[x]^2, which cancels
+        // catastrophically in f32 when the mean is large against the spread.
+        let mean = lane_sum(row, |v| v) * inv_d;
+        let var = lane_sum(row, |v| (v - mean) * (v - mean)) * inv_d;
+        let rstd = (var + self.eps).sqrt().recip();
+        for (o, &g) in row.iter_mut().zip(gain) {
+            *o = (*o - mean) * rstd * g;
+        }
+        if self.bias {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o = *o + b;
+            }
+        }
+        saved.mean.push(mean);
+        saved.rstd.push(rstd);
     }
 
     /// Writes the input gradient into `dx` and ADDS `dweight = sum_rows dy * xhat` and
@@ -115,44 +149,144 @@ impl<T: Float> LayerNorm<T> {
         dx: &mut [T],
         grads: &mut [T],
     ) -> Result<(), ModelError> {
+        self.check_backward(params, x, saved, grads)?;
+        same_len(&[("layer_norm dy", dy.len()), ("layer_norm dx", dx.len())], x.len())?;
         let d = self.dim;
-        let n = rows("layer_norm input", x.len(), d)?;
+        for (r, ((xr, dyr), dxr)) in
+            x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).enumerate()
+        {
+            dxr.copy_from_slice(dyr);
+            self.backward_row(params, xr, (saved.mean[r], saved.rstd[r]), dxr, grads);
+        }
+        Ok(())
+    }
+
+    /// [`LayerNorm::backward`] with the input gradient written over `dy_then_dx`, the same
+    /// values.
+    pub fn backward_in_place(
+        &self,
+        params: &[T],
+        x: &[T],
+        saved: &LayerNormSaved<T>,
+        dy_then_dx: &mut [T],
+        grads: &mut [T],
+    ) -> Result<(), ModelError> {
+        self.check_backward(params, x, saved, grads)?;
+        check_len("layer_norm dy", dy_then_dx.len(), x.len())?;
+        let d = self.dim;
+        for (r, (xr, row)) in x.chunks_exact(d).zip(dy_then_dx.chunks_exact_mut(d)).enumerate() {
+            self.backward_row(params, xr, (saved.mean[r], saved.rstd[r]), row, grads);
+        }
+        Ok(())
+    }
+
+    /// The lengths of a backward's inputs other than `dy` and `dx` (NN-4).
+    fn check_backward(
+        &self,
+        params: &[T],
+        x: &[T],
+        saved: &LayerNormSaved<T>,
+        grads: &[T],
+    ) -> Result<(), ModelError> {
+        let n = rows("layer_norm input", x.len(), self.dim)?;
         check_len("layer_norm params", params.len(), self.num_params())?;
         check_len("layer_norm grads", grads.len(), self.num_params())?;
-        same_len(&[("layer_norm dy", dy.len()), ("layer_norm dx", dx.len())], x.len())?;
         same_len(
             &[
                 ("layer_norm saved mean", saved.mean.len()),
                 ("layer_norm saved rstd", saved.rstd.len()),
             ],
             n,
-        )?;
+        )
+    }
+
+    /// One row of the backward: `row` holds `dy` and is overwritten with `dx`.
+    #[inline(always)]
+    fn backward_row(
+        &self,
+        params: &[T],
+        xr: &[T],
+        (mean, rstd): (T, T),
+        row: &mut [T],
+        grads: &mut [T],
+    ) {
+        let d = self.dim;
         let gain = &params[..d];
         let (dgain, dbias) = grads.split_at_mut(d);
         let inv_d = T::one() / lit(d as f64);
-        for (r, ((xr, dyr), dxr)) in
-            x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).enumerate()
-        {
-            let (mean, rstd) = (saved.mean[r], saved.rstd[r]);
-            let (mut sum_g, mut sum_gx) = (T::zero(), T::zero());
-            for j in 0..d {
-                let xhat = (xr[j] - mean) * rstd;
-                let g = dyr[j] * gain[j];
-                sum_g = sum_g + g;
-                sum_gx = sum_gx + g * xhat;
-                dgain[j] = dgain[j] + dyr[j] * xhat;
-                if self.bias {
-                    dbias[j] = dbias[j] + dyr[j];
-                }
-            }
-            let (mean_g, mean_gx) = (sum_g * inv_d, sum_gx * inv_d);
-            for j in 0..d {
-                let xhat = (xr[j] - mean) * rstd;
-                dxr[j] = rstd * (dyr[j] * gain[j] - mean_g - xhat * mean_gx);
+        let (sum_g, sum_gx) = lane_sum2(xr, row, gain, |v, dy, g| {
+            let xhat = (v - mean) * rstd;
+            let g = dy * g;
+            (g, g * xhat)
+        });
+        for ((dg, &v), &dy) in dgain.iter_mut().zip(xr).zip(row.iter()) {
+            *dg = *dg + dy * ((v - mean) * rstd);
+        }
+        if self.bias {
+            for (db, &dy) in dbias.iter_mut().zip(row.iter()) {
+                *db = *db + dy;
             }
         }
-        Ok(())
+        let (mean_g, mean_gx) = (sum_g * inv_d, sum_gx * inv_d);
+        for ((o, &v), &g) in row.iter_mut().zip(xr).zip(gain) {
+            let xhat = (v - mean) * rstd;
+            *o = rstd * (*o * g - mean_g - xhat * mean_gx);
+        }
     }
+}
+
+/// Partial sums of a row reduction: one running sum is a serial chain of adds that does not
+/// vectorise; `LANES` independent ones do, and are combined in a fixed order, so a result
+/// depends only on the row.
+const LANES: usize = 16;
+
+/// The lanes' partial sums combined pairwise, in a fixed order.
+#[inline(always)]
+fn combine<T: Float>(mut acc: [T; LANES]) -> T {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            acc[i] = acc[i] + acc[i + w];
+        }
+    }
+    acc[0]
+}
+
+/// `sum_j f(row[j])` over `LANES` partial sums.
+#[inline(always)]
+fn lane_sum<T: Float>(row: &[T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [T::zero(); LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = *a + f(v);
+        }
+    }
+    let tail = chunks.remainder().iter().fold(T::zero(), |s, &v| s + f(v));
+    combine(acc) + tail
+}
+
+/// The two sums `sum_j f(a[j], b[j], c[j])` over `LANES` partial sums each.
+#[inline(always)]
+fn lane_sum2<T: Float>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> (T, T)) -> (T, T) {
+    let (mut acc0, mut acc1) = ([T::zero(); LANES], [T::zero(); LANES]);
+    let (mut ca, mut cb, mut cc) =
+        (a.chunks_exact(LANES), b.chunks_exact(LANES), c.chunks_exact(LANES));
+    for ((ka, kb), kc) in (&mut ca).zip(&mut cb).zip(&mut cc) {
+        for i in 0..LANES {
+            let (u, v) = f(ka[i], kb[i], kc[i]);
+            acc0[i] = acc0[i] + u;
+            acc1[i] = acc1[i] + v;
+        }
+    }
+    let (mut t0, mut t1) = (T::zero(), T::zero());
+    for ((&x, &y), &z) in ca.remainder().iter().zip(cb.remainder()).zip(cc.remainder()) {
+        let (u, v) = f(x, y, z);
+        t0 = t0 + u;
+        t1 = t1 + v;
+    }
+    (combine(acc0) + t0, combine(acc1) + t1)
 }
 
 /// RMSNorm over the last dimension; one parameter, `weight [dim]` (the gain).
@@ -419,7 +553,8 @@ mod tests {
 
     #[test]
     fn layer_norm_gradients_match_finite_differences_nn_1() {
-        for (dim, bias) in [(5, true), (6, false), (7, true), (8, true)] {
+        // Past `LANES` too (full lanes and a remainder): the sums' vectorised route.
+        for (dim, bias) in [(5, true), (6, false), (7, true), (8, true), (37, true), (32, false)] {
             let ln = LayerNorm { dim, eps: 1e-5, bias };
             let seed = dim as u64;
             let x = randn(3 * dim, seed);
@@ -515,6 +650,23 @@ mod tests {
         let want: Vec<f64> = RMS_DW.iter().map(|g| 1.0 + 2.0 * g).collect();
         assert_close("grads added twice", &grads, &want, TORCH_TOL);
         assert_close("dx written, not added", &dx, &RMS_DX, TORCH_TOL);
+    }
+
+    /// NN-3: `forward_new` and `backward_in_place` give the slice forms' values (bit for
+    /// bit), the parameter gradients added the same way.
+    #[test]
+    fn new_buffer_and_in_place_forms_match_the_slice_forms_nn_3() {
+        for (dim, bias) in [(5, true), (37, false), (256, true)] {
+            let ln = LayerNorm { dim, eps: 1e-5f32, bias };
+            let x = to_f32(&randn(4 * dim, 80 + dim as u64));
+            let dy = to_f32(&randn(4 * dim, 90 + dim as u64));
+            let p = to_f32(&randn(ln.num_params(), 7));
+            let (y, dx, grads) = ln_run(&ln, &p, &x, &dy);
+            let (y_new, saved) = ln.forward_new(&p, &x).unwrap();
+            let (mut dx_in_place, mut grads_in_place) = (dy.clone(), vec![0.0f32; p.len()]);
+            ln.backward_in_place(&p, &x, &saved, &mut dx_in_place, &mut grads_in_place).unwrap();
+            assert_eq!((y_new, dx_in_place, grads_in_place), (y, dx, grads), "dim {dim}");
+        }
     }
 
     #[test]
