@@ -267,6 +267,9 @@ fn the_cli_trains_on_the_simulated_device() {
     assert_eq!(out.stdout.lines().filter(|l| l.starts_with("step ")).count(), 3);
     assert!(out.stdout.contains("offload params"), "{}", out.stdout);
     assert!(out.stdout.contains("done: 3 steps"), "{}", out.stdout);
+    // Offloaded parameters: the device holds no parameter shard, only copies in flight.
+    let mem = out.stdout.lines().find(|l| l.contains("peaks by category")).unwrap_or_default();
+    assert!(mem.contains("comm buffers") && !mem.contains("shard params"), "{}", out.stdout);
     for (extra, flag) in [
         (&["--checkpoint-dir", "/nonexistent"][..], "--checkpoint-dir"),
         (&["--stage", "2", "--offload", "params"][..], "--stage 3"),
@@ -384,4 +387,63 @@ fn the_cli_writes_a_trace_of_the_streams() {
         assert_eq!(waits, 2, "one host wait per step (DEV-1)");
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// DMEM-1: the accountant charges every device allocation under its category: at the end of
+/// every step its total is the device's bytes in use and its peak the device's peak (cpu
+/// and simulated devices, with and without offload and accumulation). Independently, the
+/// parameters and optimizer state it charges are what the host engine's accountant charges
+/// for the same job; offloading moves them off the device.
+#[test]
+fn the_accountant_charges_device_memory_dmem_1() {
+    use shardline_runtime::memory::Category;
+    let accum = TrainConfig { grad_accum: 2, ..gpt(2, 2, 0) };
+    for (cfg, offload) in [
+        (gpt(2, 3, 1), Offload::None),
+        (gpt(2, 3, 1), Offload::Params),
+        (gpt(3, 1, 0), Offload::Optimizer),
+        (gpt(2, 0, 0), Offload::None),
+        (accum, Offload::None),
+        (mlp_sync(2, 2, 1), Offload::None),
+    ] {
+        let host = run_ok(cfg.clone(), quiet());
+        let host_peak = |key: &str| {
+            host.peak_by_category[0].iter().find(|(k, _)| k == key).map_or(0, |(_, v)| *v)
+        };
+        for kind in [DeviceKind::Cpu, sim(7)] {
+            let what = format!("{} {:?} {offload:?} on {kind:?}", cfg.model, cfg.stage);
+            let got = run_on_devices(&cfg, kind, offloading(offload)).expect(&what);
+            for s in &got.steps {
+                let m = &s.memory;
+                assert_eq!(m.total, s.device_bytes, "{what}: in use");
+                assert_eq!(m.peak_total, s.device_peak, "{what}: peak");
+                let sum: u64 = Category::ALL.iter().map(|c| m.current(*c)).sum();
+                assert_eq!(sum, m.total, "{what}: the categories add up");
+                assert_eq!(m.current(Category::Activations), 0, "{what}: freed by step end");
+                assert!(m.peak(Category::Activations) > 0, "{what}: activations charged");
+            }
+            let m = &got.steps.last().unwrap().memory;
+            let params = m.peak(Category::ShardParams) + m.peak(Category::FullParams);
+            let state = m.peak(Category::OptimizerState);
+            // BatchNorm's running statistics count as full parameters on the device.
+            let buffers: u64 = got.final_buffers.iter().map(|b| b.len() as u64 * 4).sum();
+            let host_params = host_peak("shard_params") + host_peak("full_params") + buffers;
+            match offload {
+                Offload::None => {
+                    assert_eq!(params, host_params, "{what}: parameters");
+                    assert_eq!(state, host_peak("optimizer_state"), "{what}: optimizer state");
+                }
+                Offload::Optimizer => {
+                    assert_eq!(params, host_params, "{what}: parameters");
+                    assert_eq!(state, 0, "{what}: the optimizer state is on the host");
+                }
+                Offload::Params => {
+                    assert_eq!((params, state), (buffers, 0), "{what}: both on the host");
+                    assert!(m.peak(Category::CommBuffers) > 0, "{what}: shards copied in");
+                }
+            }
+            let stage3 = cfg.stage == shardline_runtime::train::StageChoice::Fixed(Stage::Zero3);
+            assert_eq!(m.peak(Category::GatheredUnits) > 0, stage3, "{what}: gathered units");
+        }
+    }
 }

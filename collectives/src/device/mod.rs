@@ -83,6 +83,12 @@ impl DeviceBuffer {
     pub fn label(&self) -> &str {
         &self.label
     }
+
+    /// Its number, unique among its device's allocations (an accountant keys its charges
+    /// by it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
 }
 
 /// A point in a stream's work: everything enqueued on it before the record.

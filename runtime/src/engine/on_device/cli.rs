@@ -12,6 +12,7 @@ use shardline_collectives::device::SimOptions;
 
 use super::{run_on_devices_with, DeviceKind, DeviceOptions, DeviceRun, Offload};
 use crate::error::{Result, RuntimeError};
+use crate::memory::{Category, MemorySnapshot};
 use crate::train::TrainConfig;
 
 /// How `--device sim` runs.
@@ -96,6 +97,7 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
                 "step": step, "loss": s.loss, "grad_norm": s.grad_norm,
                 "step_time_s": s.step_time.as_secs_f64(), "device_bytes": s.device_bytes,
                 "device_peak_bytes": s.device_peak, "host_syncs": s.host_syncs,
+                "device_memory_peak": peaks_by_category(&s.memory),
             });
             let _ = writeln!(f, "{v}");
         }
@@ -118,6 +120,18 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
             o.hidden_fraction() * 100.0
         );
     }
+    if let Some(s) = run.steps.last() {
+        let parts: Vec<String> = Category::ALL
+            .iter()
+            .filter(|c| s.memory.peak(**c) > 0)
+            .map(|c| format!("{} {}", c.label(), bytes(s.memory.peak(*c))))
+            .collect();
+        println!(
+            "rank 0 device memory, peaks by category: {}; peak of the total {}",
+            parts.join(", "),
+            bytes(s.memory.peak_total)
+        );
+    }
     let last = run.steps.last().map_or(f32::NAN, |s| s.loss);
     println!(
         "done: {} steps, final loss {last:.4}, device peak {} (largest rank)",
@@ -125,4 +139,9 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
         bytes(run.peak_device_bytes)
     );
     Ok(run)
+}
+
+/// Peak device bytes per category, keyed as the host engine's summary keys them.
+fn peaks_by_category(m: &MemorySnapshot) -> serde_json::Value {
+    Category::ALL.iter().map(|c| (c.key().to_string(), serde_json::json!(m.peak(*c)))).collect()
 }

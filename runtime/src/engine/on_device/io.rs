@@ -7,11 +7,13 @@ use std::sync::Arc;
 
 use shardline_collectives::device::{Device, DeviceBuffer, Event, SimComm};
 
+use super::memory::DeviceMemory;
 use super::offload::{lock, Held};
 use super::Streams;
 use crate::engine::prefetch::GatherIo;
 use crate::engine::reduction::InFlight;
 use crate::error::{Result, RuntimeError};
+use crate::memory::Category;
 use crate::shard::ShardedModelLayout;
 
 /// A unit's gather in flight: the buffer it fills and the event after it.
@@ -23,6 +25,7 @@ pub(crate) struct PendingGather {
 /// Stage 3's gathers on the gather stream, for [`crate::engine::prefetch::GatherPlan`].
 pub(crate) struct DeviceGathers<'a> {
     pub(crate) dev: &'a Arc<dyn Device>,
+    pub(crate) mem: &'a DeviceMemory,
     pub(crate) streams: &'a Streams,
     pub(crate) comm: &'a mut SimComm,
     pub(crate) layout: &'a ShardedModelLayout,
@@ -43,7 +46,7 @@ impl GatherIo for DeviceGathers<'_> {
     fn issue(&mut self, unit: usize) -> Result<PendingGather> {
         let l = self.layout.unit(unit);
         let label = format!("{} (gathered)", self.labels[unit]);
-        let full = self.dev.alloc(l.padded_numel(), &label)?;
+        let full = self.mem.alloc(Category::GatheredUnits, l.padded_numel(), &label)?;
         // The shard's last update ran on the compute (or offload) stream.
         let g = self.streams.gather;
         if let Some(e) = &self.ready[unit] {
@@ -54,7 +57,7 @@ impl GatherIo for DeviceGathers<'_> {
             Held::Host(host) => {
                 // OFFL-1: the shard copied to the device on the gather stream, as it runs.
                 let label = format!("{} shard (from host)", self.labels[unit]);
-                let shard = self.dev.alloc(l.shard_len(), &label)?;
+                let shard = self.mem.alloc(Category::CommBuffers, l.shard_len(), &label)?;
                 let host = std::sync::Arc::clone(host);
                 self.dev.launch(
                     g,
@@ -64,7 +67,7 @@ impl GatherIo for DeviceGathers<'_> {
                     Box::new(move |_, w| w[0].copy_from_slice(&lock(&host))),
                 )?;
                 self.comm.all_gather(g, &shard, &full)?;
-                self.dev.free(g, shard)?;
+                self.mem.free(g, shard)?;
             }
         }
         let done = self.dev.record(self.streams.gather);
@@ -82,7 +85,7 @@ impl GatherIo for DeviceGathers<'_> {
     fn release(&mut self, full: DeviceBuffer) {
         // Stream-ordered: after the kernels that read it. A failed device reports its
         // failure at the next call that can return it.
-        let _ = self.dev.free(self.streams.compute, full);
+        let _ = self.mem.free(self.streams.compute, full);
     }
 }
 

@@ -21,6 +21,9 @@
 //! gradient clipping the updates read the global norm where the reduce stream summed it, so
 //! clipping adds no host wait. bf16 is refused with a message naming it.
 //!
+//! Every device allocation is charged to the rank's [`MemoryTracker`] under its category
+//! (`memory`, DMEM-1): the summary's breakdown is of device memory.
+//!
 //! Invariants:
 //! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
 //!   norm ([`DeviceStepStats::host_syncs`]); gathers, reductions and updates are ordered by
@@ -37,6 +40,7 @@
 mod activations;
 mod cli;
 mod io;
+mod memory;
 mod offload;
 mod run;
 mod stats;
@@ -64,9 +68,11 @@ use super::reduction::{ReduceIo, Reduction, Reductions};
 use super::stage::{BeforeUse, GradReduce, StageRules, Update};
 use super::{open_backend, EngineConfig};
 use crate::error::{Result, RuntimeError};
+use crate::memory::{Category, MemorySnapshot, MemoryTracker};
 use crate::shard::ShardedModelLayout;
 use activations::{Act, Shapes};
 use io::{DeviceGathers, DeviceReduction, PendingGather};
+use memory::DeviceMemory;
 use offload::{lock, Held};
 use stats::DeviceStats;
 
@@ -153,6 +159,9 @@ pub struct DeviceStepStats {
     pub device_bytes: u64,
     /// Most device bytes allocated at once so far.
     pub device_peak: u64,
+    /// The accountant's counters at the end of the step: device bytes by category, now and
+    /// at their peaks (DMEM-1).
+    pub memory: MemorySnapshot,
 }
 
 /// A value handed from one kernel of the compute stream to a later one (an activation, a
@@ -192,6 +201,8 @@ pub struct DeviceEngine {
     rules: &'static StageRules,
     labels: Vec<String>,
     dev: Arc<dyn Device>,
+    /// Every device allocation, charged by category (DMEM-1).
+    mem: Arc<DeviceMemory>,
     streams: Streams,
     gather_comm: SimComm,
     reduce_comm: SimComm,
@@ -266,8 +277,9 @@ impl DeviceEngine {
         let k = cfg.optimizer.state_len_per_param();
         let (mut params, mut grads, mut optim_state, mut buffers) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let upload = |v: &[f32], what: String| -> Result<DeviceBuffer> {
-            let b = dev.alloc(v.len(), &what)?;
+        let mem = Arc::new(DeviceMemory::new(rank, Arc::clone(&dev)));
+        let upload = |cat: Category, v: &[f32], what: String| -> Result<DeviceBuffer> {
+            let b = mem.alloc(cat, v.len(), &what)?;
             dev.upload(streams.compute, v, &b)?;
             Ok(b)
         };
@@ -276,22 +288,32 @@ impl DeviceEngine {
             let init = model.init_params(u, cfg.seed)?;
             let mut full = vec![0.0f32; l.padded_numel()];
             full[..init.len()].copy_from_slice(&init);
-            let kept = match rules.params {
-                super::stage::Holding::Full => full,
-                super::stage::Holding::Shard => full[l.shard_range(rank)].to_vec(),
+            let (kept, cat) = match rules.params {
+                super::stage::Holding::Full => (full, Category::FullParams),
+                super::stage::Holding::Shard => {
+                    (full[l.shard_range(rank)].to_vec(), Category::ShardParams)
+                }
             };
             let host = |v: Vec<f32>| Held::Host(Arc::new(Mutex::new(v)));
             params.push(match offload {
                 Offload::Params => host(kept),
-                _ => Held::Device(upload(&kept, format!("{name} params"))?),
+                _ => Held::Device(upload(cat, &kept, format!("{name} params"))?),
             });
-            grads.push(upload(&vec![0.0; rules.grads.len(l)], format!("{name} grads"))?);
+            let zeros = vec![0.0; rules.grads.len(l)];
+            grads.push(upload(Category::Grads, &zeros, format!("{name} grads"))?);
             let state = vec![0.0; rules.optim_state.len(l) * k];
             optim_state.push(match offload {
-                Offload::None => Held::Device(upload(&state, format!("{name} optimizer state"))?),
+                Offload::None => Held::Device(upload(
+                    Category::OptimizerState,
+                    &state,
+                    format!("{name} optimizer state"),
+                )?),
                 _ => host(state),
             });
-            buffers.push(upload(&model.init_buffers(u)?, format!("{name} buffers"))?);
+            // Buffers (BatchNorm's running statistics), whole on every rank, count as full
+            // parameters.
+            let b = model.init_buffers(u)?;
+            buffers.push(upload(Category::FullParams, &b, format!("{name} buffers"))?);
         }
         let up = dev.record(streams.compute);
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
@@ -318,9 +340,10 @@ impl DeviceEngine {
                     messages: Default::default(),
                 })
             }),
-            sq: dev.alloc(2 * n, "squared norms")?,
-            loss: dev.alloc(1, "loss")?,
-            sums: dev.alloc(2, "loss and norm (summed)")?,
+            sq: mem.alloc(Category::Scratch, 2 * n, "squared norms")?,
+            loss: mem.alloc(Category::Scratch, 1, "loss")?,
+            sums: mem.alloc(Category::Scratch, 2, "loss and norm (summed)")?,
+            mem,
             ready: vec![Some(up); n],
             reduced: vec![None; n],
             offload,
@@ -345,6 +368,11 @@ impl DeviceEngine {
     /// The device.
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
+    }
+
+    /// The accountant of this rank's device memory (DMEM-1).
+    pub fn memory(&self) -> &MemoryTracker {
+        self.mem.tracker()
     }
 
     /// What ran since the last call: the device's operations (when it records them) and
@@ -377,6 +405,7 @@ impl DeviceEngine {
     fn gathers(&mut self) -> (&mut GatherPlan<PendingGather, DeviceBuffer>, DeviceGathers<'_>) {
         let io = DeviceGathers {
             dev: &self.dev,
+            mem: &self.mem,
             streams: &self.streams,
             comm: &mut self.gather_comm,
             layout: &self.layout,
@@ -451,7 +480,7 @@ impl DeviceEngine {
             let base = 2 * nc * k;
             // The microbatch's data, uploaded (DACT-1).
             let label = format!("data (microbatch {k})");
-            let buf = self.dev.alloc(xk.numel(), &label)?;
+            let buf = self.mem.alloc(Category::Activations, xk.numel(), &label)?;
             self.dev.upload(self.streams.compute, &activations::values(&xk)?, &buf)?;
             let mut act = Act { buf, shape: xk.shape().to_vec(), dtype: xk.dtype() };
             let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
@@ -528,6 +557,7 @@ impl DeviceEngine {
             stats_messages: self.stats_messages() - messages0,
             device_bytes: self.dev.in_use(),
             device_peak: self.dev.peak(),
+            memory: self.mem.tracker().snapshot(),
         })
     }
 
@@ -547,7 +577,8 @@ impl DeviceEngine {
         let rank = self.rank;
         let name = what.clone();
         let (shape, dtype) = self.probed()?.output(call, input.shape[0]);
-        let out = self.dev.alloc(shape.iter().product(), &format!("{what} (output)"))?;
+        let label = format!("{what} (output)");
+        let out = self.mem.alloc(Category::Activations, shape.iter().product(), &label)?;
         let (in_shape, in_dtype) = (input.shape.clone(), input.dtype);
         let p = match &gathered {
             Some(g) => g,
@@ -587,7 +618,7 @@ impl DeviceEngine {
                 Ok(())
             }),
         )?;
-        self.dev.free(self.streams.compute, input.buf)?;
+        self.mem.free(self.streams.compute, input.buf)?;
         self.done_with(i, gathered);
         Ok(Act { buf: out, shape, dtype })
     }
@@ -607,7 +638,7 @@ impl DeviceEngine {
         micro: usize,
     ) -> Result<Act> {
         let (model, rank) = (Arc::clone(&self.model), self.rank);
-        let grad = self.dev.alloc(out.buf.len(), "loss gradient")?;
+        let grad = self.mem.alloc(Category::Activations, out.buf.len(), "loss gradient")?;
         let (shape, dtype) = (out.shape.clone(), out.dtype);
         self.dev.launch_fallible(
             self.streams.compute,
@@ -624,7 +655,7 @@ impl DeviceEngine {
                 activations::write(&g, w[1])
             }),
         )?;
-        self.dev.free(self.streams.compute, out.buf)?;
+        self.mem.free(self.streams.compute, out.buf)?;
         Ok(Act { buf: grad, shape: out.shape, dtype: DType::F32 })
     }
 
@@ -658,7 +689,7 @@ impl DeviceEngine {
             Some(t) => (false, t),
             None if self.rules.transient_grads() => {
                 let what = format!("{} grads (unreduced)", self.labels[u]);
-                (true, Some(self.dev.alloc(padded, &what)?))
+                (true, Some(self.mem.alloc(Category::Grads, padded, &what)?))
             }
             None => (true, None),
         };
@@ -670,7 +701,7 @@ impl DeviceEngine {
             let (shape, _) = self.probed()?.input(call, grad_out.shape[0]);
             let label = format!("{what} (input gradient)");
             Some(Act {
-                buf: self.dev.alloc(shape.iter().product(), &label)?,
+                buf: self.mem.alloc(Category::Activations, shape.iter().product(), &label)?,
                 shape,
                 dtype: DType::F32,
             })
@@ -730,7 +761,7 @@ impl DeviceEngine {
                 }
             }),
         )?;
-        self.dev.free(self.streams.compute, grad_out.buf)?;
+        self.mem.free(self.streams.compute, grad_out.buf)?;
         if last_use {
             self.issue_reduction(reds, u, transient, add)?;
         } else {
@@ -749,7 +780,7 @@ impl DeviceEngine {
         transient: Option<DeviceBuffer>,
         add: bool,
     ) -> Result<()> {
-        let (s, dev) = (&self.streams, &self.dev);
+        let (s, dev, mem) = (&self.streams, &self.dev, &self.mem);
         let computed = dev.record(s.compute);
         dev.wait(s.reduce, &computed);
         let comm = &mut self.reduce_comm;
@@ -767,7 +798,7 @@ impl DeviceEngine {
                 if add {
                     // ACC-3: the result adds to the earlier microbatches' in the shard.
                     let label = format!("{} (reduce-scatter output)", self.labels[u]);
-                    let out = dev.alloc(self.grads[u].len(), &label)?;
+                    let out = mem.alloc(Category::CommBuffers, self.grads[u].len(), &label)?;
                     comm.reduce_scatter(s.reduce, &full, &out)?;
                     dev.launch(
                         s.reduce,
@@ -776,12 +807,12 @@ impl DeviceEngine {
                         &[&self.grads[u]],
                         Box::new(|r, w| w[0].iter_mut().zip(r[0]).for_each(|(a, b)| *a += b)),
                     )?;
-                    dev.free(s.reduce, out)?;
+                    mem.free(s.reduce, out)?;
                 } else {
                     comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
                 }
                 let on = if self.bug.free_grads_on_compute { s.compute } else { s.reduce };
-                dev.free(on, full)?;
+                mem.free(on, full)?;
             }
             (how, _) => {
                 return Err(RuntimeError::config(format!(
@@ -832,10 +863,14 @@ impl DeviceEngine {
             let l = self.layout.unit(u);
             let mut v = match (&self.params[u], self.rules.before_use) {
                 (Held::Device(p), BeforeUse::Gather) => {
-                    let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
+                    let full = self.mem.alloc(
+                        Category::GatheredUnits,
+                        l.padded_numel(),
+                        "full parameters",
+                    )?;
                     self.gather_comm.all_gather(s, p, &full)?;
                     let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
-                    self.dev.free(s, full)?;
+                    self.mem.free(s, full)?;
                     v
                 }
                 (Held::Device(p), BeforeUse::Resident) => {
@@ -846,13 +881,18 @@ impl DeviceEngine {
                     if let Some(e) = &self.ready[u] {
                         self.dev.synchronize(e)?;
                     }
-                    let shard = self.dev.alloc(l.shard_len(), "parameter shard")?;
+                    let shard =
+                        self.mem.alloc(Category::CommBuffers, l.shard_len(), "parameter shard")?;
                     self.dev.upload(s, &lock(h), &shard)?;
-                    let full = self.dev.alloc(l.padded_numel(), "full parameters")?;
+                    let full = self.mem.alloc(
+                        Category::GatheredUnits,
+                        l.padded_numel(),
+                        "full parameters",
+                    )?;
                     self.gather_comm.all_gather(s, &shard, &full)?;
                     let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
-                    self.dev.free(s, full)?;
-                    self.dev.free(s, shard)?;
+                    self.mem.free(s, full)?;
+                    self.mem.free(s, shard)?;
                     v
                 }
             };
