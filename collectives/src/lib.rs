@@ -45,6 +45,7 @@ pub mod memcopy;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod pool;
+pub mod quant;
 pub mod recent;
 pub mod reduce;
 pub mod store;

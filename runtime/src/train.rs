@@ -6,7 +6,8 @@
 
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
 use crate::engine::{
-    AccumReduce, EngineConfig, MixedPrecision, PrecisionDtype, Recompute, StepStats,
+    AccumReduce, EngineConfig, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather, Recompute,
+    StepStats,
 };
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
@@ -163,6 +164,17 @@ pub struct TrainConfig {
     /// `--reduce-dtype`: what gradients are reduced in; `None`: the param dtype (PREC-5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduce_dtype: Option<PrecisionDtype>,
+    /// `--gather-dtype`: parameters all-gathered block-quantized (QGATHER-1); `None`: in
+    /// the param dtype.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gather_dtype: Option<GatherDtype>,
+    /// `--gather-block`: values per scale of a quantized gather.
+    #[serde(default = "default_gather_block")]
+    pub gather_block: usize,
+}
+
+fn default_gather_block() -> usize {
+    256
 }
 
 fn is_f32(d: &PrecisionDtype) -> bool {
@@ -173,13 +185,18 @@ impl TrainConfig {
     /// The run's mixed-precision policy (PREC-5: the reduce dtype defaults to the param
     /// dtype).
     pub fn precision(&self) -> MixedPrecision {
-        MixedPrecision::new(self.param_dtype, self.reduce_dtype)
+        MixedPrecision::new(self.param_dtype, self.reduce_dtype).with_gather(
+            self.gather_dtype.map(|dtype| QuantGather { dtype, block: self.gather_block }),
+        )
     }
 
     /// The policy in words, e.g. `params bf16, reduce f32`.
     pub fn precision_label(&self) -> String {
         let p = self.precision();
-        format!("params {}, reduce {}", p.param_dtype.name(), p.reduce_dtype.name())
+        let gather = p.gather_quant.map_or(String::new(), |q| {
+            format!(", gathers {} (blocks of {})", q.dtype.name(), q.block)
+        });
+        format!("params {}, reduce {}{gather}", p.param_dtype.name(), p.reduce_dtype.name())
     }
 }
 
@@ -276,6 +293,8 @@ impl Default for TrainConfig {
             link_rate: None,
             param_dtype: PrecisionDtype::F32,
             reduce_dtype: None,
+            gather_dtype: None,
+            gather_block: default_gather_block(),
         }
     }
 }
@@ -466,6 +485,14 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     }
     if cfg.threads == 0 {
         return Err(RuntimeError::config("--threads must be at least 1"));
+    }
+    if cfg.gather_block == 0 {
+        return Err(RuntimeError::config("--gather-block must be at least 1"));
+    }
+    if cfg.gather_dtype.is_some() && cfg.param_dtype != PrecisionDtype::F32 {
+        return Err(RuntimeError::config(
+            "--gather-dtype dequantizes into f32 parameters: it needs --param-dtype f32",
+        ));
     }
     if cfg.hidden == Some(0) {
         return Err(RuntimeError::config("--hidden must be at least 1"));
@@ -954,12 +981,19 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("  recompute: {}", cfg.recompute.name());
     }
     let prec = cfg.precision();
-    if !prec.is_f32() {
+    if !prec.with_gather(None).is_f32() {
         println!(
             "  precision: params {} (gathers and compute), gradients reduced in {}; masters, \
              optimizer state, norms statistics and loss in f32",
             prec.param_dtype.name(),
             prec.reduce_dtype.name()
+        );
+    }
+    if let Some(q) = prec.gather_quant {
+        println!(
+            "  gathers: {} in blocks of {} (lossy: compute sees the dequantized parameters)",
+            q.dtype.name(),
+            q.block
         );
     }
 }

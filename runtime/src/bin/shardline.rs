@@ -3,7 +3,7 @@
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::on_device::Offload;
-use shardline_runtime::engine::{AccumReduce, Device, PrecisionDtype, Recompute};
+use shardline_runtime::engine::{AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -456,6 +456,17 @@ struct TrainArgs {
     /// The type gradients are reduced in, f32 or bf16 [default: the --param-dtype].
     #[arg(long, value_parser = parse_reduce_dtype)]
     reduce_dtype: Option<PrecisionDtype>,
+    /// Quantized parameter gathers (ZeRO++'s qwZ, torchao's float8 all-gather): int8 or
+    /// fp8 (e4m3), one f32 scale per --gather-block values, about a quarter of f32's gather
+    /// bytes. Lossy: every rank computes with the parameters dequantized (the same values
+    /// on every rank and at every stage); masters, optimizer state and gradient reductions
+    /// stay as the precision policy says. Needs --param-dtype f32 [default: gather in the
+    /// param dtype].
+    #[arg(long, value_parser = parse_gather_dtype)]
+    gather_dtype: Option<GatherDtype>,
+    /// Values per scale of a quantized gather.
+    #[arg(long, default_value_t = 256)]
+    gather_block: usize,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
     #[arg(long)]
     hidden: Option<usize>,
@@ -550,6 +561,10 @@ fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
 
 fn parse_export_dtype(s: &str) -> Result<PrecisionDtype, String> {
     PrecisionDtype::parse("--dtype", s)
+}
+
+fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
+    GatherDtype::parse("--gather-dtype", s)
 }
 
 fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
@@ -650,6 +665,8 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         link_rate: a.link_rate,
         param_dtype: a.param_dtype,
         reduce_dtype: a.reduce_dtype,
+        gather_dtype: a.gather_dtype,
+        gather_block: a.gather_block,
     })
 }
 

@@ -66,7 +66,7 @@ mod tests;
 
 pub use accum::AccumReduce;
 pub use device::{open_backend, Device};
-pub use precision::{MixedPrecision, PrecisionDtype};
+pub use precision::{GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
 
@@ -377,7 +377,7 @@ impl RankEngine {
             trace: &self.trace,
             labels: &self.labels,
             clock,
-            bf16: self.cfg.precision.param_dtype == PrecisionDtype::Bf16,
+            wire: self.param_wire(),
             cast: &self.cast,
         };
         (&mut self.plan, io)
@@ -560,7 +560,7 @@ impl RankEngine {
     /// Stages 1 and 2: all-gathers the updated parameters, in place (the updated own slice
     /// already lies in the full buffer).
     fn gather_updated(&mut self, clock: &mut CommClock) -> Result<()> {
-        if self.bf16_params() {
+        if self.packed_params() {
             return self.gather_updated_packed(clock); // PREC-3
         }
         let n = self.layout.units().len();

@@ -1,4 +1,5 @@
-//! Mixed precision with FSDP2's `MixedPrecisionPolicy` semantics: `--param-dtype` is the
+//! Mixed precision with FSDP2's `MixedPrecisionPolicy` semantics, and quantized parameter
+//! gathers (ZeRO++'s qwZ): `--param-dtype` is the
 //! type parameters travel and compute in, `--reduce-dtype` the type gradients are reduced
 //! in; the masters stay `f32`.
 //!
@@ -58,10 +59,16 @@
 //!   reduce-scatter at 1-3) carries packed bf16, half the bytes of the `f32` one when shards
 //!   are even; the reduced values are upcast into `f32` gradients.
 //! - PREC-5: the reduce dtype defaults to the param dtype.
+//! - QGATHER-1: with `--gather-dtype int8|fp8` every parameter all-gather carries each
+//!   rank's shard block-quantized (`quant::words(shard, block)` words, QUANT-1), and every
+//!   forward and backward at every stage sees each rank's range as that gather decodes it
+//!   from the rank's master (QUANT-4 where a range holds decoded values); masters, gradients
+//!   and their reductions are as the rest of the policy says.
 
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
+use shardline_collectives::quant::{self, Code};
 use shardline_collectives::{bf16, ReduceOp, Work};
 
 use super::clock::CommClock;
@@ -69,7 +76,7 @@ use super::prefetch::Gathered;
 use super::reduction::{ReduceWork, Reductions};
 use super::stage::GradReduce;
 use super::RankEngine;
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category};
 use crate::shard::FlatLayout;
 use crate::telemetry::Row;
@@ -104,6 +111,48 @@ impl PrecisionDtype {
     }
 }
 
+/// The 8-bit type of quantized parameter gathers (`--gather-dtype`, QGATHER-1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GatherDtype {
+    /// Symmetric int8 with one scale per block (ZeRO++'s qwZ).
+    Int8,
+    /// fp8 e4m3 with one scale per block (torchao's float8 all-gather).
+    Fp8,
+}
+
+impl GatherDtype {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        self.code().name()
+    }
+
+    /// Parses `s` as given to `flag`; the error names the flag and the choices.
+    pub fn parse(flag: &str, s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "int8" => Ok(GatherDtype::Int8),
+            "fp8" | "e4m3" => Ok(GatherDtype::Fp8),
+            other => Err(format!("{flag} must be int8 or fp8, not '{other}'")),
+        }
+    }
+
+    fn code(self) -> Code {
+        match self {
+            GatherDtype::Int8 => Code::Int8,
+            GatherDtype::Fp8 => Code::Fp8,
+        }
+    }
+}
+
+/// Quantized parameter gathers: the 8-bit type and the values per scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuantGather {
+    /// The code.
+    pub dtype: GatherDtype,
+    /// Values per block (one `f32` scale each).
+    pub block: usize,
+}
+
 /// The run's policy: the param dtype and the reduce dtype.
 ///
 /// ```
@@ -118,12 +167,34 @@ pub struct MixedPrecision {
     pub param_dtype: PrecisionDtype,
     /// What gradients are reduced in.
     pub reduce_dtype: PrecisionDtype,
+    /// Parameters gathered block-quantized (`--gather-dtype`), dequantized to `f32` for
+    /// compute; `None`: gathered in the param dtype.
+    #[serde(default)]
+    pub gather_quant: Option<QuantGather>,
 }
 
 impl MixedPrecision {
     /// The policy of `param`, reducing in `reduce` or, unset, in `param` (PREC-5).
     pub fn new(param: PrecisionDtype, reduce: Option<PrecisionDtype>) -> Self {
-        MixedPrecision { param_dtype: param, reduce_dtype: reduce.unwrap_or(param) }
+        MixedPrecision {
+            param_dtype: param,
+            reduce_dtype: reduce.unwrap_or(param),
+            gather_quant: None,
+        }
+    }
+
+    /// The same policy with parameters gathered as `q` (QGATHER-1).
+    pub fn with_gather(self, q: Option<QuantGather>) -> Self {
+        MixedPrecision { gather_quant: q, ..self }
+    }
+
+    /// How parameters travel in gathers: packed bf16, block-quantized, or `f32` (`None`).
+    pub(crate) fn param_wire(&self) -> Option<Wire> {
+        match (self.gather_quant, self.param_dtype) {
+            (Some(q), _) => Some(Wire::Quant(q.dtype.code(), q.block)),
+            (None, PrecisionDtype::Bf16) => Some(Wire::Bf16),
+            (None, PrecisionDtype::F32) => None,
+        }
     }
 
     /// Everything in `f32`.
@@ -131,8 +202,8 @@ impl MixedPrecision {
         *self == MixedPrecision::default()
     }
 
-    fn bf16_params(&self) -> bool {
-        self.param_dtype == PrecisionDtype::Bf16
+    fn packed_params(&self) -> bool {
+        self.param_wire().is_some()
     }
 
     fn bf16_grads(&self) -> bool {
@@ -140,23 +211,43 @@ impl MixedPrecision {
     }
 }
 
+/// What a packed slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wire {
+    /// bf16 values, two to a word (BFLOAT-2).
+    Bf16,
+    /// 8-bit codes in blocks of the given size, each with an `f32` scale (QUANT-1).
+    Quant(Code, usize),
+}
+
 /// A unit's flat buffer as `world` packed slots, one per rank's shard: the layout of every
-/// bf16 gather and reduction (a shard of odd length pads its slot's last word).
+/// bf16 or quantized gather and bf16 reduction (a shard of odd length pads its slot's last
+/// word). A quantized slot's blocks start at its shard's start, so each rank's values
+/// depend on its own shard alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Slots {
     world: usize,
     shard: usize,
+    wire: Wire,
 }
 
 impl Slots {
-    /// The slots of `unit` over `world` ranks.
+    /// The bf16 slots of `unit` over `world` ranks.
     pub(crate) fn of(unit: &FlatLayout, world: usize) -> Self {
-        Slots { world, shard: unit.shard_len() }
+        Slots::on(unit, world, Wire::Bf16)
+    }
+
+    /// The slots of `unit` over `world` ranks as `wire` packs them.
+    pub(crate) fn on(unit: &FlatLayout, world: usize, wire: Wire) -> Self {
+        Slots { world, shard: unit.shard_len(), wire }
     }
 
     /// Words per slot.
     pub(crate) fn words(&self) -> usize {
-        bf16::words(self.shard)
+        match self.wire {
+            Wire::Bf16 => bf16::words(self.shard),
+            Wire::Quant(_, block) => quant::words(self.shard, block),
+        }
     }
 
     /// Words of the whole packed buffer.
@@ -168,21 +259,55 @@ impl Slots {
         r * self.words()..(r + 1) * self.words()
     }
 
-    /// Packs rank `r`'s shard into its slot of `packed`.
-    pub(crate) fn pack_slot(&self, r: usize, shard: &[f32], packed: &mut [f32]) {
-        bf16::pack(shard, &mut packed[self.slot(r)]);
+    /// Packs rank `r`'s shard into its slot of `packed`; a quantized slot refuses a
+    /// non-finite value (QUANT-3), naming `what` and the element.
+    pub(crate) fn pack_slot(
+        &self,
+        r: usize,
+        shard: &[f32],
+        packed: &mut [f32],
+        what: &str,
+    ) -> Result<()> {
+        let slot = &mut packed[self.slot(r)];
+        match self.wire {
+            Wire::Bf16 => bf16::pack(shard, slot),
+            Wire::Quant(code, block) => quant::pack(code, block, shard, slot).map_err(|i| {
+                RuntimeError::Failed(format!(
+                    "{what}: element {} is {}, which a {} gather cannot carry (the run diverged)",
+                    r * self.shard + i,
+                    shard[i],
+                    code.name()
+                ))
+            })?,
+        }
+        Ok(())
     }
 
     /// Packs a whole padded buffer, each rank's range into its slot.
-    pub(crate) fn pack_all(&self, full: &[f32], packed: &mut [f32]) {
+    pub(crate) fn pack_all(&self, full: &[f32], packed: &mut [f32], what: &str) -> Result<()> {
         for r in 0..self.world {
-            self.pack_slot(r, &full[r * self.shard..(r + 1) * self.shard], packed);
+            self.pack_slot(r, &full[r * self.shard..(r + 1) * self.shard], packed, what)?;
+        }
+        Ok(())
+    }
+
+    /// Upcasts (or dequantizes) slot `r` into `shard`.
+    pub(crate) fn unpack_slot(&self, r: usize, packed: &[f32], shard: &mut [f32]) {
+        match self.wire {
+            Wire::Bf16 => bf16::unpack(&packed[self.slot(r)], shard),
+            Wire::Quant(code, block) => quant::unpack(code, block, &packed[self.slot(r)], shard),
         }
     }
 
-    /// Upcasts slot `r` into `shard`.
-    pub(crate) fn unpack_slot(&self, r: usize, packed: &[f32], shard: &mut [f32]) {
-        bf16::unpack(&packed[self.slot(r)], shard);
+    /// QGATHER-1: the values `r`'s slot decodes to, written over that range of `full` (the
+    /// masters there), as every rank that gathers them sees them.
+    pub(crate) fn round_trip_slot(&self, r: usize, full: &mut [f32], what: &str) -> Result<()> {
+        let mut one = vec![0.0; self.words()];
+        let range = r * self.shard..(r + 1) * self.shard;
+        let as_slot = Slots { world: 1, ..*self };
+        as_slot.pack_slot(0, &full[range.clone()], &mut one, what)?;
+        as_slot.unpack_slot(0, &one, &mut full[range]);
+        Ok(())
     }
 
     /// Upcasts every slot into its rank's range of the padded buffer `full`, except `skip`.
@@ -228,9 +353,14 @@ impl PackedReduction {
 }
 
 impl RankEngine {
-    /// Whether gathers and compute use bf16 parameters.
-    pub(super) fn bf16_params(&self) -> bool {
-        self.cfg.precision.bf16_params()
+    /// Whether gathers and compute use packed parameters (bf16 or block-quantized).
+    pub(super) fn packed_params(&self) -> bool {
+        self.cfg.precision.packed_params()
+    }
+
+    /// How parameters travel in gathers (`None`: `f32`).
+    pub(super) fn param_wire(&self) -> Option<Wire> {
+        self.cfg.precision.param_wire()
     }
 
     /// Whether gradients are reduced in bf16.
@@ -243,36 +373,51 @@ impl RankEngine {
         self.cast.set(self.cast.get() + t0.elapsed());
     }
 
-    /// Stages 0-2 with bf16 parameters: unit `u`'s resident parameters rounded to bf16 for
-    /// one use (PREC-2), counted with the gathered units; `None` in `f32`.
+    /// Stages 0-2 with packed parameters: unit `u`'s resident parameters rounded to bf16
+    /// (PREC-2), or each rank's range decoded as its gather would (QGATHER-1), for one use,
+    /// counted with the gathered units; `None` in `f32`.
     pub(super) fn rounded_resident(&self, u: usize) -> Result<Option<Gathered>> {
-        if !self.bf16_params() {
+        let Some(wire) = self.param_wire() else {
             return Ok(None);
-        }
-        let padded = self.layout.unit(u).padded_numel();
-        let what = format!("{} (bf16 compute copy)", self.labels[u]);
+        };
+        let l = self.layout.unit(u);
+        let padded = l.padded_numel();
+        let what = format!("{} (compute copy)", self.labels[u]);
         let alloc = self.mem.alloc_f32(Category::GatheredUnits, padded, &what)?;
         let t0 = Instant::now();
         let mut full = self.comm.pool().take(padded);
-        round_trip(&self.state.params[u], &mut full);
+        match wire {
+            Wire::Bf16 => round_trip(&self.state.params[u], &mut full),
+            Wire::Quant(..) => {
+                // QUANT-4: a range that holds decoded values (stages 1, 2) decodes to them.
+                full.copy_from_slice(&self.state.params[u]);
+                let slots = Slots::on(l, self.world, wire);
+                for r in 0..self.world {
+                    slots.round_trip_slot(r, &mut full, &self.labels[u])?;
+                }
+            }
+        }
         self.cast_since(t0);
         Ok(Some(Gathered::new(full, alloc)))
     }
 
-    /// Stages 1 and 2 with bf16 parameters: all-gathers the updated own ranges as bf16
-    /// (PREC-3); the own range keeps its `f32` master, the others take the upcast values.
+    /// Stages 1 and 2 with packed parameters: all-gathers the updated own ranges as bf16
+    /// (PREC-3) or quantized (QGATHER-1); the own range keeps its `f32` master, the others
+    /// take the decoded values.
     pub(super) fn gather_updated_packed(&mut self, clock: &mut CommClock) -> Result<()> {
         let n = self.layout.units().len();
         let mut works = Vec::with_capacity(n);
         for u in 0..n {
             let l = self.layout.unit(u);
-            let slots = Slots::of(l, self.world);
-            let what = format!("{} (bf16 gather)", self.labels[u]);
+            let wire = self.param_wire().unwrap_or(Wire::Bf16);
+            let slots = Slots::on(l, self.world, wire);
+            let what = format!("{} (packed gather)", self.labels[u]);
             let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
             let t0 = Instant::now();
             let mut packed = self.comm.pool().take(slots.len());
             let own = l.shard_range(self.rank);
-            slots.pack_slot(self.rank, &self.state.params[u][own], &mut packed);
+            let params = &self.state.params[u][own];
+            slots.pack_slot(self.rank, params, &mut packed, &self.labels[u])?;
             self.cast_since(t0);
             works.push((u, slots, alloc, self.gather.all_gather_in_place(packed)));
         }
@@ -305,7 +450,7 @@ impl RankEngine {
         let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len() + out_words, &what)?;
         let t0 = Instant::now();
         let mut packed = self.comm.pool().take(slots.len());
-        slots.pack_all(&gfull, &mut packed);
+        slots.pack_all(&gfull, &mut packed, &what)?;
         self.cast_since(t0);
         let (work, full, unreduced) = match self.rules.reduce {
             GradReduce::AllReduce => {
@@ -419,7 +564,7 @@ mod tests {
             assert_eq!(slots.len(), world * unit.shard_len().div_ceil(2));
             let full: Vec<f32> = (0..padded).map(|i| (i as f32 * 1.37).sin() * 100.0).collect();
             let mut packed = vec![0.0; slots.len()];
-            slots.pack_all(&full, &mut packed);
+            slots.pack_all(&full, &mut packed, "u").unwrap();
             let mut back = vec![f32::NAN; padded];
             slots.unpack_all(&packed, &mut back, Some(1));
             for (i, (&x, &y)) in full.iter().zip(&back).enumerate() {
@@ -431,7 +576,7 @@ mod tests {
             }
             let mut own = vec![0.0; unit.shard_len()];
             let mut one = vec![0.0; slots.len()];
-            slots.pack_slot(1, &full[unit.shard_range(1)], &mut one);
+            slots.pack_slot(1, &full[unit.shard_range(1)], &mut one, "u").unwrap();
             slots.unpack_slot(1, &one, &mut own);
             assert_eq!(own, back_of(&full[unit.shard_range(1)]));
         }

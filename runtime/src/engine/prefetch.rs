@@ -23,7 +23,7 @@ use std::time::Instant;
 use shardline_collectives::{Communicator, Lane, Work};
 
 use super::clock::CommClock;
-use super::precision::Slots;
+use super::precision::{Slots, Wire};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::ShardedModelLayout;
@@ -304,8 +304,8 @@ pub(crate) struct LaneGathers<'a> {
     pub(crate) trace: &'a Trace,
     pub(crate) labels: &'a [String],
     pub(crate) clock: &'a mut CommClock,
-    /// Gather bf16 (PREC-3).
-    pub(crate) bf16: bool,
+    /// Gather packed bf16 (PREC-3) or quantized (QGATHER-1); `None`: `f32`.
+    pub(crate) wire: Option<Wire>,
     /// The step's conversion time.
     pub(crate) cast: &'a std::cell::Cell<std::time::Duration>,
 }
@@ -317,15 +317,15 @@ impl GatherIo for LaneGathers<'_> {
 
     fn issue(&mut self, unit: usize) -> Result<PendingGather> {
         let l = self.layout.unit(unit);
-        if self.bf16 {
-            // PREC-3: the own shard rounded into its packed slot; the packed buffer is a
-            // communication buffer until the unit is upcast on arrival.
-            let slots = Slots::of(l, self.layout.world());
-            let what = format!("{} (bf16 gather)", self.labels[unit]);
+        if let Some(wire) = self.wire {
+            // PREC-3, QGATHER-1: the own shard rounded or quantized into its packed slot; the
+            // packed buffer is a communication buffer until the unit is decoded on arrival.
+            let slots = Slots::on(l, self.layout.world(), wire);
+            let what = format!("{} (packed gather)", self.labels[unit]);
             let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
             let t0 = Instant::now();
             let mut packed = self.comm.pool().take(slots.len());
-            slots.pack_slot(self.rank, &self.shards[unit], &mut packed);
+            slots.pack_slot(self.rank, &self.shards[unit], &mut packed, &self.labels[unit])?;
             self.cast.set(self.cast.get() + t0.elapsed());
             let work = self.lane.all_gather_in_place(packed);
             return Ok(PendingGather { work, alloc, packed: true });
@@ -354,7 +354,8 @@ impl GatherIo for LaneGathers<'_> {
             self.mem.alloc_f32(Category::GatheredUnits, l.padded_numel(), &self.labels[unit])?;
         let t0 = Instant::now();
         let mut full = self.comm.pool().take(l.padded_numel());
-        Slots::of(l, self.layout.world()).unpack_all(&buf, &mut full, None);
+        let wire = self.wire.unwrap_or(Wire::Bf16);
+        Slots::on(l, self.layout.world(), wire).unpack_all(&buf, &mut full, None);
         self.cast.set(self.cast.get() + t0.elapsed());
         self.comm.pool().give(buf);
         drop(p.alloc);

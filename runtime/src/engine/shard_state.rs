@@ -85,9 +85,9 @@ impl RankEngine {
         let mut out = Vec::new();
         for u in 0..self.layout.units().len() {
             let l = self.layout.unit(u);
-            // PREC-1: with bf16 gathers after the update (stages 1 and 2) only the own range
+            // PREC-1: with packed gathers after the update (stages 1 and 2) only the own range
             // of a full copy is the f32 master; the masters are gathered in f32.
-            let masters_elsewhere = self.rules.gather_after_update && self.bf16_params();
+            let masters_elsewhere = self.rules.gather_after_update && self.packed_params();
             let full = match self.rules.params {
                 Holding::Full if masters_elsewhere => {
                     let own = self.state.params[u][l.shard_range(self.rank)].to_vec();

@@ -255,7 +255,10 @@ impl DeviceEngine {
                 "--offload params keeps the parameter shards on the host: it needs --stage 3",
             ));
         }
-        let missing = [(!cfg.precision.is_f32(), "bf16 (--param-dtype, --reduce-dtype)")];
+        let missing = [(
+            !cfg.precision.is_f32(),
+            "bf16 or quantized gathers (--param-dtype, --reduce-dtype, --gather-dtype)",
+        )];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
             return Err(RuntimeError::config(format!(
                 "the device engine does not run {what} yet; use the host engine"
