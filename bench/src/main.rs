@@ -12,6 +12,7 @@ mod measured;
 mod memory;
 mod overlap;
 mod precision;
+mod quant_error;
 mod report;
 mod syncbn;
 
@@ -79,6 +80,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench precision --models mlp-bn,gpt --steps 200 --json p.json
     Precision(precision::Args),
+    /// Per parameter tensor of gpt, the error a quantized gather (--gather-dtype int8|fp8)
+    /// makes, at initialisation and after f32 training.
+    ///
+    /// Example: shardline-bench quant-error --steps 300 --world 2 --json q.json
+    QuantError(quant_error::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
     /// checkpoints, runs equal to the clean run, detection and recovery times.
     ///
@@ -126,6 +132,7 @@ fn main() {
         Cmd::MemoryRank(a) => measured::rank(a),
         Cmd::Overlap(a) => overlap::run(a),
         Cmd::Precision(a) => precision::run(a),
+        Cmd::QuantError(a) => quant_error::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

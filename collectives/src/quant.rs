@@ -3,8 +3,10 @@
 //! values as 8-bit codes packed four to a 32-bit element, so that the lanes, whose buffers
 //! are `f32` words, move about a quarter of the bytes of `f32` values.
 //!
-//! Layout of `n` values: `ceil(n / block)` scale words, then `ceil(n / 4)` code words (code
+//! Layout of `n` values: one scale word per block, then `ceil(n / 4)` code words (code
 //! `4i + j` in byte `j` of word `i`, little end first; the last word padded with zeros).
+//! Blocks are `block` values from the start, or, cut into segments (the tensors of a flat
+//! buffer, [`pack_cut`]), from each segment's start, so no block spans two segments.
 //! The scale maps the block's largest magnitude `amax` onto the code's largest value: 127
 //! for `int8` (symmetric, code `round(x / scale)`), 448 for `fp8` e4m3 (code the e4m3 value
 //! nearest `x / scale`). A block of zeros has scale 0 and decodes to zeros.
@@ -70,7 +72,29 @@ impl Code {
 
 /// Words needed for `n` values in blocks of `block` (QUANT-1).
 pub fn words(n: usize, block: usize) -> usize {
-    n.div_ceil(block.max(1)) + n.div_ceil(4)
+    words_cut(&[n], block)
+}
+
+/// Words needed for values cut into segments of `cuts` lengths, each in blocks of `block`
+/// from its own start (QUANT-1).
+pub fn words_cut(cuts: &[usize], block: usize) -> usize {
+    let block = block.max(1);
+    cuts.iter().map(|c| c.div_ceil(block)).sum::<usize>() + cuts.iter().sum::<usize>().div_ceil(4)
+}
+
+/// The blocks of segments `cuts` as ranges of the values: every `block` values from each
+/// segment's start, so that no block spans two segments.
+fn blocks(cuts: &[usize], block: usize) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let block = block.max(1);
+    cuts.iter()
+        .scan(0usize, |at, &len| {
+            let s = *at;
+            *at += len;
+            Some((s, len))
+        })
+        .flat_map(move |(s, len)| {
+            (0..len.div_ceil(block)).map(move |b| s + b * block..s + ((b + 1) * block).min(len))
+        })
 }
 
 /// Quantizes `src` into `dst` (`words(src.len(), block)` long), block by block (QUANT-1);
@@ -78,22 +102,37 @@ pub fn words(n: usize, block: usize) -> usize {
 ///
 /// Panics when the lengths disagree (a caller's broken invariant).
 pub fn pack(code: Code, block: usize, src: &[f32], dst: &mut [f32]) -> Result<(), usize> {
-    let block = block.max(1);
-    assert_eq!(dst.len(), words(src.len(), block), "pack: {} values", src.len());
+    pack_cut(code, block, &[src.len()], src, dst)
+}
+
+/// [`pack`] with the values cut into segments of `cuts` lengths (tensors of a flat buffer):
+/// blocks restart at each segment, so a small tensor never shares a scale with a large one.
+///
+/// Panics when the lengths disagree (a caller's broken invariant).
+pub fn pack_cut(
+    code: Code,
+    block: usize,
+    cuts: &[usize],
+    src: &[f32],
+    dst: &mut [f32],
+) -> Result<(), usize> {
+    assert_eq!(cuts.iter().sum::<usize>(), src.len(), "pack: segments of {} values", src.len());
+    assert_eq!(dst.len(), words_cut(cuts, block), "pack: {} values", src.len());
     if let Some(i) = src.iter().position(|x| !x.is_finite()) {
         return Err(i);
     }
-    let nb = src.len().div_ceil(block);
+    let nb = dst.len() - src.len().div_ceil(4);
     let (scales, codes) = dst.split_at_mut(nb);
     let mut bytes = vec![0u8; codes.len() * 4];
-    for (b, (xs, scale)) in src.chunks(block).zip(scales.iter_mut()).enumerate() {
+    for (r, scale) in blocks(cuts, block).zip(scales.iter_mut()) {
+        let xs = &src[r.clone()];
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         // QUANT-4: the decoded block's largest value is `max * scale` rounded, and the
         // quotient `amax / max` rounded is what that gives back (checked over 20,000 scales).
         *scale = amax / code.max();
         if *scale > 0.0 {
             let inv = 1.0 / *scale;
-            for (o, &x) in bytes[b * block..].iter_mut().zip(xs) {
+            for (o, &x) in bytes[r].iter_mut().zip(xs) {
                 *o = code.encode(x * inv);
             }
         }
@@ -108,16 +147,23 @@ pub fn pack(code: Code, block: usize, src: &[f32], dst: &mut [f32]) -> Result<()
 ///
 /// Panics when the lengths disagree (a caller's broken invariant).
 pub fn unpack(code: Code, block: usize, src: &[f32], dst: &mut [f32]) {
-    let block = block.max(1);
-    assert_eq!(src.len(), words(dst.len(), block), "unpack: {} values", dst.len());
-    let nb = dst.len().div_ceil(block);
+    let n = dst.len();
+    unpack_cut(code, block, &[n], src, dst)
+}
+
+/// Decodes values packed by [`pack_cut`] with the same `code`, `block` and `cuts`.
+///
+/// Panics when the lengths disagree (a caller's broken invariant).
+pub fn unpack_cut(code: Code, block: usize, cuts: &[usize], src: &[f32], dst: &mut [f32]) {
+    assert_eq!(cuts.iter().sum::<usize>(), dst.len(), "unpack: segments of {} values", dst.len());
+    assert_eq!(src.len(), words_cut(cuts, block), "unpack: {} values", dst.len());
+    let nb = src.len() - dst.len().div_ceil(4);
     let (scales, codes) = src.split_at(nb);
     // Every code is a byte of `codes`, read little end first: the same on every host.
     let byte = |i: usize| codes[i / 4].to_bits().to_le_bytes()[i % 4];
-    for (b, (chunk, &sc)) in dst.chunks_mut(block).zip(scales).enumerate() {
-        let at = b * block;
-        for (j, o) in chunk.iter_mut().enumerate() {
-            *o = code.decode(byte(at + j)) * sc;
+    for (r, &sc) in blocks(cuts, block).zip(scales) {
+        for i in r {
+            dst[i] = code.decode(byte(i)) * sc;
         }
     }
 }
@@ -250,6 +296,34 @@ mod tests {
                 assert_eq!(again[1].to_bits(), p[1].to_bits(), "{code:?} amax {amax}");
             }
         }
+    }
+
+    /// QUANT-1 with segments: each segment's blocks have their own scales, so a segment of
+    /// small values next to one of large values keeps its relative accuracy.
+    #[test]
+    fn segments_get_their_own_blocks_quant_1() {
+        let mut x = vec![1.0f32; 100];
+        x.extend((0..28).map(|i| 0.01 * (i as f32 - 14.0) / 14.0));
+        for code in [Code::Int8, Code::Fp8] {
+            for (cuts, small_ok) in [(vec![100, 28], true), (vec![128], false)] {
+                let mut p = vec![0.0; words_cut(&cuts, 256)];
+                pack_cut(code, 256, &cuts, &x, &mut p).unwrap();
+                let mut y = vec![0.0; 128];
+                unpack_cut(code, 256, &cuts, &p, &mut y);
+                let worst = x[100..]
+                    .iter()
+                    .zip(&y[100..])
+                    .map(|(a, b)| (a - b).abs() / 0.01)
+                    .fold(0.0f32, f32::max);
+                // fp8's exponent keeps small values' relative accuracy in a shared block
+                // (down to its subnormals, 2^-9 of the block's largest code); int8's
+                // uniform steps do not.
+                let want = small_ok || code == Code::Fp8;
+                assert_eq!(worst < 0.07, want, "{code:?} {cuts:?}: worst {worst}");
+            }
+        }
+        assert_eq!(words_cut(&[100, 28], 64), 2 + 1 + 32);
+        assert_eq!(words_cut(&[0, 5], 64), 1 + 2);
     }
 
     #[test]

@@ -19,12 +19,31 @@ fn cfg(world: usize, stage: u8, gather: Option<GatherDtype>) -> TrainConfig {
     c
 }
 
-/// Shard lengths of every unit at `world`.
-fn shards(c: &TrainConfig) -> Vec<usize> {
+/// Per unit at `world`: its shard length, and the words of its quantized slot: the most any
+/// rank's shard needs with blocks restarting at each tensor (and the padding) it holds.
+fn shards(c: &TrainConfig) -> Vec<(usize, usize)> {
     let (train, _) = load_data(c, false).unwrap();
     let m = build_model(c, &train.sample_shape, train.classes).unwrap();
     let l = ShardedModelLayout::new(&m.spec(), c.world).unwrap();
-    l.units().iter().map(|u| u.shard_len()).collect()
+    let slot_words = |u: &shardline_runtime::shard::FlatLayout| {
+        (0..c.world)
+            .map(|r| {
+                let shard = u.shard_range(r);
+                // Each tensor's (and the padding's) overlap with the shard.
+                let mut pieces: Vec<std::ops::Range<usize>> =
+                    u.params().iter().map(|p| p.range()).collect();
+                pieces.push(u.numel()..u.padded_numel());
+                let cuts: Vec<usize> = pieces
+                    .iter()
+                    .map(|p| p.end.min(shard.end).saturating_sub(p.start.max(shard.start)))
+                    .filter(|&n| n > 0)
+                    .collect();
+                quant::words_cut(&cuts, c.gather_block)
+            })
+            .max()
+            .unwrap()
+    };
+    l.units().iter().map(|u| (u.shard_len(), slot_words(u))).collect()
 }
 
 /// The counts `n` in `{1, 2}` per unit (a unit is gathered once or twice a step: stage 3
@@ -39,7 +58,7 @@ fn gathers_per_unit(words: &[usize], total: usize) -> Option<Vec<usize>> {
 }
 
 /// QGATHER-1, QUANT-1 (LANE-8's counters): at stages 1-3, world 2, every gather carries
-/// `words(shard, block)` words per rank instead of `shard`: with the gathers per unit that
+/// its quantized slot's words per rank instead of `shard`: with the gathers per unit that
 /// the `f32` run's bytes give, the quantized run's bytes are exactly the quantized words,
 /// and the gradient reductions are untouched.
 #[test]
@@ -49,8 +68,7 @@ fn qgather_1_gathers_carry_the_quantized_words() {
     };
     for stage in 1..4u8 {
         let base = cfg(2, stage, None);
-        let sh = shards(&base);
-        let q_words: Vec<usize> = sh.iter().map(|&s| quant::words(s, base.gather_block)).collect();
+        let (sh, q_words): (Vec<usize>, Vec<usize>) = shards(&base).into_iter().unzip();
         let f = bytes(&run_ok(base, quiet()));
         for dtype in [Int8, Fp8] {
             let q = bytes(&run_ok(cfg(2, stage, Some(dtype)), quiet()));

@@ -66,7 +66,7 @@ mod tests;
 
 pub use accum::AccumReduce;
 pub use device::{open_backend, Device};
-pub use precision::{GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
+pub use precision::{gather_round_trip, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
 

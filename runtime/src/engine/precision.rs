@@ -222,13 +222,32 @@ pub(crate) enum Wire {
 
 /// A unit's flat buffer as `world` packed slots, one per rank's shard: the layout of every
 /// bf16 or quantized gather and bf16 reduction (a shard of odd length pads its slot's last
-/// word). A quantized slot's blocks start at its shard's start, so each rank's values
-/// depend on its own shard alone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// word). A quantized slot's blocks start at its shard's start and at every tensor's start
+/// within it (`quant::pack_cut`), so each rank's values depend on its own shard alone and
+/// a small tensor (a norm's bias) never shares a scale with a large one; every slot takes
+/// the most words any rank's needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Slots {
     world: usize,
     shard: usize,
     wire: Wire,
+    /// Quantized: per rank, the lengths of the tensors (and padding) its shard cuts.
+    cuts: Vec<Vec<usize>>,
+}
+
+/// The lengths of the pieces of `unit`'s tensors (and its padding) in rank `r`'s shard.
+fn cuts_of(unit: &FlatLayout, r: usize) -> Vec<usize> {
+    let range = unit.shard_range(r);
+    let mut at: Vec<usize> = unit
+        .params()
+        .iter()
+        .flat_map(|p| [p.offset, p.offset + p.numel])
+        .chain([unit.numel(), range.start, range.end])
+        .filter(|x| range.contains(x) || *x == range.end)
+        .collect();
+    at.sort_unstable();
+    at.dedup();
+    at.windows(2).map(|w| w[1] - w[0]).collect()
 }
 
 impl Slots {
@@ -239,14 +258,20 @@ impl Slots {
 
     /// The slots of `unit` over `world` ranks as `wire` packs them.
     pub(crate) fn on(unit: &FlatLayout, world: usize, wire: Wire) -> Self {
-        Slots { world, shard: unit.shard_len(), wire }
+        let cuts = match wire {
+            Wire::Bf16 => Vec::new(),
+            Wire::Quant(..) => (0..world).map(|r| cuts_of(unit, r)).collect(),
+        };
+        Slots { world, shard: unit.shard_len(), wire, cuts }
     }
 
     /// Words per slot.
     pub(crate) fn words(&self) -> usize {
         match self.wire {
             Wire::Bf16 => bf16::words(self.shard),
-            Wire::Quant(_, block) => quant::words(self.shard, block),
+            Wire::Quant(_, block) => {
+                self.cuts.iter().map(|c| quant::words_cut(c, block)).max().unwrap_or(0)
+            }
         }
     }
 
@@ -271,16 +296,23 @@ impl Slots {
         let slot = &mut packed[self.slot(r)];
         match self.wire {
             Wire::Bf16 => bf16::pack(shard, slot),
-            Wire::Quant(code, block) => quant::pack(code, block, shard, slot).map_err(|i| {
-                RuntimeError::Failed(format!(
-                    "{what}: element {} is {}, which a {} gather cannot carry (the run diverged)",
-                    r * self.shard + i,
-                    shard[i],
-                    code.name()
-                ))
-            })?,
+            Wire::Quant(code, block) => {
+                let (used, rest) = slot.split_at_mut(quant::words_cut(&self.cuts[r], block));
+                rest.fill(0.0);
+                quant::pack_cut(code, block, &self.cuts[r], shard, used)
+                    .map_err(|i| self.not_finite(what, r, i, shard[i], code))?
+            }
         }
         Ok(())
+    }
+
+    /// QUANT-3's refusal, naming the unit and the element.
+    fn not_finite(&self, what: &str, r: usize, i: usize, v: f32, code: Code) -> RuntimeError {
+        RuntimeError::Failed(format!(
+            "{what}: element {} is {v}, which a {} gather cannot carry (the run diverged)",
+            r * self.shard + i,
+            code.name()
+        ))
     }
 
     /// Packs a whole padded buffer, each rank's range into its slot.
@@ -295,18 +327,28 @@ impl Slots {
     pub(crate) fn unpack_slot(&self, r: usize, packed: &[f32], shard: &mut [f32]) {
         match self.wire {
             Wire::Bf16 => bf16::unpack(&packed[self.slot(r)], shard),
-            Wire::Quant(code, block) => quant::unpack(code, block, &packed[self.slot(r)], shard),
+            Wire::Quant(code, block) => {
+                let used = quant::words_cut(&self.cuts[r], block);
+                let slot = &packed[self.slot(r)][..used];
+                quant::unpack_cut(code, block, &self.cuts[r], slot, shard)
+            }
         }
     }
 
     /// QGATHER-1: the values `r`'s slot decodes to, written over that range of `full` (the
     /// masters there), as every rank that gathers them sees them.
     pub(crate) fn round_trip_slot(&self, r: usize, full: &mut [f32], what: &str) -> Result<()> {
-        let mut one = vec![0.0; self.words()];
-        let range = r * self.shard..(r + 1) * self.shard;
-        let as_slot = Slots { world: 1, ..*self };
-        as_slot.pack_slot(0, &full[range.clone()], &mut one, what)?;
-        as_slot.unpack_slot(0, &one, &mut full[range]);
+        let values = &mut full[r * self.shard..(r + 1) * self.shard];
+        match self.wire {
+            Wire::Bf16 => values.iter_mut().for_each(|v| *v = bf16::widen(bf16::round(*v))),
+            Wire::Quant(code, block) => {
+                let cuts = &self.cuts[r];
+                let mut one = vec![0.0; quant::words_cut(cuts, block)];
+                quant::pack_cut(code, block, cuts, values, &mut one)
+                    .map_err(|i| self.not_finite(what, r, i, values[i], code))?;
+                quant::unpack_cut(code, block, cuts, &one, values);
+            }
+        }
         Ok(())
     }
 
@@ -316,6 +358,22 @@ impl Slots {
             self.unpack_slot(r, packed, &mut full[r * self.shard..(r + 1) * self.shard]);
         }
     }
+}
+
+/// QGATHER-1's compute values of a unit: `full` (padded, masters) as the gathers of `world`
+/// ranks under `q` decode it, written over it. What a run computes with, for measuring the
+/// quantization's error outside a run.
+pub fn gather_round_trip(
+    unit: &FlatLayout,
+    world: usize,
+    q: QuantGather,
+    full: &mut [f32],
+) -> Result<()> {
+    let slots = Slots::on(unit, world, Wire::Quant(q.dtype.code(), q.block));
+    for r in 0..world {
+        slots.round_trip_slot(r, full, unit.name())?;
+    }
+    Ok(())
 }
 
 /// `dst[i] = src[i]` rounded to bf16 and back (PREC-2's compute values).
