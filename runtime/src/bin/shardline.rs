@@ -832,6 +832,7 @@ fn main() {
                 // whole model on every rank at the end would cost what sharding saved.
                 skip_final_params: true,
                 stop_on_signal: true,
+                backend: None,
             };
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts

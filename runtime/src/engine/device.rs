@@ -1,6 +1,8 @@
 //! Where a rank's kernels run: [`Device`], and [`open_backend`], which opens its compute
 //! backend or says why it cannot.
 
+use std::sync::Arc;
+
 use crate::error::{Result, RuntimeError};
 use shardline_models::{Backend, Cpu};
 
@@ -46,6 +48,18 @@ pub fn open_backend(device: Device, threads: usize) -> Result<Box<dyn Backend>> 
             "this build has no CUDA backend (cargo build -p shardline-runtime --features cuda)"
                 .into(),
         )),
+    }
+}
+
+/// Opens each rank's backend in place of its device's (the argument is the rank): for
+/// callers that bring a backend of their own, such as a test's backend that fails on
+/// purpose.
+#[derive(Clone)]
+pub struct BackendOverride(pub Arc<dyn Fn(usize) -> Box<dyn Backend> + Send + Sync>);
+
+impl std::fmt::Debug for BackendOverride {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BackendOverride")
     }
 }
 

@@ -44,6 +44,9 @@
 //!   every rank.
 //! - ENG-3: every buffer the engine holds is registered with the rank's [`MemoryTracker`]
 //!   (model state, gathered units, unreduced gradients, activations).
+//! - ENG-11: a kernel that fails on a rank (its backend's error, [`Backend`]'s BACKEND-1)
+//!   ends the step and the run with that error, naming the call, whichever rank and stage;
+//!   the other ranks stop too, and no thread panics.
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -65,7 +68,7 @@ mod stats;
 mod tests;
 
 pub use accum::AccumReduce;
-pub use device::{open_backend, Device};
+pub use device::{open_backend, BackendOverride, Device};
 pub use precision::{MixedPrecision, PrecisionDtype};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
@@ -311,6 +314,11 @@ impl RankEngine {
             no_decay,
             cast: Cell::new(Duration::ZERO),
         })
+    }
+
+    /// Computes on `backend` from now on, in place of the one its device opened.
+    pub fn set_backend(&mut self, backend: Box<dyn Backend>) {
+        self.backend = backend;
     }
 
     /// Installs the fault plan's hook, called at each phase of each step.
