@@ -49,6 +49,15 @@ pub fn check_libraries() -> Result<(), ModelError> {
     }
 }
 
+/// How many CUDA devices the driver shows this process (after `CUDA_VISIBLE_DEVICES`);
+/// `DeviceUnavailable` without the libraries or a driver.
+pub fn device_count() -> Result<usize, ModelError> {
+    check_libraries()?;
+    let n = CudaContext::device_count()
+        .map_err(|e| ModelError::DeviceUnavailable(format!("no CUDA device: {e:?}")))?;
+    Ok(n.max(0) as usize)
+}
+
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> ModelError {
     ModelError::Device(format!("{what}: {e:?}"))
 }

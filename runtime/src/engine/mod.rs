@@ -31,8 +31,8 @@
 //! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
 //! call's forward first (RECOMP-1), `stats` is the SyncBN
 //! statistics path, `shard_state` what a rank keeps and checkpoints, `device` the compute
-//! backend, `precision` the bf16 gathers and reductions of the mixed-precision policy
-//! (PREC-1..5); this module orchestrates a step.
+//! backend (`gpu_choice` the GPU of each rank, VIS-1..VIS-3), `precision` the bf16 gathers
+//! and reductions of the mixed-precision policy (PREC-1..5); this module orchestrates a step.
 //!
 //! Invariants (each of the others is defined in the module that implements it):
 //! - ENG-1: the same seed, data and world size give bitwise-identical parameters with any
@@ -55,6 +55,7 @@
 mod accum;
 mod clock;
 mod device;
+mod gpu_choice;
 pub mod on_device;
 mod pass;
 mod precision;
@@ -68,7 +69,8 @@ mod stats;
 mod tests;
 
 pub use accum::AccumReduce;
-pub use device::{open_backend, BackendOverride, Device};
+pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
+pub use gpu_choice::{rank_gpu, GpuChoiceError};
 pub use precision::{MixedPrecision, PrecisionDtype};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
@@ -287,7 +289,7 @@ impl RankEngine {
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
-        let backend = open_backend(cfg.device, cfg.threads)?;
+        let backend = open_rank_backend(cfg.device, cfg.threads, comm.topology().local_rank(rank))?;
         Ok(RankEngine {
             rank,
             world,
