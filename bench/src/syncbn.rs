@@ -327,7 +327,7 @@ fn extras(a: &Args, out: &mut serde_json::Map<String, serde_json::Value>) -> any
     use shardline_models::backend::{gemm_gflops, matrixmultiply_gflops};
     let cpu = shardline_models::Cpu::new();
     let (m, n, k) = (256, 1024, 1024);
-    let ours = gemm_gflops(&cpu, m, n, k, 5);
+    let ours = gemm_gflops(&cpu, m, n, k, 5)?;
     let alt = matrixmultiply_gflops(m, n, k, 5);
     println!("GEMM {m}x{n}x{k}, one thread: gemm crate {ours:.1} GFLOP/s, matrixmultiply {alt:.1} GFLOP/s ({:.2}x)", ours / alt);
 

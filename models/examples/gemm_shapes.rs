@@ -3,10 +3,10 @@
 //!
 //! `cargo run --release -p shardline-models --example gemm_shapes -- [n] [in] [out]`
 
-use shardline_models::{Backend, Cpu, GemmShape};
+use shardline_models::{Backend, Cpu, GemmShape, ModelError};
 use std::time::Instant;
 
-fn main() {
+fn main() -> Result<(), ModelError> {
     let a: Vec<usize> = std::env::args().skip(1).filter_map(|s| s.parse().ok()).collect();
     let (n, i, o) = (
         a.first().copied().unwrap_or(128),
@@ -21,15 +21,15 @@ fn main() {
     let mut gw = vec![0.0f32; o * i];
     let mut gx = vec![0.0f32; n * i];
     let flops = 2.0 * (n * i * o) as f64;
-    let time = |f: &mut dyn FnMut()| {
+    let time = |f: &mut dyn FnMut() -> Result<(), ModelError>| -> Result<f64, ModelError> {
         let mut ts = Vec::new();
         for _ in 0..15 {
             let t = Instant::now();
-            f();
+            f()?;
             ts.push(t.elapsed().as_secs_f64());
         }
         ts.sort_by(f64::total_cmp);
-        ts[ts.len() / 2]
+        Ok(ts[ts.len() / 2])
     };
     let t = time(&mut || {
         be.gemm(
@@ -39,7 +39,7 @@ fn main() {
             &mut y,
             false,
         )
-    });
+    })?;
     println!("forward  y[n,o] = x w^T      {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
     let t = time(&mut || {
         be.gemm(
@@ -49,7 +49,7 @@ fn main() {
             &mut gw,
             false,
         )
-    });
+    })?;
     println!("weight   dW[o,i] = dy^T x    {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
     let t = time(&mut || {
         be.gemm(
@@ -59,7 +59,7 @@ fn main() {
             &mut gw,
             true,
         )
-    });
+    })?;
     println!("weight+  dW += dy^T x        {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
     let t = time(&mut || {
         be.gemm(
@@ -69,6 +69,7 @@ fn main() {
             &mut gx,
             false,
         )
-    });
+    })?;
     println!("input    dx[n,i] = dy w      {:7.3} ms {:6.1} GFLOP/s", t * 1e3, flops / t / 1e9);
+    Ok(())
 }

@@ -145,9 +145,12 @@ fn time_attention(cfg: &GptConfig) -> f64 {
 }
 
 /// The rate of the limit: `gemm_gflops` on `c_fc`'s forward shape over `rows` rows.
-fn limit_gflops(cfg: &GptConfig, rows: usize) -> (usize, usize, usize, f64) {
+fn limit_gflops(
+    cfg: &GptConfig,
+    rows: usize,
+) -> Result<(usize, usize, usize, f64), shardline_models::ModelError> {
     let (gm, gn, gk) = (rows, 4 * cfg.n_embd, cfg.n_embd);
-    (gm, gn, gk, gemm_gflops(&Cpu::new(), gm, gn, gk, 5))
+    Ok((gm, gn, gk, gemm_gflops(&Cpu::new(), gm, gn, gk, 5)?))
 }
 
 fn main() -> Result<(), shardline_models::ModelError> {
@@ -165,7 +168,7 @@ fn main() -> Result<(), shardline_models::ModelError> {
     if args.first().map(String::as_str) == Some("--limit") {
         let batch: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(BATCH).max(1);
         let flops: f64 = shapes(&cfg, batch).iter().map(Shape::flops).sum();
-        let (.., gflops) = limit_gflops(&cfg, BATCH * SEQ);
+        let (.., gflops) = limit_gflops(&cfg, BATCH * SEQ)?;
         println!(
             "{{\"batch\": {batch}, \"seq\": {SEQ}, \"matmul_gflop\": {:.6}, \"gemm_gflops\": {gflops:.3}, \"bound_ms\": {:.3}}}",
             flops / 1e9,
@@ -211,7 +214,7 @@ fn main() -> Result<(), shardline_models::ModelError> {
 
     let shapes = shapes(&cfg, BATCH);
     let flops: f64 = shapes.iter().map(Shape::flops).sum();
-    let (gm, gn, gk, gflops) = limit_gflops(&cfg, BATCH * SEQ);
+    let (gm, gn, gk, gflops) = limit_gflops(&cfg, BATCH * SEQ)?;
     let bound_ms = flops / (gflops * 1e9) * 1e3;
 
     println!(

@@ -1,6 +1,12 @@
 //! Compute backends. Layers call the [`Backend`] trait for their heavy kernels (matrix
 //! multiply, elementwise ops), so that a device backend can implement the same trait later.
 //!
+//! Invariants (cited by the tests):
+//! - BACKEND-1: a kernel that fails returns its error, never panics: a device failure is
+//!   [`ModelError::Device`] naming the call, operands that do not fit are
+//!   [`ModelError::Shape`]; every layer and model hands it up unchanged and runs no further
+//!   kernel, so the caller of a forward or backward gets the failed call's own error.
+//!
 //! ## Choice of the matrix multiply
 //! Measured on the development machine (2-core Intel Xeon with AVX-512, one thread, f32,
 //! `cargo run --release -p shardline-models --example gemm_compare`, best of 5):
@@ -21,39 +27,65 @@
 
 use std::time::Instant;
 
+use crate::error::ModelError;
+
 /// Heavy kernels used by the layers. Buffers are row-major and contiguous.
+///
+/// Every kernel returns a `Result`: a device backend can fail in the middle of a step (a
+/// lost GPU, out of memory, a failed copy), and the layer that called it can only hand the
+/// failure up, to the engine that ends the run with it. A device failure is
+/// [`ModelError::Device`] naming the call; operands that do not fit are [`ModelError::Shape`].
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Short name for reports (`cpu-gemm`, ...).
     fn name(&self) -> &'static str;
 
     /// `c = op(a) * op(b)` (or `c += ...` when `accumulate`), where `op(a)` is `m x k` and
     /// `op(b)` is `k x n`. With `trans_a`, `a` is stored as `k x m`; with `trans_b`, `b` is
-    /// stored as `n x k`. Panics when a slice is shorter than its matrix (a caller bug).
-    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool);
+    /// stored as `n x k`. A slice shorter than its matrix is a [`ModelError::Shape`].
+    fn gemm(
+        &self,
+        shape: GemmShape,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError>;
 
     /// `dst += alpha * src`.
-    fn axpy(&self, alpha: f32, src: &[f32], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len(), "axpy: lengths differ");
+    fn axpy(&self, alpha: f32, src: &[f32], dst: &mut [f32]) -> Result<(), ModelError> {
+        same_len("axpy", src.len(), dst.len())?;
         for (d, s) in dst.iter_mut().zip(src) {
             *d += alpha * s;
         }
+        Ok(())
     }
 
     /// `x = max(x, 0)` in place.
-    fn relu(&self, x: &mut [f32]) {
+    fn relu(&self, x: &mut [f32]) -> Result<(), ModelError> {
         for v in x.iter_mut() {
             *v = v.max(0.0);
         }
+        Ok(())
     }
 
     /// `grad *= (out > 0)` in place, where `out` is the ReLU's output.
-    fn relu_backward(&self, out: &[f32], grad: &mut [f32]) {
-        assert_eq!(out.len(), grad.len(), "relu_backward: lengths differ");
+    fn relu_backward(&self, out: &[f32], grad: &mut [f32]) -> Result<(), ModelError> {
+        same_len("relu_backward", out.len(), grad.len())?;
         // A select, not a branch: the signs are random, and a branchy loop neither predicts
         // nor vectorises. Same result (NaN outputs keep their gradient, as before).
         for (g, o) in grad.iter_mut().zip(out) {
             *g = if *o <= 0.0 { 0.0 } else { *g };
         }
+        Ok(())
+    }
+}
+
+/// `Err(Shape)` unless an elementwise kernel's two operands have one length.
+pub(crate) fn same_len(what: &str, a: usize, b: usize) -> Result<(), ModelError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(ModelError::shape(what, format!("equal lengths ({a})"), b))
     }
 }
 
@@ -105,7 +137,15 @@ impl Backend for Cpu {
         "cpu-gemm"
     }
 
-    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
+    fn gemm(
+        &self,
+        shape: GemmShape,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        shape.check(a.len(), b.len(), c.len())?;
         let par = if self.threads > 1 {
             gemm::Parallelism::Rayon(self.threads)
         } else {
@@ -114,6 +154,7 @@ impl Backend for Cpu {
         // The route of the float-generic kernels (`nn::gemm`): a large `a b^T` (a linear
         // forward) multiplies a transposed copy of `b`, the rest as `gemm` takes them.
         crate::nn::gemm::gemm_f32(shape, a, b, c, accumulate, par);
+        Ok(())
     }
 }
 
@@ -134,6 +175,21 @@ pub struct GemmShape {
     pub trans_b: bool,
 }
 
+impl GemmShape {
+    /// `Err(Shape)` unless slices of `a`, `b` and `c` elements hold their matrices.
+    pub fn check(&self, a: usize, b: usize, c: usize) -> Result<(), ModelError> {
+        let GemmShape { m, n, k, .. } = *self;
+        if a < m * k || b < k * n || c < m * n {
+            return Err(ModelError::shape(
+                "gemm operands",
+                format!("at least {}, {} and {} elements", m * k, k * n, m * n),
+                format!("{a}, {b} and {c}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Reference matrix multiply (`c = op(a) op(b)`), f64 accumulation; for tests and for the
 /// naive baseline of the comparison.
 pub fn naive_gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
@@ -152,19 +208,32 @@ pub fn naive_gemm(shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
 }
 
 /// Measures a backend's matrix multiply: GFLOP/s of `m x n x k` products (best of `reps`
-/// timed runs after one warm-up), on deterministic data.
-pub fn gemm_gflops(backend: &dyn Backend, m: usize, n: usize, k: usize, reps: usize) -> f64 {
+/// timed runs after one warm-up), on deterministic data; the backend's error if a multiply
+/// fails.
+pub fn gemm_gflops(
+    backend: &dyn Backend,
+    m: usize,
+    n: usize,
+    k: usize,
+    reps: usize,
+) -> Result<f64, ModelError> {
     let a: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let b: Vec<f32> = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
     let mut c = vec![0.0f32; m * n];
-    backend.gemm(GemmShape { m, n, k, trans_a: false, trans_b: false }, &a, &b, &mut c, false);
+    backend.gemm(GemmShape { m, n, k, trans_a: false, trans_b: false }, &a, &b, &mut c, false)?;
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        backend.gemm(GemmShape { m, n, k, trans_a: false, trans_b: false }, &a, &b, &mut c, false);
+        backend.gemm(
+            GemmShape { m, n, k, trans_a: false, trans_b: false },
+            &a,
+            &b,
+            &mut c,
+            false,
+        )?;
         best = best.min(t.elapsed().as_secs_f64());
     }
-    2.0 * (m * n * k) as f64 / best.max(1e-12) / 1e9
+    Ok(2.0 * (m * n * k) as f64 / best.max(1e-12) / 1e9)
 }
 
 /// The same measurement for `matrixmultiply::sgemm` (the runner-up of the comparison in
@@ -225,13 +294,15 @@ mod tests {
                         let shape = GemmShape { m, n, k, trans_a: ta, trans_b: tb };
                         naive_gemm(shape, &a, &b, &mut want);
                         let mut got = vec![7.0; m * n];
-                        Cpu::with_threads(threads).gemm(
-                            GemmShape { m, n, k, trans_a: ta, trans_b: tb },
-                            &a,
-                            &b,
-                            &mut got,
-                            false,
-                        );
+                        Cpu::with_threads(threads)
+                            .gemm(
+                                GemmShape { m, n, k, trans_a: ta, trans_b: tb },
+                                &a,
+                                &b,
+                                &mut got,
+                                false,
+                            )
+                            .unwrap();
                         for (g, w) in got.iter().zip(&want) {
                             assert!(
                                 (g - w).abs() < 1e-4,
@@ -240,13 +311,15 @@ mod tests {
                         }
                         // accumulate adds onto what is there
                         let mut acc = vec![1.0; m * n];
-                        Cpu::new().gemm(
-                            GemmShape { m, n, k, trans_a: ta, trans_b: tb },
-                            &a,
-                            &b,
-                            &mut acc,
-                            true,
-                        );
+                        Cpu::new()
+                            .gemm(
+                                GemmShape { m, n, k, trans_a: ta, trans_b: tb },
+                                &a,
+                                &b,
+                                &mut acc,
+                                true,
+                            )
+                            .unwrap();
                         for (g, w) in acc.iter().zip(&want) {
                             assert!((g - (w + 1.0)).abs() < 1e-4);
                         }
@@ -257,8 +330,38 @@ mod tests {
     }
 
     #[test]
+    fn operands_that_do_not_fit_are_shape_errors_not_panics_backend_1() {
+        let shape = GemmShape { m: 2, n: 3, k: 4, trans_a: false, trans_b: false };
+        let (a, b) = (vec![1.0; 8], vec![1.0; 12]);
+        for (a, b, c) in [(&a[..7], &b[..], 6), (&a[..], &b[..11], 6), (&a[..], &b[..], 5)] {
+            let r = Cpu::new().gemm(shape, a, b, &mut vec![0.0; c], false);
+            assert!(matches!(r, Err(ModelError::Shape { .. })), "{r:?}");
+        }
+        let r = Cpu::new().axpy(1.0, &[1.0; 3], &mut [0.0; 2]);
+        assert!(matches!(r, Err(ModelError::Shape { .. })), "{r:?}");
+        let r = Cpu::new().relu_backward(&[1.0; 3], &mut [0.0; 4]);
+        assert!(matches!(r, Err(ModelError::Shape { .. })), "{r:?}");
+    }
+
+    #[test]
+    fn the_failing_backend_fails_only_its_nth_gemm_backend_1() {
+        let be = crate::failing_backend::FailingBackend::new(2);
+        let shape = GemmShape { m: 1, n: 1, k: 1, trans_a: false, trans_b: false };
+        let mut c = [0.0];
+        assert!(be.gemm(shape, &[2.0], &[3.0], &mut c, false).is_ok());
+        assert_eq!(c, [6.0]);
+        match be.gemm(shape, &[2.0], &[3.0], &mut c, true) {
+            Err(ModelError::Device(what)) => assert!(what.contains("gemm #2"), "{what}"),
+            other => panic!("gemm #2 must fail: {other:?}"),
+        }
+        assert_eq!(c, [6.0], "the failed call computes nothing");
+        assert!(be.gemm(shape, &[2.0], &[3.0], &mut c, true).is_ok());
+        assert_eq!((c, be.gemms()), ([12.0], 3));
+    }
+
+    #[test]
     fn gflops_helper_reports_a_positive_rate() {
-        let r = gemm_gflops(&Cpu::new(), 32, 32, 32, 2);
+        let r = gemm_gflops(&Cpu::new(), 32, 32, 32, 2).unwrap();
         assert!(r.is_finite() && r > 0.0);
         let r = matrixmultiply_gflops(32, 32, 32, 2);
         assert!(r.is_finite() && r > 0.0);

@@ -168,7 +168,7 @@ impl Conv2d {
                 &col,
                 o,
                 self.bias,
-            );
+            )?;
         }
         Ok((Tensor::new(vec![g.n, self.out_channels, g.ho, g.wo], out)?, ConvSaved { input }))
     }
@@ -205,7 +205,7 @@ impl Conv2d {
                 &col,
                 gw,
                 true,
-            );
+            )?;
             if self.bias {
                 for (gbv, plane) in gb.iter_mut().zip(dy.chunks_exact(p.max(1))) {
                     *gbv += plane.iter().sum::<f32>();
@@ -218,7 +218,7 @@ impl Conv2d {
                 dy,
                 &mut dcol,
                 false,
-            );
+            )?;
             self.col2im(&g, &dcol, &mut gx.as_f32_mut()?[s * in_len..(s + 1) * in_len]);
         }
         Ok(gx)

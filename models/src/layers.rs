@@ -102,7 +102,7 @@ impl Linear {
             w,
             &mut out,
             self.bias,
-        );
+        )?;
         Ok((Tensor::new(vec![n, o], out)?, LinearSaved { input }))
     }
 
@@ -154,7 +154,7 @@ impl Linear {
             saved.input.as_f32()?,
             gw,
             accumulate,
-        );
+        )?;
         if !accumulate {
             gb.fill(0.0);
         }
@@ -231,8 +231,7 @@ impl Linear {
             &params[..o * i],
             gx,
             false,
-        );
-        Ok(())
+        )
     }
 }
 
@@ -247,7 +246,7 @@ pub fn relu_forward(
     be: &dyn Backend,
     mut input: Tensor,
 ) -> Result<(Tensor, ReluSaved), ModelError> {
-    be.relu(input.as_f32_mut()?);
+    be.relu(input.as_f32_mut()?)?;
     let saved = ReluSaved { output: input.clone() };
     Ok((input, saved))
 }
@@ -259,7 +258,7 @@ pub fn relu_backward(
     mut grad_output: Tensor,
 ) -> Result<Tensor, ModelError> {
     check_len("relu grad_output", grad_output.numel(), saved.output.numel())?;
-    be.relu_backward(saved.output.as_f32()?, grad_output.as_f32_mut()?);
+    be.relu_backward(saved.output.as_f32()?, grad_output.as_f32_mut()?)?;
     Ok(grad_output)
 }
 
@@ -408,7 +407,7 @@ pub fn add_forward(be: &dyn Backend, mut a: Tensor, b: &Tensor) -> Result<Tensor
             format!("{:?}", b.shape()),
         ));
     }
-    be.axpy(1.0, b.as_f32()?, a.as_f32_mut()?);
+    be.axpy(1.0, b.as_f32()?, a.as_f32_mut()?)?;
     Ok(a)
 }
 

@@ -34,6 +34,8 @@ pub mod conv;
 pub mod cuda;
 pub mod data;
 pub mod error;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod failing_backend;
 pub mod layers;
 pub mod loss;
 pub mod meter;

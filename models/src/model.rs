@@ -928,7 +928,7 @@ impl BlockBack<'_, '_> {
             }
             None => (self.path(main, 0..nm, &s.main, ga)?, self.path(sc, 0..ns, &s.shortcut, gb)?),
         };
-        ctx.backend.axpy(1.0, gb.as_f32()?, ga.as_f32_mut()?);
+        ctx.backend.axpy(1.0, gb.as_f32()?, ga.as_f32_mut()?)?;
         Ok(ga)
     }
 }

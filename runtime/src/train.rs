@@ -243,6 +243,9 @@ pub struct RunOptions {
     /// model on every rank at the end of the run, which a model that only fits sharded
     /// cannot afford (the CLI sets it; checkpoints hold the result).
     pub skip_final_params: bool,
+    /// Each rank's compute backend in place of `--device`'s (tests: one that fails on
+    /// purpose); `None` opens the device's.
+    pub backend: Option<crate::engine::BackendOverride>,
 }
 
 impl Default for TrainConfig {

@@ -1,10 +1,12 @@
 //! `--device cuda`: where no GPU (or no `cuda` feature) is present, the run is refused with
 //! `DeviceUnavailable` naming what is missing, never a panic; where a GPU answers, training on
-//! it follows the CPU run (the CUDA backend computes the same step up to f32 rounding).
+//! it follows the CPU run (the CUDA backend computes the same step up to f32 rounding), with
+//! each rank on its own GPU (VIS-1: two ranks where two GPUs are visible, else one).
 
 mod common;
 use common::*;
-use shardline_runtime::engine::{open_backend, Device};
+use shardline_runtime::engine::{cuda_devices, open_backend, Device};
+use shardline_runtime::train::TrainConfig;
 use shardline_runtime::RuntimeError;
 
 #[test]
@@ -24,9 +26,11 @@ fn cuda_device_trains_like_the_cpu_or_is_unavailable() {
         }
         Err(e) => panic!("opening the GPU failed with an unexpected error: {e}"),
         Ok(be) => {
-            println!("training on {}", be.name());
-            let cpu = run_ok(small_cfg(2, 3, 6, 60), quiet());
-            let gpu = run_ok(cfg, quiet());
+            // Each rank opens its own GPU, so the world is at most the GPUs visible.
+            let world = cuda_devices().expect("a GPU opened, so the driver counts").clamp(1, 2);
+            println!("training on {} with {world} ranks", be.name());
+            let cpu = run_ok(small_cfg(world, 3, 6, 60), quiet());
+            let gpu = run_ok(TrainConfig { world, ..cfg }, quiet());
             // cuBLAS sums in another order than gemm: allow f32 rounding over 6 steps.
             let pd = max_abs_diff(&gpu.final_params, &cpu.final_params);
             let last = |s: &shardline_runtime::train::Summary| *s.losses.last().unwrap();

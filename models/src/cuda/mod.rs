@@ -49,6 +49,15 @@ pub fn check_libraries() -> Result<(), ModelError> {
     }
 }
 
+/// How many CUDA devices the driver shows this process (after `CUDA_VISIBLE_DEVICES`);
+/// `DeviceUnavailable` without the libraries or a driver.
+pub fn device_count() -> Result<usize, ModelError> {
+    check_libraries()?;
+    let n = CudaContext::device_count()
+        .map_err(|e| ModelError::DeviceUnavailable(format!("no CUDA device: {e:?}")))?;
+    Ok(n.max(0) as usize)
+}
+
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> ModelError {
     ModelError::Device(format!("{what}: {e:?}"))
 }
@@ -513,13 +522,15 @@ impl Cuda {
         )
     }
 
-    fn must<T>(r: Result<T, ModelError>) -> T {
-        // The Backend trait has no error channel: a device fault in the middle of a step
-        // (lost GPU, out of memory) is not recoverable by the layer that called us.
-        match r {
-            Ok(v) => v,
-            Err(e) => panic!("cuda backend: {e}"),
-        }
+    /// A [`Backend`] call's device failure, naming the call and the GPU before what failed
+    /// inside it (a copy, the cuBLAS call, a launch); other errors pass unchanged.
+    fn in_call(&self, call: &str, r: Result<(), ModelError>) -> Result<(), ModelError> {
+        r.map_err(|e| match e {
+            ModelError::Device(what) => {
+                ModelError::Device(format!("{call} on cuda:{}: {what}", self.ctx.ordinal()))
+            }
+            other => other,
+        })
     }
 }
 
@@ -528,10 +539,17 @@ impl Backend for Cuda {
         "cuda-cublas"
     }
 
-    fn gemm(&self, shape: GemmShape, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bool) {
+    fn gemm(
+        &self,
+        shape: GemmShape,
+        a: &[f32],
+        b: &[f32],
+        c: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        shape.check(a.len(), b.len(), c.len())?;
         let GemmShape { m, n, k, .. } = shape;
-        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n, "gemm: short slices");
-        Self::must((|| {
+        let r = (|| {
             let da = self.upload(&a[..m * k])?;
             let db = self.upload(&b[..k * n])?;
             let mut dc = if accumulate { self.upload(&c[..m * n])? } else { self.zeros(m * n)? };
@@ -539,38 +557,42 @@ impl Backend for Cuda {
             let out = self.download(&dc)?;
             c[..m * n].copy_from_slice(&out);
             Ok(())
-        })())
+        })();
+        self.in_call(&format!("gemm {m}x{n}x{k}"), r)
     }
 
-    fn axpy(&self, alpha: f32, src: &[f32], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len(), "axpy: lengths differ");
-        Self::must((|| {
+    fn axpy(&self, alpha: f32, src: &[f32], dst: &mut [f32]) -> Result<(), ModelError> {
+        crate::backend::same_len("axpy", src.len(), dst.len())?;
+        let r = (|| {
             let x = self.upload(src)?;
             let mut y = self.upload(dst)?;
             self.axpy_dev(alpha, &x, &mut y)?;
             dst.copy_from_slice(&self.download(&y)?);
             Ok(())
-        })())
+        })();
+        self.in_call("axpy", r)
     }
 
-    fn relu(&self, x: &mut [f32]) {
-        Self::must((|| {
+    fn relu(&self, x: &mut [f32]) -> Result<(), ModelError> {
+        let r = (|| {
             let mut d = self.upload(x)?;
             self.relu_dev(&mut d)?;
             x.copy_from_slice(&self.download(&d)?);
             Ok(())
-        })())
+        })();
+        self.in_call("relu", r)
     }
 
-    fn relu_backward(&self, out: &[f32], grad: &mut [f32]) {
-        assert_eq!(out.len(), grad.len(), "relu_backward: lengths differ");
-        Self::must((|| {
+    fn relu_backward(&self, out: &[f32], grad: &mut [f32]) -> Result<(), ModelError> {
+        crate::backend::same_len("relu_backward", out.len(), grad.len())?;
+        let r = (|| {
             let o = self.upload(out)?;
             let mut g = self.upload(grad)?;
             self.relu_backward_dev(&o, &mut g)?;
             grad.copy_from_slice(&self.download(&g)?);
             Ok(())
-        })())
+        })();
+        self.in_call("relu_backward", r)
     }
 }
 

@@ -60,18 +60,16 @@ fn gemm_matches_cpu_for_every_transpose() {
                 let mut want = vec![0.0; m * n];
                 naive_gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut want);
                 let mut got = vec![7.0; m * n];
-                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut got, false);
+                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut got, false)
+                    .unwrap();
                 assert_close(&format!("{m}x{n}x{k} ta={ta} tb={tb}"), &got, &want, 1e-4);
                 let mut cpu = vec![1.0; m * n];
-                Cpu::new().gemm(
-                    GemmShape { m, n, k, trans_a: ta, trans_b: tb },
-                    &a,
-                    &b,
-                    &mut cpu,
-                    true,
-                );
+                Cpu::new()
+                    .gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut cpu, true)
+                    .unwrap();
                 let mut acc = vec![1.0; m * n];
-                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut acc, true);
+                cuda.gemm(GemmShape { m, n, k, trans_a: ta, trans_b: tb }, &a, &b, &mut acc, true)
+                    .unwrap();
                 assert_close("accumulate", &acc, &cpu, 1e-4);
             }
         }
@@ -86,19 +84,19 @@ fn elementwise_kernels_match_cpu() {
     for n in [0, 1, 255, 256, 257, 10_000] {
         let x = randn(&mut rng, n);
         let (mut want, mut got) = (x.clone(), x.clone());
-        Cpu::new().relu(&mut want);
-        cuda.relu(&mut got);
+        Cpu::new().relu(&mut want).unwrap();
+        cuda.relu(&mut got).unwrap();
         assert_eq!(got, want, "relu n={n}");
 
         let g = randn(&mut rng, n);
         let (mut want, mut got) = (g.clone(), g.clone());
-        Cpu::new().relu_backward(&x, &mut want);
-        cuda.relu_backward(&x, &mut got);
+        Cpu::new().relu_backward(&x, &mut want).unwrap();
+        cuda.relu_backward(&x, &mut got).unwrap();
         assert_eq!(got, want, "relu_backward n={n}");
 
         let (mut want, mut got) = (g.clone(), g.clone());
-        Cpu::new().axpy(-0.37, &x, &mut want);
-        cuda.axpy(-0.37, &x, &mut got);
+        Cpu::new().axpy(-0.37, &x, &mut want).unwrap();
+        cuda.axpy(-0.37, &x, &mut got).unwrap();
         assert_close("axpy", &got, &want, 1e-6);
     }
 }

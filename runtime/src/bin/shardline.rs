@@ -278,8 +278,10 @@ enum OffloadArg {
 #[derive(Args, Debug)]
 struct TrainArgs {
     /// Compute device: cpu; cuda (a build with the `cuda` feature, on a host with a GPU:
-    /// matrix multiplies and elementwise kernels run on GPU 0, the shards, the optimizer and
-    /// the collectives stay on the host; without a GPU: exit 2 naming what is missing); or
+    /// matrix multiplies and elementwise kernels run on each rank's own GPU, the one at its
+    /// local rank among those CUDA_VISIBLE_DEVICES shows, the shards, the optimizer and the
+    /// collectives stay on the host; without a GPU: exit 2 naming what is missing; with fewer
+    /// visible GPUs than ranks on a node, the run fails naming both); or
     /// sim, a simulated accelerator for testing: the device engine keeps each rank's
     /// parameters, gradients and optimizer state in device memory, runs kernels on a compute
     /// stream and gathers and reductions on their own streams ordered by events, and fails
@@ -849,6 +851,7 @@ fn main() {
                 // whole model on every rank at the end would cost what sharding saved.
                 skip_final_params: true,
                 stop_on_signal: true,
+                backend: None,
             };
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts

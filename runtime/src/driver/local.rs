@@ -98,6 +98,9 @@ pub fn run(
     if let Some(f) = &opts.faults {
         engines.iter_mut().for_each(|e| e.set_fault_hook(f.hook()));
     }
+    if let Some(o) = &opts.backend {
+        engines.iter_mut().for_each(|e| e.set_backend((o.0)(e.rank())));
+    }
     let trackers: Vec<MemoryTracker> = engines.iter().map(|e| e.memory().clone()).collect();
     let ranks = Engines {
         engines,

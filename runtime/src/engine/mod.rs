@@ -31,8 +31,8 @@
 //! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
 //! call's forward first (RECOMP-1), `stats` is the SyncBN
 //! statistics path, `shard_state` what a rank keeps and checkpoints, `device` the compute
-//! backend, `precision` the bf16 gathers and reductions of the mixed-precision policy
-//! (PREC-1..5); this module orchestrates a step.
+//! backend (`gpu_choice` the GPU of each rank, VIS-1..VIS-3), `precision` the bf16 gathers
+//! and reductions of the mixed-precision policy (PREC-1..5); this module orchestrates a step.
 //!
 //! Invariants (each of the others is defined in the module that implements it):
 //! - ENG-1: the same seed, data and world size give bitwise-identical parameters with any
@@ -44,6 +44,9 @@
 //!   every rank.
 //! - ENG-3: every buffer the engine holds is registered with the rank's [`MemoryTracker`]
 //!   (model state, gathered units, unreduced gradients, activations).
+//! - ENG-11: a kernel that fails on a rank (its backend's error, [`Backend`]'s BACKEND-1)
+//!   ends the step and the run with that error, naming the call, whichever rank and stage;
+//!   the other ranks stop too, and no thread panics.
 //!
 //! Trace rows: `compute` holds the compute spans and the blocking `wait ...` spans (what
 //! the rank's own thread does); `gather` and `reduce` hold each collective's span on its
@@ -52,6 +55,7 @@
 mod accum;
 mod clock;
 mod device;
+mod gpu_choice;
 pub mod on_device;
 mod pass;
 mod precision;
@@ -65,7 +69,8 @@ mod stats;
 mod tests;
 
 pub use accum::AccumReduce;
-pub use device::{open_backend, Device};
+pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
+pub use gpu_choice::{rank_gpu, GpuChoiceError};
 pub use precision::{gather_round_trip, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
@@ -284,7 +289,7 @@ impl RankEngine {
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
-        let backend = open_backend(cfg.device, cfg.threads)?;
+        let backend = open_rank_backend(cfg.device, cfg.threads, comm.topology().local_rank(rank))?;
         Ok(RankEngine {
             rank,
             world,
@@ -311,6 +316,11 @@ impl RankEngine {
             no_decay,
             cast: Cell::new(Duration::ZERO),
         })
+    }
+
+    /// Computes on `backend` from now on, in place of the one its device opened.
+    pub fn set_backend(&mut self, backend: Box<dyn Backend>) {
+        self.backend = backend;
     }
 
     /// Installs the fault plan's hook, called at each phase of each step.

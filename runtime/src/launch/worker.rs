@@ -91,6 +91,9 @@ fn run_rank(
     if let Some(h) = &hook {
         engine.set_fault_hook(Arc::clone(h));
     }
+    if let Some(o) = &opts.backend {
+        engine.set_backend((o.0)(rank));
+    }
     let tracker = engine.memory().clone();
     let (job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
     let placement = Launched {
