@@ -159,55 +159,51 @@ pub fn unpack_cut(code: Code, block: usize, cuts: &[usize], src: &[f32], dst: &m
     assert_eq!(src.len(), words_cut(cuts, block), "unpack: {} values", dst.len());
     let nb = src.len() - dst.len().div_ceil(4);
     let (scales, codes) = src.split_at(nb);
-    // Every code is a byte of `codes`, read little end first: the same on every host.
-    let byte = |i: usize| codes[i / 4].to_bits().to_le_bytes()[i % 4];
+    // Every code is a byte of `codes`, read little end first: the same on every host. A
+    // table of the 256 codes' values keeps the loop free of branches.
+    let bytes: Vec<u8> = codes.iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
+    let table: [f32; 256] = std::array::from_fn(|c| code.decode(c as u8));
     for (r, &sc) in blocks(cuts, block).zip(scales) {
-        for i in r {
-            dst[i] = code.decode(byte(i)) * sc;
+        for (o, &c) in dst[r.clone()].iter_mut().zip(&bytes[r]) {
+            *o = table[usize::from(c)] * sc;
         }
     }
 }
 
 /// `x` as the nearest e4m3 code, ties to even, saturating at +-448 (QUANT-2). `x` is finite.
+#[inline]
 pub fn e4m3_encode(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
     let a = x.abs().min(448.0);
-    // Below the smallest normal (2^-6) the step is 2^-9 (subnormals m * 2^-9, m in 0..8);
-    // above, each binade [2^e, 2^(e+1)) has 8 steps of 2^(e-3).
-    let e = if a < 2f32.powi(-6) { -6 } else { a.log2().floor() as i32 };
-    let step = 2f32.powi(e - 3);
-    // Ties to even on the step count (exact: `a / step` is exact in f32 for these ranges).
-    let q = a / step;
-    let mut m = q.round();
-    if (q - q.trunc() - 0.5).abs() == 0.0 && m % 2.0 != 0.0 {
-        m -= 1.0;
+    if a < 2f32.powi(-6) {
+        // Subnormals: `m * 2^-9`, `m` in 0..=8 (8 is the smallest normal, code 0x08); the
+        // scaling by 2^9 is exact.
+        return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let v = m * step; // the rounded magnitude, at most 448 since `a` was clamped
-    if v == 0.0 {
-        return sign;
-    }
-    let (be, frac) = if v < 2f32.powi(-6) {
-        (0u8, (v / 2f32.powi(-9)) as u8)
-    } else {
-        let e = v.log2().floor() as i32;
-        ((e + 7) as u8, ((v / 2f32.powi(e) - 1.0) * 8.0) as u8)
-    };
-    sign | (be << 3) | frac
+    // Normal: round f32's 23 significand bits to 3, ties to even; a carry moves into the
+    // exponent, as it should. `a <= 448` keeps the result at most 0x7e.
+    let b = a.to_bits();
+    let r = (b + 0x7_ffff + ((b >> 20) & 1)) >> 20;
+    // f32's exponent bias 127 against e4m3's 7.
+    sign | (r - (120 << 3)) as u8
 }
 
 /// The value of e4m3 code `c` (exact; the NaN codes `0x7f`, `0xff` decode to NaN).
+#[inline]
 pub fn e4m3_decode(c: u8) -> f32 {
-    let sign = if c & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((c >> 3) & 0x0f, c & 0x07);
-    if e == 0x0f && m == 0x07 {
-        return f32::NAN;
-    }
-    let v = if e == 0 {
-        f32::from(m) * 2f32.powi(-9)
+    let (e, m) = (u32::from((c >> 3) & 0x0f), u32::from(c & 0x07));
+    let v = if e == 0x0f && m == 0x07 {
+        f32::NAN
+    } else if e == 0 {
+        m as f32 * 2f32.powi(-9)
     } else {
-        (1.0 + f32::from(m) / 8.0) * 2f32.powi(i32::from(e) - 7)
+        f32::from_bits(((e + 120) << 23) | (m << 20))
     };
-    sign * v
+    if c & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
 }
 
 #[cfg(test)]
