@@ -42,6 +42,7 @@ mod cli;
 mod io;
 mod memory;
 mod offload;
+mod reduce;
 mod run;
 mod stats;
 mod timeline;
@@ -64,8 +65,8 @@ use super::accum;
 use super::pass::{Kept, Micro};
 use super::prefetch::GatherPlan;
 use super::recompute::{Checkpoint, Recording, Replay};
-use super::reduction::{ReduceIo, Reduction, Reductions};
-use super::stage::{BeforeUse, GradReduce, StageRules, Update};
+use super::reduction::{ReduceIo, Reductions};
+use super::stage::{BeforeUse, StageRules};
 use super::{open_backend, EngineConfig};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Category, MemorySnapshot, MemoryTracker};
@@ -74,6 +75,7 @@ use activations::{Act, Shapes};
 use io::{DeviceGathers, DeviceReduction, PendingGather};
 use memory::DeviceMemory;
 use offload::{lock, Held};
+use reduce::StepIo;
 use stats::DeviceStats;
 
 /// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
@@ -774,86 +776,6 @@ impl DeviceEngine {
         Ok(input_grad)
     }
 
-    /// Unit `u`'s reduction on the reduce stream, after its backward (DEV-2), as its stage
-    /// says; a transient gradient is freed on the reduce stream once read.
-    fn issue_reduction(
-        &mut self,
-        reds: &mut Reductions<DeviceReduction>,
-        u: usize,
-        transient: Option<DeviceBuffer>,
-        add: bool,
-    ) -> Result<()> {
-        let (s, dev, mem) = (&self.streams, &self.dev, &self.mem);
-        let computed = dev.record(s.compute);
-        dev.wait(s.reduce, &computed);
-        let comm = &mut self.reduce_comm;
-        if self.bug.desync_rank.take_if(|r| *r == self.rank).is_some() {
-            comm.all_reduce(s.reduce, &self.loss)?;
-        }
-        let mut unreduced = 0;
-        match (self.rules.reduce, transient) {
-            (GradReduce::AllReduce, None) => comm.all_reduce(s.reduce, &self.grads[u])?,
-            (GradReduce::ReduceScatterInPlace, None) => {
-                comm.reduce_scatter_in_place(s.reduce, &self.grads[u])?
-            }
-            (GradReduce::ReduceScatter, Some(full)) => {
-                unreduced = full.len() as u64 * 4;
-                if add {
-                    // ACC-3: the result adds to the earlier microbatches' in the shard.
-                    let label = format!("{} (reduce-scatter output)", self.labels[u]);
-                    let out = mem.alloc(Category::CommBuffers, self.grads[u].len(), &label)?;
-                    comm.reduce_scatter(s.reduce, &full, &out)?;
-                    dev.launch(
-                        s.reduce,
-                        &format!("accumulate {}", self.labels[u]),
-                        &[&out],
-                        &[&self.grads[u]],
-                        Box::new(|r, w| w[0].iter_mut().zip(r[0]).for_each(|(a, b)| *a += b)),
-                    )?;
-                    mem.free(s.reduce, out)?;
-                } else {
-                    comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
-                }
-                let on = if self.bug.free_grads_on_compute { s.compute } else { s.reduce };
-                mem.free(on, full)?;
-            }
-            (how, _) => {
-                return Err(RuntimeError::config(format!(
-                    "unit {u}: reduction {how:?} with the wrong gradient buffer"
-                )))
-            }
-        }
-        let done = dev.record(s.reduce);
-        self.reduced[u] = Some(done.clone());
-        reds.issue(u, unreduced, DeviceReduction { dev: Arc::clone(dev), done });
-        Ok(())
-    }
-
-    /// The loss and the squared norms summed over the group on the reduce stream; the
-    /// compute stream (and the offload stream) wait for the sums (clipping reads them).
-    fn enqueue_loss_and_norm(&mut self, n: usize) -> Result<()> {
-        let s = &self.streams;
-        self.dev.launch(
-            s.compute,
-            "loss and norm",
-            &[&self.loss, &self.sq],
-            &[&self.sums],
-            Box::new(move |r, w| {
-                // ENG-1: the norms summed in unit order.
-                let sq: f64 = (0..n).map(|u| f64_of(&r[1][2 * u..2 * u + 2])).sum();
-                w[0][0] = r[0][0];
-                w[0][1] = sq as f32;
-            }),
-        )?;
-        let e = self.dev.record(s.compute);
-        self.dev.wait(s.reduce, &e);
-        self.reduce_comm.all_reduce(s.reduce, &self.sums)?;
-        let summed = self.dev.record(s.reduce);
-        self.dev.wait(s.compute, &summed);
-        self.dev.wait(s.offload, &summed);
-        Ok(())
-    }
-
     /// Every unit's full parameters (unpadded), gathered at stage 3 (collective: every rank
     /// calls it).
     pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
@@ -913,18 +835,6 @@ impl DeviceEngine {
     }
 }
 
-/// The `f64` stored as its bits in two elements.
-fn f64_of(two: &[f32]) -> f64 {
-    f64::from_bits(u64::from(two[0].to_bits()) << 32 | u64::from(two[1].to_bits()))
-}
-
-/// An `f64`'s bits in two elements (carried exactly: the elements are only copied).
-fn store_f64(v: f64, two: &mut [f32]) {
-    let b = v.to_bits();
-    two[0] = f32::from_bits((b >> 32) as u32);
-    two[1] = f32::from_bits(b as u32);
-}
-
 /// What a kernel needs to build its [`Ctx`]: owned, so that it travels with the kernel.
 #[derive(Clone)]
 struct CtxOf {
@@ -950,117 +860,5 @@ impl CtxOf {
             step: self.step,
             first_sample: self.first_sample,
         }
-    }
-}
-
-/// The reduction core's I/O on the device: finishing a reduction makes the compute stream
-/// wait for its event; an update is a kernel on the compute stream.
-struct StepIo<'a> {
-    eng: &'a mut DeviceEngine,
-    lr: f32,
-    /// Gradient clipping's maximum norm: norms are taken as reductions finish, and updates
-    /// read the summed norm on the device.
-    clip: Option<f64>,
-}
-
-impl ReduceIo<DeviceReduction> for StepIo<'_> {
-    type Error = RuntimeError;
-
-    fn finish(&mut self, r: Reduction<DeviceReduction>) -> Result<()> {
-        let e = &mut *self.eng;
-        e.dev.wait(e.streams.compute, &r.work.done);
-        if self.clip.is_some() {
-            // ENG-8 with clipping: the own reduced slice's squared norm, as it comes in.
-            let (u, rules) = (r.unit, e.rules);
-            let own = e.layout.unit(u).shard_range(e.rank);
-            e.dev.launch(
-                e.streams.compute,
-                &format!("norm {}", e.labels[u]),
-                &[&e.grads[u]],
-                &[&e.sq],
-                Box::new(move |r, w| {
-                    let sq = crate::optim::sq_norm(rules.own_grads(r[0], &own));
-                    store_f64(sq, &mut w[0][2 * u..2 * u + 2]);
-                }),
-            )?;
-        }
-        Ok(())
-    }
-
-    fn update(&mut self, u: usize) -> Result<()> {
-        let e = &mut *self.eng;
-        let own = e.layout.unit(u).shard_range(e.rank);
-        let (rules, opt, lr, step, clip) = (e.rules, e.cfg.optimizer, self.lr, e.step, self.clip);
-        let no_decay = e.no_decay[u].clone();
-        let rank = e.rank;
-        let (p, st) = (&e.params[u], &e.optim_state[u]);
-        // With clipping the update reads the summed norm (`sums`), and its own norm is not
-        // the one reported (that was taken before scaling).
-        let step_unit = move |p: &mut [f32],
-                              g: &mut [f32],
-                              st: &mut [f32],
-                              sums: Option<&[f32]>,
-                              sq: &mut [f32],
-                              name: &str| {
-            let coef = match (clip, sums) {
-                (Some(max), Some(s)) => crate::optim::clip_coef(f64::from(s[1]), max),
-                _ => 1.0,
-            };
-            let update = Update { opt: &opt, lr, step, coef };
-            let norm = rules
-                .update_unit(&update, &own, &no_decay, p, g, st)
-                .map_err(|e| kernel_error(rank, name, e))?;
-            if clip.is_none() {
-                store_f64(norm, &mut sq[2 * u..2 * u + 2]);
-            }
-            Ok(())
-        };
-        let (Held::Device(p), Held::Device(st)) = (p, st) else {
-            // OFFL-1: the same update as a host function on the offload stream, after the
-            // unit's reduction: the gradient shard copied to the host, the state there, the
-            // parameters written back to the device or kept on the host.
-            let name = format!("host update {}", e.labels[u]);
-            if let Some(done) = &e.reduced[u] {
-                e.dev.wait(e.streams.offload, done);
-            }
-            let (host_p, host_st) = (p.on_host(), st.on_host());
-            let mut writes = vec![&e.sq];
-            writes.extend(p.on_device());
-            let mut reads = vec![&e.grads[u]];
-            reads.extend(clip.map(|_| &e.sums));
-            let what = name.clone();
-            e.dev.launch_fallible(
-                e.streams.offload,
-                &what,
-                &reads,
-                &writes,
-                Box::new(move |r, w| {
-                    let mut g = r[0].to_vec();
-                    let sums = r.get(1).copied();
-                    let mut st = lock(host_st.as_ref().expect("offloaded state"));
-                    let (sq, rest) = w.split_first_mut().expect("the norms buffer");
-                    match &host_p {
-                        Some(hp) => step_unit(&mut lock(hp), &mut g, &mut st, sums, sq, &name),
-                        None => step_unit(&mut *rest[0], &mut g, &mut st, sums, sq, &name),
-                    }
-                }),
-            )?;
-            e.ready[u] = Some(e.dev.record(e.streams.offload));
-            return Ok(());
-        };
-        let name = format!("update {}", e.labels[u]);
-        let reads: Vec<&DeviceBuffer> = clip.map(|_| &e.sums).into_iter().collect();
-        e.dev.launch_fallible(
-            e.streams.compute,
-            &name.clone(),
-            &reads,
-            &[p, &e.grads[u], st, &e.sq],
-            Box::new(move |r, w| {
-                let [p, g, st, sq] = w else { unreachable!("four buffers") };
-                step_unit(p, g, st, r.first().copied(), sq, &name)
-            }),
-        )?;
-        e.ready[u] = Some(e.dev.record(e.streams.compute));
-        Ok(())
     }
 }
