@@ -55,7 +55,7 @@ impl Erf for f32 {
 
     /// `libm`'s `erff` and `expf` are scalar calls, which made the exact GELU the largest
     /// elementwise cost of a training step; this path is branch-free `f32` arithmetic
-    /// ([`gelu_f32_one`]) that the compiler vectorises, on x86-64 for AVX-512 or AVX2 with
+    /// (`gelu_f32_one`) that the compiler vectorises, on x86-64 for AVX-512 or AVX2 with
     /// FMA, chosen at run time.
     fn gelu_saving_derivative(x_then_d: &mut [f32], y: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
