@@ -459,14 +459,14 @@ struct TrainArgs {
     #[arg(long, value_parser = parse_reduce_dtype)]
     reduce_dtype: Option<PrecisionDtype>,
     /// Quantized parameter gathers (ZeRO++'s qwZ, torchao's float8 all-gather): int8 or
-    /// fp8 (e4m3), one f32 scale per --gather-block values, about a quarter of f32's gather
-    /// bytes. Lossy: every rank computes with the parameters dequantized (the same values
+    /// fp8 (e4m3), one f32 scale per block of --gather-block values (blocks restart at each
+    /// tensor), about a quarter of f32's gather bytes. Lossy: every rank computes with the parameters dequantized (the same values
     /// on every rank and at every stage); masters, optimizer state and gradient reductions
     /// stay as the precision policy says. Needs --param-dtype f32 [default: gather in the
     /// param dtype].
     #[arg(long, value_parser = parse_gather_dtype)]
     gather_dtype: Option<GatherDtype>,
-    /// Values per scale of a quantized gather.
+    /// Values per scale of a quantized gather (a tensor's last block may be shorter).
     #[arg(long, default_value_t = 256)]
     gather_block: usize,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
