@@ -39,7 +39,7 @@ use crate::report;
 use anyhow::Context;
 use plotters::prelude::*;
 use serde::Serialize;
-use shardline_runtime::engine::PrecisionDtype;
+use shardline_runtime::engine::{GatherDtype, PrecisionDtype};
 use shardline_runtime::shard::{ShardedModelLayout, Stage};
 use shardline_runtime::train::{
     self, build_model, load_data, RunOptions, StageChoice, SyncBnMode, TrainConfig,
@@ -124,6 +124,14 @@ pub struct Args {
     /// `train --reduce-dtype` [default: the --param-dtype].
     #[arg(long, value_parser = parse_reduce_dtype)]
     pub reduce_dtype: Option<PrecisionDtype>,
+    /// `train --gather-dtype`: int8 or fp8 quantized parameter gathers (QGATHER-1)
+    /// [default: the --param-dtype].
+    #[arg(long, value_parser = parse_gather_dtype)]
+    pub gather_dtype: Option<GatherDtype>,
+}
+
+fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
+    GatherDtype::parse("--gather-dtype", s)
 }
 
 fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
@@ -242,6 +250,7 @@ fn config(a: &Args, prefetch: usize, rate: Option<u64>, steps: u64) -> TrainConf
         prefetch_budget: a.prefetch_budget,
         param_dtype: a.param_dtype,
         reduce_dtype: a.reduce_dtype,
+        gather_dtype: a.gather_dtype,
         ..TrainConfig::default()
     }
 }
@@ -746,6 +755,9 @@ fn train_args(a: &Args, prefetch: usize, dir: &Path) -> Vec<String> {
         v.extend(["--prefetch-budget".to_string(), b.to_string()]);
     }
     v.extend(["--param-dtype".to_string(), a.param_dtype.name().to_string()]);
+    if let Some(g) = a.gather_dtype {
+        v.extend(["--gather-dtype".to_string(), g.name().to_string()]);
+    }
     if let Some(r) = a.reduce_dtype {
         v.extend(["--reduce-dtype".to_string(), r.name().to_string()]);
     }
