@@ -56,6 +56,7 @@ pub fn run(
             cfg.world
         )));
     }
+    super::check_options(&opts)?;
     let p = plan(&cfg)?;
     if !opts.quiet {
         train::print_header(&cfg, &p);

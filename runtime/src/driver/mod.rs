@@ -361,6 +361,16 @@ impl StepFigures {
     }
 }
 
+/// Refuses run options that cannot work, before any rank meets another: every rank then
+/// reports the same error itself, instead of one reporting it and the others the transport
+/// failure its exit causes.
+pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
+    if opts.resume && opts.checkpoint_dir.is_none() {
+        return Err(RuntimeError::config("--resume needs --checkpoint-dir"));
+    }
+    Ok(())
+}
+
 /// Loads the newest checkpoint that verifies into every rank when `--resume` asks (CKPT-5);
 /// the steps it holds. Each process selects on its own: every rank, in this process or in
 /// its own, runs the same selection over the same files, so all load the same checkpoint.

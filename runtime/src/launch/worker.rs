@@ -45,6 +45,7 @@ pub fn run_worker_planned(
             cfg.world, env.world
         )));
     }
+    crate::driver::check_options(&opts)?;
     let lead = env.rank == 0 && !opts.quiet;
     let joined = join_job(&cfg, env)?;
     if lead {
