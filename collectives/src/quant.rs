@@ -8,7 +8,7 @@
 //! Blocks are `block` values from the start, or, cut into segments (the tensors of a flat
 //! buffer, [`pack_cut`]), from each segment's start, so no block spans two segments.
 //! The scale maps the block's largest magnitude `amax` onto the code's largest value: 127
-//! for `int8` (symmetric, code `round(x / scale)`), 448 for `fp8` e4m3 (code the e4m3 value
+//! for `int8` (symmetric, code `x / scale` rounded to nearest, ties to even), 448 for `fp8` e4m3 (code the e4m3 value
 //! nearest `x / scale`). A block of zeros has scale 0 and decodes to zeros.
 //!
 //! A gather moves the packed words bit for bit, so every rank decodes the same values.
@@ -56,7 +56,10 @@ impl Code {
     #[inline]
     fn encode(self, x: f32) -> u8 {
         match self {
-            Code::Int8 => (x.round().clamp(-127.0, 127.0) as i8) as u8,
+            // Round to nearest, ties to even, by adding and taking away 1.5 * 2^23 (exact
+            // for |x| < 2^22; `x` is within +-127 here, a hair over at most): plain f32
+            // arithmetic that vectorises, where `round` is a library call per element.
+            Code::Int8 => (((x + ROUND) - ROUND).clamp(-127.0, 127.0) as i8) as u8,
             Code::Fp8 => e4m3_encode(x),
         }
     }
@@ -69,6 +72,10 @@ impl Code {
         }
     }
 }
+
+/// 1.5 * 2^23: `(x + ROUND) - ROUND` is `x` rounded to an integer, ties to even, for
+/// `|x| < 2^22`.
+const ROUND: f32 = 12_582_912.0;
 
 /// Words needed for `n` values in blocks of `block` (QUANT-1).
 pub fn words(n: usize, block: usize) -> usize {
@@ -178,7 +185,7 @@ pub fn e4m3_encode(x: f32) -> u8 {
     if a < 2f32.powi(-6) {
         // Subnormals: `m * 2^-9`, `m` in 0..=8 (8 is the smallest normal, code 0x08); the
         // scaling by 2^9 is exact.
-        return sign | (a * 512.0).round_ties_even() as u8;
+        return sign | ((a * 512.0 + ROUND) - ROUND) as u8;
     }
     // Normal: round f32's 23 significand bits to 3, ties to even; a carry moves into the
     // exponent, as it should. `a <= 448` keeps the result at most 0x7e.
