@@ -167,7 +167,9 @@ pub fn unpack_cut(code: Code, block: usize, cuts: &[usize], src: &[f32], dst: &m
     let nb = src.len() - dst.len().div_ceil(4);
     let (scales, codes) = src.split_at(nb);
     // Every code is a byte of `codes`, read little end first: the same on every host. A
-    // table of the 256 codes' values keeps the loop free of branches.
+    // table of the 256 codes' values keeps the loop free of branches; the bytes are laid
+    // out once first (reading each from its word in the loop measured slower: 2.9 against
+    // 2.3 ms of conversion per gpt step).
     let bytes: Vec<u8> = codes.iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
     let table: [f32; 256] = std::array::from_fn(|c| code.decode(c as u8));
     for (r, &sc) in blocks(cuts, block).zip(scales) {

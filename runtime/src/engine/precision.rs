@@ -352,6 +352,11 @@ impl Slots {
         Ok(())
     }
 
+    /// [`Slots::round_trip_slot`] for every rank's range: the values the ranks compute with.
+    pub(crate) fn round_trip_all(&self, full: &mut [f32], what: &str) -> Result<()> {
+        (0..self.world).try_for_each(|r| self.round_trip_slot(r, full, what))
+    }
+
     /// Upcasts every slot into its rank's range of the padded buffer `full`, except `skip`.
     pub(crate) fn unpack_all(&self, packed: &[f32], full: &mut [f32], skip: Option<usize>) {
         for r in (0..self.world).filter(|&r| Some(r) != skip) {
@@ -369,11 +374,7 @@ pub fn gather_round_trip(
     q: QuantGather,
     full: &mut [f32],
 ) -> Result<()> {
-    let slots = Slots::on(unit, world, Wire::Quant(q.dtype.code(), q.block));
-    for r in 0..world {
-        slots.round_trip_slot(r, full, unit.name())?;
-    }
-    Ok(())
+    Slots::on(unit, world, Wire::Quant(q.dtype.code(), q.block)).round_trip_all(full, unit.name())
 }
 
 /// `dst[i] = src[i]` rounded to bf16 and back (PREC-2's compute values).
@@ -449,10 +450,7 @@ impl RankEngine {
             Wire::Quant(..) => {
                 // QUANT-4: a range that holds decoded values (stages 1, 2) decodes to them.
                 full.copy_from_slice(&self.state.params[u]);
-                let slots = Slots::on(l, self.world, wire);
-                for r in 0..self.world {
-                    slots.round_trip_slot(r, &mut full, &self.labels[u])?;
-                }
+                Slots::on(l, self.world, wire).round_trip_all(&mut full, &self.labels[u])?;
             }
         }
         self.cast_since(t0);
