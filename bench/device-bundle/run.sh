@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (it replaces bench/device-check.sh, which needed cargo on the GPU host), run from a bundle built by bench/device-bundle.sh (no Rust toolchain or
+# The device check, run from a bundle built by bench/device-bundle.sh (no Rust toolchain or
 # network needed where it runs). Every step is bounded; the whole check stays under
 # BUDGET_S (default 290 s). On a host without a GPU the CUDA steps report "skipped" or
 # fail with DeviceUnavailable, and the simulated-device step still runs: that is the dry run.
