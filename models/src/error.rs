@@ -64,6 +64,14 @@ pub enum ModelError {
         /// The tensor's type.
         got: crate::tensor::DType,
     },
+    /// A tensor's values were asked for away from where they live (TENSOR-4).
+    #[error("placement mismatch: a tensor on {tensor} was read on {here}; copy it there first")]
+    Placement {
+        /// Where the tensor lives.
+        tensor: crate::placement::Placement,
+        /// Where the thread computes.
+        here: crate::placement::Placement,
+    },
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),

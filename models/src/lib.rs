@@ -43,6 +43,7 @@ pub mod model;
 pub mod module;
 pub mod network;
 pub mod nn;
+pub mod placement;
 pub mod rng;
 pub mod spec;
 pub mod tensor;
@@ -64,6 +65,7 @@ pub use model::{
     convert_sync_batchnorm, Ctx, InputGrad, Layer, Model, UnitBackward, UnitSaved, WrapPolicy,
 };
 pub use network::{CallBackward, ModuleNet, Network};
+pub use placement::Placement;
 pub use spec::{ModelSpec, ParamSpec, UnitSpec};
-pub use tensor::{DType, Placement, Tensor};
+pub use tensor::{DType, Tensor};
 pub use zoo::{ConvNetBn, MlpBn, WideMlp};

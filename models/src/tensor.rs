@@ -5,7 +5,7 @@
 //! type (bf16) or device memory is a new storage variant, not a new public API: a kernel asks
 //! for the view it can compute on ([`Tensor::as_f32`], [`Tensor::as_u32`]) and a tensor of
 //! another type answers [`ModelError::DType`] instead of being misread (every tensor lives on
-//! the host so far).
+//! the host or in a device's memory; [`crate::placement`]).
 //!
 //! Invariants:
 //! - `TENSOR-1`: a tensor's storage always holds `shape.iter().product()` elements; every
@@ -16,11 +16,16 @@
 //!   while the branch's first layer saves the same tensor); a write through
 //!   [`Tensor::as_f32_mut`] to shared values copies them first, so no other tensor ever sees
 //!   the change.
+//! - `TENSOR-4`: a tensor is placed where the thread that made it computes
+//!   ([`placement::current`]), and its values are read or written only there: a typed view
+//!   from anywhere else is [`ModelError::Placement`] naming both places, never a read of
+//!   another memory. Shape, type and placement are readable anywhere.
 
 use std::sync::Arc;
 
 use crate::error::ModelError;
 use crate::meter::Metered;
+use crate::placement::{self, Placement};
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,15 +53,6 @@ impl std::fmt::Display for DType {
             DType::U32 => "u32",
         })
     }
-}
-
-/// Where a tensor's values live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum Placement {
-    /// Host memory, computed on by the CPU backend.
-    #[default]
-    Host,
 }
 
 /// Shared by clones, copied on a write while shared (TENSOR-3); charged to the meter of
@@ -95,7 +91,7 @@ impl Storage {
 }
 
 /// A dense, contiguous, row-major tensor.
-#[derive(Clone, Debug, PartialEq, Default)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
     storage: Storage,
@@ -110,27 +106,35 @@ fn check(what: &str, shape: &[usize], len: usize) -> Result<(), ModelError> {
     Ok(())
 }
 
+impl Default for Tensor {
+    /// An empty `f32` tensor, placed where this thread computes (TENSOR-4).
+    fn default() -> Self {
+        Tensor { shape: Vec::new(), storage: Storage::default(), placement: placement::current() }
+    }
+}
+
 impl Tensor {
-    /// An `f32` host tensor from a shape and data; fails when the lengths disagree
+    /// An `f32` tensor from a shape and data; fails when the lengths disagree
     /// (TENSOR-1).
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self, ModelError> {
         check("Tensor::new", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::f32(data), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::f32(data), placement: placement::current() })
     }
 
-    /// A `u32` host tensor (token ids, labels) from a shape and data (TENSOR-1).
+    /// A `u32` tensor (token ids, labels) from a shape and data (TENSOR-1), placed where
+    /// this thread computes (TENSOR-4).
     pub fn from_u32(shape: Vec<usize>, data: Vec<u32>) -> Result<Self, ModelError> {
         check("Tensor::from_u32", &shape, data.len())?;
-        Ok(Tensor { shape, storage: Storage::u32(data), placement: Placement::Host })
+        Ok(Tensor { shape, storage: Storage::u32(data), placement: placement::current() })
     }
 
-    /// A zero `f32` host tensor.
+    /// A zero `f32` tensor, placed where this thread computes (TENSOR-4).
     pub fn zeros(shape: &[usize]) -> Self {
         let n = shape.iter().product();
         Tensor {
             shape: shape.to_vec(),
             storage: Storage::f32(vec![0.0; n]),
-            placement: Placement::Host,
+            placement: placement::current(),
         }
     }
 
@@ -169,8 +173,20 @@ impl Tensor {
         ModelError::DType { expected: want, got: self.dtype() }
     }
 
-    /// The values as `f32`, or [`ModelError::DType`] for another type (TENSOR-2).
+    /// TENSOR-4: the values are reachable only where the tensor is placed.
+    fn here(&self) -> Result<(), ModelError> {
+        let here = placement::current();
+        if self.placement == here {
+            Ok(())
+        } else {
+            Err(ModelError::Placement { tensor: self.placement, here })
+        }
+    }
+
+    /// The values as `f32`, or [`ModelError::DType`] for another type (TENSOR-2), or
+    /// [`ModelError::Placement`] away from where they live (TENSOR-4).
     pub fn as_f32(&self) -> Result<&[f32], ModelError> {
+        self.here()?;
         match &self.storage {
             Storage::F32(v) => Ok(&v.values),
             _ => Err(self.wrong(DType::F32)),
@@ -189,6 +205,7 @@ impl Tensor {
     /// The values as mutable `f32` (TENSOR-2); values shared with a clone are copied first
     /// (TENSOR-3).
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32], ModelError> {
+        self.here()?;
         let got = self.storage.dtype();
         match &mut self.storage {
             Storage::F32(v) => Ok(Arc::make_mut(v).values.as_mut_slice()),
@@ -199,14 +216,16 @@ impl Tensor {
     /// The `f32` values, taking the tensor (TENSOR-2); copied only when a clone shares them
     /// (TENSOR-3).
     pub fn into_f32(self) -> Result<Vec<f32>, ModelError> {
+        self.here()?;
         match self.storage {
             Storage::F32(v) => Ok(Arc::unwrap_or_clone(v).into_values()),
             s => Err(ModelError::DType { expected: DType::F32, got: s.dtype() }),
         }
     }
 
-    /// The values as `u32` (TENSOR-2).
+    /// The values as `u32` (TENSOR-2, TENSOR-4).
     pub fn as_u32(&self) -> Result<&[u32], ModelError> {
+        self.here()?;
         match &self.storage {
             Storage::U32(v) => Ok(&v.values),
             _ => Err(self.wrong(DType::U32)),
@@ -227,8 +246,9 @@ impl Tensor {
         Ok(self)
     }
 
-    /// Rows `a..b` of the leading dimension, copied.
+    /// Rows `a..b` of the leading dimension, copied where the tensor lives (TENSOR-4).
     pub fn rows(&self, a: usize, b: usize) -> Result<Tensor, ModelError> {
+        self.here()?;
         if a > b || b > self.batch() {
             return Err(ModelError::shape(
                 "Tensor::rows",
@@ -307,5 +327,31 @@ mod tests {
         let c = a.clone();
         assert_eq!(c.into_f32().unwrap(), vec![1.0, 2.0, 3.0], "a shared value is copied out");
         assert_eq!(a.as_f32().unwrap(), &[1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn tensor_4_values_are_reached_only_where_they_live() {
+        // TENSOR-4
+        let host = Tensor::new(vec![2], vec![1.0, 2.0]).unwrap();
+        assert_eq!(host.placement(), Placement::Host);
+        let (dev, ids) = {
+            let _on = placement::enter(Placement::Device(7));
+            assert!(host.as_f32().is_err(), "a kernel cannot read host memory");
+            let d = Tensor::new(vec![2], vec![3.0, 4.0]).unwrap();
+            assert_eq!(d.as_f32().unwrap(), &[3.0, 4.0]);
+            assert_eq!(Tensor::zeros(&[1]).placement(), Placement::Device(7));
+            assert_eq!(Tensor::default().placement(), Placement::Device(7));
+            (d, Tensor::from_u32(vec![1], vec![5]).unwrap())
+        };
+        assert_eq!(dev.placement(), Placement::Device(7));
+        let e = dev.as_f32().unwrap_err().to_string();
+        assert!(e.contains("device 7") && e.contains("the host"), "{e}");
+        assert!(ids.as_u32().is_err(), "u32 views too");
+        assert!(dev.rows(0, 1).is_err() && dev.clone().into_f32().is_err());
+        assert!(dev.clone().as_f32_mut().is_err());
+        assert_eq!((dev.shape(), dev.numel(), dev.dtype()), (&[2usize][..], 2, DType::F32));
+        // Nor can another device's kernels.
+        let _other = placement::enter(Placement::Device(8));
+        assert!(dev.as_f32().is_err());
     }
 }

@@ -447,3 +447,39 @@ fn the_accountant_charges_device_memory_dmem_1() {
         }
     }
 }
+
+/// KMEM-2: what a forward saves is device memory from its enqueue to its backward's, so
+/// recomputation, which keeps only each call's input, lowers the device's activations peak,
+/// with results bitwise unchanged; the kernels' scratch is charged as a workspace. Every
+/// byte is reserved in the host's order, so the peak is the same whatever the streams'
+/// timing: the cpu device's, and the simulated one's under any delays.
+#[test]
+fn saved_tensors_are_device_memory_kmem_2() {
+    use shardline_runtime::memory::Category;
+    let mut peaks = Vec::new();
+    for kind in [DeviceKind::Cpu, sim(3), sim(4)] {
+        let full = run_on_devices(&gpt(2, 3, 1), kind.clone(), DeviceOptions::default()).unwrap();
+        let rec = run_on_devices(&recomputed(gpt(2, 3, 1)), kind, DeviceOptions::default());
+        let rec = rec.unwrap();
+        let peak = |r: &DeviceRun, c| r.steps.last().unwrap().memory.peak(c);
+        let (a, b) = (peak(&rec, Category::Activations), peak(&full, Category::Activations));
+        assert!(a < b, "recomputed {a} against {b}");
+        assert!(rec.peak_device_bytes < full.peak_device_bytes);
+        assert!(peak(&full, Category::Scratch) > 0, "the scratch workspace is charged");
+        assert!(same(&rec, &full));
+        peaks.push((full.peak_device_bytes, rec.peak_device_bytes));
+    }
+    assert!(peaks.iter().all(|p| *p == peaks[0]), "{peaks:?}");
+}
+
+/// KMEM-3: a kernel that makes more than was reserved for it fails the run, naming the
+/// kernel and both figures, on either device.
+#[test]
+fn a_kernel_past_its_reservation_fails_naming_it_kmem_3() {
+    let bug = InjectedBug { under_reserve: true, ..InjectedBug::default() };
+    for kind in [sim(2), DeviceKind::Cpu] {
+        let msg = refused(&gpt(2, 3, 1), kind, with_bug(bug));
+        assert!(msg.contains("kernel 'forward") && msg.contains("saved tensors"), "{msg}");
+        assert!(msg.contains("were reserved"), "{msg}");
+    }
+}

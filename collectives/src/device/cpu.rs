@@ -7,8 +7,10 @@
 //!   it is recorded, and a download's values are there at once.
 
 use super::hazard::StreamId;
+use super::usage::Usage;
 use super::{
-    Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, Result, VectorClock,
+    Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, Reservation, Result,
+    VectorClock,
 };
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +22,8 @@ static NEXT_CPU: AtomicU64 = AtomicU64::new(1 << 40);
 pub struct CpuDevice {
     id: u64,
     state: Mutex<State>,
+    /// Bytes in use, unbounded (USAGE-1).
+    usage: Arc<Usage>,
 }
 
 #[derive(Default)]
@@ -27,9 +31,6 @@ struct State {
     values: HashMap<u64, Vec<f32>>,
     next_buffer: u64,
     streams: usize,
-    in_use: u64,
-    /// Most bytes in use at once.
-    peak: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -48,6 +49,7 @@ impl CpuDevice {
         CpuDevice {
             id: NEXT_CPU.fetch_add(1, Ordering::Relaxed),
             state: Mutex::new(State { next_buffer: 1, ..State::default() }),
+            usage: Usage::new(None),
         }
     }
 
@@ -69,6 +71,10 @@ impl CpuDevice {
 }
 
 impl Device for CpuDevice {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
     fn stream(&self, _name: &str) -> StreamId {
         let mut st = lock(&self.state);
         st.streams += 1;
@@ -79,8 +85,7 @@ impl Device for CpuDevice {
         let mut st = lock(&self.state);
         let id = st.next_buffer;
         st.next_buffer += 1;
-        st.in_use += len as u64 * 4;
-        st.peak = st.peak.max(st.in_use);
+        self.usage.take(len as u64 * 4, label)?;
         st.values.insert(id, vec![0.0; len]);
         Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
     }
@@ -89,7 +94,7 @@ impl Device for CpuDevice {
         let mut st = lock(&self.state);
         self.values(&mut st, &buf)?;
         st.values.remove(&buf.id);
-        st.in_use -= buf.len() as u64 * 4;
+        self.usage.give(buf.len() as u64 * 4);
         Ok(())
     }
 
@@ -153,6 +158,10 @@ impl Device for CpuDevice {
         ran
     }
 
+    fn reserve(&self, bytes: u64, label: &str) -> Result<Reservation> {
+        self.usage.reserve(bytes, label)
+    }
+
     fn record(&self, stream: StreamId) -> Event {
         Event { device: self.id, stream, seq: 0, clock: VectorClock::default() }
     }
@@ -168,11 +177,11 @@ impl Device for CpuDevice {
     }
 
     fn in_use(&self) -> u64 {
-        lock(&self.state).in_use
+        self.usage.in_use()
     }
 
     fn peak(&self) -> u64 {
-        lock(&self.state).peak
+        self.usage.peak()
     }
 }
 

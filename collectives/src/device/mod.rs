@@ -19,11 +19,13 @@ pub mod cpu;
 pub mod hazard;
 pub mod sim;
 pub mod sim_comm;
+mod usage;
 
 pub use cpu::CpuDevice;
 pub use hazard::{Hazard, StreamId, Use, VectorClock};
 pub use sim::{SimDevice, SimOptions};
 pub use sim_comm::{SimComm, SimWorld};
+pub use usage::Reservation;
 
 use std::sync::Arc;
 
@@ -127,6 +129,9 @@ impl Download {
 /// A device: memory, streams, events, copies and kernels. Every call that enqueues work
 /// returns at once; the work runs later, in its stream's order.
 pub trait Device: Send + Sync {
+    /// The device's number, unique in the process: a tensor made by its kernels is placed
+    /// on it, and its buffers carry it.
+    fn id(&self) -> u64;
     /// Adds a stream; its name appears in reports.
     fn stream(&self, name: &str) -> StreamId;
     /// Allocates `len` elements, refused past the capacity.
@@ -164,6 +169,11 @@ pub trait Device: Send + Sync {
         writes: &[&DeviceBuffer],
         kernel: FallibleKernel,
     ) -> Result<()>;
+    /// Takes `bytes` of device memory for what a running kernel makes (the tensors a layer
+    /// saves for backward, its temporaries), counted with the allocations (in use, peak,
+    /// capacity) until the reservation is dropped (USAGE-1). Kernels call it while they run,
+    /// as a caching allocator serves them; past the capacity it is refused.
+    fn reserve(&self, bytes: u64, label: &str) -> Result<Reservation>;
     /// Records an event on `stream`.
     fn record(&self, stream: StreamId) -> Event;
     /// Makes `stream`'s later work wait for `event`.

@@ -16,7 +16,10 @@
 //!   is refused and changes nothing.
 
 use super::hazard::{Ordering, StreamId, Use, VectorClock};
-use super::{Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, OpSpan, Result};
+use super::usage::Usage;
+use super::{
+    Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, OpSpan, Reservation, Result,
+};
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
@@ -91,9 +94,6 @@ impl Shared {
 struct State {
     ordering: Ordering,
     values: HashMap<u64, Values>,
-    in_use: u64,
-    /// Most bytes in use at once.
-    peak: u64,
     next_buffer: u64,
     senders: Vec<Sender<Job>>,
 }
@@ -102,6 +102,8 @@ struct State {
 pub struct SimDevice {
     id: u64,
     opts: SimOptions,
+    /// Bytes in use within the capacity (SIM-3, USAGE-1).
+    usage: Arc<Usage>,
     shared: Arc<Shared>,
     state: Mutex<State>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -134,6 +136,7 @@ impl SimDevice {
     pub fn new(opts: SimOptions) -> Self {
         SimDevice {
             id: NEXT_DEVICE.fetch_add(1, AtomicOrdering::Relaxed),
+            usage: Usage::new(opts.capacity),
             opts,
             shared: Arc::new(Shared {
                 done: Mutex::new(Vec::new()),
@@ -144,8 +147,6 @@ impl SimDevice {
             state: Mutex::new(State {
                 ordering: Ordering::new(),
                 values: HashMap::new(),
-                in_use: 0,
-                peak: 0,
                 next_buffer: 1,
                 senders: Vec::new(),
             }),
@@ -289,6 +290,10 @@ impl Drop for SimDevice {
 }
 
 impl Device for SimDevice {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
     fn stream(&self, name: &str) -> StreamId {
         let mut st = lock(&self.state);
         let s = st.ordering.add_stream(name);
@@ -308,22 +313,10 @@ impl Device for SimDevice {
     fn alloc(&self, len: usize, label: &str) -> Result<DeviceBuffer> {
         self.check_alive()?;
         let mut st = lock(&self.state);
-        let bytes = len as u64 * 4;
         // SIM-3.
-        if let Some(cap) = self.opts.capacity {
-            if st.in_use + bytes > cap {
-                return Err(DeviceError::OutOfMemory {
-                    label: label.to_owned(),
-                    bytes,
-                    in_use: st.in_use,
-                    capacity: cap,
-                });
-            }
-        }
+        self.usage.take(len as u64 * 4, label)?;
         let id = st.next_buffer;
         st.next_buffer += 1;
-        st.in_use += bytes;
-        st.peak = st.peak.max(st.in_use);
         st.ordering.add_buffer(id, label);
         st.values.insert(id, Arc::new(Mutex::new(vec![0.0; len])));
         Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
@@ -333,7 +326,7 @@ impl Device for SimDevice {
         self.enqueue(stream, &format!("free {}", buf.label()), &[(&buf, Use::Free)], |_| Ok(()))?;
         let mut st = lock(&self.state);
         st.values.remove(&buf.id);
-        st.in_use -= buf.len() as u64 * 4;
+        self.usage.give(buf.len() as u64 * 4);
         Ok(())
     }
 
@@ -428,6 +421,11 @@ impl Device for SimDevice {
         })
     }
 
+    fn reserve(&self, bytes: u64, label: &str) -> Result<Reservation> {
+        self.check_alive()?;
+        self.usage.reserve(bytes, label)
+    }
+
     fn record(&self, stream: StreamId) -> Event {
         let st = lock(&self.state);
         let clock = st.ordering.record(stream);
@@ -464,11 +462,11 @@ impl Device for SimDevice {
     }
 
     fn in_use(&self) -> u64 {
-        lock(&self.state).in_use
+        self.usage.in_use()
     }
 
     fn peak(&self) -> u64 {
-        lock(&self.state).peak
+        self.usage.peak()
     }
 
     fn take_timeline(&self) -> Vec<OpSpan> {

@@ -3,15 +3,19 @@
 //! (parameters, gradients, optimizer state, gathered units, activations, ...) is a breakdown
 //! of device memory, as the host engine's is of host memory.
 //!
+//! What kernels make beyond their buffers (`kernel_memory`) is reserved on the device
+//! ([`Device::reserve`]) and charged the same way, from the kernel's enqueue.
+//!
 //! Invariant:
 //! - DMEM-1: a device buffer is charged from its allocation until its free is enqueued,
-//!   when the device counts its bytes free ([`Device::free`]): the tracker's total is the
-//!   device's bytes in use at every point, and its peak is the device's peak.
+//!   when the device counts its bytes free ([`Device::free`]), and a reservation from its
+//!   making to its drop: the tracker's total is the device's bytes in use at every point,
+//!   and its peak is the device's peak.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, StreamId};
+use shardline_collectives::device::{Device, DeviceBuffer, DeviceError, Reservation, StreamId};
 
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
@@ -37,16 +41,28 @@ impl DeviceMemory {
     /// `len` elements on the device for `cat`. A device that refuses names the buffer and
     /// its capacity; the error adds what the rank holds, by category.
     pub(crate) fn alloc(&self, cat: Category, len: usize, label: &str) -> Result<DeviceBuffer> {
-        let buf = self.dev.alloc(len, label).map_err(|e| match e {
+        let buf = self.dev.alloc(len, label).map_err(|e| self.refused(e))?;
+        let charge = self.tracker.alloc_f32(cat, len, label)?;
+        self.charges().insert(buf.id(), charge);
+        Ok(buf)
+    }
+
+    /// `bytes` of device memory for what kernels make, charged to `cat` until the result
+    /// is dropped (DMEM-1).
+    pub(crate) fn reserve(&self, cat: Category, bytes: u64, label: &str) -> Result<Reserved> {
+        let r = self.dev.reserve(bytes, label).map_err(|e| self.refused(e))?;
+        let charge = self.tracker.alloc(cat, bytes, label)?;
+        Ok(Reserved { _device: r, _charge: charge })
+    }
+
+    fn refused(&self, e: DeviceError) -> RuntimeError {
+        match e {
             DeviceError::OutOfMemory { .. } => RuntimeError::Device(DeviceError::Failed(format!(
                 "{e}; this rank holds {}",
                 self.tracker.breakdown()
             ))),
             other => RuntimeError::Device(other),
-        })?;
-        let charge = self.tracker.alloc_f32(cat, len, label)?;
-        self.charges().insert(buf.id(), charge);
-        Ok(buf)
+        }
     }
 
     /// Frees `buf` once `stream`'s earlier work is done; its charge ends now, as the
@@ -61,4 +77,11 @@ impl DeviceMemory {
     fn charges(&self) -> MutexGuard<'_, HashMap<u64, Allocation>> {
         self.charges.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Device memory reserved for kernels and its charge, given back together when dropped
+/// (DMEM-1).
+pub(crate) struct Reserved {
+    _device: Reservation,
+    _charge: Allocation,
 }

@@ -11,10 +11,12 @@
 //! (ENG-5), `Reductions` the reduce budget and the order of updates (ENG-7, ENG-8,
 //! ENG-10).
 //!
-//! The data, each call's output and the gradients flowing back are device buffers
-//! (`activations`, DACT-1). What the layers save for backward is not on the device yet: it
-//! stays a host value handed from a forward kernel to its backward kernel on the compute
-//! stream (in stream order, so never raced). With `--recompute units` a checkpointed call
+//! The data, the targets, each call's output and the gradients flowing back are device
+//! buffers (`activations`, DACT-1). The tensors the model kernels make (what the layers save
+//! for backward, their temporaries) are placed on the device (TENSOR-4) and are its memory:
+//! probed once per microbatch size, reserved when each kernel is enqueued, checked when it
+//! runs (`kernel_memory`, KMEM-1..3). What a forward saves is handed to its backward kernel
+//! on the compute stream (in stream order, so never raced). With `--recompute units` a checkpointed call
 //! keeps only its input and re-runs its forward inside its backward kernel (RECOMP-1..3).
 //! Accumulation runs the microbatches of ACC-1..3; a reduce-scatter that adds to earlier
 //! microbatches' goes through an output buffer and an add on the reduce stream. With
@@ -40,6 +42,8 @@
 mod activations;
 mod cli;
 mod io;
+mod kernel_memory;
+mod kernels;
 mod memory;
 mod offload;
 mod reduce;
@@ -52,6 +56,7 @@ pub use offload::Offload;
 pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun};
 pub use timeline::{chrome_trace, overlap, Overlap};
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -59,12 +64,11 @@ use std::time::{Duration, Instant};
 use shardline_collectives::device::{
     Device, DeviceBuffer, DeviceError, Event, OpSpan, SimComm, SimWorld,
 };
-use shardline_models::{Backend, CallBackward, Ctx, DType, DistributedSampler, Network, Tensor};
+use shardline_models::{Backend, Ctx, DType, DistributedSampler, Network, Tensor};
 
 use super::accum;
 use super::pass::{Kept, Micro};
 use super::prefetch::GatherPlan;
-use super::recompute::{Checkpoint, Recording, Replay};
 use super::reduction::{ReduceIo, Reductions};
 use super::stage::{BeforeUse, StageRules};
 use super::{open_backend, EngineConfig};
@@ -73,7 +77,8 @@ use crate::memory::{Category, MemorySnapshot, MemoryTracker};
 use crate::shard::ShardedModelLayout;
 use activations::{Act, Shapes};
 use io::{DeviceGathers, DeviceReduction, PendingGather};
-use memory::DeviceMemory;
+use kernel_memory::{run_measured, Figures, Footprint, ProbeJob};
+use memory::{DeviceMemory, Reserved};
 use offload::{lock, Held};
 use reduce::StepIo;
 use stats::DeviceStats;
@@ -92,6 +97,9 @@ pub struct InjectedBug {
     /// This rank issues an all-reduce of its loss before the step's first gradient
     /// reduction, where the others issue the reduction itself: a desync (SCOMM-1).
     pub desync_rank: Option<usize>,
+    /// Each forward kernel's saved tensors are reserved 4 bytes short of what the probe
+    /// measured (KMEM-2), so the kernel makes more than its reservation (KMEM-3).
+    pub under_reserve: bool,
 }
 
 /// How a rank's engine runs on its device.
@@ -211,6 +219,10 @@ pub struct DeviceEngine {
     backend: Arc<dyn Backend>,
     /// SyncBatchNorm's reducer (with SyncBN on several ranks).
     stats: Option<Arc<DeviceStats>>,
+    /// Per microbatch size, what the model kernels make (KMEM-1).
+    footprints: HashMap<usize, Footprint>,
+    /// The kernels' scratch, reserved as a workspace (KMEM-2): its size and reservation.
+    workspace: Option<(u64, Reserved)>,
     /// The calls' output shapes, probed for the data (DACT-1).
     shapes: Option<Shapes>,
     /// The host's waits since the timeline was last taken (DEV-1).
@@ -337,6 +349,8 @@ impl DeviceEngine {
                 Arc::clone(&dev),
             ),
             shapes: None,
+            footprints: HashMap::new(),
+            workspace: None,
             host_waits: Vec::new(),
             stats: (cfg.sync_bn && world > 1).then(|| {
                 Arc::new(DeviceStats {
@@ -473,6 +487,7 @@ impl DeviceEngine {
         if !self.shapes.as_ref().is_some_and(|s| s.fits(&x)) {
             let probed = Shapes::probe(&*self.model, &x, self.cfg.seed, &*self.backend);
             self.shapes = Some(probed.map_err(RuntimeError::config)?);
+            self.footprints.clear();
         }
         for (k, r) in micro.iter().enumerate() {
             let (xk, yk) = if micro.len() == 1 {
@@ -488,17 +503,25 @@ impl DeviceEngine {
             let buf = self.mem.alloc(Category::Activations, xk.numel(), &label)?;
             self.dev.upload(self.streams.compute, &activations::values(&xk)?, &buf)?;
             let mut act = Act { buf, shape: xk.shape().to_vec(), dtype: xk.dtype() };
+            let fp = self.footprint(xk.batch(), &yk, &ctx)?;
             let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
+            let mut held = Vec::with_capacity(nc);
             for (i, s) in saved.iter().enumerate() {
-                act = self.forward(base + i, act, s, &ctx)?;
+                let (a, h) = self.forward(base + i, act, (s, &fp.forward[i]), &ctx)?;
+                act = a;
+                held.push(h);
             }
-            let mut grad = Some(self.loss_kernel(act, yk, global_batch, k)?);
+            let mut grad = Some(self.loss_kernel(act, yk, (global_batch, k), &fp.loss)?);
             for i in nc..2 * nc {
-                let s = &saved[2 * nc - 1 - i];
+                let c = 2 * nc - 1 - i;
                 let g = grad.take().ok_or_else(|| {
                     RuntimeError::config("a backward call after the data's (call 0)")
                 })?;
+                let s = (&saved[c], &fp.backward[c]);
                 grad = self.backward(base + i, (mb, g, &ctx), s, &mut reds, &mut partial)?;
+                // KMEM-2: the call's saved tensors are given back once its backward is
+                // enqueued (stream-ordered, as a free).
+                held.pop();
                 let clip = self.cfg.clip_grad_norm;
                 let mut io = StepIo { eng: self, lr: 0.0, clip };
                 reds.bound(&mut io)?; // ENG-7
@@ -567,8 +590,16 @@ impl DeviceEngine {
     }
 
     /// Use `i`'s forward kernel: reads its input from device memory and writes its output
-    /// there (returned; the input is freed once read); what its layers save goes to `saved`.
-    fn forward(&mut self, i: usize, input: Act, saved: &Arc<Slot<Kept>>, c: &CtxOf) -> Result<Act> {
+    /// there (returned; the input is freed once read); what its layers save goes to `saved`,
+    /// and its bytes stay reserved on the device (returned, KMEM-2) until its backward is
+    /// enqueued.
+    fn forward(
+        &mut self,
+        i: usize,
+        input: Act,
+        (saved, figures): (&Arc<Slot<Kept>>, &Figures),
+        c: &CtxOf,
+    ) -> Result<(Act, Reserved)> {
         let u = self.plan.unit_at(i);
         // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
         let nc = self.calls.len();
@@ -578,12 +609,18 @@ impl DeviceEngine {
         let gathered = self.acquire(i)?;
         let numel = self.layout.unit(u).numel();
         let what = format!("forward {}", self.labels[u]);
-        let (model, saved, c) = (Arc::clone(&self.model), saved.clone(), c.clone());
-        let rank = self.rank;
-        let name = what.clone();
         let (shape, dtype) = self.probed()?.output(call, input.shape[0]);
         let label = format!("{what} (output)");
         let out = self.mem.alloc(Category::Activations, shape.iter().product(), &label)?;
+        // KMEM-2: what the kernel keeps, and what it makes while it runs.
+        let (reserved, keep, running) = self.reserve_for(&what, figures)?;
+        let k = kernels::Call {
+            model: Arc::clone(&self.model),
+            call,
+            rank: self.rank,
+            name: what.clone(),
+        };
+        let (saved, c, place) = (saved.clone(), c.clone(), self.placement());
         let (in_shape, in_dtype) = (input.shape.clone(), input.dtype);
         let p = match &gathered {
             Some(g) => g,
@@ -595,37 +632,63 @@ impl DeviceEngine {
             &[p, &input.buf],
             &[&self.buffers[u], &out],
             Box::new(move |r, w| {
-                let err = |e| kernel_error(rank, &name, e);
-                let x = activations::read(r[1], &in_shape, in_dtype).map_err(err)?;
-                let (params, [buffers, out]) = (&r[0][..numel], w) else {
-                    unreachable!("two written buffers")
-                };
-                if !checkpoint {
-                    let (y, s) =
-                        model.forward_call(call, params, buffers, x, &c.ctx(false)).map_err(err)?;
-                    activations::write(&y, out)?;
-                    saved.put(Kept::State(s));
-                    return Ok(());
-                }
-                let input = x.clone();
-                let recording = c.ctx(false).reducer.map(Recording::new);
-                // What the layers save is dropped here; backward recomputes it.
-                let y = {
-                    let mut ctx = c.ctx(false);
-                    if let Some(rec) = &recording {
-                        ctx.reducer = Some(rec);
-                    }
-                    model.forward_call(call, params, buffers, x, &ctx).map_err(err)?.0
-                };
-                let received = recording.map(Recording::into_received).unwrap_or_default();
-                activations::write(&y, out)?;
-                saved.put(Kept::Input(Checkpoint { input, received }));
-                Ok(())
+                let [buffers, out] = w else { unreachable!("two written buffers") };
+                let (kept, made) = run_measured(place, || {
+                    let x = (r[1], &in_shape[..], in_dtype);
+                    k.forward(&r[0][..numel], buffers, x, out, &c, checkpoint)
+                });
+                saved.put(kept?);
+                made.check(&reserved, &k.name) // KMEM-3
             }),
         )?;
+        drop(running);
         self.mem.free(self.streams.compute, input.buf)?;
         self.done_with(i, gathered);
-        Ok(Act { buf: out, shape, dtype })
+        Ok((Act { buf: out, shape, dtype }, keep))
+    }
+
+    /// Where this rank's kernels compute (TENSOR-4).
+    fn placement(&self) -> shardline_models::Placement {
+        shardline_models::Placement::Device(self.dev.id())
+    }
+
+    /// KMEM-2: reserves a kernel's figures when it is enqueued: its saved bytes (kept by the
+    /// caller until the backward is enqueued) and the rest of its peak (dropped by the
+    /// caller right after the enqueue). Returns what the kernel may make: the figures with
+    /// the workspace's scratch.
+    fn reserve_for(&self, what: &str, f: &Figures) -> Result<(Figures, Reserved, Reserved)> {
+        let acts = Category::Activations;
+        let saved = if self.bug.under_reserve { f.saved.saturating_sub(4) } else { f.saved };
+        let keep = self.mem.reserve(acts, saved, &format!("{what} (saved for backward)"))?;
+        let rest = f.peak.saturating_sub(f.saved);
+        let running = self.mem.reserve(acts, rest, &format!("{what} (tensors while it runs)"))?;
+        let scratch = self.workspace.as_ref().map_or(0, |w| w.0);
+        Ok((Figures { saved, scratch, ..*f }, keep, running))
+    }
+
+    /// The kernels' figures for microbatches of `batch` samples, probed the first time that
+    /// size comes (KMEM-1); the scratch workspace grows to what they need (KMEM-2).
+    fn footprint(&mut self, batch: usize, targets: &Tensor, ctx: &CtxOf) -> Result<Footprint> {
+        if !self.footprints.contains_key(&batch) {
+            let job = ProbeJob {
+                model: &self.model,
+                shapes: self.probed()?,
+                targets,
+                recompute: self.cfg.recompute,
+                seed: self.cfg.seed,
+                device: self.placement(),
+                ctx: CtxOf { stats: None, ..ctx.clone() },
+            };
+            let fp = Footprint::probe(&job, batch)?;
+            let need = fp.scratch();
+            if self.workspace.as_ref().is_none_or(|w| w.0 < need) {
+                self.workspace = None;
+                let r = self.mem.reserve(Category::Scratch, need, "kernels' scratch workspace")?;
+                self.workspace = Some((need, r));
+            }
+            self.footprints.insert(batch, fp);
+        }
+        Ok(self.footprints[&batch].clone())
     }
 
     /// The call shapes probed for this job's data.
@@ -634,33 +697,45 @@ impl DeviceEngine {
     }
 
     /// The loss kernel: the rank's share of the loss into `self.loss`, and the gradient of
-    /// the output (returned, in device memory; the output is freed once read).
+    /// the output (returned, in device memory; the output and the targets, uploaded, are
+    /// freed once read).
     fn loss_kernel(
         &mut self,
         out: Act,
         y: Tensor,
-        global_batch: usize,
-        micro: usize,
+        (global_batch, micro): (usize, usize),
+        figures: &Figures,
     ) -> Result<Act> {
-        let (model, rank) = (Arc::clone(&self.model), self.rank);
+        // TENSOR-4: the kernel reads the targets from device memory, as it reads the data.
+        let label = format!("targets (microbatch {micro})");
+        let targets = self.mem.alloc(Category::Activations, y.numel(), &label)?;
+        self.dev.upload(self.streams.compute, &activations::values(&y)?, &targets)?;
+        let (y_shape, y_dtype) = (y.shape().to_vec(), y.dtype());
+        drop(y);
         let grad = self.mem.alloc(Category::Activations, out.buf.len(), "loss gradient")?;
+        let (reserved, keep, running) = self.reserve_for("loss", figures)?;
+        let (model, rank, place) = (Arc::clone(&self.model), self.rank, self.placement());
         let (shape, dtype) = (out.shape.clone(), out.dtype);
         self.dev.launch_fallible(
             self.streams.compute,
             "loss",
-            &[&out.buf],
+            &[&out.buf, &targets],
             &[&self.loss, &grad],
             Box::new(move |r, w| {
-                let err = |e| kernel_error(rank, "loss", e);
-                let logits = activations::read(r[0], &shape, dtype).map_err(err)?;
-                let (l, g) =
-                    model.loss().forward_backward(&logits, &y, global_batch).map_err(err)?;
-                // ACC-1: the microbatches' shares add up to the rank's.
-                w[0][0] = if micro == 0 { l } else { w[0][0] + l };
-                activations::write(&g, w[1])
+                let [l, g] = w else { unreachable!("two written buffers") };
+                let ((), made) = {
+                    let views = ((r[0], &shape[..], dtype), (r[1], &y_shape[..], y_dtype));
+                    let (res, made) = run_measured(place, || {
+                        kernels::loss(&*model, rank, views, (global_batch, micro), &mut l[0], g)
+                    });
+                    (res?, made)
+                };
+                made.check(&reserved, "loss") // KMEM-3
             }),
         )?;
+        drop((keep, running));
         self.mem.free(self.streams.compute, out.buf)?;
+        self.mem.free(self.streams.compute, targets)?;
         Ok(Act { buf: grad, shape: out.shape, dtype: DType::F32 })
     }
 
@@ -671,7 +746,7 @@ impl DeviceEngine {
         &mut self,
         i: usize,
         (mb, grad_out, c): (Micro, Act, &CtxOf),
-        saved: &Arc<Slot<Kept>>,
+        (saved, figures): (&Arc<Slot<Kept>>, &Figures),
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
     ) -> Result<Option<Act>> {
@@ -699,8 +774,6 @@ impl DeviceEngine {
             None => (true, None),
         };
         let what = format!("backward {}", self.labels[u]);
-        let (model, saved, c) = (Arc::clone(&self.model), saved.clone(), c.clone());
-        let (rank, name) = (self.rank, what.clone());
         // The input gradient (none for call 0, whose input is data), in device memory.
         let input_grad = if call > 0 {
             let (shape, _) = self.probed()?.input(call, grad_out.shape[0]);
@@ -713,13 +786,21 @@ impl DeviceEngine {
         } else {
             None
         };
+        // KMEM-2: what the kernel makes while it runs (a backward saves nothing).
+        let (reserved, keep, running) = self.reserve_for(&what, figures)?;
+        let k = kernels::Call {
+            model: Arc::clone(&self.model),
+            call,
+            rank: self.rank,
+            name: what.clone(),
+        };
+        let (saved, c, place, world) = (saved.clone(), c.clone(), self.placement(), self.world);
         let (gshape, gdtype) = (grad_out.shape.clone(), grad_out.dtype);
         let p = match &gathered {
             Some(g) => g,
             None => self.resident(u)?,
         };
         let g = transient.as_ref().unwrap_or(&self.grads[u]);
-        let world = self.world;
         self.dev.launch_fallible(
             self.streams.compute,
             &what,
@@ -727,45 +808,25 @@ impl DeviceEngine {
             &[p, &self.buffers[u], &grad_out.buf],
             &std::iter::once(g).chain(input_grad.as_ref().map(|a| &a.buf)).collect::<Vec<_>>(),
             Box::new(move |r, w| {
-                let params = &r[0][..numel];
-                let err = |e| kernel_error(rank, &name, e);
-                let grad_output = activations::read(r[2], &gshape, gdtype).map_err(err)?;
                 let (grads, rest) = w.split_first_mut().expect("the gradient buffer");
-                let saved = match saved.take(&name)? {
-                    Kept::State(s) => s,
-                    Kept::Input(cp) => {
-                        // RECOMP-1..3: the same input and parameters, the statistics
-                        // replayed, the running statistics updated in a scratch copy.
-                        let replay = Replay::new(rank, world, cp.received);
-                        let mut ctx = c.ctx(false);
-                        if ctx.reducer.is_some() {
-                            ctx.reducer = Some(&replay);
-                        }
-                        let mut scratch = r[1].to_vec();
-                        let x = cp.input;
-                        model.forward_call(call, params, &mut scratch, x, &ctx).map_err(err)?.1
-                    }
-                };
-                // The first call writes the gradients; only the padding needs clearing.
-                if first_use {
-                    grads[numel..].fill(0.0);
-                }
-                let ctx = c.ctx(first_use);
-                let b = CallBackward {
-                    params,
-                    saved,
-                    grad_output,
-                    grads_out: &mut grads[..numel],
-                    input_grad: call > 0,
-                };
-                let ig = model.backward_call(call, b, &ctx).map_err(err)?;
-                match (ig.finish(&*c.backend, params).map_err(err)?, rest.first_mut()) {
-                    (Some(gx), Some(out)) => activations::write(&gx, out),
-                    (None, None) => Ok(()),
-                    _ => Err(kernel_error(rank, &name, "an input gradient where none was due")),
-                }
+                let kept = saved.take(&k.name)?;
+                let (res, made) = run_measured(place, || {
+                    k.backward(
+                        &r[0][..numel],
+                        r[1],
+                        (r[2], &gshape[..], gdtype),
+                        kept,
+                        (grads, numel, first_use),
+                        rest.first_mut().map(|g| &mut **g),
+                        world,
+                        &c,
+                    )
+                });
+                res?;
+                made.check(&reserved, &k.name) // KMEM-3
             }),
         )?;
+        drop((keep, running));
         self.mem.free(self.streams.compute, grad_out.buf)?;
         if last_use {
             self.issue_reduction(reds, u, transient, add)?;
