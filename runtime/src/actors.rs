@@ -14,7 +14,7 @@
 
 use crate::checkpoint::{FileEntry, PendingCheckpoint, RankShard};
 use crate::doctor::Diagnosis;
-use crate::engine::{RankEngine, StepStats};
+use crate::engine::{Driven, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::fault::{FaultHook, FaultInjector, Phase};
 use actix::prelude::*;
@@ -109,7 +109,7 @@ pub struct RankFailed {
 
 /// One rank: engine plus data, on its own thread (a `SyncArbiter` of one).
 pub struct RankActor {
-    engine: RankEngine,
+    engine: Box<dyn Driven>,
     data: Arc<RankData>,
     coordinator: Addr<Coordinator>,
     faults: Option<Arc<FaultInjector>>,
@@ -120,7 +120,11 @@ pub struct RankActor {
 
 impl RankActor {
     /// A rank actor over an engine.
-    pub fn new(engine: RankEngine, data: Arc<RankData>, coordinator: Addr<Coordinator>) -> Self {
+    pub fn new(
+        engine: Box<dyn Driven>,
+        data: Arc<RankData>,
+        coordinator: Addr<Coordinator>,
+    ) -> Self {
         RankActor {
             engine,
             data,
@@ -158,7 +162,7 @@ impl RankActor {
                 RuntimeError::config(format!("epoch {} has no batch {}", m.epoch, m.index))
             })?;
         // The slice is the step's input on the rank's device: registered with its tracker.
-        let meter = self.engine.install_meter();
+        let meter = self.engine.data_meter();
         let (x, y) = self.data.train.batch_tensors(idx);
         drop(meter);
         if m.stop {
@@ -205,8 +209,9 @@ impl Handler<Eval> for RankActor {
 impl Handler<Save> for RankActor {
     type Result = std::result::Result<FileEntry, String>;
     fn handle(&mut self, m: Save, _: &mut Self::Context) -> Self::Result {
-        let shard = self.engine.shard_state();
-        match m.0.write_shard(self.engine.rank(), &shard) {
+        let written =
+            self.engine.shard_state().and_then(|shard| m.0.write_shard(self.engine.rank(), &shard));
+        match written {
             Ok(f) => {
                 if let Some(hook) = &self.checkpoint_hook {
                     hook(self.engine.rank(), self.engine.steps_done(), Phase::Checkpoint);
@@ -231,8 +236,8 @@ impl Handler<Load> for RankActor {
 impl Handler<FullParams> for RankActor {
     type Result = std::result::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String>;
     fn handle(&mut self, _: FullParams, _: &mut Self::Context) -> Self::Result {
-        match self.engine.full_params() {
-            Ok(p) => Ok((p, self.engine.buffers().to_vec())),
+        match self.engine.full_params().and_then(|p| Ok((p, self.engine.buffers()?))) {
+            Ok(v) => Ok(v),
             Err(e) => self.fail(e),
         }
     }
@@ -241,7 +246,8 @@ impl Handler<FullParams> for RankActor {
 impl Handler<Buffers> for RankActor {
     type Result = Vec<Vec<f32>>;
     fn handle(&mut self, _: Buffers, _: &mut Self::Context) -> Self::Result {
-        self.engine.buffers().to_vec()
+        // A device engine that cannot read its buffers has failed; its step reports why.
+        self.engine.buffers().unwrap_or_default()
     }
 }
 
@@ -261,7 +267,7 @@ impl Drop for RankActor {
 impl Handler<Abort> for RankActor {
     type Result = ();
     fn handle(&mut self, m: Abort, _: &mut Self::Context) {
-        self.engine.communicator().abort(&m.0);
+        self.engine.abort(&m.0);
     }
 }
 
@@ -278,12 +284,13 @@ pub struct Coordinator {
     root_cause: Arc<Mutex<Option<(usize, String)>>>,
     faults: Option<Arc<FaultInjector>>,
     dump: Option<PathBuf>,
+    abort: Option<crate::driver::AbortHook>,
 }
 
 impl Coordinator {
     /// A coordinator for the communicators of every rank of the job.
     pub fn new(comms: Vec<Communicator>) -> Self {
-        Coordinator { comms, root_cause: Arc::default(), faults: None, dump: None }
+        Coordinator { comms, root_cause: Arc::default(), faults: None, dump: None, abort: None }
     }
 
     /// Reports failures to a fault plan's injector and writes the collective-state dump
@@ -295,6 +302,12 @@ impl Coordinator {
     ) -> Self {
         self.faults = faults;
         self.dump = dump;
+        self
+    }
+
+    /// Also calls `abort` at the first failure (collectives that are not communicators).
+    pub fn with_abort(mut self, abort: Option<crate::driver::AbortHook>) -> Self {
+        self.abort = abort;
         self
     }
 
@@ -333,6 +346,9 @@ impl Handler<RankFailed> for Coordinator {
         *slot = Some((m.rank, m.error));
         for c in &self.comms {
             c.abort(&reason);
+        }
+        if let Some(a) = &self.abort {
+            a(&reason);
         }
     }
 }

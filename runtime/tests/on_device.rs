@@ -264,14 +264,13 @@ fn the_cli_trains_on_the_simulated_device() {
         "{}",
         out.stdout
     );
-    assert_eq!(out.stdout.lines().filter(|l| l.starts_with("step ")).count(), 3);
     assert!(out.stdout.contains("offload params"), "{}", out.stdout);
-    assert!(out.stdout.contains("done: 3 steps"), "{}", out.stdout);
+    assert!(out.stdout.contains("steps             3 (3 in this run)"), "{}", out.stdout);
     // Offloaded parameters: the device holds no parameter shard, only copies in flight.
     let mem = out.stdout.lines().find(|l| l.contains("peaks by category")).unwrap_or_default();
     assert!(mem.contains("comm buffers") && !mem.contains("shard params"), "{}", out.stdout);
     for (extra, flag) in [
-        (&["--checkpoint-dir", "/nonexistent"][..], "--checkpoint-dir"),
+        (&["--fault", "kill:rank=1:step=2"][..], "--fault"),
         (&["--stage", "2", "--offload", "params"][..], "--stage 3"),
         (&["--param-dtype", "bf16"][..], "bf16"),
     ] {
@@ -482,4 +481,49 @@ fn a_kernel_past_its_reservation_fails_naming_it_kmem_3() {
         assert!(msg.contains("kernel 'forward") && msg.contains("saved tensors"), "{msg}");
         assert!(msg.contains("were reserved"), "{msg}");
     }
+}
+
+/// The device engine runs under the one training loop: a run stopped after 3 steps and
+/// resumed from its checkpoint ends bitwise where the uninterrupted run ends, the host
+/// engine resumes the device engine's checkpoint to the same end, and the evaluation at the
+/// end scores as the host engine's does.
+#[test]
+fn the_device_engine_checkpoints_resumes_and_evaluates_under_the_driver() {
+    let dir = std::env::temp_dir().join(format!("shardline-devdrive-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let summary = |name: &str, extra: &[&str]| -> serde_json::Value {
+        let json = dir.join(format!("{name}.json"));
+        // SyncBN: every rank holds the same running statistics, which a checkpoint stores once.
+        let base = ["train", "--model", "mlp-bn", "--world", "2", "--stage", "3", "--steps", "6"];
+        let base = [&base[..], &["--sync-bn", "on"]].concat();
+        let j = ["--summary-json", json.to_str().unwrap(), "--no-progress"];
+        let out = common::shardline(&[&base[..], &j[..], extra].concat());
+        assert_eq!(out.code, Some(0), "{name}: {}{}", out.stdout, out.stderr);
+        serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+    };
+    let ck = dir.join("ck");
+    let ck = ck.to_str().unwrap();
+    let sim = ["--device", "sim", "--sim-delay-us", "30"];
+    let full = summary("full", &sim);
+    let stop = ["--checkpoint-dir", ck, "--checkpoint-every", "3", "--stop-after", "3"];
+    summary("first", &[&sim[..], &stop[..]].concat());
+    let resumed = summary("resumed", &[&sim[..], &["--checkpoint-dir", ck, "--resume"]].concat());
+    let host = summary("host", &[]);
+    // The host engine from the device engine's step-3 checkpoint (the later one removed).
+    std::fs::remove_dir_all(dir.join("ck").join("step-00000006")).unwrap();
+    let host_resumed = summary("host-resumed", &["--checkpoint-dir", ck, "--resume"]);
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    assert_eq!(f(&resumed, "final_loss"), f(&full, "final_loss"), "bitwise through a resume");
+    assert_eq!(f(&resumed, "test_loss"), f(&full, "test_loss"));
+    assert_eq!(f(&resumed, "total_steps"), 6.0);
+    for other in [&host, &host_resumed] {
+        let (a, b) = (f(other, "final_loss"), f(&full, "final_loss"));
+        assert!((a - b).abs() < 1e-5, "{a} against {b}");
+        let (a, b) = (f(other, "test_loss"), f(&full, "test_loss"));
+        assert!((a - b).abs() < 1e-5, "{a} against {b}");
+        assert_eq!(f(other, "test_accuracy"), f(&full, "test_accuracy"), "the same scoring");
+    }
+    assert!(f(&full, "test_accuracy") > 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -286,8 +286,10 @@ struct TrainArgs {
     /// parameters, gradients and optimizer state in device memory, runs kernels on a compute
     /// stream and gathers and reductions on their own streams ordered by events, and fails
     /// loudly on any unordered access. Kernels run on the CPU; timings include seeded delays.
-    /// --device-memory is its capacity. It does not yet run bf16, checkpoints or evaluation
-    /// (each is refused by name).
+    /// --device-memory is its capacity. It runs under the same training loop (checkpoints,
+    /// --resume, evaluation, --log-json, the summary, whose memory figures are then device
+    /// memory); it does not yet run bf16 or quantized gathers, --fault, --dump-on-failure,
+    /// --metrics-addr or `shardline launch` (each is refused by name).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceKind,
     /// --device sim: what lives in host memory: none, optimizer (optimizer state; updates run
@@ -672,17 +674,14 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
     })
 }
 
-/// `train --device sim`: the device engine on simulated devices; the flags of the host
-/// engine's run that it does not honour are refused by name.
+/// `train --device sim`: the device engine on simulated devices, through the same training
+/// loop (checkpoints, resume, evaluation, logs, summary); the flags it does not honour are
+/// refused by name.
 fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
     let refused = [
-        (a.checkpoint_dir.is_some(), "--checkpoint-dir"),
-        (a.resume, "--resume"),
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
-        (a.stop_after.is_some(), "--stop-after"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
-        (a.summary_json.is_some(), "--summary-json"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
         eprintln!("error: {flag} is not supported with --device sim");
@@ -701,13 +700,39 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
             OffloadArg::Optimizer => Offload::Optimizer,
             OffloadArg::Params => Offload::Params,
         },
-        log_json: a.log_json.clone(),
         trace: a.trace.clone(),
         one_comm: a.sim_one_comm,
-        progress: !a.no_progress,
     };
-    match shardline_runtime::engine::on_device::train_on_sim(cfg, &o) {
-        Ok(_) => 0,
+    let opts = RunOptions {
+        checkpoint_dir: a.checkpoint_dir.clone(),
+        checkpoint_every: a.checkpoint_every,
+        resume: a.resume,
+        log_json: a.log_json.clone(),
+        progress: !a.no_progress,
+        stop_after: a.stop_after,
+        skip_final_params: true,
+        stop_on_signal: true,
+        ..RunOptions::default()
+    };
+    if let Err(e) = shardline_runtime::interrupt::install(true) {
+        eprintln!("error: {e}");
+        return 1;
+    }
+    match shardline_runtime::engine::on_device::train_on_sim(cfg.clone(), opts, &o) {
+        Ok(summary) => {
+            if let Some(p) = &a.summary_json {
+                let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
+                if let Err(e) = std::fs::write(p, text) {
+                    eprintln!("error: writing {}: {e}", p.display());
+                    return 1;
+                }
+            }
+            0
+        }
+        Err(e @ RuntimeError::Interrupted { .. }) => {
+            eprintln!("{e}");
+            exit_for(&e)
+        }
         Err(e) => {
             eprintln!("error: {e}");
             exit_for(&e)

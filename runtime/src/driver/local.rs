@@ -1,15 +1,15 @@
 //! Every rank as threads of this process, over the local transport (`shardline train`
 //! without a launch environment).
 
-use super::{Engines, Job, Placement, Ranks};
+use super::{AbortHook, Engines, Job, Placement, Ranks};
 use crate::actors::{Buffers, Save};
 use crate::checkpoint::{CheckpointMeta, PendingCheckpoint};
-use crate::engine::RankEngine;
+use crate::engine::{Driven, EngineConfig, RankEngine};
 use crate::error::{Result, RuntimeError};
 use crate::memory::MemoryTracker;
 use crate::telemetry::Trace;
 use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig, MAX_LOCAL_WORLD};
-use shardline_collectives::{local_group_with_topology, CommOptions, Topology};
+use shardline_collectives::{local_group_with_topology, CommOptions, Communicator, Topology};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,12 +40,37 @@ impl Placement for InProcess {
     }
 }
 
+/// The ranks' engines of a job in this process and what goes with them.
+pub struct Built {
+    /// One engine per rank, in rank order.
+    pub engines: Vec<Box<dyn Driven>>,
+    /// The communicators the coordinator aborts at a failure (and captures for a dump).
+    pub comms: Vec<Communicator>,
+    /// Anything else to abort at a failure (a device engine's collectives).
+    pub abort: Option<AbortHook>,
+    /// The ranks' memory trackers, for the summary.
+    pub trackers: Vec<MemoryTracker>,
+    /// The host engine's trace (disabled otherwise).
+    pub trace: Trace,
+}
+
 /// Runs a training job with every rank in this process, its plan derived from the
 /// configuration by `plan` once the world is known to fit; blocks until it ends.
 pub fn run(
     cfg: TrainConfig,
     opts: RunOptions,
     plan: impl FnOnce(&TrainConfig) -> Result<JobPlan>,
+) -> Result<Summary> {
+    run_built(cfg, opts, plan, host_engines)
+}
+
+/// [`run`] with the engines `build` makes for the job (the host engine's, or the device
+/// engine's on simulated devices): the same loop, checkpoints, evaluation and summary.
+pub fn run_built(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    plan: impl FnOnce(&TrainConfig) -> Result<JobPlan>,
+    build: impl FnOnce(&Job, EngineConfig, &RunOptions) -> Result<Built>,
 ) -> Result<Summary> {
     if cfg.world > MAX_LOCAL_WORLD {
         return Err(RuntimeError::config(format!(
@@ -63,6 +88,22 @@ pub fn run(
     }
     let ecfg = p.engine.clone();
     let (job, data) = Job::from_plan(cfg, opts.clone(), p)?;
+    let b = build(&job, ecfg, &opts)?;
+    let ranks = Engines {
+        engines: b.engines,
+        comms: b.comms,
+        data,
+        faults: opts.faults.clone(),
+        checkpoint_hook: opts.faults.as_ref().map(|f| f.hook()),
+        dump_on_failure: opts.dump_on_failure.clone(),
+        abort: b.abort,
+    };
+    let result = super::run(job, ranks, InProcess);
+    super::finish(result, &b.trace, opts.trace.as_deref(), &b.trackers, !opts.quiet)
+}
+
+/// The host engine's ranks over the local transport.
+fn host_engines(job: &Job, ecfg: EngineConfig, opts: &RunOptions) -> Result<Built> {
     let (cfg, model) = (&job.cfg, Arc::clone(&job.model));
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
@@ -103,14 +144,6 @@ pub fn run(
         engines.iter_mut().for_each(|e| e.set_backend((o.0)(e.rank())));
     }
     let trackers: Vec<MemoryTracker> = engines.iter().map(|e| e.memory().clone()).collect();
-    let ranks = Engines {
-        engines,
-        comms,
-        data,
-        faults: opts.faults.clone(),
-        checkpoint_hook: opts.faults.as_ref().map(|f| f.hook()),
-        dump_on_failure: opts.dump_on_failure.clone(),
-    };
-    let result = super::run(job, ranks, InProcess);
-    super::finish(result, &trace, opts.trace.as_deref(), &trackers, !opts.quiet)
+    let engines = engines.into_iter().map(|e| Box::new(e) as Box<dyn Driven>).collect();
+    Ok(Built { engines, comms, abort: None, trackers, trace })
 }

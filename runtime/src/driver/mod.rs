@@ -20,7 +20,7 @@ pub mod local;
 
 use crate::actors::{Coordinator, Eval, FullParams, Load, RankActor, RankData, Shutdown, Step};
 use crate::checkpoint::{self, CheckpointMeta};
-use crate::engine::{RankEngine, StepStats};
+use crate::engine::{Driven, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::fault::{FaultHook, FaultInjector};
 use crate::memory::MemoryTracker;
@@ -207,7 +207,7 @@ pub trait Placement {
 /// The ranks' engines and what watches them.
 pub struct Engines {
     /// One engine per rank this process drives, in rank order.
-    pub engines: Vec<RankEngine>,
+    pub engines: Vec<Box<dyn Driven>>,
     /// Every communicator of this process (the coordinator aborts them at a failure).
     pub comms: Vec<Communicator>,
     /// The data every rank reads its batches from.
@@ -218,7 +218,13 @@ pub struct Engines {
     pub checkpoint_hook: Option<FaultHook>,
     /// Where to write the collective-state dump at the first failure.
     pub dump_on_failure: Option<PathBuf>,
+    /// Called with the reason at the first failure, after the communicators are aborted:
+    /// what else must stop waiting (a device engine's collectives).
+    pub abort: Option<AbortHook>,
 }
+
+/// Aborts collectives the coordinator does not hold as communicators.
+pub type AbortHook = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Runs `job` on `engines` in an actor system of its own; blocks until the run ends. The
 /// summary's memory fields are left to the caller, which holds the trackers.
@@ -228,8 +234,9 @@ pub fn run<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Sum
 }
 
 fn start_actors(e: Engines) -> Ranks {
-    let coordinator =
-        Coordinator::new(e.comms).with_supervision(e.faults.clone(), e.dump_on_failure);
+    let coordinator = Coordinator::new(e.comms)
+        .with_supervision(e.faults.clone(), e.dump_on_failure)
+        .with_abort(e.abort);
     let root = coordinator.root_cause_slot();
     let coord = coordinator.start();
     let ranks: Vec<usize> = e.engines.iter().map(|x| x.rank()).collect();

@@ -55,6 +55,7 @@
 mod accum;
 mod clock;
 mod device;
+mod driven;
 mod gpu_choice;
 pub mod on_device;
 mod pass;
@@ -70,6 +71,7 @@ mod tests;
 
 pub use accum::AccumReduce;
 pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
+pub use driven::Driven;
 pub use gpu_choice::{rank_gpu, GpuChoiceError};
 pub use precision::{gather_round_trip, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;

@@ -120,6 +120,22 @@ impl<Q, H> GatherPlan<Q, H> {
         self.held.clear();
     }
 
+    /// [`GatherPlan::discard`], handing every queued gather (waited for) and held unit back
+    /// through `io`, so that whoever allocated them frees them.
+    pub(crate) fn discard_with<G: GatherIo<Pending = Q, Full = H>>(
+        &mut self,
+        io: &mut G,
+    ) -> std::result::Result<(), G::Error> {
+        while let Some((u, q)) = self.queued.pop_front() {
+            let h = io.wait(u, q)?;
+            io.release(h);
+        }
+        for (_, h) in self.held.drain(..) {
+            io.release(h);
+        }
+        Ok(())
+    }
+
     /// The units whose gathers are queued, in issue order.
     #[cfg(test)]
     pub(crate) fn queued_units(&self) -> Vec<usize> {

@@ -107,12 +107,13 @@ fn run_rank(
         progress: (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job)),
     };
     let engines = Engines {
-        engines: vec![engine],
+        engines: vec![Box::new(engine)],
         comms: vec![joined.comm.clone()],
         data,
         faults: None,
         checkpoint_hook: hook,
         dump_on_failure: opts.dump_on_failure.clone(),
+        abort: None,
     };
     let result = driver::run(job, engines, placement);
     let path = opts.trace.as_ref().map(|p| p.with_extension(format!("rank{rank}.json")));

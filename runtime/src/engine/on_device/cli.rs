@@ -1,19 +1,21 @@
 //! `shardline train --device sim`: a job of the device engine on simulated accelerators, one
-//! per rank thread, with a line per step and an optional JSON log. A testing device: it
-//! checks that every access is ordered by the streams and events, and its timings include
-//! its seeded delays, so they measure the simulation, not a GPU.
+//! per rank thread, run by the one training loop. A testing device: it checks that every
+//! access is ordered by the streams and events, and its timings include its seeded delays,
+//! so they measure the simulation, not a GPU.
 
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shardline_collectives::device::SimOptions;
+use shardline_collectives::device::{OpSpan, SimDevice, SimOptions};
 
-use super::{run_on_devices_with, DeviceKind, DeviceOptions, DeviceRun, Offload};
+use super::{DeviceEngine, DeviceOptions, DeviceWorlds, Offload, Overlap};
+use crate::driver::local::Built;
+use crate::driver::{AbortHook, Job};
+use crate::engine::{Driven, EngineConfig};
 use crate::error::{Result, RuntimeError};
-use crate::memory::{Category, MemorySnapshot};
-use crate::train::TrainConfig;
+use crate::telemetry::Trace;
+use crate::train::{RunOptions, Summary, TrainConfig};
 
 /// How `--device sim` runs.
 #[derive(Clone, Debug, Default)]
@@ -26,14 +28,10 @@ pub struct SimTrainOptions {
     pub capacity: Option<u64>,
     /// `--offload`.
     pub offload: Offload,
-    /// One JSON object per step.
-    pub log_json: Option<PathBuf>,
     /// A Chrome trace of every rank's streams and host waits.
     pub trace: Option<PathBuf>,
     /// Gathers and reductions on one stream and communicator.
     pub one_comm: bool,
-    /// Print a line per step.
-    pub progress: bool,
 }
 
 /// Human bytes (KiB, MiB).
@@ -45,73 +43,82 @@ fn bytes(b: u64) -> String {
     }
 }
 
-/// Trains `cfg` with the device engine on simulated devices, printing what runs where.
-pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun> {
-    let log = match &o.log_json {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .map_err(|e| RuntimeError::config(format!("--log-json {}: {e}", p.display())))?,
-        ),
-        None => None,
+/// Trains `cfg` with the device engine on simulated devices, one per rank thread, through
+/// the one training loop ([`crate::driver`]): resume, checkpoints, evaluation, logs and the
+/// summary as on the host engine. Prints what runs where, and after the run the streams'
+/// overlap and (with a trace) writes every rank's streams.
+pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> Result<Summary> {
+    let speak = !opts.quiet;
+    if speak {
+        println!(
+            "device: sim (a simulated accelerator for testing; kernels run on the CPU, delays \
+             seeded {} up to {} us) x {} ranks, memory {}, offload {}; memory figures below \
+             are device memory",
+            o.seed,
+            o.max_delay_us,
+            cfg.world,
+            o.capacity.map_or("unbounded".to_string(), bytes),
+            o.offload.name()
+        );
+        println!(
+            "streams per rank: {}; the host waits once per step (the loss)",
+            if o.one_comm {
+                "compute, gather (gathers and reductions, one communicator), offload"
+            } else {
+                "compute, gather, reduce (each with its own communicator), offload"
+            }
+        );
+    }
+    let sinks: Vec<Arc<Mutex<Vec<OpSpan>>>> = (0..cfg.world).map(|_| Arc::default()).collect();
+    let overlaps: Arc<Mutex<Vec<Arc<Mutex<Overlap>>>>> = Arc::default();
+    let (sim, trace) = (o.clone(), o.trace.is_some());
+    let (sinks2, overlaps2) = (sinks.clone(), Arc::clone(&overlaps));
+    let build = move |job: &Job, ecfg: EngineConfig, _: &RunOptions| -> Result<Built> {
+        let world = job.cfg.world;
+        let timeout = Duration::from_secs(job.cfg.timeout_s.max(1));
+        let worlds = DeviceWorlds::new(world, timeout);
+        let dopts =
+            DeviceOptions { offload: sim.offload, one_comm: sim.one_comm, ..Default::default() };
+        let (mut engines, mut trackers) = (Vec::new(), Vec::new());
+        for (rank, sink) in sinks2.iter().enumerate() {
+            let dev = Arc::new(SimDevice::new(SimOptions {
+                seed: sim.seed.wrapping_add(rank as u64),
+                max_delay_us: sim.max_delay_us,
+                capacity: sim.capacity,
+                // A host wait outlasts the collectives' own timeout.
+                timeout: timeout * 2,
+                // Every operation's span, for the overlap figures (and --trace).
+                timeline: true,
+            }));
+            let model = Arc::clone(&job.model);
+            let mut e = DeviceEngine::new(rank, dev, &worlds, model, ecfg.clone(), dopts)?;
+            if trace {
+                e.set_trace_sink(Arc::clone(sink));
+            }
+            lock(&overlaps2).push(e.overlap_handle());
+            trackers.push(e.memory().clone());
+            engines.push(Box::new(e) as Box<dyn Driven>);
+        }
+        let abort: AbortHook = Arc::new(move |why: &str| worlds.abort(why));
+        Ok(Built {
+            engines,
+            comms: Vec::new(),
+            abort: Some(abort),
+            trackers,
+            trace: Trace::disabled(),
+        })
     };
-    println!(
-        "device: sim (a simulated accelerator for testing; kernels run on the CPU, delays \
-         seeded {} up to {} us) x {} ranks, memory {}, offload {}",
-        o.seed,
-        o.max_delay_us,
-        cfg.world,
-        o.capacity.map_or("unbounded".to_string(), bytes),
-        o.offload.name()
-    );
-    println!(
-        "streams per rank: {}; the host waits once per step (the loss)",
-        if o.one_comm {
-            "compute, gather (gathers and reductions, one communicator), offload"
-        } else {
-            "compute, gather, reduce (each with its own communicator), offload"
-        }
-    );
-    let kind = DeviceKind::Sim(SimOptions {
-        seed: o.seed,
-        max_delay_us: o.max_delay_us,
-        capacity: o.capacity,
-        timeout: Duration::from_secs(cfg.timeout_s.max(1) * 2),
-        // Every operation's span, for the overlap figure (and --trace).
-        timeline: true,
-    });
-    let log = Mutex::new(log);
-    let progress = o.progress;
-    let on_step = move |step: u64, s: &super::DeviceStepStats| {
-        if progress {
-            println!(
-                "step {step:>5}  loss {:.4}  grad-norm {:.4}  device {} (peak {})  {:.1} ms",
-                s.loss,
-                s.grad_norm,
-                bytes(s.device_bytes),
-                bytes(s.device_peak),
-                s.step_time.as_secs_f64() * 1e3
-            );
-        }
-        if let Some(f) = log.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-            let v = serde_json::json!({
-                "step": step, "loss": s.loss, "grad_norm": s.grad_norm,
-                "step_time_s": s.step_time.as_secs_f64(), "device_bytes": s.device_bytes,
-                "device_peak_bytes": s.device_peak, "host_syncs": s.host_syncs,
-                "device_memory_peak": peaks_by_category(&s.memory),
-            });
-            let _ = writeln!(f, "{v}");
-        }
-    };
-    let opts =
-        DeviceOptions { offload: o.offload, one_comm: o.one_comm, ..DeviceOptions::default() };
-    let run = run_on_devices_with(cfg, kind, opts, on_step)?;
+    // --trace here is the streams' trace, written below.
+    let run = RunOptions { trace: None, ..opts };
+    let summary = crate::driver::local::run_built(cfg, run, crate::train::plan, build)?;
     if let Some(p) = &o.trace {
-        let text = serde_json::to_string(&super::chrome_trace(&run.timelines)).unwrap_or_default();
+        let spans: Vec<Vec<OpSpan>> = sinks.iter().map(|s| std::mem::take(&mut *lock(s))).collect();
+        let text = serde_json::to_string(&super::chrome_trace(&spans)).unwrap_or_default();
         std::fs::write(p, text)
             .map_err(|e| RuntimeError::Failed(format!("writing --trace {}: {e}", p.display())))?;
     }
-    if let Some(t) = run.timelines.first() {
-        let o = super::overlap(t);
+    if let (true, Some(rank0)) = (speak, lock(&overlaps).first()) {
+        let o = *lock(rank0);
         println!(
             "rank 0 streams: compute busy {:.1} ms, gather+reduce busy {:.1} ms, {:.0}% of it \
              while compute ran (simulated timing)",
@@ -120,28 +127,9 @@ pub fn train_on_sim(cfg: &TrainConfig, o: &SimTrainOptions) -> Result<DeviceRun>
             o.hidden_fraction() * 100.0
         );
     }
-    if let Some(s) = run.steps.last() {
-        let parts: Vec<String> = Category::ALL
-            .iter()
-            .filter(|c| s.memory.peak(**c) > 0)
-            .map(|c| format!("{} {}", c.label(), bytes(s.memory.peak(*c))))
-            .collect();
-        println!(
-            "rank 0 device memory, peaks by category: {}; peak of the total {}",
-            parts.join(", "),
-            bytes(s.memory.peak_total)
-        );
-    }
-    let last = run.steps.last().map_or(f32::NAN, |s| s.loss);
-    println!(
-        "done: {} steps, final loss {last:.4}, device peak {} (largest rank)",
-        run.steps.len(),
-        bytes(run.peak_device_bytes)
-    );
-    Ok(run)
+    Ok(summary)
 }
 
-/// Peak device bytes per category, keyed as the host engine's summary keys them.
-fn peaks_by_category(m: &MemorySnapshot) -> serde_json::Value {
-    Category::ALL.iter().map(|c| (c.key().to_string(), serde_json::json!(m.peak(*c)))).collect()
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -151,9 +151,12 @@ pub(crate) struct ProbeJob<'a> {
 impl Footprint {
     /// Runs one microbatch of `batch` samples through every kernel body on host buffers,
     /// with the initial parameters and zero data, and measures each (KMEM-1); kernels made
-    /// the same way on the device make the same tensors.
+    /// the same way on the device make the same tensors. In training mode (`job.ctx`) that
+    /// is the forwards, the loss and the backwards; in evaluation the forwards, which keep
+    /// nothing, and the evaluation's loss kernel.
     pub(crate) fn probe(job: &ProbeJob<'_>, batch: usize) -> Result<Footprint, DeviceError> {
         let model = job.model;
+        let training = job.ctx.training;
         let calls = model.calls();
         let nc = calls.len();
         let fail = |e: String| DeviceError::Failed(format!("probing kernels' memory: {e}"));
@@ -180,19 +183,15 @@ impl Footprint {
         for (c, &u) in calls.iter().enumerate() {
             let (s_in, d_in) = job.shapes.input(c, batch);
             let mut out = vec![0.0; len(&job.shapes.output(c, batch))];
-            let checkpoint = job.recompute.checkpoints(c, nc);
+            let checkpoint = training && job.recompute.checkpoints(c, nc);
             let k = call_of(c);
             let (r, f) = run_measured(job.device, || {
-                k.forward(
-                    &params[u],
-                    &mut buffers[u],
-                    (&act, &s_in, d_in),
-                    &mut out,
-                    &job.ctx,
-                    checkpoint,
-                )
+                let x = (&act[..], &s_in[..], d_in);
+                let kept =
+                    k.forward(&params[u], &mut buffers[u], x, &mut out, &job.ctx, checkpoint)?;
+                Ok::<_, DeviceError>(training.then_some(kept))
             });
-            kept.push(Some(r?));
+            kept.push(r?);
             fp.forward.push(f);
             act = out;
         }
@@ -200,10 +199,19 @@ impl Footprint {
         let y =
             job.targets.rows(0, batch.min(job.targets.batch())).map_err(|e| fail(e.to_string()))?;
         let targets = activations::values(&y)?;
+        let views = ((&act[..], &s_out[..], d_out), (&targets[..], y.shape(), y.dtype()));
+        if !training {
+            let mut sums = [0.0; 3];
+            let (r, f) = run_measured(job.device, || {
+                kernels::eval_loss(&**model, 0, views, job.ctx.global_batch, &mut sums)
+            });
+            r?;
+            fp.loss = f;
+            return Ok(fp);
+        }
         let mut grad = vec![0.0; act.len()];
         let mut loss = 0.0;
         let (r, f) = run_measured(job.device, || {
-            let views = ((&act[..], &s_out[..], d_out), (&targets[..], y.shape(), y.dtype()));
             kernels::loss(&**model, 0, views, (batch, 0), &mut loss, &mut grad)
         });
         r?;

@@ -139,3 +139,23 @@ pub(super) fn loss(
     *loss = if micro == 0 { l } else { *loss + l };
     activations::write(&g, grad)
 }
+
+/// The evaluation's loss kernel: this rank's correct count, sample count and share of the
+/// loss of `logits` against `targets` (the loss over `global_n` samples), into `out[0..3]`.
+pub(super) fn eval_loss(
+    model: &dyn Network,
+    rank: usize,
+    (logits, targets): (ActView<'_>, ActView<'_>),
+    global_n: usize,
+    out: &mut [f32],
+) -> Result<(), DeviceError> {
+    let err = |e| kernel_error(rank, "evaluation loss", e);
+    let x = activations::read(logits.0, logits.1, logits.2).map_err(err)?;
+    let y = activations::read(targets.0, targets.1, targets.2).map_err(err)?;
+    let loss_fn = model.loss();
+    let local = y.batch() as u64;
+    let (correct, count) = loss_fn.correct(&x, &y).map_err(err)?.unwrap_or((0, local));
+    let (loss, _) = loss_fn.forward_backward(&x, &y, global_n.max(y.batch())).map_err(err)?;
+    out[..3].copy_from_slice(&[correct as f32, count as f32, loss]);
+    Ok(())
+}

@@ -26,6 +26,10 @@
 //! Every device allocation is charged to the rank's [`MemoryTracker`] under its category
 //! (`memory`, DMEM-1): the summary's breakdown is of device memory.
 //!
+//! The engine is a [`crate::engine::Driven`]: `train --device sim` runs it under the one
+//! training loop ([`train_on_sim`]), with checkpoints in the host engine's format (`state`),
+//! evaluation (`eval`), `--resume`, logs and the summary.
+//!
 //! Invariants:
 //! - DEV-1: the host waits on the device once per step, for the reduced loss and gradient
 //!   norm ([`DeviceStepStats::host_syncs`]); gathers, reductions and updates are ordered by
@@ -40,7 +44,9 @@
 //!   and events, not by timing.
 
 mod activations;
+mod calls;
 mod cli;
+mod eval;
 mod io;
 mod kernel_memory;
 mod kernels;
@@ -48,6 +54,7 @@ mod memory;
 mod offload;
 mod reduce;
 mod run;
+mod state;
 mod stats;
 mod timeline;
 
@@ -64,22 +71,22 @@ use std::time::{Duration, Instant};
 use shardline_collectives::device::{
     Device, DeviceBuffer, DeviceError, Event, OpSpan, SimComm, SimWorld,
 };
-use shardline_models::{Backend, Ctx, DType, DistributedSampler, Network, Tensor};
+use shardline_models::{Backend, Ctx, DistributedSampler, Network, Tensor};
 
 use super::accum;
 use super::pass::{Kept, Micro};
 use super::prefetch::GatherPlan;
 use super::reduction::{ReduceIo, Reductions};
 use super::stage::{BeforeUse, StageRules};
-use super::{open_backend, EngineConfig};
+use super::{open_backend, EngineConfig, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Category, MemorySnapshot, MemoryTracker};
 use crate::shard::ShardedModelLayout;
 use activations::{Act, Shapes};
 use io::{DeviceGathers, DeviceReduction, PendingGather};
-use kernel_memory::{run_measured, Figures, Footprint, ProbeJob};
+use kernel_memory::{run_measured, Figures, Footprint};
 use memory::{DeviceMemory, Reserved};
-use offload::{lock, Held};
+use offload::Held;
 use reduce::StepIo;
 use stats::DeviceStats;
 
@@ -172,6 +179,11 @@ pub struct DeviceStepStats {
     /// The accountant's counters at the end of the step: device bytes by category, now and
     /// at their peaks (DMEM-1).
     pub memory: MemorySnapshot,
+    /// The learning rate of the step.
+    pub lr: f32,
+    /// Some rank asked to stop before this step's loss reduction (INT-1): every rank learns
+    /// it from the same reduction.
+    pub stop: bool,
 }
 
 /// A value handed from one kernel of the compute stream to a later one (an activation, a
@@ -219,8 +231,9 @@ pub struct DeviceEngine {
     backend: Arc<dyn Backend>,
     /// SyncBatchNorm's reducer (with SyncBN on several ranks).
     stats: Option<Arc<DeviceStats>>,
-    /// Per microbatch size, what the model kernels make (KMEM-1).
-    footprints: HashMap<usize, Footprint>,
+    /// Per microbatch size, for training and for evaluation, what the model kernels make
+    /// (KMEM-1).
+    footprints: HashMap<(usize, bool), Footprint>,
     /// The kernels' scratch, reserved as a workspace (KMEM-2): its size and reservation.
     workspace: Option<(u64, Reserved)>,
     /// The calls' output shapes, probed for the data (DACT-1).
@@ -244,8 +257,16 @@ pub struct DeviceEngine {
     sq: DeviceBuffer,
     /// The rank's share of the loss.
     loss: DeviceBuffer,
-    /// Loss, squared norm: summed over the group.
+    /// Loss, squared norm, stop wishes (INT-1): summed over the group.
     sums: DeviceBuffer,
+    /// This rank wishes to stop (INT-1).
+    stop_requested: bool,
+    /// The communicators' worlds (aborted when a rank fails).
+    worlds: DeviceWorlds,
+    /// Where the driver keeps the streams' spans for a trace, when it asks for one.
+    trace_sink: Option<Arc<Mutex<Vec<OpSpan>>>>,
+    /// The streams' busy and overlapped time over the driven steps (TLINE-1).
+    overlap_total: Arc<Mutex<Overlap>>,
     step: u64,
     bug: InjectedBug,
 }
@@ -361,7 +382,7 @@ impl DeviceEngine {
             }),
             sq: mem.alloc(Category::Scratch, 2 * n, "squared norms")?,
             loss: mem.alloc(Category::Scratch, 1, "loss")?,
-            sums: mem.alloc(Category::Scratch, 2, "loss and norm (summed)")?,
+            sums: mem.alloc(Category::Scratch, 3, "loss, norm and stop (summed)")?,
             mem,
             ready: vec![Some(up); n],
             reduced: vec![None; n],
@@ -381,6 +402,84 @@ impl DeviceEngine {
             dev,
             step: 0,
             bug,
+            stop_requested: false,
+            worlds: worlds.clone(),
+            trace_sink: None,
+            overlap_total: Arc::default(),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Asks every rank to stop after this step (the wish travels with the loss reduction,
+    /// INT-1).
+    pub fn request_stop(&mut self) {
+        self.stop_requested = true;
+    }
+
+    /// Fails every rank's pending and later collectives, naming `why`.
+    pub fn abort(&self, why: &str) {
+        self.worlds.abort(why);
+    }
+
+    /// Frees the gathers queued for a next pass at the end of the job.
+    pub fn shutdown(&mut self) {
+        let _ = self.discard_gathers();
+    }
+
+    /// Keeps every step's stream spans in `sink` (for a trace); without one they are
+    /// dropped after each step's figures are taken from them.
+    pub fn set_trace_sink(&mut self, sink: Arc<Mutex<Vec<OpSpan>>>) {
+        self.trace_sink = Some(sink);
+    }
+
+    /// The streams' busy and overlapped time summed over the driven steps, shared.
+    pub fn overlap_handle(&self) -> Arc<Mutex<Overlap>> {
+        Arc::clone(&self.overlap_total)
+    }
+
+    /// [`DeviceEngine::train_step`] for the driver: the step's figures with its
+    /// communication times taken from the device's timeline (simulated timing, TLINE-1;
+    /// zero where the device records none), and the spans kept for a trace if asked.
+    pub fn driven_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
+        let s = self.train_step(x, y, global_batch)?;
+        let spans = self.take_timeline();
+        let o = overlap(&spans);
+        {
+            let mut t = self.overlap_total.lock().unwrap_or_else(|e| e.into_inner());
+            t.compute_s += o.compute_s;
+            t.comm_s += o.comm_s;
+            t.hidden_s += o.hidden_s;
+        }
+        if let Some(sink) = &self.trace_sink {
+            sink.lock().unwrap_or_else(|e| e.into_inner()).extend(spans);
+        }
+        let secs = Duration::from_secs_f64;
+        Ok(StepStats {
+            loss: s.loss,
+            lr: s.lr,
+            step_time: s.step_time,
+            compute_time: secs(o.compute_s),
+            comm_exposed: secs((o.comm_s - o.hidden_s).max(0.0)),
+            comm_time: secs(o.comm_s),
+            peak_bytes: s.device_peak,
+            stats_messages: s.stats_messages,
+            grad_norm: s.grad_norm,
+            stop: s.stop,
+            ..StepStats::default()
         })
     }
 
@@ -410,6 +509,7 @@ impl DeviceEngine {
     /// A kernel's context of this step.
     fn ctx_of(&self, global_batch: usize, first_sample: usize) -> CtxOf {
         CtxOf {
+            training: true,
             sync_bn: self.cfg.sync_bn,
             stats: self.stats.clone(),
             global_batch,
@@ -507,7 +607,7 @@ impl DeviceEngine {
             let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
             let mut held = Vec::with_capacity(nc);
             for (i, s) in saved.iter().enumerate() {
-                let (a, h) = self.forward(base + i, act, (s, &fp.forward[i]), &ctx)?;
+                let (a, h) = self.forward(base + i, act, (Some(s), &fp.forward[i]), &ctx)?;
                 act = a;
                 held.push(h);
             }
@@ -578,6 +678,8 @@ impl DeviceEngine {
         });
         let (loss, sq) = (sums[0], f64::from(sums[1]));
         Ok(DeviceStepStats {
+            lr,
+            stop: sums[2] > 0.0,
             loss,
             grad_norm: sq.sqrt(),
             step_time: t0.elapsed(),
@@ -589,316 +691,17 @@ impl DeviceEngine {
         })
     }
 
-    /// Use `i`'s forward kernel: reads its input from device memory and writes its output
-    /// there (returned; the input is freed once read); what its layers save goes to `saved`,
-    /// and its bytes stay reserved on the device (returned, KMEM-2) until its backward is
-    /// enqueued.
-    fn forward(
-        &mut self,
-        i: usize,
-        input: Act,
-        (saved, figures): (&Arc<Slot<Kept>>, &Figures),
-        c: &CtxOf,
-    ) -> Result<(Act, Reserved)> {
-        let u = self.plan.unit_at(i);
-        // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
-        let nc = self.calls.len();
-        let call = i % (2 * nc);
-        // RECOMP-1: a checkpointed call keeps its input and the statistics it received.
-        let checkpoint = self.cfg.recompute.checkpoints(call, nc);
-        let gathered = self.acquire(i)?;
-        let numel = self.layout.unit(u).numel();
-        let what = format!("forward {}", self.labels[u]);
-        let (shape, dtype) = self.probed()?.output(call, input.shape[0]);
-        let label = format!("{what} (output)");
-        let out = self.mem.alloc(Category::Activations, shape.iter().product(), &label)?;
-        // KMEM-2: what the kernel keeps, and what it makes while it runs.
-        let (reserved, keep, running) = self.reserve_for(&what, figures)?;
-        let k = kernels::Call {
-            model: Arc::clone(&self.model),
-            call,
-            rank: self.rank,
-            name: what.clone(),
-        };
-        let (saved, c, place) = (saved.clone(), c.clone(), self.placement());
-        let (in_shape, in_dtype) = (input.shape.clone(), input.dtype);
-        let p = match &gathered {
-            Some(g) => g,
-            None => self.resident(u)?,
-        };
-        self.dev.launch_fallible(
-            self.streams.compute,
-            &what,
-            &[p, &input.buf],
-            &[&self.buffers[u], &out],
-            Box::new(move |r, w| {
-                let [buffers, out] = w else { unreachable!("two written buffers") };
-                let (kept, made) = run_measured(place, || {
-                    let x = (r[1], &in_shape[..], in_dtype);
-                    k.forward(&r[0][..numel], buffers, x, out, &c, checkpoint)
-                });
-                saved.put(kept?);
-                made.check(&reserved, &k.name) // KMEM-3
-            }),
-        )?;
-        drop(running);
-        self.mem.free(self.streams.compute, input.buf)?;
-        self.done_with(i, gathered);
-        Ok((Act { buf: out, shape, dtype }, keep))
-    }
-
-    /// Where this rank's kernels compute (TENSOR-4).
-    fn placement(&self) -> shardline_models::Placement {
-        shardline_models::Placement::Device(self.dev.id())
-    }
-
-    /// KMEM-2: reserves a kernel's figures when it is enqueued: its saved bytes (kept by the
-    /// caller until the backward is enqueued) and the rest of its peak (dropped by the
-    /// caller right after the enqueue). Returns what the kernel may make: the figures with
-    /// the workspace's scratch.
-    fn reserve_for(&self, what: &str, f: &Figures) -> Result<(Figures, Reserved, Reserved)> {
-        let acts = Category::Activations;
-        let saved = if self.bug.under_reserve { f.saved.saturating_sub(4) } else { f.saved };
-        let keep = self.mem.reserve(acts, saved, &format!("{what} (saved for backward)"))?;
-        let rest = f.peak.saturating_sub(f.saved);
-        let running = self.mem.reserve(acts, rest, &format!("{what} (tensors while it runs)"))?;
-        let scratch = self.workspace.as_ref().map_or(0, |w| w.0);
-        Ok((Figures { saved, scratch, ..*f }, keep, running))
-    }
-
-    /// The kernels' figures for microbatches of `batch` samples, probed the first time that
-    /// size comes (KMEM-1); the scratch workspace grows to what they need (KMEM-2).
-    fn footprint(&mut self, batch: usize, targets: &Tensor, ctx: &CtxOf) -> Result<Footprint> {
-        if !self.footprints.contains_key(&batch) {
-            let job = ProbeJob {
-                model: &self.model,
-                shapes: self.probed()?,
-                targets,
-                recompute: self.cfg.recompute,
-                seed: self.cfg.seed,
-                device: self.placement(),
-                ctx: CtxOf { stats: None, ..ctx.clone() },
-            };
-            let fp = Footprint::probe(&job, batch)?;
-            let need = fp.scratch();
-            if self.workspace.as_ref().is_none_or(|w| w.0 < need) {
-                self.workspace = None;
-                let r = self.mem.reserve(Category::Scratch, need, "kernels' scratch workspace")?;
-                self.workspace = Some((need, r));
-            }
-            self.footprints.insert(batch, fp);
-        }
-        Ok(self.footprints[&batch].clone())
-    }
-
     /// The call shapes probed for this job's data.
     fn probed(&self) -> Result<&Shapes> {
         self.shapes.as_ref().ok_or_else(|| RuntimeError::config("no probed shapes"))
-    }
-
-    /// The loss kernel: the rank's share of the loss into `self.loss`, and the gradient of
-    /// the output (returned, in device memory; the output and the targets, uploaded, are
-    /// freed once read).
-    fn loss_kernel(
-        &mut self,
-        out: Act,
-        y: Tensor,
-        (global_batch, micro): (usize, usize),
-        figures: &Figures,
-    ) -> Result<Act> {
-        // TENSOR-4: the kernel reads the targets from device memory, as it reads the data.
-        let label = format!("targets (microbatch {micro})");
-        let targets = self.mem.alloc(Category::Activations, y.numel(), &label)?;
-        self.dev.upload(self.streams.compute, &activations::values(&y)?, &targets)?;
-        let (y_shape, y_dtype) = (y.shape().to_vec(), y.dtype());
-        drop(y);
-        let grad = self.mem.alloc(Category::Activations, out.buf.len(), "loss gradient")?;
-        let (reserved, keep, running) = self.reserve_for("loss", figures)?;
-        let (model, rank, place) = (Arc::clone(&self.model), self.rank, self.placement());
-        let (shape, dtype) = (out.shape.clone(), out.dtype);
-        self.dev.launch_fallible(
-            self.streams.compute,
-            "loss",
-            &[&out.buf, &targets],
-            &[&self.loss, &grad],
-            Box::new(move |r, w| {
-                let [l, g] = w else { unreachable!("two written buffers") };
-                let ((), made) = {
-                    let views = ((r[0], &shape[..], dtype), (r[1], &y_shape[..], y_dtype));
-                    let (res, made) = run_measured(place, || {
-                        kernels::loss(&*model, rank, views, (global_batch, micro), &mut l[0], g)
-                    });
-                    (res?, made)
-                };
-                made.check(&reserved, "loss") // KMEM-3
-            }),
-        )?;
-        drop((keep, running));
-        self.mem.free(self.streams.compute, out.buf)?;
-        self.mem.free(self.streams.compute, targets)?;
-        Ok(Act { buf: grad, shape: out.shape, dtype: DType::F32 })
-    }
-
-    /// Use `i`'s backward kernel (call `2 nc - 1 - i`): the unit's gradients into its
-    /// gradient buffer, the input gradient into `act`; the unit's reduction is enqueued as
-    /// soon as its last call is done (ENG-9's first half; NET-1).
-    fn backward(
-        &mut self,
-        i: usize,
-        (mb, grad_out, c): (Micro, Act, &CtxOf),
-        (saved, figures): (&Arc<Slot<Kept>>, &Figures),
-        reds: &mut Reductions<DeviceReduction>,
-        partial: &mut [Option<Option<DeviceBuffer>>],
-    ) -> Result<Option<Act>> {
-        let u = self.plan.unit_at(i);
-        let nc = self.calls.len();
-        let call = 2 * nc - 1 - i % (2 * nc);
-        // NET-1, ACC-2, ACC-3: reduced after the unit's last call of the microbatch, when the
-        // stage and the policy reduce after this microbatch; a reduce-scatter's result adds
-        // to the shard when an earlier microbatch's was reduced.
-        let (transient, how) = (self.rules.transient_grads(), self.cfg.accum_reduce);
-        let last_use = !self.calls[..call].contains(&u)
-            && accum::reduces_after(mb.index, mb.count, transient, how);
-        let add = mb.index > 0 && accum::reduces_after(mb.index - 1, mb.count, transient, how);
-        let gathered = self.acquire(i)?;
-        let l = self.layout.unit(u);
-        let (numel, padded) = (l.numel(), l.padded_numel());
-        // A transient full gradient (stages 2 and 3) lives until its reduce-scatter is done;
-        // stages 0 and 1 write the kept full buffer.
-        let (first_use, transient) = match partial[u].take() {
-            Some(t) => (false, t),
-            None if self.rules.transient_grads() => {
-                let what = format!("{} grads (unreduced)", self.labels[u]);
-                (true, Some(self.mem.alloc(Category::Grads, padded, &what)?))
-            }
-            None => (true, None),
-        };
-        let what = format!("backward {}", self.labels[u]);
-        // The input gradient (none for call 0, whose input is data), in device memory.
-        let input_grad = if call > 0 {
-            let (shape, _) = self.probed()?.input(call, grad_out.shape[0]);
-            let label = format!("{what} (input gradient)");
-            Some(Act {
-                buf: self.mem.alloc(Category::Activations, shape.iter().product(), &label)?,
-                shape,
-                dtype: DType::F32,
-            })
-        } else {
-            None
-        };
-        // KMEM-2: what the kernel makes while it runs (a backward saves nothing).
-        let (reserved, keep, running) = self.reserve_for(&what, figures)?;
-        let k = kernels::Call {
-            model: Arc::clone(&self.model),
-            call,
-            rank: self.rank,
-            name: what.clone(),
-        };
-        let (saved, c, place, world) = (saved.clone(), c.clone(), self.placement(), self.world);
-        let (gshape, gdtype) = (grad_out.shape.clone(), grad_out.dtype);
-        let p = match &gathered {
-            Some(g) => g,
-            None => self.resident(u)?,
-        };
-        let g = transient.as_ref().unwrap_or(&self.grads[u]);
-        self.dev.launch_fallible(
-            self.streams.compute,
-            &what,
-            // The buffers: a checkpointed call's forward runs again on a scratch copy.
-            &[p, &self.buffers[u], &grad_out.buf],
-            &std::iter::once(g).chain(input_grad.as_ref().map(|a| &a.buf)).collect::<Vec<_>>(),
-            Box::new(move |r, w| {
-                let (grads, rest) = w.split_first_mut().expect("the gradient buffer");
-                let kept = saved.take(&k.name)?;
-                let (res, made) = run_measured(place, || {
-                    k.backward(
-                        &r[0][..numel],
-                        r[1],
-                        (r[2], &gshape[..], gdtype),
-                        kept,
-                        (grads, numel, first_use),
-                        rest.first_mut().map(|g| &mut **g),
-                        world,
-                        &c,
-                    )
-                });
-                res?;
-                made.check(&reserved, &k.name) // KMEM-3
-            }),
-        )?;
-        drop((keep, running));
-        self.mem.free(self.streams.compute, grad_out.buf)?;
-        if last_use {
-            self.issue_reduction(reds, u, transient, add)?;
-        } else {
-            partial[u] = Some(transient);
-        }
-        self.done_with(i, gathered);
-        Ok(input_grad)
-    }
-
-    /// Every unit's full parameters (unpadded), gathered at stage 3 (collective: every rank
-    /// calls it).
-    pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>> {
-        let mut out = Vec::new();
-        let s = self.streams.gather;
-        for u in 0..self.layout.units().len() {
-            if let Some(e) = &self.ready[u] {
-                self.dev.wait(s, e);
-            }
-            let l = self.layout.unit(u);
-            let mut v = match (&self.params[u], self.rules.before_use) {
-                (Held::Device(p), BeforeUse::Gather) => {
-                    let full = self.mem.alloc(
-                        Category::GatheredUnits,
-                        l.padded_numel(),
-                        "full parameters",
-                    )?;
-                    self.gather_comm.all_gather(s, p, &full)?;
-                    let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
-                    self.mem.free(s, full)?;
-                    v
-                }
-                (Held::Device(p), BeforeUse::Resident) => {
-                    self.dev.download(s, p)?.wait(&*self.dev)?
-                }
-                (Held::Host(h), _) => {
-                    // The host update must have run before the host reads its result.
-                    if let Some(e) = &self.ready[u] {
-                        self.dev.synchronize(e)?;
-                    }
-                    let shard =
-                        self.mem.alloc(Category::CommBuffers, l.shard_len(), "parameter shard")?;
-                    self.dev.upload(s, &lock(h), &shard)?;
-                    let full = self.mem.alloc(
-                        Category::GatheredUnits,
-                        l.padded_numel(),
-                        "full parameters",
-                    )?;
-                    self.gather_comm.all_gather(s, &shard, &full)?;
-                    let v = self.dev.download(s, &full)?.wait(&*self.dev)?;
-                    self.mem.free(s, full)?;
-                    self.mem.free(s, shard)?;
-                    v
-                }
-            };
-            v.truncate(l.numel());
-            out.push(v);
-        }
-        Ok(out)
-    }
-
-    /// Every unit's buffers (BatchNorm running statistics).
-    pub fn buffers(&self) -> Result<Vec<Vec<f32>>> {
-        let s = self.streams.compute;
-        let d = &*self.dev;
-        self.buffers.iter().map(|b| Ok(d.download(s, b)?.wait(d)?)).collect()
     }
 }
 
 /// What a kernel needs to build its [`Ctx`]: owned, so that it travels with the kernel.
 #[derive(Clone)]
 struct CtxOf {
+    /// Training (a step) or evaluation.
+    training: bool,
     sync_bn: bool,
     stats: Option<Arc<DeviceStats>>,
     global_batch: usize,
@@ -911,7 +714,7 @@ struct CtxOf {
 impl CtxOf {
     fn ctx(&self, overwrite_grads: bool) -> Ctx<'_> {
         Ctx {
-            training: true,
+            training: self.training,
             sync_bn: self.sync_bn,
             reducer: self.stats.as_deref().map(|s| s as &dyn shardline_models::StatsReducer),
             global_batch: self.global_batch,

@@ -75,6 +75,7 @@ impl DeviceEngine {
     /// compute stream (and the offload stream) wait for the sums (clipping reads them).
     pub(super) fn enqueue_loss_and_norm(&mut self, n: usize) -> Result<()> {
         let s = &self.streams;
+        let stop = if self.stop_requested { 1.0 } else { 0.0 };
         self.dev.launch(
             s.compute,
             "loss and norm",
@@ -85,6 +86,8 @@ impl DeviceEngine {
                 let sq: f64 = (0..n).map(|u| f64_of(&r[1][2 * u..2 * u + 2])).sum();
                 w[0][0] = r[0][0];
                 w[0][1] = sq as f32;
+                // INT-1: the wish travels with the loss.
+                w[0][2] = stop;
             }),
         )?;
         let e = self.dev.record(s.compute);

@@ -1,7 +1,10 @@
-//! A job of the device engine in one process: one thread per rank, each with its own
-//! device (the host as a device, or a simulated accelerator), the ranks meeting in the
-//! communicators' worlds. The job's plan (data, model, stage, optimizer) is the host
-//! engine's ([`crate::train::plan`]), and each rank reads the same batches as there.
+//! Steps of the device engine in one process, for tests and benchmarks: one thread per
+//! rank, each with its own device (the host as a device, or a simulated accelerator), the
+//! ranks meeting in the communicators' worlds, and every step's device figures returned
+//! (memory by category, timelines), which the training loop does not report. The job's plan
+//! (data, model, stage, optimizer) is the host engine's ([`crate::train::plan`]), and each
+//! rank reads the same batches as there. `train --device sim` runs the engine under the
+//! training loop instead ([`super::train_on_sim`]): checkpoints, evaluation, logs.
 
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
