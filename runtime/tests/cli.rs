@@ -336,12 +336,24 @@ fn log_json_has_one_object_per_step_with_the_documented_keys() {
 /// step the ranks agreed to stop at is checkpointed, DRIVE-2).
 #[test]
 fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
+    interrupted_run_resumes(&[], 3000);
+}
+
+/// The same on the device engine (`--device sim`), which runs under the same loop: the
+/// stop wish travels with its loss sums (INT-1).
+#[test]
+fn interrupted_device_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
+    interrupted_run_resumes(&["--device", "sim", "--sim-delay-us", "0"], 600);
+}
+
+fn interrupted_run_resumes(extra: &[&str], total: u64) {
     let dir = tempfile::tempdir().expect("tempdir");
     let args = |ck: &Path, log: &Path| -> Vec<String> {
         let mut v: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
         // SMALL's 3 steps, then more: long enough to be interrupted.
         let steps = v.iter().position(|a| a == "--steps").expect("--steps") + 1;
-        v[steps] = "3000".into();
+        v[steps] = total.to_string();
+        v.extend(extra.iter().map(|s| s.to_string()));
         v.extend(["--checkpoint-dir".into(), ck.display().to_string()]);
         v.extend(["--checkpoint-every".into(), "100000".into()]);
         v.extend(["--log-json".into(), log.display().to_string()]);
@@ -384,7 +396,7 @@ fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
     ck.verify().expect("verifies");
     let k = ck.manifest().step;
     assert_eq!(k as usize, lines(&log_b), "the checkpoint holds the last logged step");
-    assert!((20..3000).contains(&k), "stopped at step {k}");
+    assert!((20..total).contains(&k), "stopped at step {k}");
 
     // Resume to the end, and run the same job without interruption.
     let mut resume = args(&ck_b, &log_b);
@@ -400,7 +412,7 @@ fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
     let end = |d: &Path| {
         let ck =
             Checkpoint::open(checkpoint::latest(d).expect("list").expect("one")).expect("open");
-        assert_eq!(ck.manifest().step, 3000);
+        assert_eq!(ck.manifest().step, total);
         ck.consolidate().expect("consolidate").into_iter().map(|u| u.params).collect::<Vec<_>>()
     };
     assert!(bits_eq(&end(&ck_b), &end(&ck_a)), "resumed run differs from the uninterrupted one");
