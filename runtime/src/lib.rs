@@ -54,6 +54,7 @@ pub mod optim;
 pub mod sample;
 pub mod schedule;
 pub mod shard;
+pub mod straggler;
 pub mod supervise;
 pub mod telemetry;
 pub mod train;

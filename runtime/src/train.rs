@@ -246,6 +246,10 @@ pub struct RunOptions {
     /// Each rank's compute backend in place of `--device`'s (tests: one that fails on
     /// purpose); `None` opens the device's.
     pub backend: Option<crate::engine::BackendOverride>,
+    /// When a rank counts as a straggler (reported live: log, metrics, stderr).
+    pub stragglers: crate::straggler::StragglerPolicy,
+    /// End the run as failed, naming the rank, when a straggler is flagged.
+    pub evict_stragglers: bool,
 }
 
 impl Default for TrainConfig {

@@ -417,3 +417,54 @@ fn interrupted_run_resumes(extra: &[&str], total: u64) {
     };
     assert!(bits_eq(&end(&ck_b), &end(&ck_a)), "resumed run differs from the uninterrupted one");
 }
+
+/// STRAG-1 end to end: in a 3-rank job, a rank slowed by 40 ms a step (the `slow` fault) is
+/// reported as a straggler by name, live, and marked in the log; with `--evict-stragglers`
+/// the run ends failed, naming it.
+#[test]
+fn a_slow_rank_is_reported_as_a_straggler_and_can_be_evicted_strag_1() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("log.jsonl");
+    // SMALL's model for 10 steps.
+    let run = |extra: &[&str]| {
+        let mut v = small(extra);
+        let steps = v.iter().position(|a| a == "--steps").expect("--steps") + 1;
+        v[steps] = "10".into();
+        let refs: Vec<&str> = v.iter().map(String::as_str).collect();
+        shardline(&refs)
+    };
+    let args = [
+        "--world",
+        "3",
+        "--fault",
+        "slow:rank=1:step=2:ms=40",
+        "--straggler-steps",
+        "3",
+        "--log-json",
+        log.to_str().unwrap(),
+    ];
+    let o = run(&args);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(o.stderr.contains("rank 1 is a straggler"), "{}", o.stderr);
+    assert!(!o.stderr.contains("rank 0 is a straggler"), "{}", o.stderr);
+    let text = std::fs::read_to_string(&log).expect("log");
+    let marked: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["stragglers"].clone())
+        .collect();
+    assert_eq!(marked[0], serde_json::json!([]), "step 1 runs at full speed");
+    assert_eq!(marked[9], serde_json::json!([1]), "{text}");
+    let o = run(&[&args[..4], &["--straggler-steps", "3", "--evict-stragglers"]].concat());
+    assert_eq!(o.code, Some(1), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("rank 1 is a straggler") && o.stderr.contains("evicted"),
+        "{}",
+        o.stderr
+    );
+    // Bad policies exit 2 naming the flag.
+    for bad in [["--straggler-factor", "1"], ["--straggler-steps", "0"]] {
+        let o = run_small(&bad);
+        assert_eq!(o.code, Some(2), "{bad:?}: {}", o.stderr);
+        assert!(o.stderr.contains(bad[0]), "{}", o.stderr);
+    }
+}

@@ -537,8 +537,21 @@ struct TrainArgs {
     /// launched, rank 0 alone shows it).
     #[arg(long)]
     no_progress: bool,
+    /// A rank whose busy time (not waiting for communication) is at least this many times
+    /// the other ranks' median, and 5 ms more, for --straggler-steps steps in a row is
+    /// reported as a straggler (stderr, the log, the metric shardline_straggler_ratio).
+    #[arg(long, default_value = "3", value_parser = parse_straggler_factor)]
+    straggler_factor: f64,
+    /// Consecutive steps over --straggler-factor before a rank is reported.
+    #[arg(long, default_value = "5", value_parser = clap::value_parser!(u32).range(1..))]
+    straggler_steps: u32,
+    /// End the run as failed, naming the rank, when a straggler is reported (with
+    /// `launch --max-restarts`, the agents then restart the group from its checkpoint).
+    #[arg(long)]
+    evict_stragglers: bool,
     /// Inject a fault (repeatable): kill:rank=R:step=S[:phase=forward|backward|reduce|checkpoint],
-    /// stall:rank=R:step=S:secs=T, delay:link=A-B:ms=M[:jitter=J], drop:link=A-B:p=P,
+    /// stall:rank=R:step=S:secs=T, slow:rank=R:step=S:ms=M (sleeps M ms in every step from S:
+    /// a straggler), delay:link=A-B:ms=M[:jitter=J], drop:link=A-B:p=P,
     /// corrupt:link=A-B:p=P (partition:node=N:step=S:secs=T needs `shardline launch`).
     #[arg(long = "fault", value_name = "SPEC")]
     faults: Vec<String>,
@@ -577,6 +590,14 @@ fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
     parse_scaled(s, 1024).map_err(|e| format!("{e} (try 512M or 2G)"))
+}
+
+/// `--straggler-factor`: a finite number above 1.
+fn parse_straggler_factor(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 1.0 => Ok(v),
+        _ => Err(format!("'{s}' is not a factor above 1 (for example 3)")),
+    }
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {
@@ -877,6 +898,12 @@ fn main() {
                 skip_final_params: true,
                 stop_on_signal: true,
                 backend: None,
+                stragglers: shardline_runtime::straggler::StragglerPolicy {
+                    factor: a.straggler_factor,
+                    steps: a.straggler_steps,
+                    ..Default::default()
+                },
+                evict_stragglers: a.evict_stragglers,
             };
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts

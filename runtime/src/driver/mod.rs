@@ -26,6 +26,7 @@ use crate::fault::{FaultHook, FaultInjector};
 use crate::memory::MemoryTracker;
 use crate::optim::Optimizer;
 use crate::shard::Stage;
+use crate::straggler::Stragglers;
 use crate::telemetry::Trace;
 use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
 use actix::prelude::*;
@@ -356,9 +357,10 @@ impl StepFigures {
         StepFigures { first: stats.swap_remove(0), step_s, comm_s, exposed_s, peak }
     }
 
-    fn json(&self, step: u64, epoch: u64) -> serde_json::Value {
+    fn json(&self, step: u64, epoch: u64, stragglers: &[usize]) -> serde_json::Value {
         let s = &self.first;
         serde_json::json!({
+            "stragglers": stragglers,
             "step": step, "epoch": epoch, "loss": s.loss, "lr": s.lr, "step_time_s": self.step_s,
             "comm_exposed_s": self.exposed_s, "compute_s": s.compute_time.as_secs_f64(),
             "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
@@ -467,6 +469,7 @@ async fn steps<P: Placement>(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let t_loop = Instant::now();
     let mut interrupted = None::<i32>;
+    let mut stragglers = Stragglers::new(opts.stragglers);
     for _ in 0..run_steps {
         // INT-1: this process's wish to stop travels with the step's loss reduction, so
         // every rank of the job learns it from the same step.
@@ -483,7 +486,23 @@ async fn steps<P: Placement>(
         metrics::histogram!("shardline_comm_exposed_seconds").record(f.exposed_s);
         metrics::counter!("shardline_steps_total").increment(1);
         metrics::gauge!("shardline_peak_bytes").set(f.peak as f64);
-        log.write(f.json(done, epoch))?;
+        // STRAG-1: every process reads the same busy times, so all reach the same verdict.
+        for s in stragglers.observe(&f.first.rank_busy_s) {
+            metrics::gauge!("shardline_straggler_ratio", "rank" => s.rank.to_string())
+                .set(s.ratio());
+            tracing::warn!(rank = s.rank, step = done, "{s}");
+            if lead {
+                eprintln!("warning: step {done}: {s}");
+            }
+            if opts.evict_stragglers {
+                log.write(f.json(done, epoch, &stragglers.flagged()))?;
+                log.flush()?;
+                return Err(RuntimeError::Failed(format!(
+                    "step {done}: {s}; evicted (--evict-stragglers)"
+                )));
+            }
+        }
+        log.write(f.json(done, epoch, &stragglers.flagged()))?;
         let last = done - first == run_steps;
         progress.step(done, job.total_steps, last, f.first.loss, f.step_s, cfg.batch_size);
         losses.push(f.first.loss);

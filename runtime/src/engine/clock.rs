@@ -11,8 +11,8 @@
 //!   thread, WORK-1; SyncBN statistics reductions by their blocking call, see
 //!   [`super::stats`]), clipped to the step's start (a gather prefetched by the previous step,
 //!   ENG-6, counts from this step's start). Exposed communication is the time the step was
-//!   blocked waiting, so it never exceeds the communication time by more than the wake-up
-//!   latency of a wait.
+//!   blocked waiting (a statistics reduction's blocking call, all of it), so it never
+//!   exceeds the communication time by more than the wake-up latency of a wait.
 
 use std::time::{Duration, Instant};
 

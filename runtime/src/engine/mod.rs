@@ -182,6 +182,9 @@ pub struct StepStats {
     /// Time spent converting between `f32` and bf16 (rounding shards and gradients,
     /// upcasting gathered units and reduced gradients); zero in `f32`.
     pub cast_time: Duration,
+    /// Every rank's busy seconds this step (not waiting for communication, up to the loss
+    /// reduction), the same list on every rank; empty where the engine does not measure it.
+    pub rank_busy_s: Vec<f32>,
 }
 
 /// A step's (or an evaluation's) running figures.
@@ -461,7 +464,10 @@ impl RankEngine {
         } else {
             reds.finish_all(&mut self.io(&mut st))?;
         }
-        let (loss, total_sq, stop) = self.reduce_loss_and_norm(local_loss, &mut st)?;
+        // STRAG: the time this rank was not waiting for communication so far.
+        let busy = t_step.elapsed().saturating_sub(st.clock.exposed).as_secs_f32();
+        let (loss, total_sq, stop, rank_busy) =
+            self.reduce_loss_and_norm(local_loss, busy, &mut st)?;
         if let Some(max) = self.cfg.clip_grad_norm {
             st.coef = optim::clip_coef(total_sq, max);
             self.step += 1;
@@ -487,6 +493,7 @@ impl RankEngine {
             gather_bytes: self.gather.bytes_sent() - sent0.0,
             reduce_bytes: self.reduce.bytes_sent() - sent0.1,
             cast_time: self.cast.get(),
+            rank_busy_s: rank_busy,
         })
     }
 
@@ -538,20 +545,26 @@ impl RankEngine {
 
     /// The step's loss and squared gradient norm summed over the group in one small
     /// all-reduce (ENG-2), the norms in unit order whatever the order of completion
-    /// (ENG-1); the third value carries whether some rank asked to stop (INT-1).
+    /// (ENG-1); the third value carries whether some rank asked to stop (INT-1), and one
+    /// slot per rank its busy seconds (each rank fills its own, so the sum is every rank's:
+    /// what the straggler detector reads, STRAG-1).
     fn reduce_loss_and_norm(
         &self,
         local_loss: f32,
+        busy: f32,
         st: &mut StepState,
-    ) -> Result<(f32, f64, bool)> {
+    ) -> Result<(f32, f64, bool, Vec<f32>)> {
         let sq: f64 = st.unit_sq.iter().sum();
         // Waited for at once: a blocking call runs on this thread when the lane is idle.
         let mut now = CallOptions::new();
         now.blocking(true);
         let stop = if self.stop_requested { 1.0 } else { 0.0 };
-        let w = self.reduce.all_reduce_opts(vec![local_loss, sq as f32, stop], ReduceOp::Sum, &now);
+        let mut v = vec![0.0; 3 + self.world];
+        v[..3].copy_from_slice(&[local_loss, sq as f32, stop]);
+        v[3 + self.rank] = busy;
+        let w = self.reduce.all_reduce_opts(v, ReduceOp::Sum, &now);
         let sums = st.clock.wait(&self.trace, self.rank, w, Row::Reduce, "loss+norm")?;
-        Ok((sums[0], sums[1] as f64, sums[2] > 0.0))
+        Ok((sums[0], sums[1] as f64, sums[2] > 0.0, sums[3..].to_vec()))
     }
 
     /// Each unit's update is its own span; one `optimizer` mark at the end of the last

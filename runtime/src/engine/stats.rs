@@ -64,10 +64,15 @@ impl StatsLane {
         self.lock_spans().clear();
     }
 
-    /// Ends a step: moves its reductions' spans into the step's clock (ENG-4) and returns
-    /// how many messages it sent.
+    /// Ends a step: moves its reductions' spans into the step's clock, and their time into
+    /// its exposed communication, since each blocked the step (ENG-4); returns how many
+    /// messages it sent.
     pub(crate) fn end_step(&self, clock: &mut CommClock) -> usize {
-        clock.spans.extend(self.lock_spans().drain(..));
+        for (t0, t1) in self.lock_spans().drain(..) {
+            // A blocking call: the step waited for all of it (exposed, ENG-4).
+            clock.exposed += t1 - t0;
+            clock.spans.push((t0, t1));
+        }
         self.messages.swap(0, Ordering::Relaxed)
     }
 

@@ -237,6 +237,24 @@ impl FaultInjector {
                     std::thread::sleep(Duration::from_secs_f64(secs));
                     self.clear_pending_if(idx);
                 }
+                // A condition, not an event: every step from `s` on (recorded once).
+                FaultSpec::Slow { rank: r, step: s, ms }
+                    if r == rank && step >= s && phase == Phase::Forward =>
+                {
+                    if !self.fired[i].swap(true, Ordering::AcqRel) {
+                        let now = Instant::now();
+                        self.add_record(f.to_spec(), "slow", rank, step, now);
+                        self.log(
+                            "injected",
+                            Some(rank),
+                            step,
+                            format!("slow rank {rank} by {ms} ms a step from step {s}"),
+                        );
+                        metrics::counter!("shardline_faults_injected_total", "kind" => "slow")
+                            .increment(1);
+                    }
+                    std::thread::sleep(Duration::from_millis(ms));
+                }
                 _ => {}
             }
         }

@@ -9,6 +9,8 @@
 //!   coordinator has to notice the death.
 //! - `stall:rank=R:step=S:secs=T`: the rank sleeps T seconds at the start of step S's forward
 //!   pass: a slow rank, not a dead one.
+//! - `slow:rank=R:step=S:ms=M`: the rank sleeps M milliseconds at the start of every forward
+//!   pass from step S on: a straggler (a condition, recorded once when it begins).
 //! - `delay:link=A-B:ms=M[:jitter=J]`, `drop:link=A-B:p=P`, `corrupt:link=A-B:p=P`: link
 //!   faults applied by the
 //!   [`FaultyTransport`](shardline_collectives::transport::faulty::FaultyTransport) wrapper on

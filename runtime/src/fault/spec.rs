@@ -59,6 +59,16 @@ pub enum FaultSpec {
         /// How long.
         secs: f64,
     },
+    /// Make a rank slower at every step from one on: it sleeps at the start of each forward
+    /// pass (a throttled or shared device, a straggler rather than a one-off stall).
+    Slow {
+        /// Rank.
+        rank: usize,
+        /// First slowed step (1-based).
+        step: u64,
+        /// Sleep per step, in milliseconds.
+        ms: u64,
+    },
     /// Cut a node off (namespace tests of the launcher only).
     Partition {
         /// Node index.
@@ -73,11 +83,12 @@ pub enum FaultSpec {
 }
 
 impl FaultSpec {
-    /// Short kind name: kill, stall, partition, delay, drop, corrupt.
+    /// Short kind name: kill, stall, slow, partition, delay, drop, corrupt.
     pub fn kind(&self) -> &'static str {
         match self {
             FaultSpec::Kill { .. } => "kill",
             FaultSpec::Stall { .. } => "stall",
+            FaultSpec::Slow { .. } => "slow",
             FaultSpec::Partition { .. } => "partition",
             FaultSpec::Link(l) => match l.kind {
                 LinkFaultKind::Delay { .. } => "delay",
@@ -96,6 +107,7 @@ impl FaultSpec {
             FaultSpec::Stall { rank, step, secs } => {
                 format!("stall:rank={rank}:step={step}:secs={secs}")
             }
+            FaultSpec::Slow { rank, step, ms } => format!("slow:rank={rank}:step={step}:ms={ms}"),
             FaultSpec::Partition { node, step, secs } => {
                 format!("partition:node={node}:step={step}:secs={secs}")
             }
@@ -132,12 +144,13 @@ impl FaultSpec {
         let allowed: &[&str] = match kind {
             "kill" => &["rank", "step", "phase"],
             "stall" => &["rank", "step", "secs"],
+            "slow" => &["rank", "step", "ms"],
             "partition" => &["node", "step", "secs"],
             "delay" => &["link", "ms", "jitter"],
             "drop" | "corrupt" => &["link", "p"],
             other => {
                 return Err(err(format!(
-                    "unknown fault kind '{other}' (choose kill, stall, delay, drop, corrupt or partition)"
+                    "unknown fault kind '{other}' (choose kill, stall, slow, delay, drop, corrupt or partition)"
                 )))
             }
         };
@@ -204,6 +217,13 @@ impl FaultSpec {
             "stall" => {
                 FaultSpec::Stall { rank: usize_of("rank")?, step: step()?, secs: secs("secs")? }
             }
+            "slow" => {
+                let ms = int("ms")?;
+                if ms > 600_000 {
+                    return Err(err("ms must be at most 600000".into()));
+                }
+                FaultSpec::Slow { rank: usize_of("rank")?, step: step()?, ms }
+            }
             "partition" => {
                 FaultSpec::Partition { node: usize_of("node")?, step: step()?, secs: secs("secs")? }
             }
@@ -251,7 +271,11 @@ impl FaultPlan {
             let bad =
                 |m: String| Err(RuntimeError::config(format!("--fault {}: {m}", f.to_spec())));
             match f {
-                FaultSpec::Kill { rank, .. } | FaultSpec::Stall { rank, .. } if *rank >= world => {
+                FaultSpec::Kill { rank, .. }
+                | FaultSpec::Stall { rank, .. }
+                | FaultSpec::Slow { rank, .. }
+                    if *rank >= world =>
+                {
                     return bad(format!("rank {rank} does not exist in a world of {world}"))
                 }
                 FaultSpec::Link(l) if l.a >= world || l.b >= world => {
@@ -279,7 +303,11 @@ impl FaultPlan {
             let bad =
                 |m: String| Err(RuntimeError::config(format!("--fault {}: {m}", f.to_spec())));
             match f {
-                FaultSpec::Kill { rank, .. } | FaultSpec::Stall { rank, .. } if *rank >= world => {
+                FaultSpec::Kill { rank, .. }
+                | FaultSpec::Stall { rank, .. }
+                | FaultSpec::Slow { rank, .. }
+                    if *rank >= world =>
+                {
                     return bad(format!("rank {rank} does not exist in a world of {world}"))
                 }
                 FaultSpec::Link(_) => {
@@ -368,7 +396,7 @@ mod tests {
 
         #[test]
         fn parser_is_total_on_near_misses(
-            kind in prop::sample::select(vec!["kill", "stall", "delay", "drop", "corrupt", "partition"]),
+            kind in prop::sample::select(vec!["kill", "stall", "slow", "delay", "drop", "corrupt", "partition"]),
             parts in prop::collection::vec("(rank|step|phase|link|ms|p|secs|jitter|node)=[-0-9a-z.]{0,6}", 0..5),
         ) {
             let _ = FaultSpec::parse(&format!("{kind}:{}", parts.join(":")));
