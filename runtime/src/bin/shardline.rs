@@ -504,6 +504,15 @@ struct TrainArgs {
     /// Checkpoint every N steps (and always at the end when --checkpoint-dir is set).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
+    /// Write each checkpoint in the background (needs --checkpoint-dir): at the step
+    /// boundary every rank copies its shard of the parameters and optimizer state and the
+    /// BatchNorm buffers, then the next steps run while a thread writes the copies and
+    /// commits them as without the flag (the manifest once every rank's shard is on disk; a
+    /// crash before that leaves the previous checkpoint the newest). One checkpoint at a
+    /// time: the next one, a stop and the end of the run wait for it to commit. Each rank
+    /// holds the extra copy of its shard until its file is written.
+    #[arg(long)]
+    async_checkpoint: bool,
     /// Resume from the newest checkpoint in --checkpoint-dir whose files verify (sizes,
     /// CRC32, SHA-256); each newer one that does not is named on stderr with why and moved
     /// aside to damaged-step-N. Refused: a checkpoint of another configuration, model or
@@ -678,6 +687,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
     let refused = [
         (a.checkpoint_dir.is_some(), "--checkpoint-dir"),
         (a.resume, "--resume"),
+        (a.async_checkpoint, "--async-checkpoint"),
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.stop_after.is_some(), "--stop-after"),
@@ -839,6 +849,8 @@ fn main() {
             let mut opts = RunOptions {
                 checkpoint_dir: a.checkpoint_dir.clone(),
                 checkpoint_every: a.checkpoint_every,
+                async_checkpoint: a.async_checkpoint,
+                before_shard_write: None,
                 resume: a.resume,
                 log_json: a.log_json.clone(),
                 trace: a.trace.clone(),

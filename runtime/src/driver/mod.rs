@@ -15,10 +15,20 @@
 //!   run with [`RuntimeError::Interrupted`] naming that checkpoint.
 //! - DRIVE-3: a rank's failure is reported with the first failing rank as its root cause
 //!   (ACT-2), not the abort it caused elsewhere.
+//!
+//! Checkpoints written in the background (`--async-checkpoint`) are `background`'s, with
+//! DRIVE-4..6.
 
+mod background;
 pub mod local;
 
-use crate::actors::{Coordinator, Eval, FullParams, Load, RankActor, RankData, Shutdown, Step};
+use background::Saves;
+pub use background::{BackgroundSave, CheckpointStall, ShardWriteHook, WriteHooks};
+
+use crate::actors::{
+    Coordinator, Eval, FullParams, Load, RankActor, RankData, RankSnapshot, Shutdown, Snapshot,
+    Step,
+};
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::engine::{RankEngine, StepStats};
 use crate::error::{Result, RuntimeError};
@@ -177,6 +187,11 @@ impl Ranks {
         Ok(out)
     }
 
+    /// Every rank's checkpointed state as it is now, at a step boundary (DRIVE-4).
+    pub async fn snapshot(&self, step: u64) -> Result<Vec<RankSnapshot>> {
+        self.ask(|_| Snapshot, &format!("snapshot of step {step}")).await
+    }
+
     async fn shutdown(&self) {
         for a in &self.addrs {
             let _ = a.send(Shutdown).await;
@@ -199,6 +214,18 @@ pub trait Placement {
         step: u64,
         meta: CheckpointMeta,
     ) -> impl std::future::Future<Output = Result<()>>;
+
+    /// Starts the checkpoint of `step` under `dir` from the ranks' state now, and returns it
+    /// in flight: a thread writes this process's shards, calling `hooks`, and commits them by
+    /// the protocol of [`Placement::save`] (DRIVE-4..6).
+    fn save_in_background(
+        &self,
+        ranks: &Ranks,
+        dir: &Path,
+        step: u64,
+        meta: CheckpointMeta,
+        hooks: WriteHooks,
+    ) -> impl std::future::Future<Output = Result<BackgroundSave>>;
 
     /// A step finished (a launched rank 0 publishes it for its agent, LAUNCH-9).
     fn step_done(&self, _step: u64) {}
@@ -368,6 +395,9 @@ pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
     if opts.resume && opts.checkpoint_dir.is_none() {
         return Err(RuntimeError::config("--resume needs --checkpoint-dir"));
     }
+    if opts.async_checkpoint && opts.checkpoint_dir.is_none() {
+        return Err(RuntimeError::config("--async-checkpoint needs --checkpoint-dir"));
+    }
     Ok(())
 }
 
@@ -434,8 +464,16 @@ async fn resume(job: &Job, ranks: &Ranks, lead: bool, speak: bool) -> Result<u64
 
 async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Summary> {
     let started = Instant::now();
+    let hooks = WriteHooks {
+        before: job.opts.before_shard_write.clone(),
+        written: engines.checkpoint_hook.clone(),
+    };
     let ranks = start_actors(engines);
-    let result = steps(&job, &ranks, &placement, started).await;
+    let mut saves = Saves::default();
+    let result = steps(&job, &ranks, &placement, started, &hooks, &mut saves).await;
+    if result.is_err() {
+        saves.abandon();
+    }
     ranks.shutdown().await;
     System::current().stop();
     result
@@ -446,6 +484,8 @@ async fn steps<P: Placement>(
     ranks: &Ranks,
     placement: &P,
     started: Instant,
+    hooks: &WriteHooks,
+    saves: &mut Saves,
 ) -> Result<Summary> {
     let (cfg, opts) = (&job.cfg, &job.opts);
     let lead = placement.lead();
@@ -484,12 +524,25 @@ async fn steps<P: Placement>(
         exposed_frac.push(if f.step_s > 0.0 { f.exposed_s / f.step_s } else { 0.0 });
         let stop_now = f.first.stop;
         step_stats.push(f.first);
+        // A background save that ended fails the run now if it failed (DRIVE-5).
+        saves.poll()?;
         if let Some(dir) = &opts.checkpoint_dir {
             let every = opts.checkpoint_every;
             // DRIVE-2.
             if (every > 0 && done.is_multiple_of(every)) || last || stop_now {
                 let meta = job.checkpoint_meta(epoch, index as u64 + 1);
-                placement.save(ranks, dir, done, meta).await?;
+                if opts.async_checkpoint {
+                    // DRIVE-5: the previous one commits before this one begins.
+                    saves.wait()?;
+                    let t = Instant::now();
+                    let save =
+                        placement.save_in_background(ranks, dir, done, meta, hooks.clone()).await?;
+                    saves.started(save, t.elapsed());
+                } else {
+                    let t = Instant::now();
+                    placement.save(ranks, dir, done, meta).await?;
+                    saves.done_in_place(done, t.elapsed());
+                }
             }
         }
         if stop_now {
@@ -501,6 +554,8 @@ async fn steps<P: Placement>(
     progress.finish();
     log.flush()?;
     if let Some(signal) = interrupted {
+        // The stop's checkpoint is the one the error names: committed first (DRIVE-5).
+        saves.wait()?;
         let checkpoint = match &opts.checkpoint_dir {
             Some(dir) => checkpoint::latest(dir)?,
             None => None,
@@ -516,6 +571,9 @@ async fn steps<P: Placement>(
         let mut full = ranks.ask(|_| FullParams, "gathering parameters").await?;
         full.swap_remove(0)
     };
+    // The last checkpoint was written while the ranks evaluated; the run ends once it is
+    // committed (DRIVE-5).
+    saves.wait()?;
     Ok(Summary {
         steps: run_steps,
         total_steps: done,
@@ -540,6 +598,7 @@ async fn steps<P: Placement>(
         final_params,
         final_buffers,
         step_stats,
+        checkpoint_stalls: saves.stalls().to_vec(),
     })
 }
 
