@@ -89,7 +89,7 @@ enum Cmd {
     /// How long the step loop stands still per checkpoint, synchronous against
     /// `--async-checkpoint`, the same job both ways in alternating rounds.
     ///
-    /// Example: shardline-bench ckpt-stall --model wide-mlp --params 8M --rounds 3 --json stall.json
+    /// Example: shardline-bench ckpt-stall --model wide-mlp --params 8000000 --rounds 3 --json stall.json
     CkptStall(ckpt_stall::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
     /// checkpoints, runs equal to the clean run, detection and recovery times.

@@ -174,8 +174,9 @@ fn supervised(cfg: TrainConfig, o: RunOptions, fault: &str, restarts: u32) -> Su
 }
 
 /// DRIVE-6 in one process: rank 1 dies once its shard of step 4 is written in the
-/// background; step 4 is never committed, step 2 stays the newest checkpoint and verifies,
-/// and with a restart the job resumes from it and ends as the clean run does.
+/// background; the failure is detected as a rank's death, step 4 is never committed, step 2
+/// stays the newest checkpoint and verifies, and with a restart the job resumes from it and
+/// ends as the clean run does.
 #[test]
 fn a_rank_killed_during_an_async_write_leaves_the_previous_checkpoint_drive_6() {
     let cfg = small_cfg(3, 3, 6, 48);
@@ -187,6 +188,8 @@ fn a_rank_killed_during_an_async_write_leaves_the_previous_checkpoint_drive_6() 
     let s = supervised(cfg.clone(), ckpt_opts(dir.path(), 2, true), kill, 0);
     let e = s.result.expect_err("the kill fails the job without restarts");
     assert!(e.to_string().contains("rank 1 died"), "{e}");
+    // The writer's death reaches the coordinator as an actor's does (ACT-1).
+    assert!(s.faults[0].detected, "the kill was not detected: {:?}", s.faults);
     let latest = checkpoint::latest(dir.path()).expect("list").expect("a committed checkpoint");
     assert_eq!(latest, dir.path().join(checkpoint::step_dir_name(2)), "step 4 was committed");
     at(dir.path(), 2);

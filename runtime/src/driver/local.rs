@@ -3,7 +3,7 @@
 
 use super::background::died_writing;
 use super::{BackgroundSave, Engines, Job, Placement, Ranks, WriteHooks};
-use crate::actors::{Buffers, Save};
+use crate::actors::{Buffers, RankFailed, Save};
 use crate::checkpoint::{CheckpointMeta, PendingCheckpoint};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
@@ -51,7 +51,7 @@ impl Placement for InProcess {
         hooks: WriteHooks,
     ) -> Result<BackgroundSave> {
         let snaps = ranks.snapshot(step).await?;
-        let dir = dir.to_path_buf();
+        let (dir, coordinator) = (dir.to_path_buf(), ranks.coordinator());
         // A failing run waits for it: a restart in this process must not meet its commit.
         BackgroundSave::start(step, true, move || {
             let pending = PendingCheckpoint::begin(&dir, step)?;
@@ -62,7 +62,16 @@ impl Placement for InProcess {
                 writers
                     .into_iter()
                     .zip(&snaps)
-                    .map(|(w, snap)| w.join().unwrap_or_else(|p| Err(died_writing(snap, &*p))))
+                    .map(|(w, snap)| {
+                        w.join().unwrap_or_else(|p| {
+                            // The rank died (an injected kill): as when its actor dies, the
+                            // coordinator aborts the steps and names it (ACT-1, ACT-3).
+                            let e = died_writing(snap, &*p);
+                            let error = e.to_string();
+                            coordinator.do_send(RankFailed { rank: snap.rank, error });
+                            Err(e)
+                        })
+                    })
                     .collect::<Result<Vec<_>>>()
             })?;
             pending.commit(meta, files, &snaps[0].buffers)?;

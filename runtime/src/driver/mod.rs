@@ -132,6 +132,7 @@ pub struct Ranks {
     addrs: Vec<Addr<RankActor>>,
     ranks: Vec<usize>,
     root: Arc<Mutex<Option<(usize, String)>>>,
+    coordinator: Addr<Coordinator>,
 }
 
 impl Ranks {
@@ -185,6 +186,12 @@ impl Ranks {
             return Err(RuntimeError::Failed(msg));
         }
         Ok(out)
+    }
+
+    /// The coordinator, for a failure of a rank outside its actor (its checkpoint writer
+    /// died) to be reported as the actor reports its own (ACT-1).
+    pub fn coordinator(&self) -> Addr<Coordinator> {
+        self.coordinator.clone()
     }
 
     /// Every rank's checkpointed state as it is now, at a step boundary (DRIVE-4).
@@ -277,7 +284,7 @@ fn start_actors(e: Engines) -> Ranks {
             .with_checkpoint_hook(hook.clone())
         }));
     }
-    Ranks { addrs, ranks, root }
+    Ranks { addrs, ranks, root, coordinator: coord }
 }
 
 /// Progress for a person: a bar on a terminal, else a line every ten steps.
