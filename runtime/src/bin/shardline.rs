@@ -505,12 +505,14 @@ struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
     /// Write each checkpoint in the background (needs --checkpoint-dir): at the step
-    /// boundary every rank copies its shard of the parameters and optimizer state and the
-    /// BatchNorm buffers, then the next steps run while a thread writes the copies and
-    /// commits them as without the flag (the manifest once every rank's shard is on disk; a
-    /// crash before that leaves the previous checkpoint the newest). One checkpoint at a
-    /// time: the next one, a stop and the end of the run wait for it to commit. Each rank
-    /// holds the extra copy of its shard until its file is written.
+    /// boundary every rank copies its shard of the parameters and optimizer state, and the
+    /// BatchNorm buffers; the next steps then run while another thread writes the copies and
+    /// commits them as without the flag (the manifest last, once every rank's shard is on
+    /// disk, so a crash before that leaves the previous checkpoint the newest). One
+    /// checkpoint in flight at a time: the next checkpoint and a stop wait for it to commit,
+    /// and so does the end of the run, after the evaluation. Each rank holds the extra copy
+    /// until the checkpoint is committed; a write that fails fails the run at the next step
+    /// boundary.
     #[arg(long)]
     async_checkpoint: bool,
     /// Resume from the newest checkpoint in --checkpoint-dir whose files verify (sizes,
