@@ -5,6 +5,7 @@
 use clap::{Parser, Subcommand};
 
 mod alloc;
+mod ckpt_stall;
 mod collectives;
 mod faults;
 mod limits;
@@ -85,6 +86,11 @@ enum Cmd {
     ///
     /// Example: shardline-bench quant-error --steps 300 --world 2 --json q.json
     QuantError(quant_error::Args),
+    /// How long the step loop stands still per checkpoint, synchronous against
+    /// `--async-checkpoint`, the same job both ways in alternating rounds.
+    ///
+    /// Example: shardline-bench ckpt-stall --model wide-mlp --params 8000000 --rounds 3 --json stall.json
+    CkptStall(ckpt_stall::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
     /// checkpoints, runs equal to the clean run, detection and recovery times.
     ///
@@ -133,6 +139,7 @@ fn main() {
         Cmd::Overlap(a) => overlap::run(a),
         Cmd::Precision(a) => precision::run(a),
         Cmd::QuantError(a) => quant_error::run(a),
+        Cmd::CkptStall(a) => ckpt_stall::run(a),
     };
     if let Err(e) = res {
         eprintln!("error: {e:#}");

@@ -54,6 +54,8 @@ fn bad_flags_exit_2_with_a_clear_message() {
         (&["memory-measured", "--recompute", "some"], "--recompute takes none, units"),
         (&["memory-measured", "--models", "vgg"], "unknown model 'vgg'"),
         (&["faults", "--world", "1"], "--world must be at least 2"),
+        (&["ckpt-stall", "--every", "0"], "--every 0 must be at least 1"),
+        (&["ckpt-stall", "--model", "vgg"], "--model vgg: gpt or wide-mlp"),
         (&["no-such-benchmark"], "no-such-benchmark"),
     ];
     for (args, needle) in cases {
@@ -89,6 +91,55 @@ fn a_small_local_run_prints_its_table_and_checks_results() {
         let cols: Vec<&str> = r.split_whitespace().collect();
         assert_eq!(cols[6], "0", "#wrong in {r}");
     }
+}
+
+/// Both modes run the same job; each checkpoint's stall is recorded, and an asynchronous
+/// one holds the loop for its snapshot only, not for the write.
+#[test]
+fn ckpt_stall_runs_both_modes_and_writes_json() {
+    let dir = std::env::temp_dir().join(format!("ckpt-stall-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("checkpoint root");
+    let json = dir.join("stall.json");
+    let o = bench(&[
+        "ckpt-stall",
+        "--model",
+        "wide-mlp",
+        "--params",
+        "2000000",
+        "--rounds",
+        "1",
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--dir",
+        dir.to_str().expect("utf-8 temp path"),
+        "--json",
+        json.to_str().expect("utf-8 temp path"),
+    ]);
+    assert_eq!(o.code, Some(0), "{}\n{}", o.stdout, o.stderr);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("valid json");
+    let _ = std::fs::remove_dir_all(&dir);
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        let steps: Vec<u64> = r["stalls"]
+            .as_array()
+            .expect("stalls")
+            .iter()
+            .map(|s| s["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps, [2, 4], "{r}");
+    }
+    let modes = v["modes"].as_array().expect("modes");
+    assert_eq!(
+        (modes[0]["mode"].as_str(), modes[1]["mode"].as_str()),
+        (Some("sync"), Some("async"))
+    );
+    // Synchronous: the loop waits for the whole write; none is left to wait for later.
+    assert_eq!(modes[0]["median_waited_s"].as_f64(), Some(0.0));
+    assert!(o.stdout.contains("blocked/ckpt"), "{}", o.stdout);
 }
 
 #[test]

@@ -64,6 +64,25 @@ pub struct Eval;
 #[rtype(result = "std::result::Result<FileEntry, String>")]
 pub struct Save(pub Arc<PendingCheckpoint>);
 
+/// Copy this rank's checkpointed state now, at the step boundary, for a checkpoint written
+/// in the background (DRIVE-4); no collective.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<RankSnapshot, String>")]
+pub struct Snapshot;
+
+/// A rank's checkpointed state as it was at a step boundary.
+#[derive(Debug)]
+pub struct RankSnapshot {
+    /// The rank.
+    pub rank: usize,
+    /// Steps completed.
+    pub step: u64,
+    /// Its shard of every unit's parameters and optimizer state.
+    pub shard: RankShard,
+    /// Its replicated buffers per unit (the same on every rank).
+    pub buffers: Vec<Vec<f32>>,
+}
+
 /// Restore state (collective: all ranks at once).
 #[derive(Message)]
 #[rtype(result = "std::result::Result<(), String>")]
@@ -218,6 +237,22 @@ impl Handler<Save> for RankActor {
                 }
                 Ok(f)
             }
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+impl Handler<Snapshot> for RankActor {
+    type Result = std::result::Result<RankSnapshot, String>;
+    fn handle(&mut self, _: Snapshot, _: &mut Self::Context) -> Self::Result {
+        let taken = self.engine.shard_state().and_then(|shard| Ok((shard, self.engine.buffers()?)));
+        match taken {
+            Ok((shard, buffers)) => Ok(RankSnapshot {
+                rank: self.engine.rank(),
+                step: self.engine.steps_done(),
+                shard,
+                buffers,
+            }),
             Err(e) => self.fail(e),
         }
     }

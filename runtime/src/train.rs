@@ -219,6 +219,11 @@ pub struct RunOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Checkpoint every N steps (0: only at the end).
     pub checkpoint_every: u64,
+    /// Write checkpoints in the background from a copy taken at the step boundary, while
+    /// the steps go on (DRIVE-4..6); `false` writes and commits them before the next step.
+    pub async_checkpoint: bool,
+    /// Called before each rank's shard of an asynchronous checkpoint is written (tests).
+    pub before_shard_write: Option<crate::driver::ShardWriteHook>,
     /// Resume from the latest checkpoint in `checkpoint_dir`.
     pub resume: bool,
     /// One JSON object per step.
@@ -353,6 +358,8 @@ pub struct Summary {
     /// Per-step figures.
     #[serde(skip)]
     pub step_stats: Vec<StepStats>,
+    /// How long the step loop stood still for each checkpoint of this invocation.
+    pub checkpoint_stalls: Vec<crate::driver::CheckpointStall>,
 }
 
 /// Builds the model named in the config.

@@ -468,3 +468,16 @@ fn a_slow_rank_is_reported_as_a_straggler_and_can_be_evicted_strag_1() {
         assert!(o.stderr.contains(bad[0]), "{}", o.stderr);
     }
 }
+
+/// STALL-1 end to end: a rank that stops for 4 s in a job whose collectives time out after
+/// 12 s is named, live, after 2 s (a sixth of the timeout) as the rank the others wait for;
+/// the run then goes on and ends normally.
+#[test]
+fn a_stalled_rank_is_named_long_before_the_timeout_stall_1() {
+    let o =
+        run_small(&["--world", "3", "--timeout", "12", "--fault", "stall:rank=1:step=3:secs=4"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let line = o.stderr.lines().find(|l| l.starts_with("warning: step 3 has run")).unwrap_or("");
+    assert!(line.contains("rank 1 has not entered"), "{}", o.stderr);
+    assert!(!line.contains("rank 0 has not") && !line.contains("rank 2 has not"), "{line}");
+}

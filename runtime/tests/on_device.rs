@@ -484,9 +484,10 @@ fn a_kernel_past_its_reservation_fails_naming_it_kmem_3() {
 }
 
 /// The device engine runs under the one training loop: a run stopped after 3 steps and
-/// resumed from its checkpoint ends bitwise where the uninterrupted run ends, the host
-/// engine resumes the device engine's checkpoint to the same end, and the evaluation at the
-/// end scores as the host engine's does.
+/// resumed from its checkpoint ends bitwise where the uninterrupted run ends, at every stage,
+/// with the optimizer state or the shards offloaded, with AdamW and with background
+/// checkpoints; the host engine resumes the device engine's checkpoint to the same end, and
+/// the evaluation at the end scores as the host engine's does.
 #[test]
 fn the_device_engine_checkpoints_resumes_and_evaluates_under_the_driver() {
     let dir = std::env::temp_dir().join(format!("shardline-devdrive-{}", std::process::id()));
@@ -495,35 +496,51 @@ fn the_device_engine_checkpoints_resumes_and_evaluates_under_the_driver() {
     let summary = |name: &str, extra: &[&str]| -> serde_json::Value {
         let json = dir.join(format!("{name}.json"));
         // SyncBN: every rank holds the same running statistics, which a checkpoint stores once.
-        let base = ["train", "--model", "mlp-bn", "--world", "2", "--stage", "3", "--steps", "6"];
+        let base = ["train", "--model", "mlp-bn", "--world", "2", "--steps", "6"];
         let base = [&base[..], &["--sync-bn", "on"]].concat();
         let j = ["--summary-json", json.to_str().unwrap(), "--no-progress"];
         let out = common::shardline(&[&base[..], &j[..], extra].concat());
         assert_eq!(out.code, Some(0), "{name}: {}{}", out.stdout, out.stderr);
         serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
     };
-    let ck = dir.join("ck");
-    let ck = ck.to_str().unwrap();
-    let sim = ["--device", "sim", "--sim-delay-us", "30"];
-    let full = summary("full", &sim);
-    let stop = ["--checkpoint-dir", ck, "--checkpoint-every", "3", "--stop-after", "3"];
-    summary("first", &[&sim[..], &stop[..]].concat());
-    let resumed = summary("resumed", &[&sim[..], &["--checkpoint-dir", ck, "--resume"]].concat());
-    let host = summary("host", &[]);
-    // The host engine from the device engine's step-3 checkpoint (the later one removed).
-    std::fs::remove_dir_all(dir.join("ck").join("step-00000006")).unwrap();
-    let host_resumed = summary("host-resumed", &["--checkpoint-dir", ck, "--resume"]);
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
-    assert_eq!(f(&resumed, "final_loss"), f(&full, "final_loss"), "bitwise through a resume");
-    assert_eq!(f(&resumed, "test_loss"), f(&full, "test_loss"));
-    assert_eq!(f(&resumed, "total_steps"), 6.0);
-    for other in [&host, &host_resumed] {
-        let (a, b) = (f(other, "final_loss"), f(&full, "final_loss"));
-        assert!((a - b).abs() < 1e-5, "{a} against {b}");
-        let (a, b) = (f(other, "test_loss"), f(&full, "test_loss"));
-        assert!((a - b).abs() < 1e-5, "{a} against {b}");
-        assert_eq!(f(other, "test_accuracy"), f(&full, "test_accuracy"), "the same scoring");
+    // Each case's flags, and those of its runs that checkpoint.
+    let cases: [(&[&str], &[&str]); 6] = [
+        (&["--stage", "3"], &[]),
+        (&["--stage", "0"], &[]),
+        (&["--stage", "1", "--offload", "optimizer", "--optimizer", "adamw"], &[]),
+        (&["--stage", "2"], &[]),
+        (&["--stage", "3", "--offload", "params"], &[]),
+        (&["--stage", "3", "--offload", "optimizer"], &["--async-checkpoint"]),
+    ];
+    for (c, (case, ck_flags)) in cases.iter().enumerate() {
+        let ck = dir.join(format!("ck{c}"));
+        let ck = ck.to_str().unwrap();
+        let sim = [&["--device", "sim", "--sim-delay-us", "30"][..], case].concat();
+        let full = summary("full", &sim);
+        let stop = ["--checkpoint-dir", ck, "--checkpoint-every", "3", "--stop-after", "3"];
+        summary("first", &[&sim[..], &stop[..], ck_flags].concat());
+        let resume = ["--checkpoint-dir", ck, "--resume"];
+        let resumed = summary("resumed", &[&sim[..], &resume[..], ck_flags].concat());
+        let what = format!("{case:?}");
+        assert_eq!(f(&resumed, "final_loss"), f(&full, "final_loss"), "{what}: bitwise");
+        assert_eq!(f(&resumed, "test_loss"), f(&full, "test_loss"), "{what}");
+        assert_eq!(f(&resumed, "total_steps"), 6.0, "{what}");
+        assert!(f(&full, "test_accuracy") > 0.0, "{what}");
+        if c > 0 {
+            continue;
+        }
+        let host = summary("host", case);
+        // The host engine from the device engine's step-3 checkpoint (the later one removed).
+        std::fs::remove_dir_all(dir.join("ck0").join("step-00000006")).unwrap();
+        let host_resumed = summary("host-resumed", &[case, &resume[..]].concat());
+        for other in [&host, &host_resumed] {
+            let (a, b) = (f(other, "final_loss"), f(&full, "final_loss"));
+            assert!((a - b).abs() < 1e-5, "{a} against {b}");
+            let (a, b) = (f(other, "test_loss"), f(&full, "test_loss"));
+            assert!((a - b).abs() < 1e-5, "{a} against {b}");
+            assert_eq!(f(other, "test_accuracy"), f(&full, "test_accuracy"), "the same scoring");
+        }
     }
-    assert!(f(&full, "test_accuracy") > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -34,9 +34,10 @@ fn even_hidden() -> usize {
         .expect("a width with even shards")
 }
 
-/// Bytes of the loss all-reduce (three f32) that one rank sends at world 2, whatever the
-/// algorithm: each element crosses the link once.
-const LOSS_BYTES: u64 = 12;
+/// Bytes of the loss all-reduce (loss, norm, stop and one busy time per rank: five f32 at
+/// world 2) that one rank sends at world 2, whatever the algorithm: each element crosses the
+/// link once.
+const LOSS_BYTES: u64 = 20;
 
 /// PREC-3, PREC-4 (LANE-8's counters): at every stage, world 2, bf16 parameters halve the
 /// bytes each rank sends on the gather lane, and a bf16 reduce dtype halves the gradient

@@ -506,6 +506,17 @@ struct TrainArgs {
     /// Checkpoint every N steps (and always at the end when --checkpoint-dir is set).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
+    /// Write each checkpoint in the background (needs --checkpoint-dir): at the step
+    /// boundary every rank copies its shard of the parameters and optimizer state, and the
+    /// BatchNorm buffers; the next steps then run while another thread writes the copies and
+    /// commits them as without the flag (the manifest last, once every rank's shard is on
+    /// disk, so a crash before that leaves the previous checkpoint the newest). One
+    /// checkpoint in flight at a time: the next checkpoint and a stop wait for it to commit,
+    /// and so does the end of the run, after the evaluation. Each rank holds the extra copy
+    /// until the checkpoint is committed; a write that fails fails the run at the next step
+    /// boundary.
+    #[arg(long)]
+    async_checkpoint: bool,
     /// Resume from the newest checkpoint in --checkpoint-dir whose files verify (sizes,
     /// CRC32, SHA-256); each newer one that does not is named on stderr with why and moved
     /// aside to damaged-step-N. Refused: a checkpoint of another configuration, model or
@@ -733,6 +744,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         stop_after: a.stop_after,
         skip_final_params: true,
         stop_on_signal: true,
+        async_checkpoint: a.async_checkpoint,
         ..RunOptions::default()
     };
     if let Err(e) = shardline_runtime::interrupt::install(true) {
@@ -885,6 +897,8 @@ fn main() {
             let mut opts = RunOptions {
                 checkpoint_dir: a.checkpoint_dir.clone(),
                 checkpoint_every: a.checkpoint_every,
+                async_checkpoint: a.async_checkpoint,
+                before_shard_write: None,
                 resume: a.resume,
                 log_json: a.log_json.clone(),
                 trace: a.trace.clone(),

@@ -1,8 +1,9 @@
 //! Every rank as threads of this process, over the local transport (`shardline train`
 //! without a launch environment).
 
-use super::{AbortHook, Engines, Job, Placement, Ranks};
-use crate::actors::{Buffers, Save};
+use super::background::died_writing;
+use super::{AbortHook, BackgroundSave, Engines, Job, Placement, Ranks, WriteHooks};
+use crate::actors::{Buffers, RankFailed, Save};
 use crate::checkpoint::{CheckpointMeta, PendingCheckpoint};
 use crate::engine::{Driven, EngineConfig, RankEngine};
 use crate::error::{Result, RuntimeError};
@@ -37,6 +38,45 @@ impl Placement for InProcess {
             .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
         pending.commit(meta, files, &buffers)?;
         Ok(())
+    }
+
+    /// Every rank's shard is written by a thread of its own, as the ranks' actors write
+    /// them in [`InProcess::save`], then committed with rank 0's buffers.
+    async fn save_in_background(
+        &self,
+        ranks: &Ranks,
+        dir: &Path,
+        step: u64,
+        meta: CheckpointMeta,
+        hooks: WriteHooks,
+    ) -> Result<BackgroundSave> {
+        let snaps = ranks.snapshot(step).await?;
+        let (dir, coordinator) = (dir.to_path_buf(), ranks.coordinator());
+        // A failing run waits for it: a restart in this process must not meet its commit.
+        BackgroundSave::start(step, true, move || {
+            let pending = PendingCheckpoint::begin(&dir, step)?;
+            let files = std::thread::scope(|s| {
+                let (pending, hooks) = (&pending, &hooks);
+                let writers: Vec<_> =
+                    snaps.iter().map(|snap| s.spawn(move || hooks.write(pending, snap))).collect();
+                writers
+                    .into_iter()
+                    .zip(&snaps)
+                    .map(|(w, snap)| {
+                        w.join().unwrap_or_else(|p| {
+                            // The rank died (an injected kill): as when its actor dies, the
+                            // coordinator aborts the steps and names it (ACT-1, ACT-3).
+                            let e = died_writing(snap, &*p);
+                            let error = e.to_string();
+                            coordinator.do_send(RankFailed { rank: snap.rank, error });
+                            Err(e)
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })?;
+            pending.commit(meta, files, &snaps[0].buffers)?;
+            Ok(())
+        })
     }
 }
 

@@ -15,10 +15,21 @@
 //!   run with [`RuntimeError::Interrupted`] naming that checkpoint.
 //! - DRIVE-3: a rank's failure is reported with the first failing rank as its root cause
 //!   (ACT-2), not the abort it caused elsewhere.
+//!
+//! Checkpoints written in the background (`--async-checkpoint`) are `background`'s, with
+//! DRIVE-4..6.
 
+mod background;
 pub mod local;
+mod stall_watch;
 
-use crate::actors::{Coordinator, Eval, FullParams, Load, RankActor, RankData, Shutdown, Step};
+use background::Saves;
+pub use background::{BackgroundSave, CheckpointStall, ShardWriteHook, WriteHooks};
+
+use crate::actors::{
+    Coordinator, Eval, FullParams, Load, RankActor, RankData, RankSnapshot, Shutdown, Snapshot,
+    Step,
+};
 use crate::checkpoint::{self, CheckpointMeta};
 use crate::engine::{Driven, StepStats};
 use crate::error::{Result, RuntimeError};
@@ -32,6 +43,7 @@ use crate::train::{self, JobPlan, RunOptions, Summary, TrainConfig};
 use actix::prelude::*;
 use shardline_collectives::Communicator;
 use shardline_models::{DistributedSampler, Network};
+use stall_watch::StallWatch;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -123,6 +135,7 @@ pub struct Ranks {
     addrs: Vec<Addr<RankActor>>,
     ranks: Vec<usize>,
     root: Arc<Mutex<Option<(usize, String)>>>,
+    coordinator: Addr<Coordinator>,
 }
 
 impl Ranks {
@@ -178,6 +191,17 @@ impl Ranks {
         Ok(out)
     }
 
+    /// The coordinator, for a failure of a rank outside its actor (its checkpoint writer
+    /// died) to be reported as the actor reports its own (ACT-1).
+    pub fn coordinator(&self) -> Addr<Coordinator> {
+        self.coordinator.clone()
+    }
+
+    /// Every rank's checkpointed state as it is now, at a step boundary (DRIVE-4).
+    pub async fn snapshot(&self, step: u64) -> Result<Vec<RankSnapshot>> {
+        self.ask(|_| Snapshot, &format!("snapshot of step {step}")).await
+    }
+
     async fn shutdown(&self) {
         for a in &self.addrs {
             let _ = a.send(Shutdown).await;
@@ -200,6 +224,18 @@ pub trait Placement {
         step: u64,
         meta: CheckpointMeta,
     ) -> impl std::future::Future<Output = Result<()>>;
+
+    /// Starts the checkpoint of `step` under `dir` from the ranks' state now, and returns it
+    /// in flight: a thread writes this process's shards, calling `hooks`, and commits them by
+    /// the protocol of [`Placement::save`] (DRIVE-4..6).
+    fn save_in_background(
+        &self,
+        ranks: &Ranks,
+        dir: &Path,
+        step: u64,
+        meta: CheckpointMeta,
+        hooks: WriteHooks,
+    ) -> impl std::future::Future<Output = Result<BackgroundSave>>;
 
     /// A step finished (a launched rank 0 publishes it for its agent, LAUNCH-9).
     fn step_done(&self, _step: u64) {}
@@ -258,7 +294,7 @@ fn start_actors(e: Engines) -> Ranks {
             .with_checkpoint_hook(hook.clone())
         }));
     }
-    Ranks { addrs, ranks, root }
+    Ranks { addrs, ranks, root, coordinator: coord }
 }
 
 /// Progress for a person: a bar on a terminal, else a line every ten steps.
@@ -377,6 +413,9 @@ pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
     if opts.resume && opts.checkpoint_dir.is_none() {
         return Err(RuntimeError::config("--resume needs --checkpoint-dir"));
     }
+    if opts.async_checkpoint && opts.checkpoint_dir.is_none() {
+        return Err(RuntimeError::config("--async-checkpoint needs --checkpoint-dir"));
+    }
     Ok(())
 }
 
@@ -443,8 +482,20 @@ async fn resume(job: &Job, ranks: &Ranks, lead: bool, speak: bool) -> Result<u64
 
 async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Summary> {
     let started = Instant::now();
+    let hooks = WriteHooks {
+        before: job.opts.before_shard_write.clone(),
+        written: engines.checkpoint_hook.clone(),
+    };
+    // STALL-1: a step that stops progressing is reported long before the timeout.
+    let speak = placement.lead() && !job.opts.quiet;
+    let timeout = Duration::from_secs(job.cfg.timeout_s.max(1));
+    let watch = StallWatch::start(timeout, engines.comms.clone(), speak);
     let ranks = start_actors(engines);
-    let result = steps(&job, &ranks, &placement, started).await;
+    let mut saves = Saves::default();
+    let result = steps(&job, &ranks, &placement, started, (&hooks, &watch), &mut saves).await;
+    if result.is_err() {
+        saves.abandon();
+    }
     ranks.shutdown().await;
     System::current().stop();
     result
@@ -455,6 +506,8 @@ async fn steps<P: Placement>(
     ranks: &Ranks,
     placement: &P,
     started: Instant,
+    (hooks, watch): (&WriteHooks, &StallWatch),
+    saves: &mut Saves,
 ) -> Result<Summary> {
     let (cfg, opts) = (&job.cfg, &job.opts);
     let lead = placement.lead();
@@ -476,8 +529,10 @@ async fn steps<P: Placement>(
         let stop = opts.stop_on_signal && crate::interrupt::requested().is_some();
         let epoch = done / job.steps_per_epoch;
         let index = (done % job.steps_per_epoch) as usize;
+        watch.begin(done + 1);
         let stats =
             ranks.ask(|_| Step { epoch, index, stop }, &format!("step {}", done + 1)).await?;
+        watch.end();
         done += 1;
         placement.step_done(done);
         let f = StepFigures::of(stats);
@@ -510,12 +565,25 @@ async fn steps<P: Placement>(
         exposed_frac.push(if f.step_s > 0.0 { f.exposed_s / f.step_s } else { 0.0 });
         let stop_now = f.first.stop;
         step_stats.push(f.first);
+        // A background save that ended fails the run now if it failed (DRIVE-5).
+        saves.poll()?;
         if let Some(dir) = &opts.checkpoint_dir {
             let every = opts.checkpoint_every;
             // DRIVE-2.
             if (every > 0 && done.is_multiple_of(every)) || last || stop_now {
                 let meta = job.checkpoint_meta(epoch, index as u64 + 1);
-                placement.save(ranks, dir, done, meta).await?;
+                if opts.async_checkpoint {
+                    // DRIVE-5: the previous one commits before this one begins.
+                    saves.wait()?;
+                    let t = Instant::now();
+                    let save =
+                        placement.save_in_background(ranks, dir, done, meta, hooks.clone()).await?;
+                    saves.started(save, t.elapsed());
+                } else {
+                    let t = Instant::now();
+                    placement.save(ranks, dir, done, meta).await?;
+                    saves.done_in_place(done, t.elapsed());
+                }
             }
         }
         if stop_now {
@@ -527,6 +595,8 @@ async fn steps<P: Placement>(
     progress.finish();
     log.flush()?;
     if let Some(signal) = interrupted {
+        // The stop's checkpoint is the one the error names: committed first (DRIVE-5).
+        saves.wait()?;
         let checkpoint = match &opts.checkpoint_dir {
             Some(dir) => checkpoint::latest(dir)?,
             None => None,
@@ -542,6 +612,9 @@ async fn steps<P: Placement>(
         let mut full = ranks.ask(|_| FullParams, "gathering parameters").await?;
         full.swap_remove(0)
     };
+    // The last checkpoint was written while the ranks evaluated; the run ends once it is
+    // committed (DRIVE-5).
+    saves.wait()?;
     Ok(Summary {
         steps: run_steps,
         total_steps: done,
@@ -566,6 +639,7 @@ async fn steps<P: Placement>(
         final_params,
         final_buffers,
         step_stats,
+        checkpoint_stalls: saves.stalls().to_vec(),
     })
 }
 

@@ -7,7 +7,7 @@ use super::env::WorkerEnv;
 use super::rendezvous::{join_job, store_err, Joined};
 use crate::actors::{Buffers, Save};
 use crate::checkpoint::{CheckpointMeta, FileEntry, PendingCheckpoint};
-use crate::driver::{self, Engines, Job, Placement, Ranks};
+use crate::driver::{self, BackgroundSave, Engines, Job, Placement, Ranks, WriteHooks};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
 use crate::fault::{FaultHook, FaultSpec, Phase};
@@ -98,12 +98,14 @@ fn run_rank(
     let tracker = engine.memory().clone();
     let (job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
     let placement = Launched {
-        rank,
-        world: job.cfg.world,
-        job: env.job.clone(),
-        wait: Duration::from_secs(job.cfg.timeout_s),
-        store: Arc::clone(&joined.store),
-        control,
+        commit: StoreCommit {
+            rank,
+            world: job.cfg.world,
+            job: env.job.clone(),
+            wait: Duration::from_secs(job.cfg.timeout_s),
+            store: Arc::clone(&joined.store),
+            control,
+        },
         progress: (rank == 0).then(|| ProgressPublisher::start(&joined.store, &env.job)),
     };
     let engines = Engines {
@@ -122,20 +124,13 @@ fn run_rank(
 
 /// One process per rank: rank 0 speaks for the job; checkpoints go through the store.
 struct Launched {
-    rank: usize,
-    world: usize,
-    job: String,
-    /// Deadline of the checkpoint barriers and store reads (the collective timeout).
-    wait: Duration,
-    store: Arc<dyn Store>,
-    /// The lane of the checkpoint barriers.
-    control: Lane,
+    commit: StoreCommit,
     progress: Option<ProgressPublisher>,
 }
 
 impl Placement for Launched {
     fn lead(&self) -> bool {
-        self.rank == 0
+        self.commit.rank == 0
     }
 
     fn step_done(&self, step: u64) {
@@ -147,27 +142,95 @@ impl Placement for Launched {
     /// LAUNCH-4: rank 0 begins, every rank writes its shard and publishes its file entry, and
     /// rank 0 commits once the barrier says every rank is done.
     async fn save(&self, ranks: &Ranks, dir: &Path, step: u64, meta: CheckpointMeta) -> Result<()> {
-        // The barrier's own deadline, not a local wait's: its timeout then names the rank
-        // that did not arrive.
-        let mut barrier = shardline_collectives::CallOptions::new();
-        barrier.timeout(self.wait);
-        let rank = self.rank;
-        let pending = if rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
-        self.barrier(&barrier, step, "begun")?;
-        let pending = Arc::new(match pending {
-            Some(p) => p,
-            None => PendingCheckpoint::join(dir, step)?,
-        });
+        let pending = Arc::new(self.commit.begin(dir, step)?);
         let mut entry = ranks
             .ask(|_| Save(Arc::clone(&pending)), &format!("checkpoint at step {step}"))
             .await?;
         let entry = entry.swap_remove(0);
+        let buffers = if self.commit.rank == 0 {
+            let b = ranks.addrs()[0]
+                .send(Buffers)
+                .await
+                .map_err(|e| RuntimeError::config(format!("checkpoint buffers: {e}")))?;
+            Some(b)
+        } else {
+            None
+        };
+        let pending = Arc::try_unwrap(pending)
+            .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
+        self.commit.finish(pending, &entry, meta, buffers.as_deref())
+    }
+
+    /// LAUNCH-4 on a thread of the rank's process, from the snapshot taken now: its barriers
+    /// are on the control lane, which no step uses, so the steps go on meanwhile.
+    async fn save_in_background(
+        &self,
+        ranks: &Ranks,
+        dir: &Path,
+        step: u64,
+        meta: CheckpointMeta,
+        hooks: WriteHooks,
+    ) -> Result<BackgroundSave> {
+        let snap = ranks.snapshot(step).await?.swap_remove(0);
+        let (commit, dir) = (self.commit.clone(), dir.to_path_buf());
+        // A failing rank does not wait for it: its barriers end with the aborted
+        // communicator, and so does the process.
+        BackgroundSave::start(step, false, move || {
+            let pending = commit.begin(&dir, step)?;
+            let entry = hooks.write(&pending, &snap)?;
+            let buffers = (commit.rank == 0).then_some(snap.buffers.as_slice());
+            commit.finish(pending, &entry, meta, buffers)
+        })
+    }
+}
+
+/// How long a checkpoint's barrier may go on after a stop was asked (LAUNCH-13): the other
+/// ranks may still be writing their shards of the step the stop is saving.
+const CHECKPOINT_GRACE: Duration = Duration::from_secs(20);
+
+/// The store and barriers of LAUNCH-4, in the two halves around the shard write: a
+/// synchronous save runs them in place, an asynchronous one on its writer thread.
+#[derive(Clone)]
+struct StoreCommit {
+    rank: usize,
+    world: usize,
+    job: String,
+    /// Deadline of the checkpoint barriers and store reads (the collective timeout).
+    wait: Duration,
+    store: Arc<dyn Store>,
+    /// The lane of the checkpoint barriers.
+    control: Lane,
+}
+
+impl StoreCommit {
+    /// Rank 0 begins checkpoint `step`; every rank joins it once the barrier says it exists.
+    fn begin(&self, dir: &Path, step: u64) -> Result<PendingCheckpoint> {
+        let pending =
+            if self.rank == 0 { Some(PendingCheckpoint::begin(dir, step)?) } else { None };
+        self.barrier(step, "begun")?;
+        match pending {
+            Some(p) => Ok(p),
+            None => PendingCheckpoint::join(dir, step),
+        }
+    }
+
+    /// Publishes this rank's written shard `entry`; rank 0, which passes the replicated
+    /// `buffers`, commits once the barrier says every rank's shard is durable. Returns
+    /// once the checkpoint is committed on every rank.
+    fn finish(
+        &self,
+        pending: PendingCheckpoint,
+        entry: &FileEntry,
+        meta: CheckpointMeta,
+        buffers: Option<&[Vec<f32>]>,
+    ) -> Result<()> {
+        let step = pending.step();
         let key = |r: usize| format!("launch/{}/ckpt/{step}/{r}", self.job);
-        let text = serde_json::to_vec(&entry)
+        let text = serde_json::to_vec(entry)
             .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
-        self.store.set(&key(rank), &text).map_err(store_err("publishing a shard"))?;
-        self.barrier(&barrier, step, "written by every rank")?;
-        if rank == 0 {
+        self.store.set(&key(self.rank), &text).map_err(store_err("publishing a shard"))?;
+        self.barrier(step, "written by every rank")?;
+        if let Some(buffers) = buffers {
             let mut files = Vec::with_capacity(self.world);
             let grace = blocked::with_grace(CHECKPOINT_GRACE);
             for r in 0..self.world {
@@ -180,34 +243,21 @@ impl Placement for Launched {
                 files.push(f);
             }
             drop(grace);
-            let buffers = ranks.addrs()[0]
-                .send(Buffers)
-                .await
-                .map_err(|e| RuntimeError::config(format!("checkpoint buffers: {e}")))?;
-            let pending = Arc::try_unwrap(pending)
-                .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
-            pending.commit(meta, files, &buffers)?;
+            pending.commit(meta, files, buffers)?;
         }
         // Nobody begins the next checkpoint (or reads this one) before it is committed.
-        self.barrier(&barrier, step, "committed")?;
+        self.barrier(step, "committed")?;
         Ok(())
     }
-}
 
-/// How long a checkpoint's barrier may go on after a stop was asked (LAUNCH-13): the other
-/// ranks may still be writing their shards of the step the stop is saving.
-const CHECKPOINT_GRACE: Duration = Duration::from_secs(20);
-
-impl Launched {
-    fn barrier(
-        &self,
-        opts: &shardline_collectives::CallOptions,
-        step: u64,
-        what: &str,
-    ) -> Result<()> {
+    fn barrier(&self, step: u64, what: &str) -> Result<()> {
+        // The barrier's own deadline, not a local wait's: its timeout then names the rank
+        // that did not arrive.
+        let mut opts = shardline_collectives::CallOptions::new();
+        opts.timeout(self.wait);
         let _grace = blocked::with_grace(CHECKPOINT_GRACE);
         let _b = blocked::on(format!("the checkpoint of step {step} to be {what}"));
-        self.control.barrier_opts(opts).wait()?;
+        self.control.barrier_opts(&opts).wait()?;
         Ok(())
     }
 }
