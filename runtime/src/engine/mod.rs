@@ -241,6 +241,8 @@ pub struct RankEngine {
     fault_hook: Option<crate::fault::FaultHook>,
     /// This rank asks the group to stop after the current step (INT-1).
     stop_requested: bool,
+    /// Each unit's own packed shard for gathers, kept until its update (QGATHER-2).
+    own_packed: precision::OwnPacked,
     /// Stage 3's gathers; between passes it holds the next pass's first gather (ENG-6).
     plan: GatherPlan<PendingGather, Gathered>,
     /// Per unit, the flat ranges that get no weight decay (OPT-5).
@@ -292,6 +294,7 @@ impl RankEngine {
         let pool_comm = comm.clone();
         mem.set_reclaim(Some(Arc::new(move || pool_comm.pool().clear())));
         let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
+        let own_packed = precision::OwnPacked::new(state.params.len());
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
         let backend = open_rank_backend(cfg.device, cfg.threads, comm.topology().local_rank(rank))?;
@@ -317,6 +320,7 @@ impl RankEngine {
             step: 0,
             fault_hook: None,
             stop_requested: false,
+            own_packed,
             plan,
             no_decay,
             cast: Cell::new(Duration::ZERO),
@@ -394,6 +398,7 @@ impl RankEngine {
             clock,
             wire: self.param_wire(),
             cast: &self.cast,
+            own_packed: &mut self.own_packed,
         };
         (&mut self.plan, io)
     }

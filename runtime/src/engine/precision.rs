@@ -64,6 +64,10 @@
 //!   forward and backward at every stage sees each rank's range as that gather decodes it
 //!   from the rank's master (QUANT-4 where a range holds decoded values); masters, gradients
 //!   and their reductions are as the rest of the policy says.
+//! - QGATHER-2: a rank packs (quantizes, or rounds to bf16) each unit's own shard once per
+//!   version of it ([`OwnPacked`]): stage 3 gathers a unit in forward and again in backward
+//!   from the same packed slot, packed again only after the unit's update or a load changed
+//!   the master.
 
 use std::time::Instant;
 
@@ -77,7 +81,7 @@ use super::reduction::{ReduceWork, Reductions};
 use super::stage::GradReduce;
 use super::RankEngine;
 use crate::error::{Result, RuntimeError};
-use crate::memory::{Allocation, Category};
+use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::FlatLayout;
 use crate::telemetry::Row;
 
@@ -280,7 +284,7 @@ impl Slots {
         self.world * self.words()
     }
 
-    fn slot(&self, r: usize) -> std::ops::Range<usize> {
+    pub(crate) fn slot(&self, r: usize) -> std::ops::Range<usize> {
         r * self.words()..(r + 1) * self.words()
     }
 
@@ -584,6 +588,75 @@ impl RankEngine {
             (PackedWork::InPlace(_), None) => {
                 unreachable!("an in-place bf16 reduction always holds its full gradient")
             }
+        }
+        Ok(())
+    }
+}
+
+/// Each unit's own shard as it goes on the wire, kept until the master changes (QGATHER-2):
+/// the packed slot and its charge (a communication buffer of the rank).
+#[derive(Default)]
+pub(crate) struct OwnPacked {
+    slots: Vec<Option<(Vec<f32>, Allocation)>>,
+    /// Packs done so far (what the tests count).
+    #[cfg(test)]
+    packs: u64,
+}
+
+impl OwnPacked {
+    /// Room for `units` units, none packed.
+    pub(crate) fn new(units: usize) -> Self {
+        OwnPacked {
+            slots: (0..units).map(|_| None).collect(),
+            #[cfg(test)]
+            packs: 0,
+        }
+    }
+
+    /// Unit `u`'s master changed (its update, a load): its packed slot is stale.
+    pub(crate) fn invalidate(&mut self, u: usize) {
+        if let Some(s) = self.slots.get_mut(u) {
+            *s = None;
+        }
+    }
+
+    /// Every master changed.
+    pub(crate) fn clear(&mut self) {
+        self.slots.iter_mut().for_each(|s| *s = None);
+    }
+
+    /// How many times a shard was packed.
+    #[cfg(test)]
+    pub(crate) fn packs(&self) -> u64 {
+        self.packs
+    }
+
+    /// Writes unit `u`'s own slot of `packed` (rank `rank`'s, as `slots` lay it out) from
+    /// `shard`, packing it only when no packed copy of this version is kept.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fill(
+        &mut self,
+        u: usize,
+        slots: &Slots,
+        rank: usize,
+        shard: &[f32],
+        packed: &mut [f32],
+        (what, mem): (&str, &MemoryTracker),
+    ) -> Result<()> {
+        let range = slots.slot(rank);
+        if let Some(Some((kept, _))) = self.slots.get(u) {
+            packed[range].copy_from_slice(kept);
+            return Ok(());
+        }
+        slots.pack_slot(rank, shard, packed, what)?;
+        #[cfg(test)]
+        {
+            self.packs += 1;
+        }
+        let label = format!("{what} (own packed shard, until its update)");
+        let charge = mem.alloc_f32(Category::CommBuffers, range.len(), &label)?;
+        if let Some(s) = self.slots.get_mut(u) {
+            *s = Some((packed[range].to_vec(), charge));
         }
         Ok(())
     }

@@ -23,7 +23,7 @@ use std::time::Instant;
 use shardline_collectives::{Communicator, Lane, Work};
 
 use super::clock::CommClock;
-use super::precision::{Slots, Wire};
+use super::precision::{OwnPacked, Slots, Wire};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::ShardedModelLayout;
@@ -324,6 +324,8 @@ pub(crate) struct LaneGathers<'a> {
     pub(crate) wire: Option<Wire>,
     /// The step's conversion time.
     pub(crate) cast: &'a std::cell::Cell<std::time::Duration>,
+    /// Each unit's own packed shard, kept until its update (QGATHER-2).
+    pub(crate) own_packed: &'a mut OwnPacked,
 }
 
 impl GatherIo for LaneGathers<'_> {
@@ -341,7 +343,8 @@ impl GatherIo for LaneGathers<'_> {
             let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
             let t0 = Instant::now();
             let mut packed = self.comm.pool().take(slots.len());
-            slots.pack_slot(self.rank, &self.shards[unit], &mut packed, &self.labels[unit])?;
+            let (shard, label) = (&self.shards[unit], &self.labels[unit][..]);
+            self.own_packed.fill(unit, &slots, self.rank, shard, &mut packed, (label, self.mem))?;
             self.cast.set(self.cast.get() + t0.elapsed());
             let work = self.lane.all_gather_in_place(packed);
             return Ok(PendingGather { work, alloc, packed: true });

@@ -373,6 +373,8 @@ impl RankEngine {
             &mut s.grads[u],
             &mut s.optim_state[u],
         )?;
+        // QGATHER-2: the master changed; its packed slot is stale.
+        self.own_packed.invalidate(u);
         if u == 0 && self.rules.before_use == BeforeUse::Gather && self.cfg.prefetch > 0 {
             let (plan, mut io) = self.gathers(&mut st.clock);
             let pending = io.issue(0)?;

@@ -144,8 +144,10 @@ impl RankEngine {
     /// loader when it was written for another), the replicated buffers and the step count.
     /// Stages that keep full copies all-gather the slices. Collective.
     pub fn load_state(&mut self, shard: &RankShard, buffers: &[Vec<f32>], step: u64) -> Result<()> {
-        // A gather issued before the load carries the old parameters (ENG-6).
+        // A gather issued before the load carries the old parameters (ENG-6), and a packed
+        // shard the old master (QGATHER-2).
         self.plan.discard();
+        self.own_packed.clear();
         let k = self.cfg.optimizer.state_len_per_param();
         if shard.units.len() != self.layout.units().len()
             || buffers.len() != self.state.buffers.len()

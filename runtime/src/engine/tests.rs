@@ -490,3 +490,34 @@ fn net1_gpt_step_equals_the_checked_decoder_at_any_world() {
     let head_share = grads[..wte_n].iter().map(|v| v.abs()).fold(0.0, f64::max) * lr as f64;
     assert!(head_share > 1e-4, "wte's gradient is large enough to see: {head_share:e}");
 }
+
+/// QGATHER-2: with int8 gathers at stage 3 each unit's own shard is packed once per step
+/// (its forward and backward gathers share the packed slot) and again only after its
+/// update; with prefetch, unit 0's gather for the next step packs the updated shard at the
+/// end of the step it was updated in.
+#[test]
+fn qgather_2_each_shard_is_packed_once_per_step() {
+    let model = small_mlp(3);
+    let n = model.spec().units.len() as u64;
+    for prefetch in [0, 1] {
+        let mut cfg = stage3_sgd(prefetch, 5);
+        // No unit kept between its uses (ENG-5): backward gathers every unit again.
+        cfg.prefetch_budget_bytes = 1;
+        let q = QuantGather { dtype: GatherDtype::Int8, block: 16 };
+        cfg.precision = MixedPrecision::default().with_gather(Some(q));
+        let packs = on_ranks(2, &model, &cfg, &Trace::disabled(), |r, e| {
+            (0..3)
+                .map(|_| {
+                    let before = e.own_packed.packs();
+                    let (x, y) = slice(2, r);
+                    e.train_step(x, &lab(&y), 12).unwrap();
+                    e.own_packed.packs() - before
+                })
+                .collect::<Vec<u64>>()
+        });
+        let carry = u64::from(prefetch > 0);
+        for p in packs {
+            assert_eq!(p, vec![n + carry, n, n], "prefetch {prefetch}: packs per step");
+        }
+    }
+}
