@@ -93,11 +93,11 @@ enum Cmd {
     /// their reduction), optimizer state, gathered units (prefetch depth, its byte budget,
     /// the gather carried into the next step), activations and kernel scratch (one
     /// microbatch run once on this host: shapes, not timings); compute as matrix products at
-    /// the profiled GEMM rate and updates at its memory bandwidth, ranks of a node sharing its
-    /// cores; every gather and reduction at its profiled time on its lane, overlapped with
+    /// the profiled GEMM rate, gpt's GELU at its profiled time per element, updates at the
+    /// memory bandwidth, ranks of a node sharing its cores; every gather and reduction at its profiled time on its lane, overlapped with
     /// compute as the engine orders them.
     ///
-    /// Not modelled: elementwise compute (norms, activations, softmaxes, the loss);
+    /// Not modelled: elementwise compute other than gpt's GELU (norms, softmaxes, the loss);
     /// convolutions (no step time for convnet-bn and resnet-bn); SyncBatchNorm's statistics
     /// messages; communication buffers and the buffer pool; bf16 and quantized gathers;
     /// lanes competing with compute for the same cores; ranks that differ.

@@ -1,9 +1,10 @@
 //! What each piece of a step's compute costs on a profiled machine: matrix products counted
 //! from the model's parameter shapes (a 2-D parameter `[a, b]` is one `rows x a x b` product
 //! forward, and two backward: its gradient and the input's), `gpt`'s attention from its
-//! configuration, optimizer updates as memory traffic.
+//! configuration and its exact GELU at the profiled time per element, optimizer updates as
+//! memory traffic.
 //!
-//! What is not counted: elementwise work (norms, activations, softmaxes, the loss), the
+//! What is not counted: other elementwise work (norms, softmaxes, the loss), the
 //! lookups of embeddings (a tied root's matrices count in its last call only, where they are
 //! the output projection), and convolutions: a model with a parameter of more than two
 //! dimensions has no compute estimate ([`CallCosts::of`] says so).
@@ -49,10 +50,10 @@ pub struct Share {
 }
 
 impl Share {
-    /// How much slower each rank computes than alone on a core: ranks x threads over cores,
-    /// at least 1 (PLAN-2).
-    pub fn slowdown(&self, cores: usize) -> f64 {
-        ((self.ranks_per_node * self.threads) as f64 / cores.max(1) as f64).max(1.0)
+    /// How much slower each rank computes than one thread alone: the profile's shared GEMM
+    /// probe at ranks x threads, else ranks x threads over cores, at least 1 (PLAN-2).
+    pub fn slowdown(&self, profile: &Profile) -> f64 {
+        profile.sharing_slowdown(self.ranks_per_node * self.threads)
     }
 }
 
@@ -76,7 +77,7 @@ impl CallCosts {
         profile: &Profile,
         share: Share,
     ) -> std::result::Result<Self, String> {
-        let slow = share.slowdown(profile.cores);
+        let slow = share.slowdown(profile);
         let gemm = |m: usize, n: usize, k: usize| {
             if m * n * k == 0 {
                 return 0.0;
@@ -108,6 +109,11 @@ impl CallCosts {
                     let rate = profile.gemm_gflops(blk, blk, cdim / g.n_head.max(1)) * 1e9;
                     cost.forward_s += 2.0 * half / rate * slow;
                     cost.grads_s += 5.0 * half / rate * slow;
+                }
+                if let Some(fc) = unit.params.iter().find(|p| p.name.ends_with("mlp.c_fc.weight")) {
+                    // The exact GELU over the MLP's hidden rows, its derivative kept for
+                    // backward (whose product with the gradient is not counted).
+                    cost.forward_s += (rows * fc.shape[0]) as f64 * profile.gelu_ns * 1e-9 * slow;
                 }
             }
             out.push(cost);
@@ -169,6 +175,8 @@ mod tests {
             note: String::new(),
             cores,
             memory_gbps: 10.0,
+            gelu_ns: 0.0,
+            gemm_shared: vec![],
             gemm: vec![GemmRow { m: 64, n: 64, k: 64, gflops: 1.0 }],
             collectives: vec![],
         }

@@ -10,10 +10,11 @@
 //!
 //! What is modelled: parameters, gradients (kept and transient), optimizer state, gathered
 //! units (the prefetch plan and its budget, the gather carried into the next step),
-//! activations and scratch; compute as matrix products at the profiled GEMM rate and updates
-//! at its memory bandwidth, ranks of a node sharing its cores; each collective at its
+//! activations and scratch; compute as matrix products at the profiled GEMM rate, `gpt`'s
+//! GELU at its profiled time per element and updates at the memory bandwidth, ranks of a
+//! node sharing its cores; each collective at its
 //! profiled time on its lane, one op at a time, overlapped with compute as the walk orders
-//! it. What is not: elementwise compute (norms, activations, softmaxes, the loss),
+//! it. What is not: elementwise compute other than gpt's GELU (norms, softmaxes, the loss),
 //! convolutions (no step time for conv models), SyncBatchNorm's statistics messages,
 //! communication buffers and the pool's cache, bf16 and quantized gathers, contention
 //! between a rank's lanes and its compute for the same cores, and ranks that differ.

@@ -1,8 +1,8 @@
 //! A machine profile: what `shardline plan` knows of the machine it predicts for, built from
 //! microbenchmarks only (`shardline-bench machine-profile`): the collectives' times per op,
 //! transport, world and size (`shardline-bench collectives --json` rows), the GEMM rate at a
-//! few sizes and the memory bandwidth of one thread. Never from the training runs a plan
-//! predicts.
+//! few sizes, the memory bandwidth of one thread and the exact GELU's time per element.
+//! Never from the training runs a plan predicts.
 //!
 //! A collective of `bytes` costs, per (op, transport, world), the measured time at the
 //! nearest measured sizes with a straight line between them: on each segment a latency plus
@@ -49,6 +49,17 @@ pub struct GemmRow {
     pub gflops: f64,
 }
 
+/// The GEMM probe run on several threads at once.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SharedGemm {
+    /// Threads multiplying at once.
+    pub threads: usize,
+    /// Square size of the products.
+    pub size: usize,
+    /// Rate of each thread (the mean over them), GFLOP/s.
+    pub gflops_per_thread: f64,
+}
+
 /// What `shardline plan` knows of a machine.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Profile {
@@ -60,6 +71,14 @@ pub struct Profile {
     pub memory_gbps: f64,
     /// GEMM probes, one thread.
     pub gemm: Vec<GemmRow>,
+    /// GEMM rate per thread with 1, 2, ... threads multiplying at once (ranks of a node
+    /// share its cores, and the machine's other work shares them too); empty: not probed.
+    #[serde(default)]
+    pub gemm_shared: Vec<SharedGemm>,
+    /// The exact GELU's forward keeping its derivative, nanoseconds per element (0: not
+    /// probed).
+    #[serde(default)]
+    pub gelu_ns: f64,
     /// Collectives measured.
     pub collectives: Vec<CollectiveRow>,
 }
@@ -82,6 +101,18 @@ impl Profile {
             )));
         }
         Ok(p)
+    }
+
+    /// How much slower each of `threads` threads multiplies than one alone: the shared
+    /// probe's ratio where it was run at that count, else threads over cores (at least 1).
+    pub fn sharing_slowdown(&self, threads: usize) -> f64 {
+        let rate = |t: usize| {
+            self.gemm_shared.iter().find(|g| g.threads == t).map(|g| g.gflops_per_thread)
+        };
+        match (rate(1), rate(threads)) {
+            (Some(one), Some(t)) if t > 0.0 => (one / t).max(1.0),
+            _ => (threads as f64 / self.cores.max(1) as f64).max(1.0),
+        }
     }
 
     /// The transports measured at `world`.
@@ -181,6 +212,8 @@ mod tests {
             note: String::new(),
             cores: 2,
             memory_gbps: 10.0,
+            gelu_ns: 0.0,
+            gemm_shared: vec![],
             gemm: vec![
                 GemmRow { m: 32, n: 32, k: 32, gflops: 10.0 },
                 GemmRow { m: 256, n: 256, k: 256, gflops: 40.0 },
@@ -204,6 +237,20 @@ mod tests {
         assert_eq!(p.collective_s("all-gather", "local", 1, 1 << 20).unwrap(), 0.0);
         let e = p.collective_s("reduce-scatter", "local", 2, 4096).unwrap_err().to_string();
         assert!(e.contains("reduce-scatter") && e.contains("all-gather local w2"), "{e}");
+    }
+
+    /// PLAN-2: threads sharing the machine slow each other down by the shared probe's
+    /// ratio where it ran at that count, by threads over cores where it did not.
+    #[test]
+    fn sharing_slows_by_the_shared_probe_plan_2() {
+        let mut p = profile();
+        assert_eq!(p.sharing_slowdown(1), 1.0);
+        assert_eq!(p.sharing_slowdown(4), 2.0, "4 threads on 2 cores, no probe");
+        let g = |threads, gflops_per_thread| SharedGemm { threads, size: 64, gflops_per_thread };
+        p.gemm_shared = vec![g(1, 40.0), g(2, 30.0), g(4, 10.0)];
+        assert_eq!(p.sharing_slowdown(2), 40.0 / 30.0);
+        assert_eq!(p.sharing_slowdown(4), 4.0);
+        assert_eq!(p.sharing_slowdown(3), 1.5, "not probed at 3: threads over cores");
     }
 
     /// PLAN-1: a probed size's rate is the probe's; between probes it lies between them.
