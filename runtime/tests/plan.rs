@@ -1,6 +1,9 @@
-//! `shardline plan`'s memory prediction against what the engine's tracker measures, over a
-//! grid of small jobs run here (PLAN-5): models mlp-bn and gpt, worlds 1-4 as threads,
-//! stages 0-3, prefetch 0-2 at stage 3.
+//! `shardline plan`: its memory prediction against what the engine's tracker measures, over
+//! a grid of small jobs run here (PLAN-5: models mlp-bn and gpt, worlds 1-4 as threads,
+//! stages 0-3, prefetch 0-2 at stage 3), and the command's help, usage errors and JSON.
+
+mod common;
+use common::shardline;
 
 use shardline_runtime::memory::Category;
 use shardline_runtime::plan::{predict, Placement};
@@ -104,4 +107,88 @@ fn predicted_state_memory_is_what_the_engine_measures_plan_5() {
         );
     }
     assert!(misses.is_empty(), "{} misses:\n{}", misses.len(), misses.join("\n"));
+}
+
+/// A profile of made-up but self-consistent figures, for the command's shape only (no
+/// figure here is compared with a measurement).
+fn tiny_profile(dir: &std::path::Path) -> String {
+    let mut rows = Vec::new();
+    for op in ["all-gather", "reduce-scatter", "all-reduce"] {
+        for world in [2, 4] {
+            for (bytes, us) in [(4096, 10.0), (1 << 20, 300.0)] {
+                rows.push(serde_json::json!({
+                    "op": op, "world": world, "transport": "local", "bytes": bytes, "time_us": us
+                }));
+            }
+        }
+    }
+    let p = serde_json::json!({
+        "note": "test", "cores": 2, "memory_gbps": 5.0, "gelu_ns": 1.0,
+        "gemm": [{"m": 64, "n": 64, "k": 64, "gflops": 20.0}],
+        "collectives": rows,
+    });
+    let path = dir.join("profile.json");
+    std::fs::write(&path, p.to_string()).unwrap();
+    path.display().to_string()
+}
+
+/// `plan --help` says what is modelled and what is not.
+#[test]
+fn plan_help_says_what_is_modelled_and_what_is_not() {
+    let o = shardline(&["plan", "--help"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    for s in ["Modelled:", "Not modelled:", "--profile", "--world", "--prefetch", "--json"] {
+        assert!(o.stdout.contains(s), "plan --help lacks {s}: {}", o.stdout);
+    }
+}
+
+/// Bad input exits 2 and names the flag.
+#[test]
+fn plan_bad_input_exits_2_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = tiny_profile(dir.path());
+    let missing = dir.path().join("none.json").display().to_string();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--stage", "7"], "--stage"),
+        (&["--world", "2x0"], "--world"),
+        (&["--profile", &missing], "--profile"),
+        (&["--grad-accum", "0"], "--grad-accum"),
+        (&["--world", "3", "--profile", &profile], "--profile"),
+        (&["--world", "2", "--profile", &profile, "--transport", "tcp"], "--transport"),
+    ];
+    for (args, flag) in cases {
+        let mut all = vec!["plan"];
+        all.extend_from_slice(args);
+        let o = shardline(&all);
+        assert_eq!(o.code, Some(2), "{args:?}: {}", o.stderr);
+        assert!(o.stderr.contains(flag), "{args:?} does not name {flag}: {}", o.stderr);
+    }
+}
+
+/// `plan --json` with a profile gives every state category and a step whose time is its
+/// compute plus its exposed communication (PLAN-4); without a profile, memory only.
+#[test]
+fn plan_json_gives_memory_and_the_step_plan_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = tiny_profile(dir.path());
+    let args = ["plan", "--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2"];
+    let mut with = args.to_vec();
+    with.extend(["--block-size", "16", "--world", "2", "--profile", &profile, "--json"]);
+    let o = shardline(&with);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    let step = &v["step"];
+    let (t, c, e) =
+        (step["step_s"].as_f64(), step["compute_s"].as_f64(), step["exposed_s"].as_f64());
+    let (t, c, e) = (t.unwrap(), c.unwrap(), e.unwrap());
+    assert!(c > 0.0 && (t - c - e).abs() < 1e-9, "{step}");
+    assert!(step["tokens_per_s"].as_f64().unwrap() > 0.0);
+    let cats: Vec<&str> =
+        v["memory"].as_array().unwrap().iter().map(|r| r["category"].as_str().unwrap()).collect();
+    for k in ["shard_params", "grads", "optimizer_state", "gathered_units", "activations"] {
+        assert!(cats.contains(&k), "{cats:?}");
+    }
+    let o = shardline(&args);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(o.stdout.contains("step: not predicted (no --profile given)"), "{}", o.stdout);
 }
