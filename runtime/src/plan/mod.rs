@@ -20,12 +20,11 @@
 //! between a rank's lanes and its compute for the same cores, and ranks that differ.
 //!
 //! Invariant:
-//! - PLAN-5: the predicted parameters (full or shard) and optimizer state, and the gradients
-//!   at stages 0 and 1, are the peaks the engine's tracker measures for the same job; the
-//!   gradients in flight (stages 2 and 3) and the gathered units are the schedule's floor on
-//!   its clock (every buffer its exact size): the tracker can measure more, when a
-//!   reduction completes later than the clock says or the buffer pool hands a unit a
-//!   larger buffer (POOL-1), never less.
+//! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
+//!   and the gradients at stages 0 and 1, are the peaks the engine's tracker measures for
+//!   the same job (the pool's buffers by its own rules, POOL-1..3); the gradients in flight
+//!   at stages 2 and 3 depend on when reductions complete, and lie between the floor (each
+//!   done when the clock says) and the bound (each done only when waited for, PLAN-6).
 
 pub mod cost;
 pub mod profile;
@@ -58,8 +57,12 @@ pub struct Placement {
 pub struct MemoryRow {
     /// `Category::key`.
     pub category: String,
-    /// Bytes.
+    /// Bytes, with every reduction done only when waited for (PLAN-6): the most the reduce
+    /// budget lets a rank hold.
     pub bytes: u64,
+    /// Bytes with every reduction done when the clock says (the profile's costs, or free
+    /// communication without one): the least.
+    pub floor: u64,
 }
 
 /// The predicted step.
@@ -106,8 +109,8 @@ pub struct Prediction {
     pub microbatch: usize,
     /// Per category, each rank's peak.
     pub memory: Vec<MemoryRow>,
-    /// The peak of the state, gathered units and transient gradients together, plus the
-    /// activations' and scratch's peaks.
+    /// The peak of the state, gathered units, gradients in flight and the pool's buffers
+    /// together (the bound, PLAN-6), plus the activations' and scratch's peaks.
     pub peak_bytes: u64,
     /// The step, with a profile and a model whose compute is counted.
     pub step: Option<StepRow>,
@@ -116,9 +119,14 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    /// The predicted peak of `cat`.
+    /// The predicted peak of `cat` (the bound, PLAN-6).
     pub fn bytes(&self, cat: Category) -> u64 {
         self.memory.iter().find(|r| r.category == cat.key()).map_or(0, |r| r.bytes)
+    }
+
+    /// The predicted floor of `cat`'s peak.
+    pub fn floor(&self, cat: Category) -> u64 {
+        self.memory.iter().find(|r| r.category == cat.key()).map_or(0, |r| r.floor)
     }
 }
 
@@ -162,20 +170,27 @@ pub fn predict_job(
     );
     // The first step starts without a carried gather (ENG-6); the third is steady.
     let steps: Vec<SimStep> = (0..3).map(|_| rank.step()).collect();
+    // Memory: the same steps with every reduction late (PLAN-6).
+    let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
+    for _ in 0..3 {
+        late.step();
+    }
     let (act, scratch) = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
-    let mem = rank.memory();
+    let (mem, floor) = (late.memory(), rank.memory());
     let mut memory: Vec<MemoryRow> = [
         Category::FullParams,
         Category::ShardParams,
         Category::Grads,
         Category::OptimizerState,
         Category::GatheredUnits,
+        Category::CommBuffers,
     ]
     .into_iter()
-    .map(|c| MemoryRow { category: c.key().into(), bytes: mem.peak(c) })
+    .map(|c| MemoryRow { category: c.key().into(), bytes: mem.peak(c), floor: floor.peak(c) })
     .collect();
-    memory.push(MemoryRow { category: Category::Activations.key().into(), bytes: act });
-    memory.push(MemoryRow { category: Category::Scratch.key().into(), bytes: scratch });
+    let row = |c: Category, b| MemoryRow { category: c.key().into(), bytes: b, floor: b };
+    memory.push(row(Category::Activations, act));
+    memory.push(row(Category::Scratch, scratch));
     let step = costs.as_ref().map(|_| {
         let s = steps[2];
         let samples = cfg.batch_size as f64 / s.step_s.max(1e-12);

@@ -10,7 +10,8 @@
 //! being exposed communication. Memory is the engine's accounting (ENG-3) by category:
 //! persistent state as the stage's rules hold it, transient full gradients from a unit's
 //! first backward call until its reduction is finished, gathered units from issue to
-//! release. Every rank is assumed to run the same schedule (the same shard sizes; collectives
+//! release, each in the buffer the communicator's pool would hand out (its `Shelves`, on
+//! sizes), and the pool's kept bytes as communication buffers. Every rank is assumed to run the same schedule (the same shard sizes; collectives
 //! cost the slowest rank's time, which the profile measured).
 //!
 //! Invariants:
@@ -18,10 +19,15 @@
 //!   unit in use (the plan's ENG-5 on a clock), and with free communication nothing is
 //!   exposed: the step takes its compute.
 //! - PLAN-4: a step's time is its compute plus its exposed communication.
+//! - PLAN-6: with late reductions (none done before the walk waits for it) the gradients
+//!   in flight are the most the reduce budget allows (ENG-7), never below those of any
+//!   clock.
 
 use std::cell::Cell;
 use std::convert::Infallible;
 use std::rc::Rc;
+
+use shardline_collectives::pool::{Shelved, Shelves};
 
 use crate::engine::sim_api::{
     carries_next_gather, walk_step, BeforeUse, GatherIo, GatherPlan, HandOff, Holding, InFlight,
@@ -82,6 +88,69 @@ impl SimMemory {
     }
 }
 
+/// A buffer's length and capacity, in `f32` elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SimBuf {
+    len: usize,
+    cap: usize,
+}
+
+impl Shelved for SimBuf {
+    fn shelved_len(&self) -> usize {
+        self.len
+    }
+    fn shelved_capacity(&self) -> usize {
+        self.cap
+    }
+}
+
+/// The rank's accounted memory and the communicator's buffer pool, whose kept bytes are
+/// communication buffers (MEM-5): the engine's takes and gives on sizes alone, under the
+/// pool's own rules (POOL-1..3).
+#[derive(Debug)]
+struct Heap {
+    mem: SimMemory,
+    pool: Shelves<SimBuf>,
+}
+
+impl Heap {
+    fn new() -> Self {
+        let pool = Shelves::new(
+            shardline_collectives::config::POOL_MAX_BYTES.get(),
+            shardline_collectives::config::POOL_PER_CLASS.get() as usize,
+        );
+        Heap { mem: SimMemory::default(), pool }
+    }
+
+    /// The pool's kept bytes moved from `before`: communication buffers follow.
+    fn sync(&mut self, before: u64) {
+        let after = self.pool.bytes();
+        if after > before {
+            self.mem.alloc(Category::CommBuffers, after - before);
+        } else {
+            self.mem.free(Category::CommBuffers, before - after);
+        }
+    }
+
+    /// A buffer of `len` from the pool (a kept one, or a new one of exactly `len`), then
+    /// counted as `cat` by its capacity, as the engine registers it.
+    fn take(&mut self, len: usize, cat: Category) -> SimBuf {
+        let before = self.pool.bytes();
+        let cap = self.pool.take(len).map_or(len.max(1), |b| b.cap);
+        self.sync(before);
+        self.mem.alloc(cat, cap as u64 * 4);
+        SimBuf { len, cap }
+    }
+
+    /// Unregisters `b` from `cat`, then gives it back to the pool.
+    fn give(&mut self, b: SimBuf, cat: Category) {
+        self.mem.free(cat, b.cap as u64 * 4);
+        let before = self.pool.bytes();
+        let _ = self.pool.give(b, |_| true);
+        self.sync(before);
+    }
+}
+
 /// The simulated clock: the rank's time and when each lane is next free.
 #[derive(Debug, Default)]
 struct Clock {
@@ -130,28 +199,34 @@ impl Clock {
     }
 }
 
-/// A unit's gather in flight: when it ends and its bytes.
+/// A unit's gather in flight: when it ends and its buffer.
 #[derive(Debug)]
 pub(crate) struct SimGather {
     end: f64,
-    bytes: u64,
+    buf: SimBuf,
 }
 
-/// A unit's gathered parameters: their bytes.
+/// A unit's gathered parameters: their buffer.
 #[derive(Debug)]
 pub(crate) struct SimFull {
-    bytes: u64,
+    buf: SimBuf,
 }
 
-/// A reduction in flight: when it ends, and the rank's clock it is compared with.
+/// A reduction in flight: when it ends, the rank's clock it is compared with, the full
+/// gradient it holds (stages 2 and 3) and the buffer its result lands in when it adds to an
+/// earlier microbatch's (ACC-3).
 pub(crate) struct SimOp {
     end: f64,
     now: Rc<Cell<f64>>,
+    full: Option<SimBuf>,
+    out: Option<SimBuf>,
+    /// Never done before it is waited for (PLAN-6's bound).
+    late: bool,
 }
 
 impl InFlight for SimOp {
     fn is_done(&self) -> bool {
-        self.end <= self.now.get()
+        !self.late && self.end <= self.now.get()
     }
 }
 
@@ -159,8 +234,9 @@ impl InFlight for SimOp {
 /// bytes are gathered units from issue to release.
 struct SimGathers<'a> {
     clock: &'a mut Clock,
-    mem: &'a mut SimMemory,
-    sizes: &'a [u64],
+    heap: &'a mut Heap,
+    /// Per unit, its padded length.
+    lens: &'a [usize],
     cost: &'a [f64],
 }
 
@@ -170,18 +246,17 @@ impl GatherIo for SimGathers<'_> {
     type Error = Infallible;
 
     fn issue(&mut self, unit: usize) -> Result<SimGather, Infallible> {
-        let bytes = self.sizes[unit];
-        self.mem.alloc(Category::GatheredUnits, bytes);
-        Ok(SimGather { end: self.clock.on_gather(self.cost[unit]), bytes })
+        let buf = self.heap.take(self.lens[unit], Category::GatheredUnits);
+        Ok(SimGather { end: self.clock.on_gather(self.cost[unit]), buf })
     }
 
     fn wait(&mut self, _unit: usize, p: SimGather) -> Result<SimFull, Infallible> {
         self.clock.wait(p.end);
-        Ok(SimFull { bytes: p.bytes })
+        Ok(SimFull { buf: p.buf })
     }
 
     fn release(&mut self, full: SimFull) {
-        self.mem.free(Category::GatheredUnits, full.bytes);
+        self.heap.give(full.buf, Category::GatheredUnits);
     }
 }
 
@@ -208,13 +283,17 @@ pub struct SimRank<'a> {
     recompute: Recompute,
     costs: &'a CallCosts,
     comm: &'a CommCosts,
-    /// Per unit, its padded buffer's bytes.
-    full_bytes: Vec<u64>,
+    /// Per unit, its padded buffer's length.
+    lens: Vec<usize>,
+    /// Per unit, its shard's length.
+    shard_lens: Vec<usize>,
     plan: GatherPlan<SimGather, SimFull>,
     clock: Clock,
-    mem: SimMemory,
+    heap: Heap,
     /// Per unit, a full gradient held between backward calls or microbatches.
-    partial: Vec<bool>,
+    partial: Vec<Option<SimBuf>>,
+    /// Reductions are done only when waited for.
+    late: bool,
     walk: WalkConfig,
 }
 
@@ -242,21 +321,20 @@ impl<'a> SimRank<'a> {
         comm: &'a CommCosts,
     ) -> Self {
         let rules = StageRules::of(engine.stage);
-        let full_bytes: Vec<u64> =
-            layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
-        let mut mem = SimMemory::default();
+        let lens: Vec<usize> = layout.units().iter().map(|l| l.padded_numel()).collect();
+        let mut heap = Heap::new();
         let k = engine.optimizer.state_len_per_param() as u64;
         let pcat = match rules.params {
             Holding::Full => Category::FullParams,
             Holding::Shard => Category::ShardParams,
         };
         for l in layout.units() {
-            mem.alloc(pcat, rules.params.len(l) as u64 * 4);
-            mem.alloc(Category::Grads, rules.grads.len(l) as u64 * 4);
-            mem.alloc(Category::OptimizerState, rules.optim_state.len(l) as u64 * 4 * k);
+            heap.mem.alloc(pcat, rules.params.len(l) as u64 * 4);
+            heap.mem.alloc(Category::Grads, rules.grads.len(l) as u64 * 4);
+            heap.mem.alloc(Category::OptimizerState, rules.optim_state.len(l) as u64 * 4 * k);
         }
-        let plan =
-            GatherPlan::new(full_bytes.clone(), engine.prefetch_budget_bytes, engine.prefetch);
+        let sizes = lens.iter().map(|&n| n as u64 * 4).collect();
+        let plan = GatherPlan::new(sizes, engine.prefetch_budget_bytes, engine.prefetch);
         SimRank {
             calls,
             rules,
@@ -264,11 +342,13 @@ impl<'a> SimRank<'a> {
             recompute: engine.recompute,
             costs,
             comm,
-            partial: vec![false; full_bytes.len()],
-            full_bytes,
+            partial: vec![None; lens.len()],
+            late: false,
+            shard_lens: layout.units().iter().map(|l| l.shard_len()).collect(),
+            lens,
             plan,
             clock: Clock::default(),
-            mem,
+            heap,
             walk: WalkConfig {
                 micro: engine.grad_accum.max(1),
                 accum: engine.accum_reduce,
@@ -278,9 +358,17 @@ impl<'a> SimRank<'a> {
         }
     }
 
+    /// From now on no reduction is done before the walk waits for it: the most full
+    /// gradients the reduce budget lets be in flight (ENG-7), what a rank holds when its
+    /// reduce lane falls behind its backward (PLAN-6).
+    pub fn late_reductions(mut self) -> Self {
+        self.late = true;
+        self
+    }
+
     /// The memory accounted so far.
     pub fn memory(&self) -> &SimMemory {
-        &self.mem
+        &self.heap.mem
     }
 
     /// Runs one step (ENG-12) and returns its figures.
@@ -292,7 +380,7 @@ impl<'a> SimRank<'a> {
         let calls = self.calls;
         let walk = Walk {
             calls,
-            units: self.full_bytes.len(),
+            units: self.lens.len(),
             micro: self.walk.micro,
             transient_grads: self.rules.transient_grads(),
             accum: self.walk.accum,
@@ -314,8 +402,8 @@ impl<'a> SimRank<'a> {
     fn gathers(&mut self) -> (&mut GatherPlan<SimGather, SimFull>, SimGathers<'_>) {
         let io = SimGathers {
             clock: &mut self.clock,
-            mem: &mut self.mem,
-            sizes: &self.full_bytes,
+            heap: &mut self.heap,
+            lens: &self.lens,
             cost: &self.comm.gather_s,
         };
         (&mut self.plan, io)
@@ -344,8 +432,12 @@ impl ReduceIo<SimOp> for SimRank<'_> {
 
     fn finish(&mut self, r: Reduction<SimOp>) -> Result<(), Infallible> {
         self.clock.wait(r.work.end);
-        if r.unreduced_bytes > 0 {
-            self.mem.free(Category::Grads, r.unreduced_bytes);
+        // The full gradient, then the result's buffer, back to the pool (MEM-5).
+        if let Some(b) = r.work.full {
+            self.heap.give(b, Category::Grads);
+        }
+        if let Some(b) = r.work.out {
+            self.heap.give(b, Category::CommBuffers);
         }
         Ok(())
     }
@@ -389,20 +481,28 @@ impl StepWork for SimRank<'_> {
         if self.recompute.checkpoints(call, self.calls.len()) {
             self.clock.compute(self.costs.calls[call].forward_s); // RECOMP-1
         }
-        // A transient full gradient exists from the unit's first backward call (ENG-7).
+        // A transient full gradient exists from the unit's first backward call until its
+        // reduction is finished (ENG-7), in a pooled buffer.
         let transient = self.rules.transient_grads();
-        if transient && !self.partial[u] {
-            self.mem.alloc(Category::Grads, self.full_bytes[u]);
-        }
+        let grad = match self.partial[u].take() {
+            Some(b) => Some(b),
+            None if transient => Some(self.heap.take(self.lens[u], Category::Grads)),
+            None => None,
+        };
         let c = self.costs.calls[call];
         self.clock.compute(c.grads_s);
         if hand.reduce {
+            // ACC-3: a result added to an earlier microbatch's arrives in a pooled buffer.
+            let out = (transient && hand.add)
+                .then(|| self.heap.take(self.shard_lens[u], Category::CommBuffers));
             let end = self.clock.on_reduce(self.comm.reduce_s[u]);
-            let unreduced = if transient { self.full_bytes[u] } else { 0 };
-            reds.issue(u, unreduced, SimOp { end, now: Rc::clone(&self.clock.now) });
-            self.partial[u] = false;
+            let unreduced = grad.map_or(0, |b| b.cap as u64 * 4);
+            let now = Rc::clone(&self.clock.now);
+            let late = self.late;
+            reds.issue(u, unreduced, SimOp { end, now, full: grad, out, late });
         } else {
-            self.partial[u] = true;
+            // Held for a later call or microbatch (a kept buffer at stages 0 and 1).
+            self.partial[u] = grad.or(Some(SimBuf { len: 0, cap: 0 }));
         }
         self.clock.compute(c.input_grad_s); // ENG-9: after the hand-off
         self.done_with(i, full);
@@ -482,6 +582,32 @@ mod tests {
     fn costs(n: usize, compute: f64) -> CallCosts {
         let c = CallCost { forward_s: compute, grads_s: compute, input_grad_s: compute };
         CallCosts { calls: vec![c; n], update_s: vec![compute / 10.0; n] }
+    }
+
+    /// PLAN-6: late reductions hold at least the gradients of any clock, and at stage 3
+    /// the reduce budget's two largest units and the one being computed at most.
+    #[test]
+    fn late_reductions_bound_the_gradients_in_flight_plan_6() {
+        let l = layout(&[1000, 3000, 2000, 500], 2);
+        let calls: Vec<usize> = (0..4).collect();
+        let c = costs(4, 1e-3);
+        let unit = 3000 * 4;
+        for reduce in [0.0, 5e-4, 5e-3] {
+            let comm =
+                CommCosts { gather_s: vec![1e-4; 4], reduce_s: vec![reduce; 4], loss_s: 0.0 };
+            let e = engine(Stage::Zero3, 1, unit);
+            let mut timed = SimRank::new(&l, &calls, &e, &c, &comm);
+            let mut late = SimRank::new(&l, &calls, &e, &c, &comm).late_reductions();
+            for _ in 0..2 {
+                timed.step();
+                late.step();
+            }
+            let (t, b) =
+                (timed.memory().peak(Category::Grads), late.memory().peak(Category::Grads));
+            let shards: u64 = [1000u64, 3000, 2000, 500].iter().map(|n| n / 2 * 4).sum();
+            assert!(t <= b, "reduce {reduce}: {t} > {b}");
+            assert!(b <= shards + 3 * unit, "{b}");
+        }
     }
 
     /// PLAN-3, PLAN-4: with free communication a step is its compute and nothing is
