@@ -90,17 +90,20 @@ enum Cmd {
     /// bandwidth). Without --profile only memory is predicted.
     ///
     /// Modelled: parameters (full or shard), gradients (kept, and full ones in flight until
-    /// their reduction), optimizer state, gathered units (prefetch depth, its byte budget,
-    /// the gather carried into the next step), activations and kernel scratch (one
-    /// microbatch run once on this host: shapes, not timings); compute as matrix products at
-    /// the profiled GEMM rate, gpt's GELU at its profiled time per element, updates at the
-    /// memory bandwidth, ranks of a node sharing its cores; every gather and reduction at its profiled time on its lane, overlapped with
-    /// compute as the engine orders them.
+    /// their reduction: the most the reduce budget allows, and "at least" what the clock
+    /// gives), optimizer state, gathered units (prefetch depth, its byte budget, the gather
+    /// carried into the next step), the buffer pool's cached buffers (communication
+    /// buffers), activations and kernel scratch (one microbatch run once on this host:
+    /// shapes, not timings); compute as matrix products at the profiled GEMM rate, gpt's
+    /// GELU at its profiled time per element, updates at the memory bandwidth, ranks of a
+    /// node sharing its cores; every gather and reduction at its profiled time on its lane,
+    /// overlapped with compute as the engine orders them.
     ///
     /// Not modelled: elementwise compute other than gpt's GELU (norms, softmaxes, the loss);
     /// convolutions (no step time for convnet-bn and resnet-bn); SyncBatchNorm's statistics
-    /// messages; communication buffers and the buffer pool; bf16 and quantized gathers;
-    /// lanes competing with compute for the same cores; ranks that differ.
+    /// messages; the lanes' staging buffers; bf16 and quantized gathers; lanes competing
+    /// with compute for the same cores; ranks that differ. On this project's 2-core host the
+    /// step time came out 13-57% low (bench/RESULTS.md); memory within 5%.
     ///
     /// Bad input exits 2 naming the flag.
     ///

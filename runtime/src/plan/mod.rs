@@ -14,10 +14,11 @@
 //! GELU at its profiled time per element and updates at the memory bandwidth, ranks of a
 //! node sharing its cores; each collective at its
 //! profiled time on its lane, one op at a time, overlapped with compute as the walk orders
-//! it. What is not: elementwise compute other than gpt's GELU (norms, softmaxes, the loss),
-//! convolutions (no step time for conv models), SyncBatchNorm's statistics messages,
-//! communication buffers and the pool's cache, bf16 and quantized gathers, contention
-//! between a rank's lanes and its compute for the same cores, and ranks that differ.
+//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`). What is not:
+//! elementwise compute other than gpt's GELU (norms, softmaxes, the loss), convolutions (no
+//! step time for conv models), SyncBatchNorm's statistics messages, the lanes' staging
+//! buffers, bf16 and quantized gathers, contention between a rank's lanes and its compute
+//! for the same cores, and ranks that differ.
 //!
 //! Invariant:
 //! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
@@ -295,12 +296,13 @@ impl Prediction {
             "  memory per rank (peak by category):".into(),
         ];
         for r in self.memory.iter().filter(|r| r.bytes > 0) {
-            v.push(format!(
-                "    {:<16} {:>12}  ({} B)",
-                r.category,
-                format_bytes(r.bytes),
-                r.bytes
-            ));
+            // Gradients in flight: the bound, and the floor when the clock gives less (PLAN-6).
+            let floor = if r.floor != r.bytes {
+                format!("  (at least {})", format_bytes(r.floor))
+            } else {
+                String::new()
+            };
+            v.push(format!("    {:<16} {:>12}{floor}", r.category, format_bytes(r.bytes)));
         }
         v.push(format!("    {:<16} {:>12}", "peak (about)", format_bytes(self.peak_bytes)));
         match (&self.step, &self.no_step) {

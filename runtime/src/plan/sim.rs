@@ -1,8 +1,8 @@
 //! One rank's training steps on a simulated clock: the engine's own cores driven by costs
 //! instead of kernels and collectives.
 //!
-//! [`SimRank`] walks each step with the engine's [`walk_step`] (ENG-12), gathers through the
-//! engine's [`GatherPlan`] (ENG-5, ENG-6) and reduces through its [`Reductions`] (ENG-7,
+//! [`SimRank`] walks each step with the engine's `walk_step` (ENG-12), gathers through the
+//! engine's `GatherPlan` (ENG-5, ENG-6) and reduces through its `Reductions` (ENG-7,
 //! ENG-8, ENG-10); what it adds is time and bytes. Three resources: the rank's own thread
 //! (compute, and the waits), the gather lane and the reduce lane, each lane running its ops
 //! one after another in issue order. An op issued at `t` starts when its lane is free and
