@@ -26,7 +26,9 @@
 //! - `accum`: gradient accumulation's microbatches and when their gradients are reduced
 //!   (ACC-1..ACC-5; the default at stages 2 and 3, and why, is in its docs);
 //! - `recompute`: which calls keep only their input, and the statistics their re-run
-//!   replays (RECOMP-1..RECOMP-3).
+//!   replays (RECOMP-1..RECOMP-3);
+//! - `walk`: the order of a step's work, one function the engine's step and the plan
+//!   simulator both walk (ENG-12).
 //!
 //! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
 //! call's forward first (RECOMP-1), `stats` is the SyncBN
