@@ -9,6 +9,7 @@ mod ckpt_stall;
 mod collectives;
 mod faults;
 mod limits;
+mod machine_profile;
 mod measured;
 mod memory;
 mod overlap;
@@ -99,6 +100,11 @@ enum Cmd {
     /// One trial of the fault campaign (started by `faults`).
     #[command(hide = true)]
     FaultsTrial(faults::TrialArgs),
+    /// The machine profile of `shardline plan --profile`: collectives rows from
+    /// `collectives --json` files, a GEMM probe and the memory bandwidth (no training step).
+    ///
+    /// Example: shardline-bench machine-profile --collectives c.json,ag.json --out profile.json
+    MachineProfile(machine_profile::Args),
     /// One rank of a multi-process collectives run (started by `collectives`).
     #[command(hide = true)]
     CollectivesWorker(collectives::WorkerArgs),
@@ -129,6 +135,7 @@ fn main() {
         .init();
     let res = match cli.cmd {
         Cmd::Collectives(a) => collectives::run(a),
+        Cmd::MachineProfile(a) => machine_profile::run(a),
         Cmd::CollectivesWorker(a) => collectives::worker(a),
         Cmd::Syncbn(a) => syncbn::run(a),
         Cmd::Faults(a) => faults::run(a),

@@ -24,13 +24,106 @@ pub trait PoolAccount: Send + Sync {
 
 const CLASSES: usize = usize::BITS as usize;
 
-/// Size-classed, bounded pool of `Vec<f32>`.
-pub struct BufferPool {
-    classes: Mutex<Vec<Vec<Vec<f32>>>>,
-    bytes: AtomicU64,
-    allocations: AtomicU64,
+/// What the pool's rules read of a buffer: its length and its capacity, in elements.
+pub trait Shelved {
+    /// Elements in use.
+    fn shelved_len(&self) -> usize;
+    /// Elements allocated.
+    fn shelved_capacity(&self) -> usize;
+}
+
+impl Shelved for Vec<f32> {
+    fn shelved_len(&self) -> usize {
+        self.len()
+    }
+    fn shelved_capacity(&self) -> usize {
+        self.capacity()
+    }
+}
+
+/// The pool's pure core: the kept buffers by size class, their bytes, and the rules that pick
+/// one for a `take` (POOL-1, POOL-3) and keep one given back (POOL-2), over anything with a
+/// length and a capacity. [`BufferPool`] runs it over its buffers; `shardline plan` over
+/// sizes alone, so that it predicts the buffers the engine gets.
+#[derive(Debug)]
+pub struct Shelves<B> {
+    classes: Vec<Vec<B>>,
+    bytes: u64,
     max_bytes: u64,
     per_class: usize,
+}
+
+impl<B: Shelved> Shelves<B> {
+    /// Shelves keeping at most `max_bytes` in total and `per_class` buffers per size class.
+    pub fn new(max_bytes: u64, per_class: usize) -> Self {
+        Shelves {
+            classes: (0..CLASSES).map(|_| Vec::new()).collect(),
+            bytes: 0,
+            max_bytes,
+            per_class,
+        }
+    }
+
+    /// Bytes kept.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Drops every kept buffer.
+    pub fn clear(&mut self) {
+        self.classes.iter_mut().for_each(Vec::clear);
+        self.bytes = 0;
+    }
+
+    /// The kept buffer `take(len)` reuses, removed from the shelves: from the class at
+    /// `len`'s power of two or one either side (POOL-1), one already at least `len` long
+    /// before one that must grow (POOL-3); `None` when none fits.
+    pub fn take(&mut self, len: usize) -> Option<B> {
+        let class = len.max(1).next_power_of_two().trailing_zeros() as usize;
+        let range = class.saturating_sub(1)..(class + 2).min(CLASSES);
+        let classes = &self.classes;
+        let long = range
+            .clone()
+            .find_map(|c| classes[c].iter().position(|v| v.shelved_len() >= len).map(|i| (c, i)));
+        let fits = || {
+            range.clone().find_map(|c| {
+                classes[c].iter().position(|v| v.shelved_capacity() >= len).map(|i| (c, i))
+            })
+        };
+        let (c, i) = long.or_else(fits)?;
+        let v = self.classes[c].swap_remove(i);
+        self.bytes -= (v.shelved_capacity() * 4) as u64;
+        Some(v)
+    }
+
+    /// Keeps `v` unless it would pass the byte bound or its class is full (POOL-2), or
+    /// `admit`, told the bytes that would be kept, refuses (POOL-4); returns it when not
+    /// kept.
+    pub fn give(&mut self, v: B, admit: impl FnOnce(u64) -> bool) -> Option<B> {
+        let cap = v.shelved_capacity();
+        if cap == 0 {
+            return Some(v);
+        }
+        let class = (usize::BITS - 1 - cap.leading_zeros()) as usize;
+        let bytes = (cap * 4) as u64;
+        if self.bytes + bytes > self.max_bytes || self.classes[class].len() >= self.per_class {
+            return Some(v);
+        }
+        if !admit(self.bytes + bytes) {
+            return Some(v);
+        }
+        self.classes[class].push(v);
+        self.bytes += bytes;
+        None
+    }
+}
+
+/// Size-classed, bounded pool of `Vec<f32>`.
+pub struct BufferPool {
+    shelves: Mutex<Shelves<Vec<f32>>>,
+    /// The shelves' bytes, readable without the lock.
+    bytes: AtomicU64,
+    allocations: AtomicU64,
     account: Mutex<Option<Arc<dyn PoolAccount>>>,
 }
 
@@ -53,22 +146,24 @@ impl BufferPool {
     /// A pool keeping at most `max_bytes` in total and `per_class` buffers per size class.
     pub fn new(max_bytes: u64, per_class: usize) -> Self {
         BufferPool {
-            classes: Mutex::new(vec![Vec::new(); CLASSES]),
+            shelves: Mutex::new(Shelves::new(max_bytes, per_class)),
             bytes: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
-            max_bytes,
-            per_class,
             account: Mutex::new(None),
         }
+    }
+
+    fn shelves(&self) -> std::sync::MutexGuard<'_, Shelves<Vec<f32>>> {
+        self.shelves.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Reports the bytes held to `account` from now on, starting with what is held now
     /// (POOL-4).
     pub fn set_account(&self, account: Arc<dyn PoolAccount>) {
-        let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
-        if !account.held(self.bytes.load(Ordering::Relaxed)) {
+        let mut shelves = self.shelves();
+        if !account.held(shelves.bytes()) {
             // What is held cannot be kept: free it.
-            classes.iter_mut().for_each(Vec::clear);
+            shelves.clear();
             self.bytes.store(0, Ordering::Relaxed);
             account.held(0);
         }
@@ -77,10 +172,10 @@ impl BufferPool {
 
     /// Frees every kept buffer (reported to the account: nothing held).
     pub fn clear(&self) {
-        let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
-        classes.iter_mut().for_each(Vec::clear);
+        let mut shelves = self.shelves();
+        shelves.clear();
         self.bytes.store(0, Ordering::Relaxed);
-        drop(classes);
+        drop(shelves);
         if let Some(a) = self.account() {
             a.held(0);
         }
@@ -93,25 +188,12 @@ impl BufferPool {
     /// A buffer of exactly `len` elements. Its contents are unspecified (a reused buffer keeps
     /// old data; only a newly grown tail is zeroed): write before you read.
     pub fn take(&self, len: usize) -> Vec<f32> {
-        let class = len.max(1).next_power_of_two().trailing_zeros() as usize;
         let found = {
-            let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
-            // The class at `len`'s power of two or one above (POOL-1). A buffer already at
-            // least `len` long comes first (POOL-3): growing a shorter one zero-fills the
-            // tail, a pass over memory the caller is about to overwrite anyway.
-            let range = class.saturating_sub(1)..(class + 2).min(CLASSES);
-            let long = range
-                .clone()
-                .find_map(|c| classes[c].iter().position(|v| v.len() >= len).map(|i| (c, i)));
-            let fits = || {
-                range.clone().find_map(|c| {
-                    classes[c].iter().position(|v| v.capacity() >= len).map(|i| (c, i))
-                })
-            };
-            let found = long.or_else(fits).map(|(c, i)| classes[c].swap_remove(i));
-            if let Some(v) = &found {
-                let held = self.bytes.fetch_sub((v.capacity() * 4) as u64, Ordering::Relaxed)
-                    - (v.capacity() * 4) as u64;
+            let mut shelves = self.shelves();
+            let found = shelves.take(len);
+            if found.is_some() {
+                let held = shelves.bytes();
+                self.bytes.store(held, Ordering::Relaxed);
                 if let Some(a) = self.account() {
                     a.held(held);
                 }
@@ -120,6 +202,7 @@ impl BufferPool {
         };
         match found {
             Some(mut v) => {
+                // A long one is truncated, nothing written; a short one grows (POOL-3).
                 if v.len() >= len {
                     v.truncate(len);
                 } else {
@@ -139,26 +222,12 @@ impl BufferPool {
 
     /// Returns a buffer to the pool (freed instead when the pool is full, POOL-2).
     pub fn give(&self, v: Vec<f32>) {
-        let cap = v.capacity();
-        if cap == 0 {
-            return;
-        }
-        let class = (usize::BITS - 1 - cap.leading_zeros()) as usize;
-        let bytes = (cap * 4) as u64;
-        if self.bytes.load(Ordering::Relaxed) + bytes > self.max_bytes {
-            return;
-        }
-        let mut classes = self.classes.lock().unwrap_or_else(|e| e.into_inner());
-        if classes[class].len() < self.per_class {
-            let held = self.bytes.load(Ordering::Relaxed) + bytes;
-            if let Some(a) = self.account() {
-                if !a.held(held) {
-                    return;
-                }
-            }
-            classes[class].push(v);
-            self.bytes.fetch_add(bytes, Ordering::Relaxed);
-        }
+        let account = self.account();
+        let mut shelves = self.shelves();
+        let admit = |held| account.as_ref().is_none_or(|a| a.held(held));
+        // A buffer not kept is dropped here, freed.
+        drop(shelves.give(v, admit));
+        self.bytes.store(shelves.bytes(), Ordering::Relaxed);
     }
 
     /// Buffers allocated by `take` so far (misses); flat in steady state.

@@ -17,7 +17,7 @@ use shardline_models::{CallBackward, Cpu, Ctx, Dataset, Network, Tensor};
 
 use crate::engine::Recompute;
 use crate::error::{Result, RuntimeError};
-use crate::memory::{MemoryTracker, RankMeter};
+use crate::memory::{Category, MemoryTracker, RankMeter};
 use crate::train::TrainConfig;
 
 /// Samples per rank in one microbatch of `cfg`.
@@ -27,6 +27,27 @@ pub fn microbatch(cfg: &TrainConfig) -> usize {
 
 /// Peak bytes of activations and scratch of one microbatch's forward and backward (ACTEST-1).
 pub fn activation_peak(model: &dyn Network, train: &Dataset, cfg: &TrainConfig) -> Result<u64> {
+    // Only activations and scratch were registered: their peak together.
+    Ok(activation_run(model, train, cfg)?.peak_total())
+}
+
+/// The peaks of activations and of scratch apart, of the same run as [`activation_peak`]
+/// (`shardline plan` reports them as the engine's tracker does, by category).
+pub fn activation_peaks(
+    model: &dyn Network,
+    train: &Dataset,
+    cfg: &TrainConfig,
+) -> Result<(u64, u64)> {
+    let mem = activation_run(model, train, cfg)?;
+    Ok((mem.peak(Category::Activations), mem.peak(Category::Scratch)))
+}
+
+/// Runs one microbatch's forward and backward with a meter installed; returns its tracker.
+fn activation_run(
+    model: &dyn Network,
+    train: &Dataset,
+    cfg: &TrainConfig,
+) -> Result<MemoryTracker> {
     let b = microbatch(cfg).min(train.len());
     let idx: Vec<usize> = (0..b).collect();
     let n = model.spec().units.len();
@@ -84,6 +105,5 @@ pub fn activation_peak(model: &dyn Network, train: &Dataset, cfg: &TrainConfig) 
         }
     }
     meter.check()?;
-    // Only activations and scratch were registered: their peak together.
-    Ok(mem.peak_total())
+    Ok(mem)
 }

@@ -51,6 +51,7 @@ pub mod interrupt;
 pub mod launch;
 pub mod memory;
 pub mod optim;
+pub mod plan;
 pub mod sample;
 pub mod schedule;
 pub mod shard;

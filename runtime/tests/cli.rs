@@ -336,7 +336,7 @@ fn log_json_has_one_object_per_step_with_the_documented_keys() {
 /// step the ranks agreed to stop at is checkpointed, DRIVE-2).
 #[test]
 fn interrupted_run_checkpoints_its_last_step_and_resumes_to_the_same_result() {
-    interrupted_run_resumes(&[], 3000);
+    interrupted_run_resumes(&[], 1500);
 }
 
 /// The same on the device engine (`--device sim`), which runs under the same loop: the

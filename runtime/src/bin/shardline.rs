@@ -80,6 +80,38 @@ enum Cmd {
     ///   shardline eval ckpt/step-00000200 --dataset fashion-mnist --world 2
     #[command(verbatim_doc_comment)]
     Eval(EvalArgs),
+    /// Predict a job's memory per rank and step time without running it.
+    ///
+    /// The prediction runs the engine's own schedule on a simulated clock: the job's plan
+    /// (model, stage, prefetch and reduce budgets) is `train`'s, a step is the engine's walk
+    /// with its prefetch plan and reductions, and the costs come from a machine profile made
+    /// by microbenchmarks only (shardline-bench collectives --json, then shardline-bench
+    /// machine-profile: collectives per op, transport, world and size; a GEMM probe; memory
+    /// bandwidth). Without --profile only memory is predicted.
+    ///
+    /// Modelled: parameters (full or shard), gradients (kept, and full ones in flight until
+    /// their reduction: the most the reduce budget allows, and "at least" what the clock
+    /// gives), optimizer state, gathered units (prefetch depth, its byte budget, the gather
+    /// carried into the next step), the buffer pool's cached buffers (communication
+    /// buffers), activations and kernel scratch (one microbatch run once on this host:
+    /// shapes, not timings); compute as matrix products at the profiled GEMM rate, gpt's
+    /// GELU at its profiled time per element, updates at the memory bandwidth, ranks of a
+    /// node sharing its cores; every gather and reduction at its profiled time on its lane,
+    /// overlapped with compute as the engine orders them.
+    ///
+    /// Not modelled: elementwise compute other than gpt's GELU (norms, softmaxes, the loss);
+    /// convolutions (no step time for convnet-bn and resnet-bn); SyncBatchNorm's statistics
+    /// messages; the lanes' staging buffers; bf16 and quantized gathers; lanes competing
+    /// with compute for the same cores; ranks that differ. On this project's 2-core host the
+    /// step time came out 13-57% low (bench/RESULTS.md); memory within 5%.
+    ///
+    /// Bad input exits 2 naming the flag.
+    ///
+    /// Examples:
+    ///   shardline plan --model gpt --world 4 --stage 3
+    ///   shardline plan --model gpt --n-layer 4 --n-embd 128 --world 1x4 --profile profile.json --prefetch 2 --json
+    #[command(verbatim_doc_comment)]
+    Plan(Box<PlanArgs>),
     /// Print the hang/desync report from a failure dump (`train --dump-on-failure FILE`).
     Doctor {
         /// The dump file.
@@ -154,6 +186,209 @@ struct LaunchArgs {
     /// The worker command: `train ...`.
     #[arg(last = true, required = true)]
     worker: Vec<String>,
+}
+
+/// `shardline plan`.
+#[derive(Args, Debug)]
+struct PlanArgs {
+    /// Model: mlp-bn, convnet-bn, wide-mlp, resnet-bn or gpt (sized by the flags below, as
+    /// `train` sizes them).
+    #[arg(long, default_value = "mlp-bn")]
+    model: String,
+    /// Data set, as `train --dataset` (it gives the samples' shape and classes) [default:
+    /// text for gpt, else digits].
+    #[arg(long)]
+    dataset: Option<String>,
+    /// Ranks: R (one node), or NxR (N nodes of R ranks).
+    #[arg(long, default_value = "4", value_parser = parse_world)]
+    world: (usize, usize),
+    /// Machine profile (shardline-bench machine-profile) for the step time.
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
+    /// The profile's transport for the collectives [default: local on one node (threads of
+    /// one process), tcp across nodes].
+    #[arg(long)]
+    transport: Option<String>,
+    /// ZeRO stage, 0-3.
+    #[arg(long, default_value = "3")]
+    stage: String,
+    /// Units gathered ahead of use at stage 3.
+    #[arg(long, default_value_t = 1)]
+    prefetch: usize,
+    /// Byte budget for gathered units in flight [default: (prefetch+1) x the largest unit].
+    #[arg(long, value_parser = parse_bytes)]
+    prefetch_budget: Option<u64>,
+    /// Global batch size.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Microbatches per step.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    grad_accum: usize,
+    /// With --grad-accum at stages 2 and 3: each or last [default: each].
+    #[arg(long, value_enum)]
+    accum_reduce: Option<AccumReduceArg>,
+    /// Activation recomputation: none or units.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: RecomputeArg,
+    /// Optimizer: sgd (momentum) or adamw.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    /// Clip the global gradient norm (the updates then wait for every reduction).
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
+    /// SyncBatchNorm: on, off or auto (as train).
+    #[arg(long, value_enum, default_value = "auto")]
+    sync_bn: OnOffAuto,
+    /// Compute threads per rank.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// gpt: transformer blocks [default: 4].
+    #[arg(long)]
+    n_layer: Option<usize>,
+    /// gpt: attention heads [default: 4].
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// gpt: embedding width [default: 128].
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// gpt: context length [default: 64].
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Hidden blocks (mlp-bn).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// resnet-bn: channels of conv1.
+    #[arg(long)]
+    width: Option<usize>,
+    /// wide-mlp: parameter count.
+    #[arg(long, value_parser = parse_count, default_value = "50M")]
+    params: usize,
+    /// Synthetic data: input features.
+    #[arg(long, default_value_t = 784)]
+    input_dim: usize,
+    /// Synthetic data: classes.
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    /// Print the prediction as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `--world R` or `NxR`.
+fn parse_world(s: &str) -> Result<(usize, usize), String> {
+    let parse = |t: &str| match t.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("'{s}' is not R or NxR with positive counts (try 4 or 2x4)")),
+    };
+    match s.split_once(['x', 'X']) {
+        Some((n, r)) => Ok((parse(n)?, parse(r)?)),
+        None => Ok((1, parse(s)?)),
+    }
+}
+
+fn plan_cmd(a: &PlanArgs) -> i32 {
+    use shardline_runtime::plan::{predict, profile::Profile, Placement};
+    let stage = match a.stage.parse::<u8>().ok().and_then(|n| Stage::from_index(n).ok()) {
+        Some(s) => s,
+        None => {
+            eprintln!("error: --stage must be 0, 1, 2 or 3, not '{}'", a.stage);
+            return 2;
+        }
+    };
+    let (nodes, ranks) = a.world;
+    let dataset = a.dataset.clone().unwrap_or_else(|| {
+        if a.model == "gpt" {
+            "text".into()
+        } else {
+            "digits".into()
+        }
+    });
+    let cfg = TrainConfig {
+        world: nodes * ranks,
+        stage: StageChoice::Fixed(stage),
+        model: a.model.clone(),
+        dataset,
+        steps: Some(1),
+        batch_size: a.batch_size,
+        optimizer: a.optimizer.clone(),
+        clip_grad_norm: a.clip_grad_norm,
+        sync_bn: match a.sync_bn {
+            OnOffAuto::On => SyncBnMode::On,
+            OnOffAuto::Off => SyncBnMode::Off,
+            OnOffAuto::Auto => SyncBnMode::Auto,
+        },
+        grad_accum: a.grad_accum,
+        accum_reduce: a.accum_reduce.map(|r| match r {
+            AccumReduceArg::Each => AccumReduce::Each,
+            AccumReduceArg::Last => AccumReduce::Last,
+        }),
+        recompute: match a.recompute {
+            RecomputeArg::None => Recompute::None,
+            RecomputeArg::Units => Recompute::Units,
+        },
+        prefetch: a.prefetch,
+        prefetch_budget: a.prefetch_budget,
+        hidden: a.hidden,
+        depth: a.depth,
+        width: a.width,
+        params: a.params,
+        input_dim: a.input_dim,
+        classes: a.classes,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_embd: a.n_embd,
+        block_size: a.block_size,
+        threads: a.threads,
+        ..TrainConfig::default()
+    };
+    let profile = match &a.profile {
+        Some(p) => match Profile::load(p) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        },
+        None => None,
+    };
+    let transport =
+        a.transport.clone().unwrap_or_else(
+            || {
+                if nodes > 1 {
+                    "tcp".into()
+                } else {
+                    "local".into()
+                }
+            },
+        );
+    if let (Some(p), Some(t)) = (&profile, &a.transport) {
+        if !p.transports(cfg.world).contains(t) && cfg.world > 1 {
+            eprintln!(
+                "error: --transport {t}: the profile measured {:?} at world {}",
+                p.transports(cfg.world),
+                cfg.world
+            );
+            return 2;
+        }
+    }
+    let at = Placement { nodes, ranks_per_node: ranks, transport };
+    match predict(&cfg, &at, profile.as_ref()) {
+        Ok(p) if a.json => {
+            println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+            0
+        }
+        Ok(p) => {
+            p.lines().iter().for_each(|l| println!("{l}"));
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            exit_for(&e)
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -963,6 +1198,7 @@ fn main() {
             }
         }
         Cmd::Launch(l) => launch_cmd(l),
+        Cmd::Plan(a) => plan_cmd(&a),
         Cmd::Doctor { dump } => match shardline_runtime::doctor::Diagnosis::load(&dump) {
             Ok(d) => {
                 print!("{}", d.report());

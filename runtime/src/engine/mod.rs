@@ -26,7 +26,9 @@
 //! - `accum`: gradient accumulation's microbatches and when their gradients are reduced
 //!   (ACC-1..ACC-5; the default at stages 2 and 3, and why, is in its docs);
 //! - `recompute`: which calls keep only their input, and the statistics their re-run
-//!   replays (RECOMP-1..RECOMP-3).
+//!   replays (RECOMP-1..RECOMP-3);
+//! - `walk`: the order of a step's work, one function the engine's step and the plan
+//!   simulator both walk (ENG-12).
 //!
 //! The shell: `pass` runs one unit's forward and backward (ENG-9), re-running a checkpointed
 //! call's forward first (RECOMP-1), `stats` is the SyncBN
@@ -68,8 +70,19 @@ mod stage;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod walk;
 
 pub use accum::AccumReduce;
+
+/// The engine's pure cores, for the plan simulator (`crate::plan`) to drive on its clock.
+pub(crate) mod sim_api {
+    pub(crate) use super::pass::Micro;
+    pub(crate) use super::prefetch::{carries_next_gather, GatherIo, GatherPlan};
+    pub(crate) use super::recompute::Recompute;
+    pub(crate) use super::reduction::{InFlight, ReduceIo, Reduction, Reductions};
+    pub(crate) use super::stage::{BeforeUse, GradReduce, Holding, StageRules};
+    pub(crate) use super::walk::{walk_step, HandOff, StepWork, Walk};
+}
 pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
 pub use driven::Driven;
 pub use gpu_choice::{rank_gpu, GpuChoiceError};
@@ -82,7 +95,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clock::CommClock;
-use pass::{Micro, PassCtx};
+use pass::{Micro, PassCtx, Saved};
 use prefetch::{GatherPlan, Gathered, LaneGathers, PendingGather};
 use reduction::{ReduceIo, ReduceWork, Reductions, StepIo};
 use shard_state::ShardState;
@@ -90,6 +103,7 @@ use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
 use shardline_models::{Backend, Dataset, DistributedSampler, Network, StatsReducer, Tensor};
 use stage::StageRules;
 use stats::StatsLane;
+use walk::{walk_step, HandOff, StepWork, Walk};
 
 use crate::error::{Result, RuntimeError};
 use crate::fault::Phase;
@@ -403,11 +417,6 @@ impl RankEngine {
         (&mut self.plan, io)
     }
 
-    /// The step's reduction I/O.
-    fn io<'a>(&'a mut self, st: &'a mut StepState) -> StepIo<'a> {
-        StepIo { eng: self, st }
-    }
-
     /// One training step on this rank's slice `x`/`y` of a global batch of `global_batch`
     /// samples. Every rank of the group must call it with its own slice (possibly empty).
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
@@ -420,7 +429,7 @@ impl RankEngine {
         let early = self.cfg.clip_grad_norm.is_none();
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
         // count is 1-based (OPT-3).
-        let mut st = StepState {
+        let st = StepState {
             unit_sq: vec![0.0; n],
             norms_when_reduced: !early,
             lr: self.cfg.lr.lr_at(self.step),
@@ -434,55 +443,46 @@ impl RankEngine {
             DistributedSampler::slice_range(global_batch, self.world, self.rank).start;
         let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
         self.plan.begin_step(&self.calls, micro.len());
-        // One set of reductions for the whole step: an earlier microbatch's may still be in
-        // flight while the next one computes (ACC-3).
-        let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
-        let mut local_loss = 0.0f32;
-        for (k, r) in micro.iter().enumerate() {
-            let (xk, yk) = if micro.len() == 1 {
-                (x.clone(), y.clone())
-            } else {
-                (x.rows(r.start, r.end)?, y.rows(r.start, r.end)?)
-            };
-            let pass = PassCtx {
-                training: true,
-                sync_bn: self.cfg.sync_bn,
-                reducer,
-                global_batch,
-                seed: self.cfg.seed,
-                step: self.step + 1,
-                first_sample: first_sample + r.start,
-                micro: Micro { index: k, count: micro.len() },
-            };
-            local_loss += self.microbatch(xk, &yk, pass, &mut st, &mut reds)?;
-        }
-        drop(x);
-        let (plan, mut io) = self.gathers(&mut st.clock);
-        plan.end_pass(&mut io);
-        let stats_messages = stats.end_step(&mut st.clock);
-
-        // ---- updates as the reductions come in (ENG-8, ENG-10); with clipping, norms ----
-        self.fault_point(Phase::Reduce);
-        if early {
-            self.step += 1;
-            reds.update_as_reduced(n, &mut self.io(&mut st))?;
-        } else {
-            reds.finish_all(&mut self.io(&mut st))?;
-        }
-        // STRAG: the time this rank was not waiting for communication so far.
-        let busy = t_step.elapsed().saturating_sub(st.clock.exposed).as_secs_f32();
-        let (loss, total_sq, stop, rank_busy) =
-            self.reduce_loss_and_norm(local_loss, busy, &mut st)?;
-        if let Some(max) = self.cfg.clip_grad_norm {
-            st.coef = optim::clip_coef(total_sq, max);
-            self.step += 1;
-            let mut io = self.io(&mut st);
-            (0..n).try_for_each(|u| io.update(u))?;
-        }
-        self.trace_updates(&mut st);
-        if self.rules.gather_after_update {
-            self.gather_updated(&mut st.clock)?;
-        }
+        let calls = self.calls.clone();
+        let walk = Walk {
+            calls: &calls,
+            units: n,
+            micro: micro.len(),
+            transient_grads: self.rules.transient_grads(),
+            accum: self.cfg.accum_reduce,
+            recompute: self.cfg.recompute,
+            reduce_budget: self.cfg.reduce_budget_bytes,
+            clip: !early,
+            gather_after_update: self.rules.gather_after_update,
+        };
+        let pass = PassCtx {
+            training: true,
+            sync_bn: self.cfg.sync_bn,
+            reducer,
+            global_batch,
+            seed: self.cfg.seed,
+            step: self.step + 1,
+            first_sample,
+        };
+        let mut work = EngineStep {
+            eng: self,
+            st,
+            data: Some((x, y.clone())),
+            micro,
+            pass,
+            x: None,
+            y: None,
+            saved: Vec::with_capacity(calls.len()),
+            grad: None,
+            local_loss: 0.0,
+            stats: &stats,
+            stats_messages: 0,
+            sums: (0.0, 0.0, false, Vec::new()),
+            t_step,
+        };
+        walk_step(&walk, &mut work)?;
+        let EngineStep { mut st, stats_messages, sums: (loss, total_sq, stop, rank_busy), .. } =
+            work;
         self.meter.check()?;
         Ok(StepStats {
             loss,
@@ -500,52 +500,6 @@ impl RankEngine {
             cast_time: self.cast.get(),
             rank_busy_s: rank_busy,
         })
-    }
-
-    /// One microbatch's forward and backward (the whole step's without accumulation): each
-    /// unit's reduction is issued as soon as it is due (ENG-9, ACC-2, ACC-3); returns this
-    /// rank's share of the loss (ACC-1).
-    fn microbatch(
-        &mut self,
-        x: Tensor,
-        y: &Tensor,
-        pass: PassCtx<'_>,
-        st: &mut StepState,
-        reds: &mut Reductions<ReduceWork>,
-    ) -> Result<f32> {
-        let nc = self.calls.len();
-        // The plan's uses of this microbatch start here (`GatherPlan::begin_step`).
-        let base = 2 * nc * pass.micro.index;
-        let first = pass.micro.index == 0;
-        if first {
-            self.fault_point(Phase::Forward);
-        }
-        let (mut x, mut saved) = (x, Vec::with_capacity(nc));
-        for i in 0..nc {
-            let (y, s) = self.forward_unit(base + i, x, pass, st)?;
-            saved.push(s);
-            x = y;
-        }
-        let t0 = Instant::now();
-        let (local_loss, mut grad) =
-            self.model.loss().forward_backward(&x, y, pass.global_batch)?;
-        st.compute += t0.elapsed();
-        // The output (a language model's logits: batch x tokens x vocabulary) is not needed
-        // in backward: free it before backward's peak.
-        drop(x);
-
-        // ---- backward: each unit's reduction leaves as soon as its gradients exist ----
-        for i in nc..2 * nc {
-            let s = saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
-            grad = self.backward_unit(base + i, s, grad, pass, st, reds)?;
-            reds.bound(&mut self.io(st))?; // ENG-7
-            if first && i == nc {
-                self.fault_point(Phase::Backward);
-            }
-            // Reductions that already finished give their memory back now; never blocks.
-            reds.collect(&mut self.io(st))?;
-        }
-        Ok(local_loss)
     }
 
     /// The step's loss and squared gradient norm summed over the group in one small
@@ -625,12 +579,11 @@ impl RankEngine {
             seed: self.cfg.seed,
             step: self.step,
             first_sample: 0,
-            micro: Micro { index: 0, count: 1 },
         };
         self.plan.begin_eval(&self.calls);
         let mut x = x;
         for i in 0..self.calls.len() {
-            x = self.forward_unit(i, x, pass, &mut st)?.0;
+            x = self.forward_unit(i, x, pass, false, &mut st)?.0;
         }
         let loss_fn = self.model.loss();
         let local = y.batch() as u64;
@@ -666,5 +619,147 @@ impl RankEngine {
             loss += l;
         }
         Ok((correct, count, loss))
+    }
+}
+
+/// The engine's [`StepWork`]: the walk's uses run the model's kernels on this rank's slice,
+/// its reductions and updates go through [`StepIo`] (ENG-12).
+struct EngineStep<'e, 'r> {
+    eng: &'e mut RankEngine,
+    st: StepState,
+    /// The rank's slice, until the last microbatch is cut from it.
+    data: Option<(Tensor, Tensor)>,
+    /// The microbatches' sample ranges in the slice (ACC-1).
+    micro: Vec<std::ops::Range<usize>>,
+    /// The step's pass; `first_sample` is the slice's, each microbatch's is set from it.
+    pass: PassCtx<'r>,
+    /// The current microbatch's activation flowing forward, and its labels.
+    x: Option<Tensor>,
+    y: Option<Tensor>,
+    /// What each call of the microbatch kept for its backward.
+    saved: Vec<Saved>,
+    /// The gradient flowing backward.
+    grad: Option<Tensor>,
+    /// This rank's share of the loss so far (ACC-1).
+    local_loss: f32,
+    stats: &'r StatsLane,
+    stats_messages: usize,
+    /// The step's (loss, squared norm, stop) over the group, and every rank's busy seconds.
+    sums: (f32, f64, bool, Vec<f32>),
+    /// When the step began.
+    t_step: Instant,
+}
+
+impl<'r> EngineStep<'_, 'r> {
+    fn pass(&self, mb: Micro) -> PassCtx<'r> {
+        let r = &self.micro[mb.index];
+        PassCtx { first_sample: self.pass.first_sample + r.start, ..self.pass }
+    }
+}
+
+impl ReduceIo<ReduceWork> for EngineStep<'_, '_> {
+    type Error = RuntimeError;
+
+    fn finish(&mut self, r: reduction::Reduction<ReduceWork>) -> Result<()> {
+        StepIo { eng: self.eng, st: &mut self.st }.finish(r)
+    }
+
+    fn update(&mut self, unit: usize) -> Result<()> {
+        StepIo { eng: self.eng, st: &mut self.st }.update(unit)
+    }
+}
+
+impl StepWork for EngineStep<'_, '_> {
+    type Op = ReduceWork;
+
+    fn forward(&mut self, i: usize, call: usize, mb: Micro, checkpoint: bool) -> Result<()> {
+        if call == 0 {
+            if mb.index == 0 {
+                self.eng.fault_point(Phase::Forward);
+            }
+            let r = self.micro[mb.index].clone();
+            let (x, y) = self.data.as_ref().ok_or_else(|| RuntimeError::config("data"))?;
+            let (x, y) = if mb.count == 1 {
+                (x.clone(), y.clone())
+            } else {
+                (x.rows(r.start, r.end)?, y.rows(r.start, r.end)?)
+            };
+            self.x = Some(x);
+            self.y = Some(y);
+        }
+        let x = self.x.take().ok_or_else(|| RuntimeError::config("forward input"))?;
+        let pass = self.pass(mb);
+        let (y, s) = self.eng.forward_unit(i, x, pass, checkpoint, &mut self.st)?;
+        self.saved.push(s);
+        self.x = Some(y);
+        Ok(())
+    }
+
+    fn loss(&mut self, _mb: Micro) -> Result<()> {
+        let x = self.x.take().ok_or_else(|| RuntimeError::config("loss input"))?;
+        let y = self.y.take().ok_or_else(|| RuntimeError::config("labels"))?;
+        let t0 = Instant::now();
+        let (local, grad) =
+            self.eng.model.loss().forward_backward(&x, &y, self.pass.global_batch)?;
+        self.st.compute += t0.elapsed();
+        self.local_loss += local;
+        self.grad = Some(grad);
+        // The output (a language model's logits: batch x tokens x vocabulary) is not needed
+        // in backward: freed before backward's peak (here, as `x` goes).
+        Ok(())
+    }
+
+    fn backward(
+        &mut self,
+        i: usize,
+        _call: usize,
+        mb: Micro,
+        hand: HandOff,
+        reds: &mut Reductions<ReduceWork>,
+    ) -> Result<()> {
+        let s = self.saved.pop().ok_or_else(|| RuntimeError::config("saved activations"))?;
+        let grad = self.grad.take().ok_or_else(|| RuntimeError::config("output gradient"))?;
+        let pass = self.pass(mb);
+        self.grad = Some(self.eng.backward_unit(i, s, grad, hand, pass, &mut self.st, reds)?);
+        Ok(())
+    }
+
+    fn backward_done(&mut self, i: usize, mb: Micro) {
+        if mb.index == 0 && i == self.eng.calls.len() {
+            self.eng.fault_point(Phase::Backward);
+        }
+    }
+
+    fn end_passes(&mut self) -> Result<()> {
+        (self.grad, self.data) = (None, None);
+        let (plan, mut io) = self.eng.gathers(&mut self.st.clock);
+        plan.end_pass(&mut io);
+        self.stats_messages = self.stats.end_step(&mut self.st.clock);
+        self.eng.fault_point(Phase::Reduce);
+        Ok(())
+    }
+
+    fn begin_updates(&mut self) -> Result<()> {
+        self.eng.step += 1;
+        if let Some(max) = self.eng.cfg.clip_grad_norm {
+            self.st.coef = optim::clip_coef(self.sums.1, max);
+        }
+        Ok(())
+    }
+
+    fn loss_and_norm(&mut self) -> Result<()> {
+        // STRAG-1: the time this rank was not waiting for communication so far.
+        let busy = self.t_step.elapsed().saturating_sub(self.st.clock.exposed).as_secs_f32();
+        self.sums = self.eng.reduce_loss_and_norm(self.local_loss, busy, &mut self.st)?;
+        Ok(())
+    }
+
+    fn end_updates(&mut self) -> Result<()> {
+        self.eng.trace_updates(&mut self.st);
+        Ok(())
+    }
+
+    fn gather_updated(&mut self) -> Result<()> {
+        self.eng.gather_updated(&mut self.st.clock)
     }
 }

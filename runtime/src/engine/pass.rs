@@ -12,11 +12,11 @@ use std::time::Instant;
 
 use shardline_models::{Backend, CallBackward, Ctx, StatsReducer, Tensor};
 
-use super::accum;
 use super::prefetch::Gathered;
 use super::recompute::{Checkpoint, Recording, Replay};
 use super::reduction::{ReduceWork, Reductions};
 use super::stage::BeforeUse;
+use super::walk::HandOff;
 use super::{RankEngine, StepState};
 use crate::error::Result;
 use crate::memory::Category;
@@ -40,8 +40,6 @@ pub(crate) struct PassCtx<'r> {
     pub(crate) step: u64,
     /// Global index of this rank's first sample (of the microbatch).
     pub(crate) first_sample: usize,
-    /// The step's microbatch this pass computes (ACC-1).
-    pub(crate) micro: Micro,
 }
 
 impl<'r> PassCtx<'r> {
@@ -109,19 +107,21 @@ impl RankEngine {
 
     /// Use `i` of the pass: its unit's forward on `x`. Training also returns what the call
     /// keeps for its backward; a checkpointed call keeps only its input and the statistics
-    /// it received (RECOMP-1). A tensor the cap refused fails the call here (MEM-4).
+    /// it received (RECOMP-1), as the step's walk says (`checkpoint`). A tensor the cap
+    /// refused fails the call here (MEM-4).
     pub(super) fn forward_unit(
         &mut self,
         i: usize,
         x: Tensor,
         pass: PassCtx<'_>,
+        checkpoint: bool,
         st: &mut StepState,
     ) -> Result<(Tensor, Saved)> {
         let u = self.plan.unit_at(i);
         let nc = self.calls.len();
         // The plan's uses run forward then backward, once per microbatch (ACC-1).
         let call = i % (2 * nc);
-        let checkpoint = pass.training && self.cfg.recompute.checkpoints(call, nc);
+        let checkpoint = pass.training && checkpoint;
         let gathered = self.gathered(i, st)?;
         let numel = self.layout.unit(u).numel();
         let t0 = Instant::now();
@@ -189,13 +189,15 @@ impl RankEngine {
 
     /// Use `i` of a training pass: its unit's backward from the output
     /// gradient `grad` and what the forward kept (re-running a checkpointed call's forward
-    /// first, RECOMP-1), the gradients' reduction issued at once when due (ENG-9, ACC-2,
-    /// ACC-3), then the input gradient, which is returned.
+    /// first, RECOMP-1), the gradients' reduction issued at once when the step's walk says
+    /// (`hand`: ENG-9, NET-1, ACC-2, ACC-3), then the input gradient, which is returned.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn backward_unit(
         &mut self,
         i: usize,
         kept: Saved,
         grad: Tensor,
+        hand: HandOff,
         pass: PassCtx<'_>,
         st: &mut StepState,
         reds: &mut Reductions<ReduceWork>,
@@ -204,15 +206,7 @@ impl RankEngine {
         // Backward runs the forward's calls in reverse: use `i` is call `call`.
         let nc = self.calls.len();
         let call = 2 * nc - 1 - i % (2 * nc);
-        // NET-1: a unit called again earlier in the forward (a tied root) gets more gradient
-        // later in backward; its reduction waits for that last call. ACC-2, ACC-3: with
-        // microbatches, it may wait for the last microbatch's.
-        let (transient, how) = (self.rules.transient_grads(), self.cfg.accum_reduce);
-        let mb = pass.micro;
-        let last_use = !self.calls[..call].contains(&u)
-            && accum::reduces_after(mb.index, mb.count, transient, how);
-        // The shard already holds an earlier microbatch's reduced gradients: add to them.
-        let add = mb.index > 0 && accum::reduces_after(mb.index - 1, mb.count, transient, how);
+        let HandOff { reduce: last_use, add } = hand;
         // Backward prefetch: the previous units' gathers go out before computing.
         let gathered = self.gathered(i, st)?;
         let l = self.layout.unit(u);

@@ -24,6 +24,7 @@ use shardline_collectives::{Communicator, Lane, Work};
 
 use super::clock::CommClock;
 use super::precision::{OwnPacked, Slots, Wire};
+use super::stage::BeforeUse;
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
 use crate::shard::ShardedModelLayout;
@@ -274,6 +275,12 @@ impl<Q, H> GatherPlan<Q, H> {
             io.release(h);
         }
     }
+}
+
+/// ENG-6: whether updating `unit` issues the next pass's first gather (unit 0's, at a stage
+/// that gathers before use, with prefetch).
+pub(crate) fn carries_next_gather(before_use: BeforeUse, prefetch: usize, unit: usize) -> bool {
+    unit == 0 && before_use == BeforeUse::Gather && prefetch > 0
 }
 
 /// A unit's gather in flight on the gather lane, its bytes counted (ENG-3).

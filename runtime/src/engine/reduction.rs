@@ -27,8 +27,8 @@ use std::time::Instant;
 
 use shardline_collectives::{ReduceOp, Work};
 
-use super::prefetch::GatherIo;
-use super::stage::{BeforeUse, GradReduce, Update};
+use super::prefetch::{carries_next_gather, GatherIo};
+use super::stage::{GradReduce, Update};
 use super::{RankEngine, StepState};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category};
@@ -375,7 +375,7 @@ impl RankEngine {
         )?;
         // QGATHER-2: the master changed; its packed slot is stale.
         self.own_packed.invalidate(u);
-        if u == 0 && self.rules.before_use == BeforeUse::Gather && self.cfg.prefetch > 0 {
+        if carries_next_gather(self.rules.before_use, self.cfg.prefetch, u) {
             let (plan, mut io) = self.gathers(&mut st.clock);
             let pending = io.issue(0)?;
             plan.carry(0, pending);

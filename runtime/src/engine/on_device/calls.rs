@@ -11,8 +11,9 @@ use shardline_models::{DType, Tensor};
 use super::activations::{self, Act};
 use super::kernel_memory::{run_measured, Figures, Footprint, ProbeJob};
 use super::memory::Reserved;
-use super::{accum, kernels, CtxOf, DeviceEngine, Micro, Reductions, Slot};
+use super::{kernels, CtxOf, DeviceEngine, Reductions, Slot};
 use super::{DeviceReduction, Kept};
+use crate::engine::walk::HandOff;
 use crate::error::Result;
 use crate::memory::Category;
 
@@ -20,20 +21,20 @@ impl DeviceEngine {
     /// Use `i`'s forward kernel: reads its input from device memory and writes its output
     /// there (returned; the input is freed once read); what its layers save goes to `saved`,
     /// and its bytes stay reserved on the device (returned, KMEM-2) until its backward is
-    /// enqueued.
+    /// enqueued. With `checkpoint` (RECOMP-1, as the walk decides) the call keeps its input
+    /// and the statistics it received.
     pub(super) fn forward(
         &mut self,
         i: usize,
         input: Act,
         (saved, figures): (Option<&Arc<Slot<Kept>>>, &Figures),
         c: &CtxOf,
+        checkpoint: bool,
     ) -> Result<(Act, Reserved)> {
         let u = self.plan.unit_at(i);
         // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
         let nc = self.calls.len();
         let call = i % (2 * nc);
-        // RECOMP-1: a checkpointed call keeps its input and the statistics it received.
-        let checkpoint = self.cfg.recompute.checkpoints(call, nc);
         let gathered = self.acquire(i)?;
         let numel = self.layout.unit(u).numel();
         let what = format!("forward {}", self.labels[u]);
@@ -183,21 +184,18 @@ impl DeviceEngine {
     pub(super) fn backward(
         &mut self,
         i: usize,
-        (mb, grad_out, c): (Micro, Act, &CtxOf),
+        (grad_out, c): (Act, &CtxOf),
         (saved, figures): (&Arc<Slot<Kept>>, &Figures),
+        hand: HandOff,
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
     ) -> Result<Option<Act>> {
         let u = self.plan.unit_at(i);
         let nc = self.calls.len();
         let call = 2 * nc - 1 - i % (2 * nc);
-        // NET-1, ACC-2, ACC-3: reduced after the unit's last call of the microbatch, when the
-        // stage and the policy reduce after this microbatch; a reduce-scatter's result adds
-        // to the shard when an earlier microbatch's was reduced.
-        let (transient, how) = (self.rules.transient_grads(), self.cfg.accum_reduce);
-        let last_use = !self.calls[..call].contains(&u)
-            && accum::reduces_after(mb.index, mb.count, transient, how);
-        let add = mb.index > 0 && accum::reduces_after(mb.index - 1, mb.count, transient, how);
+        // NET-1, ACC-2, ACC-3, as the walk hands them on: reduced after the unit's last call
+        // of the microbatch the stage reduces after, adding to an earlier one's result.
+        let (last_use, add) = (hand.reduce, hand.add);
         let gathered = self.acquire(i)?;
         let l = self.layout.unit(u);
         let (numel, padded) = (l.numel(), l.padded_numel());

@@ -65,7 +65,7 @@ impl DeviceEngine {
         for i in 0..self.calls.len() {
             match (act.take(), &fp) {
                 (Some(a), Some(fp)) => {
-                    let (out, nothing) = self.forward(i, a, (None, &fp.forward[i]), &ctx)?;
+                    let (out, nothing) = self.forward(i, a, (None, &fp.forward[i]), &ctx, false)?;
                     drop(nothing);
                     act = Some(out);
                 }

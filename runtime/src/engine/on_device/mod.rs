@@ -6,10 +6,11 @@
 //! reductions and the loss reduction; `offload` the host functions of offloaded updates
 //! ([`Offload`]). The gather and reduce streams each have their own communicator;
 //! SyncBatchNorm's statistics are reduced by the kernel that needs them, on the compute
-//! stream, over a third one (`stats`). The same pure cores as the host engine decide: `StageRules` what a rank
-//! keeps and how it reduces, `GatherPlan` which gathers go out when and what is kept
-//! (ENG-5), `Reductions` the reduce budget and the order of updates (ENG-7, ENG-8,
-//! ENG-10).
+//! stream, over a third one (`stats`). The same pure cores as the host engine decide: the
+//! step's order is the one walk of a step (`walk_step`, ENG-12; `step` runs each use as
+//! device work), `StageRules` what a rank keeps and how it reduces, `GatherPlan` which
+//! gathers go out when and what is kept (ENG-5), `Reductions` the reduce budget and the
+//! order of updates (ENG-7, ENG-8, ENG-10).
 //!
 //! The data, the targets, each call's output and the gradients flowing back are device
 //! buffers (`activations`, DACT-1). The tensors the model kernels make (what the layers save
@@ -56,6 +57,7 @@ mod reduce;
 mod run;
 mod state;
 mod stats;
+mod step;
 mod timeline;
 
 pub use cli::{train_on_sim, SimTrainOptions};
@@ -74,20 +76,20 @@ use shardline_collectives::device::{
 use shardline_models::{Backend, Ctx, DistributedSampler, Network, Tensor};
 
 use super::accum;
-use super::pass::{Kept, Micro};
+use super::pass::Kept;
 use super::prefetch::GatherPlan;
-use super::reduction::{ReduceIo, Reductions};
+use super::reduction::Reductions;
 use super::stage::{BeforeUse, StageRules};
+use super::walk::{walk_step, Walk};
 use super::{open_backend, EngineConfig, StepStats};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Category, MemorySnapshot, MemoryTracker};
 use crate::shard::ShardedModelLayout;
-use activations::{Act, Shapes};
+use activations::Shapes;
 use io::{DeviceGathers, DeviceReduction, PendingGather};
 use kernel_memory::{run_measured, Figures, Footprint};
 use memory::{DeviceMemory, Reserved};
 use offload::Held;
-use reduce::StepIo;
 use stats::DeviceStats;
 
 /// Test-only negative controls: each removes one ordering the engine relies on (DEV-3).
@@ -582,90 +584,41 @@ impl DeviceEngine {
         // reductions and of partial gradients for the whole step (ACC-2, ACC-3).
         let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
         self.plan.begin_step(&self.calls, micro.len());
-        let mut reds = Reductions::new(n, self.cfg.reduce_budget_bytes);
-        let mut partial: Vec<Option<Option<DeviceBuffer>>> = (0..n).map(|_| None).collect();
         if !self.shapes.as_ref().is_some_and(|s| s.fits(&x)) {
             let probed = Shapes::probe(&*self.model, &x, self.cfg.seed, &*self.backend);
             self.shapes = Some(probed.map_err(RuntimeError::config)?);
             self.footprints.clear();
         }
-        for (k, r) in micro.iter().enumerate() {
-            let (xk, yk) = if micro.len() == 1 {
-                (x.clone(), y.clone())
-            } else {
-                (x.rows(r.start, r.end)?, y.rows(r.start, r.end)?)
-            };
-            let ctx = self.ctx_of(global_batch, first_sample + r.start);
-            let mb = Micro { index: k, count: micro.len() };
-            let base = 2 * nc * k;
-            // The microbatch's data, uploaded (DACT-1).
-            let label = format!("data (microbatch {k})");
-            let buf = self.mem.alloc(Category::Activations, xk.numel(), &label)?;
-            self.dev.upload(self.streams.compute, &activations::values(&xk)?, &buf)?;
-            let mut act = Act { buf, shape: xk.shape().to_vec(), dtype: xk.dtype() };
-            let fp = self.footprint(xk.batch(), &yk, &ctx)?;
-            let saved: Vec<Arc<Slot<Kept>>> = (0..nc).map(|_| Slot::new(None)).collect();
-            let mut held = Vec::with_capacity(nc);
-            for (i, s) in saved.iter().enumerate() {
-                let (a, h) = self.forward(base + i, act, (Some(s), &fp.forward[i]), &ctx)?;
-                act = a;
-                held.push(h);
-            }
-            let mut grad = Some(self.loss_kernel(act, yk, (global_batch, k), &fp.loss)?);
-            for i in nc..2 * nc {
-                let c = 2 * nc - 1 - i;
-                let g = grad.take().ok_or_else(|| {
-                    RuntimeError::config("a backward call after the data's (call 0)")
-                })?;
-                let s = (&saved[c], &fp.backward[c]);
-                grad = self.backward(base + i, (mb, g, &ctx), s, &mut reds, &mut partial)?;
-                // KMEM-2: the call's saved tensors are given back once its backward is
-                // enqueued (stream-ordered, as a free).
-                held.pop();
-                let clip = self.cfg.clip_grad_norm;
-                let mut io = StepIo { eng: self, lr: 0.0, clip };
-                reds.bound(&mut io)?; // ENG-7
-                reds.collect(&mut io)?;
-            }
-        }
-        drop(x);
-        let (plan, mut io) = self.gathers();
-        plan.end_pass(&mut io);
         let lr = self.cfg.lr.lr_at(self.step);
-        if let Some(max) = self.cfg.clip_grad_norm {
-            // Clipping: every reduction in and its norm taken, the loss and norm summed on
-            // the reduce stream, then every update reads the global norm there: no host wait.
-            reds.finish_all(&mut StepIo { eng: self, lr, clip: Some(max) })?;
-            self.enqueue_loss_and_norm(n)?;
-            self.step += 1;
-            let mut io = StepIo { eng: self, lr, clip: Some(max) };
-            (0..n).try_for_each(|u| io.update(u))?;
-        } else {
-            // ENG-8, ENG-10: each unit steps once its reduction is in, in the order they
-            // come.
-            self.step += 1;
-            reds.update_as_reduced(n, &mut StepIo { eng: self, lr, clip: None })?;
-            if self.offload != Offload::None {
-                // The norms the host updates wrote are read on the compute stream.
-                let e = self.dev.record(self.streams.offload);
-                self.dev.wait(self.streams.compute, &e);
-            }
-            self.enqueue_loss_and_norm(n)?;
-        }
-        // Stages 1 and 2: the updated parameters all-gathered in unit order, the same on
-        // every rank whatever order the updates ran in.
-        if self.rules.gather_after_update {
-            for u in 0..n {
-                if let Some(e) = &self.ready[u] {
-                    self.dev.wait(self.streams.gather, e);
-                }
-                let p = self.params[u].on_device().ok_or_else(|| {
-                    RuntimeError::config("stages 1 and 2 keep their parameters on the device")
-                })?;
-                self.gather_comm.all_gather_in_place(self.streams.gather, p)?;
-                self.ready[u] = Some(self.dev.record(self.streams.gather));
-            }
-        }
+        let calls = self.calls.clone();
+        // ENG-12: the step's order is the walk's, as on the host engine.
+        let walk = Walk {
+            calls: &calls,
+            units: n,
+            micro: micro.len(),
+            transient_grads: self.rules.transient_grads(),
+            accum: self.cfg.accum_reduce,
+            recompute: self.cfg.recompute,
+            reduce_budget: self.cfg.reduce_budget_bytes,
+            clip: self.cfg.clip_grad_norm.is_some(),
+            gather_after_update: self.rules.gather_after_update,
+        };
+        let mut step = step::DeviceStep {
+            eng: self,
+            data: Some((x, y.clone())),
+            micro,
+            global_batch,
+            first_sample,
+            lr,
+            partial: (0..n).map(|_| None).collect(),
+            mb: None,
+            targets: None,
+            act: None,
+            saved: Vec::with_capacity(nc),
+            held: Vec::with_capacity(nc),
+        };
+        walk_step(&walk, &mut step)?;
+        drop(step);
         // DEV-1: the step's one host wait.
         let download = self.dev.download(self.streams.reduce, &self.sums)?;
         let waited = Instant::now();

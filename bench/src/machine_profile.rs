@@ -1,0 +1,175 @@
+//! `shardline-bench machine-profile`: the machine profile `shardline plan --profile` reads,
+//! from microbenchmarks only: the rows of one or more `shardline-bench collectives --json`
+//! files, a GEMM probe of the CPU backend on one thread at a few square sizes, the
+//! single-thread memory bandwidth and the exact GELU's kernel per element. Each probe keeps
+//! its best pass: on a machine others share, the best is the machine's, the rest its
+//! neighbours'. Nothing here runs a training step.
+
+use anyhow::Context;
+use serde::Deserialize;
+use shardline_models::{gemm_gflops, Cpu};
+use shardline_runtime::plan::profile::{CollectiveRow, GemmRow, Profile, SharedGemm};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Options of `shardline-bench machine-profile`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// `shardline-bench collectives --json` files to read the collectives from (rows run in
+    /// place are kept for all-gathers, which the engine runs in place; rows not in place for
+    /// the other ops).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub collectives: Vec<PathBuf>,
+    /// Square GEMM sizes to probe.
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64,128,256,512")]
+    pub gemm: Vec<usize>,
+    /// Timed repetitions per GEMM size (the best is kept).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// The shared GEMM probe: 1 to this many threads multiplying at once (the most ranks a
+    /// node of the jobs to predict runs).
+    #[arg(long, default_value_t = 4)]
+    pub shared_threads: usize,
+    /// Square size of the shared probe's products.
+    #[arg(long, default_value_t = 256)]
+    pub shared_size: usize,
+    /// Where to write the profile.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// The part of a collectives row the profile needs.
+#[derive(Deserialize)]
+struct Row {
+    op: String,
+    world: usize,
+    transport: String,
+    bytes: u64,
+    time_us: f64,
+    #[serde(default)]
+    in_place: bool,
+}
+
+#[derive(Deserialize)]
+struct File {
+    rows: Vec<Row>,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let mut collectives = Vec::new();
+    for path in &a.collectives {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let f: File = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a collectives --json file", path.display()))?;
+        // The engine gathers in place and reduce-scatters into a separate shard.
+        let keep = |r: &Row| (r.op == "all-gather") == r.in_place;
+        collectives.extend(f.rows.into_iter().filter(keep).map(|r| CollectiveRow {
+            op: r.op,
+            world: r.world,
+            transport: r.transport,
+            bytes: r.bytes,
+            time_us: r.time_us,
+        }));
+    }
+    anyhow::ensure!(!collectives.is_empty(), "no usable collectives rows in --collectives");
+    let be = Cpu::new();
+    let mut gemm = Vec::new();
+    for &s in &a.gemm {
+        let gflops = gemm_gflops(&be, s, s, s, a.reps)?;
+        println!("gemm {s}x{s}x{s}: {gflops:.2} GFLOP/s");
+        gemm.push(GemmRow { m: s, n: s, k: s, gflops });
+    }
+    let mut gemm_shared = Vec::new();
+    for t in 1..=a.shared_threads {
+        let g = shared_gemm(t, a.shared_size);
+        println!("gemm {0}x{0}x{0} on {t} threads at once: {g:.2} GFLOP/s each", a.shared_size);
+        gemm_shared.push(SharedGemm { threads: t, size: a.shared_size, gflops_per_thread: g });
+    }
+    let memory_gbps = memcpy_best_gbps(a.reps.max(5));
+    println!("memory: {memory_gbps:.2} GB/s (one thread, read + write, best pass)");
+    let gelu_ns = gelu_best_ns(a.reps.max(5))?;
+    println!("gelu (erf, value and derivative): {gelu_ns:.2} ns per element");
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let p = Profile {
+        note: format!(
+            "shardline-bench machine-profile: {} collectives rows from {}; gemm probe sizes {:?}; {cores} cores",
+            collectives.len(),
+            a.collectives.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            a.gemm
+        ),
+        cores,
+        memory_gbps,
+        gelu_ns,
+        gemm_shared,
+        gemm,
+        collectives,
+    };
+    std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// Best single-thread memcpy over 32 MiB buffers, GB/s counting bytes read + written.
+fn memcpy_best_gbps(passes: usize) -> f64 {
+    let n = 8 << 20;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut dst = vec![0.0f32; n];
+    let mut best = f64::INFINITY;
+    for _ in 0..passes {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    2.0 * (n * 4) as f64 / best / 1e9
+}
+
+/// Best time per element of the exact GELU's forward that keeps its derivative (what `gpt`'s
+/// MLP runs), over 1M elements, nanoseconds.
+fn gelu_best_ns(passes: usize) -> anyhow::Result<f64> {
+    use shardline_models::nn::Activation;
+    let n = 1 << 20;
+    let x: Vec<f32> = (0..n).map(|i| (i % 2000) as f32 * 0.003 - 3.0).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..passes {
+        let mut d = x.clone();
+        let t = Instant::now();
+        let y = Activation::Gelu.forward_saving_derivative_new(&mut d)?;
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&y);
+    }
+    Ok(best / n as f64 * 1e9)
+}
+
+/// Each of `threads` threads multiplies `size`-square matrices for the same half second;
+/// returns the mean rate per thread, GFLOP/s: what a rank gets while the others (and the
+/// machine's other work) compute too.
+fn shared_gemm(threads: usize, size: usize) -> f64 {
+    use shardline_models::{Backend, GemmShape};
+    let window = std::time::Duration::from_millis(500);
+    let rates: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(move || {
+                    let be = Cpu::new();
+                    let a: Vec<f32> = (0..size * size).map(|i| (i % 13) as f32 * 0.01).collect();
+                    let mut c = vec![0.0f32; size * size];
+                    let shape =
+                        GemmShape { m: size, n: size, k: size, trans_a: false, trans_b: false };
+                    let (t0, mut n) = (Instant::now(), 0u64);
+                    while t0.elapsed() < window {
+                        if be.gemm(shape, &a, &a, &mut c, false).is_err() {
+                            return 0.0;
+                        }
+                        n += 1;
+                    }
+                    2.0 * (size * size * size) as f64 * n as f64 / t0.elapsed().as_secs_f64() / 1e9
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0.0)).collect()
+    });
+    rates.iter().sum::<f64>() / threads as f64
+}

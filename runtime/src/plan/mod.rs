@@ -1,0 +1,332 @@
+//! `shardline plan`: a job's memory per rank and step time, predicted by running the
+//! engine's own schedule on a simulated clock.
+//!
+//! Nothing here describes the schedule a second time. The job's plan is `train::plan`'s (the
+//! model, stage, prefetch and reduce budgets the engine gets); the layout is the engine's
+//! [`ShardedModelLayout`], what a rank keeps the stage's rules; a step is the engine's walk
+//! (ENG-12) with its gather plan and reductions (`sim`), on costs from a machine profile
+//! (`profile`, `cost`). Activations and kernel scratch are those of one microbatch run once
+//! on this host (`activations::activation_peaks`, ACTEST-1): shapes, not timings.
+//!
+//! What is modelled: parameters, gradients (kept and transient), optimizer state, gathered
+//! units (the prefetch plan and its budget, the gather carried into the next step),
+//! activations and scratch; compute as matrix products at the profiled GEMM rate, `gpt`'s
+//! GELU at its profiled time per element and updates at the memory bandwidth, ranks of a
+//! node sharing its cores; each collective at its
+//! profiled time on its lane, one op at a time, overlapped with compute as the walk orders
+//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`). What is not:
+//! elementwise compute other than gpt's GELU (norms, softmaxes, the loss), convolutions (no
+//! step time for conv models), SyncBatchNorm's statistics messages, the lanes' staging
+//! buffers, bf16 and quantized gathers, contention between a rank's lanes and its compute
+//! for the same cores, and ranks that differ.
+//!
+//! Invariant:
+//! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
+//!   and the gradients at stages 0 and 1, are the peaks the engine's tracker measures for
+//!   the same job (the pool's buffers by its own rules, POOL-1..3); the gradients in flight
+//!   at stages 2 and 3 depend on when reductions complete, and lie between the floor (each
+//!   done when the clock says) and the bound (each done only when waited for, PLAN-6).
+
+pub mod cost;
+pub mod profile;
+pub mod sim;
+
+use serde::Serialize;
+
+use crate::error::{Result, RuntimeError};
+use crate::memory::Category;
+use crate::shard::ShardedModelLayout;
+use crate::train::{JobPlan, TrainConfig};
+use cost::{CallCosts, Share};
+use profile::Profile;
+use sim::{CommCosts, SimRank, SimStep};
+
+/// Where a job's ranks run.
+#[derive(Clone, Debug)]
+pub struct Placement {
+    /// Nodes.
+    pub nodes: usize,
+    /// Ranks per node.
+    pub ranks_per_node: usize,
+    /// The transport the profile's collectives are read for (`local`: threads of one
+    /// process).
+    pub transport: String,
+}
+
+/// The predicted peak of one memory category on each rank.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct MemoryRow {
+    /// `Category::key`.
+    pub category: String,
+    /// Bytes, with every reduction done only when waited for (PLAN-6): the most the reduce
+    /// budget lets a rank hold.
+    pub bytes: u64,
+    /// Bytes with every reduction done when the clock says (the profile's costs, or free
+    /// communication without one): the least.
+    pub floor: u64,
+}
+
+/// The predicted step.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct StepRow {
+    /// The simulated step, steady state (the third step).
+    pub step_s: f64,
+    /// Compute on the rank's thread.
+    pub compute_s: f64,
+    /// The gather lane's busy time.
+    pub gather_s: f64,
+    /// The reduce lane's busy time.
+    pub reduce_s: f64,
+    /// Time the rank waited for communication.
+    pub exposed_s: f64,
+    /// Samples per second of the whole job.
+    pub samples_per_s: f64,
+    /// Tokens per second (`gpt`).
+    pub tokens_per_s: Option<f64>,
+}
+
+/// What `shardline plan` predicts for a job.
+#[derive(Clone, Debug, Serialize)]
+pub struct Prediction {
+    /// Model name.
+    pub model: String,
+    /// Trainable parameters.
+    pub params: usize,
+    /// Units.
+    pub units: usize,
+    /// Ranks.
+    pub world: usize,
+    /// The stage.
+    pub stage: u8,
+    /// Prefetch depth and its byte budget.
+    pub prefetch: usize,
+    /// The prefetch budget.
+    pub prefetch_budget_bytes: u64,
+    /// Microbatches per step.
+    pub grad_accum: usize,
+    /// `--recompute`.
+    pub recompute: String,
+    /// Samples per rank and microbatch.
+    pub microbatch: usize,
+    /// Per category, each rank's peak.
+    pub memory: Vec<MemoryRow>,
+    /// The peak of the state, gathered units, gradients in flight and the pool's buffers
+    /// together (the bound, PLAN-6), plus the activations' and scratch's peaks.
+    pub peak_bytes: u64,
+    /// The step, with a profile and a model whose compute is counted.
+    pub step: Option<StepRow>,
+    /// Why there is no step prediction.
+    pub no_step: Option<String>,
+}
+
+impl Prediction {
+    /// The predicted peak of `cat` (the bound, PLAN-6).
+    pub fn bytes(&self, cat: Category) -> u64 {
+        self.memory.iter().find(|r| r.category == cat.key()).map_or(0, |r| r.bytes)
+    }
+
+    /// The predicted floor of `cat`'s peak.
+    pub fn floor(&self, cat: Category) -> u64 {
+        self.memory.iter().find(|r| r.category == cat.key()).map_or(0, |r| r.floor)
+    }
+}
+
+/// Predicts `cfg`'s memory per rank and, with a profile, its step time, for ranks placed as
+/// `at` says.
+pub fn predict(cfg: &TrainConfig, at: &Placement, profile: Option<&Profile>) -> Result<Prediction> {
+    let job = crate::train::plan(cfg)?;
+    predict_job(cfg, &job, at, profile)
+}
+
+/// [`predict`] for a job already planned.
+pub fn predict_job(
+    cfg: &TrainConfig,
+    job: &JobPlan,
+    at: &Placement,
+    profile: Option<&Profile>,
+) -> Result<Prediction> {
+    let spec = job.model.spec();
+    let layout = ShardedModelLayout::new(&spec, cfg.world)?;
+    let calls = job.model.calls();
+    let engine = &job.engine;
+    let n = layout.units().len();
+    let microbatch = crate::activations::microbatch(cfg);
+    // Compute and communication costs, when the profile and the model allow.
+    let (costs, comm, no_step) = match profile {
+        None => (None, None, Some("no --profile given".to_string())),
+        Some(p) => match costs_of(cfg, job, &layout, &calls, at, p)? {
+            Ok((c, m)) => (Some(c), Some(m), None),
+            Err(why) => (None, None, Some(why)),
+        },
+    };
+    let zero =
+        CallCosts { calls: vec![cost::CallCost::default(); calls.len()], update_s: vec![0.0; n] };
+    let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], loss_s: 0.0 };
+    let mut rank = SimRank::new(
+        &layout,
+        &calls,
+        engine,
+        costs.as_ref().unwrap_or(&zero),
+        comm.as_ref().unwrap_or(&free),
+    );
+    // The first step starts without a carried gather (ENG-6); the third is steady.
+    let steps: Vec<SimStep> = (0..3).map(|_| rank.step()).collect();
+    // Memory: the same steps with every reduction late (PLAN-6).
+    let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
+    for _ in 0..3 {
+        late.step();
+    }
+    let (act, scratch) = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
+    let (mem, floor) = (late.memory(), rank.memory());
+    let mut memory: Vec<MemoryRow> = [
+        Category::FullParams,
+        Category::ShardParams,
+        Category::Grads,
+        Category::OptimizerState,
+        Category::GatheredUnits,
+        Category::CommBuffers,
+    ]
+    .into_iter()
+    .map(|c| MemoryRow { category: c.key().into(), bytes: mem.peak(c), floor: floor.peak(c) })
+    .collect();
+    let row = |c: Category, b| MemoryRow { category: c.key().into(), bytes: b, floor: b };
+    memory.push(row(Category::Activations, act));
+    memory.push(row(Category::Scratch, scratch));
+    let step = costs.as_ref().map(|_| {
+        let s = steps[2];
+        let samples = cfg.batch_size as f64 / s.step_s.max(1e-12);
+        StepRow {
+            step_s: s.step_s,
+            compute_s: s.compute_s,
+            gather_s: s.gather_s,
+            reduce_s: s.reduce_s,
+            exposed_s: s.exposed_s,
+            samples_per_s: samples,
+            tokens_per_s: job.gpt.as_ref().map(|g| samples * g.block_size as f64),
+        }
+    });
+    Ok(Prediction {
+        model: spec.name.clone(),
+        params: spec.numel(),
+        units: n,
+        world: cfg.world,
+        stage: job.stage.index(),
+        prefetch: engine.prefetch,
+        prefetch_budget_bytes: engine.prefetch_budget_bytes,
+        grad_accum: engine.grad_accum,
+        recompute: engine.recompute.name().into(),
+        microbatch,
+        memory,
+        peak_bytes: mem.peak_total() + act + scratch,
+        step,
+        no_step,
+    })
+}
+
+/// The step's compute and collective costs on `p`; the reason when the job has what is not
+/// modelled; an error naming `--profile` when the profile lacks a collective the job runs.
+fn costs_of(
+    cfg: &TrainConfig,
+    job: &JobPlan,
+    layout: &ShardedModelLayout,
+    calls: &[usize],
+    at: &Placement,
+    p: &Profile,
+) -> Result<std::result::Result<(CallCosts, CommCosts), String>> {
+    if cfg.param_dtype != crate::engine::PrecisionDtype::F32 || cfg.gather_dtype.is_some() {
+        return Ok(Err("bf16 and quantized gathers are not modelled".into()));
+    }
+    let spec = job.model.spec();
+    let engine = &job.engine;
+    let rules = crate::engine::sim_api::StageRules::of(engine.stage);
+    let microbatch = crate::activations::microbatch(cfg);
+    let rows = match &job.gpt {
+        Some(g) => microbatch * g.block_size,
+        None => microbatch,
+    };
+    // Each rank steps the whole unit at stage 0, its shard otherwise.
+    let stepped: Vec<usize> = layout
+        .units()
+        .iter()
+        .map(|l| if rules.replicated_update { l.padded_numel() } else { l.shard_len() })
+        .collect();
+    let share = Share { ranks_per_node: at.ranks_per_node, threads: cfg.threads };
+    let gpt = job.gpt.as_ref().map(|g| (g, microbatch));
+    let compute =
+        match CallCosts::of((&spec, calls), gpt, rows, (&stepped, &engine.optimizer), p, share) {
+            Ok(c) => c,
+            Err(why) => return Ok(Err(why)),
+        };
+    let w = cfg.world;
+    let t = at.transport.as_str();
+    let coll = |op: &str, bytes: u64| {
+        p.collective_s(op, t, w, bytes).map_err(|e| flag_error("--profile", e))
+    };
+    let reduce_op = match rules.reduce {
+        crate::engine::sim_api::GradReduce::AllReduce => "all-reduce",
+        _ => "reduce-scatter",
+    };
+    let mut comm = CommCosts { loss_s: coll("all-reduce", 12)?, ..CommCosts::default() };
+    for l in layout.units() {
+        let bytes = l.padded_numel() as u64 * 4;
+        comm.gather_s.push(coll("all-gather", bytes)?);
+        comm.reduce_s.push(coll(reduce_op, bytes)?);
+    }
+    Ok(Ok((compute, comm)))
+}
+
+impl Prediction {
+    /// The table `shardline plan` prints.
+    pub fn lines(&self) -> Vec<String> {
+        use crate::memory::format_bytes;
+        let mut v = vec![
+            format!(
+                "shardline plan: {} ({} params, {} units), world {}, stage {}, prefetch {} (budget {}), microbatch {} x {}, recompute {}",
+                self.model,
+                self.params,
+                self.units,
+                self.world,
+                self.stage,
+                self.prefetch,
+                format_bytes(self.prefetch_budget_bytes),
+                self.microbatch,
+                self.grad_accum,
+                self.recompute
+            ),
+            "  memory per rank (peak by category):".into(),
+        ];
+        for r in self.memory.iter().filter(|r| r.bytes > 0) {
+            // Gradients in flight: the bound, and the floor when the clock gives less (PLAN-6).
+            let floor = if r.floor != r.bytes {
+                format!("  (at least {})", format_bytes(r.floor))
+            } else {
+                String::new()
+            };
+            v.push(format!("    {:<16} {:>12}{floor}", r.category, format_bytes(r.bytes)));
+        }
+        v.push(format!("    {:<16} {:>12}", "peak (about)", format_bytes(self.peak_bytes)));
+        match (&self.step, &self.no_step) {
+            (Some(s), _) => {
+                let ms = |x: f64| format!("{:.2} ms", x * 1e3);
+                v.push("  step (simulated, steady state):".into());
+                v.push(format!("    {:<16} {:>12}", "step", ms(s.step_s)));
+                v.push(format!("    {:<16} {:>12}", "compute", ms(s.compute_s)));
+                v.push(format!("    {:<16} {:>12}", "gather lane", ms(s.gather_s)));
+                v.push(format!("    {:<16} {:>12}", "reduce lane", ms(s.reduce_s)));
+                v.push(format!("    {:<16} {:>12}", "exposed comm", ms(s.exposed_s)));
+                v.push(format!("    {:<16} {:>12.1}", "samples/s", s.samples_per_s));
+                if let Some(t) = s.tokens_per_s {
+                    v.push(format!("    {:<16} {:>12.0}", "tokens/s", t));
+                }
+            }
+            (None, Some(why)) => v.push(format!("  step: not predicted ({why})")),
+            (None, None) => {}
+        }
+        v
+    }
+}
+
+/// A usage error naming its flag.
+pub fn flag_error(flag: &str, what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::config(format!("{flag}: {what}"))
+}
