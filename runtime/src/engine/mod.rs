@@ -444,17 +444,7 @@ impl RankEngine {
         let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
         self.plan.begin_step(&self.calls, micro.len());
         let calls = self.calls.clone();
-        let walk = Walk {
-            calls: &calls,
-            units: n,
-            micro: micro.len(),
-            transient_grads: self.rules.transient_grads(),
-            accum: self.cfg.accum_reduce,
-            recompute: self.cfg.recompute,
-            reduce_budget: self.cfg.reduce_budget_bytes,
-            clip: !early,
-            gather_after_update: self.rules.gather_after_update,
-        };
+        let walk = Walk::of(&calls, n, micro.len(), self.rules, &self.cfg);
         let pass = PassCtx {
             training: true,
             sync_bn: self.cfg.sync_bn,
@@ -604,21 +594,8 @@ impl RankEngine {
     /// share is one sample shorter runs an empty last one).
     pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
         let _meter = self.install_meter();
-        let n = test.len();
-        let world = self.layout.world();
-        let mine: Vec<usize> = DistributedSampler::slice_range(n, world, self.rank).collect();
-        let batch = batch.max(1);
-        let forwards = n.div_ceil(world).div_ceil(batch).max(1);
-        let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
-        for k in 0..forwards {
-            let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
-            let (x, y) = test.batch_tensors(idx);
-            let (c, m, l) = self.eval(x, &y, n)?;
-            correct += c;
-            count += m;
-            loss += l;
-        }
-        Ok((correct, count, loss))
+        let (world, rank) = (self.layout.world(), self.rank);
+        eval_share(test, world, rank, batch, |x, y, n| self.eval(x, y, n))
     }
 }
 
@@ -762,4 +739,31 @@ impl StepWork for EngineStep<'_, '_> {
     fn gather_updated(&mut self) -> Result<()> {
         self.eng.gather_updated(&mut self.st.clock)
     }
+}
+
+/// Rank `rank`'s share of `test` (its [`DistributedSampler::slice_range`]) in forwards of at
+/// most `batch` samples through `eval` (slice, labels, global count), summed: every rank of
+/// `world` runs the same number of forwards, a rank whose share is one sample shorter an
+/// empty last one, so that the collectives inside line up.
+pub(crate) fn eval_share(
+    test: &Dataset,
+    world: usize,
+    rank: usize,
+    batch: usize,
+    mut eval: impl FnMut(Tensor, &Tensor, usize) -> Result<(u64, u64, f32)>,
+) -> Result<(u64, u64, f32)> {
+    let n = test.len();
+    let mine: Vec<usize> = DistributedSampler::slice_range(n, world, rank).collect();
+    let batch = batch.max(1);
+    let forwards = n.div_ceil(world).div_ceil(batch).max(1);
+    let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
+    for k in 0..forwards {
+        let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
+        let (x, y) = test.batch_tensors(idx);
+        let (c, m, l) = eval(x, &y, n)?;
+        correct += c;
+        count += m;
+        loss += l;
+    }
+    Ok((correct, count, loss))
 }

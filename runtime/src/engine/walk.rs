@@ -98,7 +98,29 @@ pub(crate) trait StepWork: ReduceIo<Self::Op> {
     fn gather_updated(&mut self) -> Result<(), Self::Error>;
 }
 
-impl Walk<'_> {
+impl<'a> Walk<'a> {
+    /// The walk of an engine's step: `calls` over `units` units in `micro` microbatches,
+    /// under the stage's rules and the engine's configuration.
+    pub(crate) fn of(
+        calls: &'a [usize],
+        units: usize,
+        micro: usize,
+        rules: &super::stage::StageRules,
+        cfg: &super::EngineConfig,
+    ) -> Self {
+        Walk {
+            calls,
+            units,
+            micro,
+            transient_grads: rules.transient_grads(),
+            accum: cfg.accum_reduce,
+            recompute: cfg.recompute,
+            reduce_budget: cfg.reduce_budget_bytes,
+            clip: cfg.clip_grad_norm.is_some(),
+            gather_after_update: rules.gather_after_update,
+        }
+    }
+
     /// How backward call `call` of microbatch `mb` hands on its unit's gradients: a unit
     /// called again earlier in the forward (a tied root, NET-1) reduces after that last
     /// backward call; with microbatches, after the microbatch the stage reduces after

@@ -3,7 +3,7 @@
 //! step (the plan's evaluation pass, ENG-5); a kernel scores each forward and the reduce
 //! stream sums the scores over the group. The host waits once per forward, for the sums.
 
-use shardline_models::{Dataset, DistributedSampler, Tensor};
+use shardline_models::{Dataset, Tensor};
 
 use super::activations::{self, Act, Shapes};
 use super::{kernels, run_measured, CtxOf, DeviceEngine};
@@ -11,26 +11,14 @@ use crate::error::{Result, RuntimeError};
 use crate::memory::Category;
 
 impl DeviceEngine {
-    /// Evaluates this rank's share of `test` (its [`DistributedSampler::slice_range`]) in
+    /// Evaluates this rank's share of `test` (its `DistributedSampler::slice_range`) in
     /// forwards of at most `batch` samples; returns the global (correct, count, mean loss).
     /// Collective: every rank runs the same number of forwards (a rank whose share is one
     /// sample shorter runs an empty last one, which still takes its part in the gathers and
     /// the sums), as the host engine does.
     pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
-        let n = test.len();
-        let mine: Vec<usize> = DistributedSampler::slice_range(n, self.world, self.rank).collect();
-        let batch = batch.max(1);
-        let forwards = n.div_ceil(self.world).div_ceil(batch).max(1);
-        let (mut correct, mut count, mut loss) = (0u64, 0u64, 0.0f32);
-        for k in 0..forwards {
-            let idx = &mine[(k * batch).min(mine.len())..((k + 1) * batch).min(mine.len())];
-            let (x, y) = test.batch_tensors(idx);
-            let (c, m, l) = self.eval(x, &y, n)?;
-            correct += c;
-            count += m;
-            loss += l;
-        }
-        Ok((correct, count, loss))
+        let (world, rank) = (self.world, self.rank);
+        crate::engine::eval_share(test, world, rank, batch, |x, y, n| self.eval(x, y, n))
     }
 
     /// One evaluation forward of this rank's slice `x`/`y` of `global_n` samples.

@@ -592,17 +592,7 @@ impl DeviceEngine {
         let lr = self.cfg.lr.lr_at(self.step);
         let calls = self.calls.clone();
         // ENG-12: the step's order is the walk's, as on the host engine.
-        let walk = Walk {
-            calls: &calls,
-            units: n,
-            micro: micro.len(),
-            transient_grads: self.rules.transient_grads(),
-            accum: self.cfg.accum_reduce,
-            recompute: self.cfg.recompute,
-            reduce_budget: self.cfg.reduce_budget_bytes,
-            clip: self.cfg.clip_grad_norm.is_some(),
-            gather_after_update: self.rules.gather_after_update,
-        };
+        let walk = Walk::of(&calls, n, micro.len(), self.rules, &self.cfg);
         let mut step = step::DeviceStep {
             eng: self,
             data: Some((x, y.clone())),
