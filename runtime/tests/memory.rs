@@ -159,6 +159,30 @@ fn the_activation_estimate_is_what_a_step_registers_actest_1() {
     }
 }
 
+/// ACTEST-2: each call's tensor traffic grows with the rows: four times the microbatch makes
+/// about four times the bytes (the same tensors, each four times longer; a few stay the
+/// size of a parameter).
+#[test]
+fn each_calls_traffic_grows_with_the_rows_actest_2() {
+    use shardline_runtime::activations::activation_peaks;
+    use shardline_runtime::train;
+    let traffic = |cfg: &TrainConfig| {
+        let p = train::plan(cfg).expect("plan");
+        activation_peaks(&*p.model, &p.train, cfg).expect("dry run").traffic
+    };
+    let (small, big) = (traffic(&narrow_gpt(4)), traffic(&narrow_gpt(16)));
+    assert_eq!(small.len(), big.len());
+    for (c, (s, b)) in small.iter().zip(&big).enumerate() {
+        // Every forward makes its output; a backward with no input gradient (gpt's embedding
+        // lookup) may make nothing.
+        assert!(s.0 > 0, "call {c} made no tensor forward: {s:?}");
+        for (x, y) in [(s.0, b.0), (s.1, b.1)].into_iter().filter(|(x, _)| *x > 0) {
+            let r = y as f64 / x as f64;
+            assert!((3.0..=4.0).contains(&r), "call {c}: {x} -> {y} bytes ({r:.2}x)");
+        }
+    }
+}
+
 /// `--stage auto` adds one microbatch's activations to each stage's model state: a cap that
 /// fits stage 0's model state but not with its activations picks a higher stage, and says
 /// what it measured.

@@ -4,15 +4,19 @@
 //! configuration and its exact GELU at the profiled time per element, optimizer updates as
 //! memory traffic.
 //!
-//! What is not counted: other elementwise work (norms, softmaxes, the loss), the
-//! lookups of embeddings (a tied root's matrices count in its last call only, where they are
-//! the output projection), and convolutions: a model with a parameter of more than two
-//! dimensions has no compute estimate ([`CallCosts::of`] says so).
+//! Elementwise work (norms, softmaxes, residual adds, copies, lookups) is charged as memory
+//! traffic when the caller gives each call's tensor bytes (one microbatch run once, ACTEST-2:
+//! shapes, not timings): every byte a call makes, less its matrix products' outputs, is
+//! written once and read once at the profiled memory bandwidth. Convolutions are not counted:
+//! a model with a parameter of more than two dimensions has no compute estimate
+//! ([`CallCosts::of`] says so).
 //!
-//! Invariant:
+//! Invariants:
 //! - PLAN-2: compute costs scale with the rows of a microbatch and the ranks sharing a node's
 //!   cores: twice the rows or twice the ranks per core cost twice the time; the first call
 //!   computes no input gradient.
+//! - PLAN-7: a call's elementwise charge is its tensor traffic less its matrix products'
+//!   outputs, twice over the memory bandwidth, never negative.
 
 use shardline_models::nn::GptConfig;
 use shardline_models::{ModelSpec, UnitSpec};
@@ -69,11 +73,13 @@ impl CallCosts {
     /// `rows` rows (samples, or tokens for `gpt`, whose configuration and samples per
     /// microbatch `gpt` gives), each rank stepping `stepped[u]` elements of unit `u` with
     /// `opt`; the reason when the model has layers this does not count.
+    #[allow(clippy::too_many_arguments)]
     pub fn of(
         (spec, calls): (&ModelSpec, &[usize]),
         gpt: Option<(&GptConfig, usize)>,
         rows: usize,
         (stepped, opt): (&[usize], &Optimizer),
+        traffic: Option<&[(u64, u64)]>,
         profile: &Profile,
         share: Share,
     ) -> std::result::Result<Self, String> {
@@ -116,6 +122,13 @@ impl CallCosts {
                     cost.forward_s += (rows * fc.shape[0]) as f64 * profile.gelu_ns * 1e-9 * slow;
                 }
             }
+            if let Some(&(fwd, bwd)) = traffic.and_then(|t| t.get(c)) {
+                // PLAN-7: the matrix products' outputs are their own cost.
+                let (mf, mb) = if last { matrix_outputs(unit, rows) } else { (0, 0) };
+                let per_byte = 2.0 / (profile.memory_gbps * 1e9) * slow;
+                cost.forward_s += fwd.saturating_sub(mf) as f64 * per_byte;
+                cost.grads_s += bwd.saturating_sub(mb) as f64 * per_byte;
+            }
             out.push(cost);
         }
         let per = update_bytes_per_elem(opt);
@@ -123,6 +136,15 @@ impl CallCosts {
             stepped.iter().map(|&n| n as f64 * per / (profile.memory_gbps * 1e9) * slow).collect();
         Ok(CallCosts { calls: out, update_s })
     }
+}
+
+/// Bytes of the outputs of one call's matrix products on `rows` rows: forward, each
+/// `[a, b]` parameter's `rows x a`; backward, each input gradient's `rows x b`.
+fn matrix_outputs(unit: &UnitSpec, rows: usize) -> (u64, u64) {
+    unit.params.iter().fold((0, 0), |(f, b), p| match p.shape[..] {
+        [a, k] => (f + (rows * a * 4) as u64, b + (rows * k * 4) as u64),
+        _ => (f, b),
+    })
 }
 
 /// The matrix products of one call of `unit` on `rows` rows: each 2-D parameter forward, its
@@ -190,7 +212,8 @@ mod tests {
         let one = Share { ranks_per_node: 1, threads: 1 };
         let c = |rows, share, cores| {
             let updates = (&[1, 1][..], &opt);
-            CallCosts::of((&spec(), &[0, 1]), None, rows, updates, &profile(cores), share).unwrap()
+            let p = profile(cores);
+            CallCosts::of((&spec(), &[0, 1]), None, rows, updates, None, &p, share).unwrap()
         };
         let base = c(10, one, 1);
         assert!((base.calls[0].forward_s - 2.0 * 10.0 * 32.0 * 16.0 / 1e9).abs() < 1e-15);
@@ -203,7 +226,29 @@ mod tests {
         assert_eq!(c(10, Share { ranks_per_node: 2, threads: 1 }, 2), base);
         let mut conv = spec();
         conv.units[0].params[0].shape = vec![8, 3, 3, 3];
-        let e = CallCosts::of((&conv, &[0, 1]), None, 10, (&[1, 1], &opt), &profile(1), one);
+        let e = CallCosts::of((&conv, &[0, 1]), None, 10, (&[1, 1], &opt), None, &profile(1), one);
         assert!(e.unwrap_err().contains("fc0.weight"));
+    }
+
+    /// PLAN-7: a call's tensor traffic, less its products' outputs, costs twice its bytes over
+    /// the memory bandwidth; traffic below the outputs costs nothing.
+    #[test]
+    fn elementwise_work_costs_its_traffic_plan_7() {
+        let opt = Optimizer::Sgd(SgdConfig::default());
+        let one = Share { ranks_per_node: 1, threads: 1 };
+        let (p, updates) = (profile(1), (&[1, 1][..], &opt));
+        let c = |t: Option<&[(u64, u64)]>| {
+            CallCosts::of((&spec(), &[0, 1]), None, 10, updates, t, &p, one).unwrap()
+        };
+        let base = c(None);
+        // Call 0 (fc0, [32, 16]) on 10 rows: outputs 10 x 32 forward, 10 x 16 backward.
+        let (out_f, out_b) = (10 * 32 * 4, 10 * 16 * 4);
+        let with = c(Some(&[(out_f + 1000, out_b + 500), (0, 0)]));
+        let per_byte = 2.0 / 10e9;
+        let df = with.calls[0].forward_s - base.calls[0].forward_s;
+        let db = with.calls[0].grads_s - base.calls[0].grads_s;
+        assert!((df - 1000.0 * per_byte).abs() < 1e-15, "{df}");
+        assert!((db - 500.0 * per_byte).abs() < 1e-15, "{db}");
+        assert_eq!(with.calls[1], base.calls[1], "no traffic below the outputs");
     }
 }

@@ -151,10 +151,12 @@ pub fn predict_job(
     let engine = &job.engine;
     let n = layout.units().len();
     let microbatch = crate::activations::microbatch(cfg);
+    // One microbatch run once: activations, scratch, each call's tensor traffic (ACTEST-2).
+    let once = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
     // Compute and communication costs, when the profile and the model allow.
     let (costs, comm, no_step) = match profile {
         None => (None, None, Some("no --profile given".to_string())),
-        Some(p) => match costs_of(cfg, job, &layout, &calls, at, p)? {
+        Some(p) => match costs_of(cfg, job, (&layout, &calls, &once.traffic), at, p)? {
             Ok((c, m)) => (Some(c), Some(m), None),
             Err(why) => (None, None, Some(why)),
         },
@@ -176,7 +178,7 @@ pub fn predict_job(
     for _ in 0..3 {
         late.step();
     }
-    let (act, scratch) = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
+    let (act, scratch) = (once.activations, once.scratch);
     let (mem, floor) = (late.memory(), rank.memory());
     let mut memory: Vec<MemoryRow> = [
         Category::FullParams,
@@ -228,8 +230,7 @@ pub fn predict_job(
 fn costs_of(
     cfg: &TrainConfig,
     job: &JobPlan,
-    layout: &ShardedModelLayout,
-    calls: &[usize],
+    (layout, calls, traffic): (&ShardedModelLayout, &[usize], &[(u64, u64)]),
     at: &Placement,
     p: &Profile,
 ) -> Result<std::result::Result<(CallCosts, CommCosts), String>> {
@@ -252,11 +253,18 @@ fn costs_of(
         .collect();
     let share = Share { ranks_per_node: at.ranks_per_node, threads: cfg.threads };
     let gpt = job.gpt.as_ref().map(|g| (g, microbatch));
-    let compute =
-        match CallCosts::of((&spec, calls), gpt, rows, (&stepped, &engine.optimizer), p, share) {
-            Ok(c) => c,
-            Err(why) => return Ok(Err(why)),
-        };
+    let compute = match CallCosts::of(
+        (&spec, calls),
+        gpt,
+        rows,
+        (&stepped, &engine.optimizer),
+        Some(traffic),
+        p,
+        share,
+    ) {
+        Ok(c) => c,
+        Err(why) => return Ok(Err(why)),
+    };
     let w = cfg.world;
     let t = at.transport.as_str();
     let coll = |op: &str, bytes: u64| {
@@ -266,7 +274,9 @@ fn costs_of(
         crate::engine::sim_api::GradReduce::AllReduce => "all-reduce",
         _ => "reduce-scatter",
     };
-    let mut comm = CommCosts { loss_s: coll("all-reduce", 12)?, ..CommCosts::default() };
+    // The loss all-reduce: loss, norm, stop and one busy time per rank (STRAG-1).
+    let loss_bytes = (3 + w as u64) * 4;
+    let mut comm = CommCosts { loss_s: coll("all-reduce", loss_bytes)?, ..CommCosts::default() };
     for l in layout.units() {
         let bytes = l.padded_numel() as u64 * 4;
         comm.gather_s.push(coll("all-gather", bytes)?);
