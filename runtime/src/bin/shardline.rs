@@ -941,6 +941,36 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
     })
 }
 
+/// What `train`'s flags ask of the run (outputs, checkpoints, stragglers), for either
+/// engine; fault injection is added by the caller that runs it.
+fn run_options(a: &TrainArgs) -> RunOptions {
+    RunOptions {
+        checkpoint_dir: a.checkpoint_dir.clone(),
+        checkpoint_every: a.checkpoint_every,
+        async_checkpoint: a.async_checkpoint,
+        before_shard_write: None,
+        resume: a.resume,
+        log_json: a.log_json.clone(),
+        trace: a.trace.clone(),
+        progress: !a.no_progress,
+        stop_after: a.stop_after,
+        quiet: false,
+        faults: None,
+        dump_on_failure: a.dump_on_failure.clone(),
+        // The run's result is in its checkpoints (`checkpoint export`); gathering the whole
+        // model on every rank at the end would cost what sharding saved.
+        skip_final_params: true,
+        stop_on_signal: true,
+        backend: None,
+        stragglers: shardline_runtime::straggler::StragglerPolicy {
+            factor: a.straggler_factor,
+            steps: a.straggler_steps,
+            ..Default::default()
+        },
+        evict_stragglers: a.evict_stragglers,
+    }
+}
+
 /// `train --device sim`: the device engine on simulated devices, through the same training
 /// loop (checkpoints, resume, evaluation, logs, summary); the flags it does not honour are
 /// refused by name.
@@ -970,18 +1000,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         trace: a.trace.clone(),
         one_comm: a.sim_one_comm,
     };
-    let opts = RunOptions {
-        checkpoint_dir: a.checkpoint_dir.clone(),
-        checkpoint_every: a.checkpoint_every,
-        resume: a.resume,
-        log_json: a.log_json.clone(),
-        progress: !a.no_progress,
-        stop_after: a.stop_after,
-        skip_final_params: true,
-        stop_on_signal: true,
-        async_checkpoint: a.async_checkpoint,
-        ..RunOptions::default()
-    };
+    let opts = run_options(a);
     if let Err(e) = shardline_runtime::interrupt::install(true) {
         eprintln!("error: {e}");
         return 1;
@@ -1129,31 +1148,7 @@ fn main() {
             };
             let injector = (!plan.faults.is_empty())
                 .then(|| shardline_runtime::fault::FaultInjector::new(plan));
-            let mut opts = RunOptions {
-                checkpoint_dir: a.checkpoint_dir.clone(),
-                checkpoint_every: a.checkpoint_every,
-                async_checkpoint: a.async_checkpoint,
-                before_shard_write: None,
-                resume: a.resume,
-                log_json: a.log_json.clone(),
-                trace: a.trace.clone(),
-                progress: !a.no_progress,
-                stop_after: a.stop_after,
-                quiet: false,
-                faults: None,
-                dump_on_failure: a.dump_on_failure.clone(),
-                // The run's result is in its checkpoints (`checkpoint export`); gathering the
-                // whole model on every rank at the end would cost what sharding saved.
-                skip_final_params: true,
-                stop_on_signal: true,
-                backend: None,
-                stragglers: shardline_runtime::straggler::StragglerPolicy {
-                    factor: a.straggler_factor,
-                    steps: a.straggler_steps,
-                    ..Default::default()
-                },
-                evict_stragglers: a.evict_stragglers,
-            };
+            let mut opts = run_options(&a);
             if let Some(env) = launched {
                 // The worker's rank faults fire in the process itself (LAUNCH-8); restarts
                 // are the agent's (`launch --max-restarts`).

@@ -5,9 +5,9 @@
 
 use shardline_models::{Dataset, Tensor};
 
-use super::activations::{self, Act, Shapes};
+use super::activations::{self, Act};
 use super::{kernels, run_measured, CtxOf, DeviceEngine};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use crate::memory::Category;
 
 impl DeviceEngine {
@@ -23,11 +23,7 @@ impl DeviceEngine {
 
     /// One evaluation forward of this rank's slice `x`/`y` of `global_n` samples.
     fn eval(&mut self, x: Tensor, y: &Tensor, global_n: usize) -> Result<(u64, u64, f32)> {
-        if !self.shapes.as_ref().is_some_and(|s| s.fits(&x)) {
-            let probed = Shapes::probe(&*self.model, &x, self.cfg.seed, &*self.backend);
-            self.shapes = Some(probed.map_err(RuntimeError::config)?);
-            self.footprints.clear();
-        }
+        self.fit_shapes(&x)?;
         let ctx = CtxOf {
             training: false,
             sync_bn: false,

@@ -584,11 +584,7 @@ impl DeviceEngine {
         // reductions and of partial gradients for the whole step (ACC-2, ACC-3).
         let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
         self.plan.begin_step(&self.calls, micro.len());
-        if !self.shapes.as_ref().is_some_and(|s| s.fits(&x)) {
-            let probed = Shapes::probe(&*self.model, &x, self.cfg.seed, &*self.backend);
-            self.shapes = Some(probed.map_err(RuntimeError::config)?);
-            self.footprints.clear();
-        }
+        self.fit_shapes(&x)?;
         let lr = self.cfg.lr.lr_at(self.step);
         let calls = self.calls.clone();
         // ENG-12: the step's order is the walk's, as on the host engine.
@@ -632,6 +628,17 @@ impl DeviceEngine {
             device_peak: self.dev.peak(),
             memory: self.mem.tracker().snapshot(),
         })
+    }
+
+    /// Probes the calls' shapes for data shaped like `x`'s samples unless they were probed
+    /// for such data already (DACT-1); the kernels' figures go with the old shapes.
+    fn fit_shapes(&mut self, x: &Tensor) -> Result<()> {
+        if !self.shapes.as_ref().is_some_and(|s| s.fits(x)) {
+            let probed = Shapes::probe(&*self.model, x, self.cfg.seed, &*self.backend);
+            self.shapes = Some(probed.map_err(RuntimeError::config)?);
+            self.footprints.clear();
+        }
+        Ok(())
     }
 
     /// The call shapes probed for this job's data.
