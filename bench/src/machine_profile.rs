@@ -111,6 +111,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         published: None,
         transports_default: None,
         device_memory: None,
+            gemm_by: Default::default(),
         sources: vec![],
     };
     std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)

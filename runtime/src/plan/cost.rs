@@ -204,6 +204,7 @@ mod tests {
             published: None,
             transports_default: None,
             device_memory: None,
+            gemm_by: Default::default(),
             sources: vec![],
         }
     }

@@ -137,9 +137,39 @@ pub struct Profile {
     /// Memory of one rank's device, bytes, with its source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<Figure>,
+    /// How a product meets the GEMM probes: `smallest` (its smallest dimension, as a
+    /// CPU's cache blocking sees it; the default) or `volume` (the cube root of
+    /// `m x n x k`, as a GPU's rate grows with the work it is given).
+    #[serde(default, skip_serializing_if = "GemmBy::is_smallest")]
+    pub gemm_by: GemmBy,
     /// Where the memory bandwidth, the core count and the GELU figure come from.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sources: Vec<String>,
+}
+
+/// How a product's size is read against the GEMM probes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmBy {
+    /// Its smallest dimension.
+    #[default]
+    Smallest,
+    /// The cube root of `m x n x k`.
+    Volume,
+}
+
+impl GemmBy {
+    fn is_smallest(&self) -> bool {
+        *self == GemmBy::Smallest
+    }
+
+    /// The size of an `m x n x k` product.
+    fn size(self, m: usize, n: usize, k: usize) -> f64 {
+        match self {
+            GemmBy::Smallest => m.min(n).min(k).max(1) as f64,
+            GemmBy::Volume => ((m.max(1) * n.max(1)) as f64 * k.max(1) as f64).cbrt(),
+        }
+    }
 }
 
 /// A published figure and where it comes from.
@@ -306,12 +336,13 @@ impl Profile {
     }
 
     /// GFLOP/s of an `m x n x k` product on one thread (PLAN-1), interpolated in the log of
-    /// the smallest dimension between the probes'.
+    /// its size ([`GemmBy`]) between the probes'.
     pub fn gemm_gflops(&self, m: usize, n: usize, k: usize) -> f64 {
-        let size = |r: &GemmRow| (r.m.min(r.n).min(r.k).max(1) as f64).ln();
-        let mut pts: Vec<(f64, f64)> = self.gemm.iter().map(|r| (size(r), r.gflops)).collect();
+        let by = self.gemm_by;
+        let mut pts: Vec<(f64, f64)> =
+            self.gemm.iter().map(|r| (by.size(r.m, r.n, r.k).ln(), r.gflops)).collect();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let x = (m.min(n).min(k).max(1) as f64).ln();
+        let x = by.size(m, n, k).ln();
         match (pts.first(), pts.last()) {
             (Some(&(x0, r0)), _) if x <= x0 => r0,
             (_, Some(&(x1, r1))) if x >= x1 => r1,
@@ -369,6 +400,7 @@ mod tests {
             published: None,
             transports_default: None,
             device_memory: None,
+            gemm_by: GemmBy::Smallest,
             sources: vec![],
         }
     }
@@ -413,6 +445,12 @@ mod tests {
         assert_eq!(p.gemm_gflops(8, 8, 8), 10.0);
         let mid = p.gemm_gflops(90, 90, 90);
         assert!(mid > 10.0 && mid < 40.0, "{mid}");
+        // By volume, a thin product of much work meets the large probe.
+        let mut v = profile();
+        v.gemm_by = GemmBy::Volume;
+        assert_eq!(p.gemm_gflops(32, 4096, 4096), 10.0);
+        assert_eq!(v.gemm_gflops(32, 4096, 4096), 40.0);
+        assert_eq!(v.gemm_gflops(256, 256, 256), 40.0);
     }
 
     fn formula(op: &str, transport: &str, worlds: (usize, usize), gbps: f64) -> CollectiveRow {
