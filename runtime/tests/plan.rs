@@ -307,3 +307,60 @@ fn plan_at_scale_counts_activations_plan_9() {
     assert!(v["params"].as_u64().unwrap() > 12_000_000_000);
     assert!(v["step"]["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
+
+/// `plan --trace` writes the simulated step as `train --trace` writes a measured one (a
+/// Chrome trace: rank 0's compute, gather and reduce rows), and `shardline timeline` draws
+/// either as SVG; bad input exits 2 naming the file or the flag.
+#[test]
+fn plan_trace_and_timeline_draw_the_simulated_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = tiny_profile(dir.path());
+    let (trace, svg) = (dir.path().join("t.json"), dir.path().join("t.svg"));
+    let (t, s) = (trace.display().to_string(), svg.display().to_string());
+    let o = shardline(&[
+        "plan",
+        "--model",
+        "gpt",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--world",
+        "2",
+        "--profile",
+        &profile,
+        "--trace",
+        &t,
+        "--svg",
+        &s,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let evs = v["traceEvents"].as_array().unwrap();
+    let named = |p: &str, tid: u64| {
+        evs.iter().any(|e| {
+            e["ph"] == "X" && e["tid"] == tid && e["name"].as_str().unwrap().starts_with(p)
+        })
+    };
+    assert!(named("forward transformer.h.0", 0) && named("backward", 0), "{v}");
+    assert!(named("all-gather", 1) && named("reduce", 2), "{v}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<rect"));
+    let out = dir.path().join("again.svg").display().to_string();
+    let o = shardline(&["timeline", &t, "--out", &out, "--window-ms", "0:1000"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(std::fs::read_to_string(&out).unwrap().contains("rank 0 compute"));
+    let missing = dir.path().join("none.json").display().to_string();
+    let o = shardline(&["timeline", &missing, "--out", &out]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("none.json"), "{}", o.stderr);
+    let o = shardline(&["timeline", &t, "--out", &out, "--window-ms", "5:1"]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("--window-ms"), "{}", o.stderr);
+    let o = shardline(&["plan", "--trace", &t]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("--profile"), "{}", o.stderr);
+}

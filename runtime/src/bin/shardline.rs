@@ -127,6 +127,15 @@ enum Cmd {
     ///       --batch-size 512 --world 8x8,32x8 --profile h100-8x-ib --search --memory-cap 80GB
     #[command(verbatim_doc_comment)]
     Plan(Box<PlanArgs>),
+    /// Draw a Chrome trace (`train --trace`, `plan --trace`) as an SVG timeline: a lane per
+    /// rank and row, a box per span (compute blue, gather green, reduce orange, stats
+    /// purple, control grey, waits red), so that a measured step and a simulated one can be
+    /// compared side by side.
+    ///
+    /// Example:
+    ///   shardline timeline trace.json --out step.svg --window-ms 120:180
+    #[command(verbatim_doc_comment)]
+    Timeline(TimelineArgs),
     /// Print the hang/desync report from a failure dump (`train --dump-on-failure FILE`).
     Doctor {
         /// The dump file.
@@ -349,6 +358,70 @@ struct PlanArgs {
     /// Print the prediction as JSON.
     #[arg(long)]
     json: bool,
+    /// Write the simulated steady step of rank 0 as a Chrome trace (the rows and span names
+    /// of `train --trace`: forward, backward, input grad, update, wait on the compute row;
+    /// all-gather and reduce on their lanes); needs --profile.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Write the same step as an SVG timeline (`shardline timeline` draws a measured trace
+    /// the same way); needs --profile.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+}
+
+/// `shardline timeline`.
+#[derive(Args, Debug)]
+struct TimelineArgs {
+    /// A Chrome trace: `train --trace FILE` or `plan --trace FILE`.
+    trace: PathBuf,
+    /// The SVG file to write.
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+    /// Only the spans inside START:END, milliseconds from the trace's origin (e.g. one
+    /// step) [default: the whole trace].
+    #[arg(long, value_name = "START:END", value_parser = parse_window)]
+    window_ms: Option<(f64, f64)>,
+}
+
+/// `--window-ms START:END`, START below END.
+fn parse_window(s: &str) -> Result<(f64, f64), String> {
+    let bad = || format!("'{s}' is not START:END in milliseconds with START < END (try 120:180)");
+    let (a, b) = s.split_once(':').ok_or_else(bad)?;
+    let (a, b): (f64, f64) =
+        (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+    if a.is_finite() && b.is_finite() && a < b {
+        Ok((a, b))
+    } else {
+        Err(bad())
+    }
+}
+
+/// `shardline timeline`: the SVG of a Chrome trace.
+fn timeline_cmd(a: &TimelineArgs) -> i32 {
+    let doc =
+        std::fs::read(&a.trace).map_err(|e| format!("{}: {e}", a.trace.display())).and_then(|b| {
+            serde_json::from_slice::<serde_json::Value>(&b)
+                .map_err(|e| format!("{}: not JSON: {e}", a.trace.display()))
+        });
+    let window = a.window_ms.map(|(x, y)| (x * 1e3, y * 1e3));
+    let title = a.trace.display().to_string();
+    let svg = doc.and_then(|d| {
+        shardline_runtime::timeline_svg::render(&d, window, &title)
+            .map_err(|e| format!("{}: {e}", a.trace.display()))
+    });
+    match svg {
+        Ok(svg) => match std::fs::write(&a.out, svg) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: --out {}: {e}", a.out.display());
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
 }
 
 /// `plan --world`: (nodes, ranks per node) of each placement.
@@ -482,7 +555,35 @@ fn plan_cmd(a: &PlanArgs) -> i32 {
             return exit_for(&e);
         }
     };
-    match predict_from(&cfg, &job, &at, profile.as_ref(), source) {
+    if (a.trace.is_some() || a.svg.is_some()) && profile.is_none() {
+        eprintln!("error: --trace and --svg draw the simulated step and need --profile");
+        return 2;
+    }
+    let p = predict_from(&cfg, &job, &at, profile.as_ref(), source);
+    if let Ok(p) = &p {
+        let doc = shardline_runtime::telemetry::chrome_json(&p.timeline);
+        let title = format!(
+            "shardline plan: {} world {} stage {}, simulated step",
+            p.model, p.world, p.stage
+        );
+        let files = [
+            (a.trace.as_ref(), "--trace", serde_json::to_string(&doc).unwrap_or_default()),
+            (
+                a.svg.as_ref(),
+                "--svg",
+                shardline_runtime::timeline_svg::render(&doc, None, &title).unwrap_or_default(),
+            ),
+        ];
+        for (path, flag, text) in files {
+            if let Some(path) = path {
+                if let Err(e) = std::fs::write(path, text) {
+                    eprintln!("error: {flag} {}: {e}", path.display());
+                    return 1;
+                }
+            }
+        }
+    }
+    match p {
         Ok(p) if a.json => {
             println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
             0
@@ -536,6 +637,9 @@ fn search_cmd(
     );
     if let Some(words) = &p.published {
         println!("  profile: {words}");
+    }
+    if let Some(why) = &found.first_refusal {
+        println!("  {} configurations refused by train's checks (the first: {why})", found.refused);
     }
     println!(
         "  {:>4} {:>7} {:>5} {:>8} {:>9} {:>5} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12}",
@@ -1390,6 +1494,7 @@ fn main() {
         }
         Cmd::Launch(l) => launch_cmd(l),
         Cmd::Plan(a) => plan_cmd(&a),
+        Cmd::Timeline(a) => timeline_cmd(&a),
         Cmd::Doctor { dump } => match shardline_runtime::doctor::Diagnosis::load(&dump) {
             Ok(d) => {
                 print!("{}", d.report());

@@ -139,6 +139,9 @@ pub struct Prediction {
     pub peak_bytes: u64,
     /// The step, with a profile and a model whose compute is counted.
     pub step: Option<StepRow>,
+    /// The steady step's spans on rank 0, in the engine's trace rows (`--trace`).
+    #[serde(skip)]
+    pub timeline: Vec<crate::telemetry::Event>,
     /// Why there is no step prediction.
     pub no_step: Option<String>,
 }
@@ -225,7 +228,10 @@ pub fn predict_from(
         comm.as_ref().unwrap_or(&free),
     );
     // The first step starts without a carried gather (ENG-6); the third is steady.
-    let steps: Vec<SimStep> = (0..3).map(|_| rank.step()).collect();
+    let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
+    let t2 = rank.now();
+    steps.push(rank.step());
+    let timeline = rank.timeline_since(t2);
     // Memory: the same steps with every reduction late (PLAN-6).
     let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
     for _ in 0..3 {
@@ -277,6 +283,7 @@ pub fn predict_from(
         peak_bytes: mem.peak_total() + act + scratch,
         step,
         no_step,
+        timeline,
     })
 }
 

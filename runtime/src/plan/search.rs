@@ -129,6 +129,10 @@ pub fn config_of(base: &TrainConfig, c: &Choice) -> Result<TrainConfig> {
 pub struct Search {
     /// Configurations predicted.
     pub evaluated: usize,
+    /// Configurations train's own checks refused.
+    pub refused: usize,
+    /// Why the first of them was refused.
+    pub first_refusal: Option<String>,
     /// The per-rank cap, bytes.
     pub cap_bytes: Option<u64>,
     /// Within the cap, fastest first.
@@ -147,23 +151,26 @@ pub fn search(
 ) -> Result<Search> {
     let choices = enumerate(worlds, base.batch_size);
     let mut all = Vec::with_capacity(choices.len());
-    let mut refused = None;
+    let (mut refused, mut first_refusal) = (0, None);
     for c in &choices {
         let cfg = config_of(base, c)?;
-        // A configuration the engine refuses (train's own checks) is not a candidate.
-        let job = match crate::train::plan(&cfg) {
-            Ok(j) => j,
-            Err(e) => {
-                refused.get_or_insert(e);
-                continue;
-            }
-        };
         let at = Placement {
             nodes: c.nodes,
             ranks_per_node: c.ranks_per_node,
             transport: transport(c.nodes),
         };
-        let p: Prediction = super::predict_from(&cfg, &job, &at, Some(profile), source)?;
+        // A configuration train's own checks refuse (a microbatch too small for BatchNorm,
+        // say) is not a candidate; it is counted, and the first reason kept.
+        let predicted = crate::train::plan(&cfg)
+            .and_then(|job| super::predict_from(&cfg, &job, &at, Some(profile), source));
+        let p: Prediction = match predicted {
+            Ok(p) => p,
+            Err(e) => {
+                refused += 1;
+                first_refusal.get_or_insert(e);
+                continue;
+            }
+        };
         let Some(s) = p.step else {
             return Err(super::flag_error(
                 "--search",
@@ -181,9 +188,15 @@ pub fn search(
             activations_from: p.activations_from,
         });
     }
-    match (all.is_empty(), refused) {
+    match (all.is_empty(), first_refusal) {
         (true, Some(e)) => Err(e),
-        _ => Ok(Search { evaluated: all.len(), cap_bytes: cap, ranked: rank(all, cap) }),
+        (_, why) => Ok(Search {
+            evaluated: all.len(),
+            refused,
+            first_refusal: why.map(|e| e.to_string()),
+            cap_bytes: cap,
+            ranked: rank(all, cap),
+        }),
     }
 }
 
