@@ -99,11 +99,18 @@ enum Cmd {
     /// node sharing its cores; every gather and reduction at its profiled time on its lane,
     /// overlapped with compute as the engine orders them.
     ///
-    /// Not modelled: elementwise compute other than gpt's GELU (norms, softmaxes, the loss);
-    /// convolutions (no step time for convnet-bn and resnet-bn); SyncBatchNorm's statistics
-    /// messages; the lanes' staging buffers; bf16 and quantized gathers; lanes competing
-    /// with compute for the same cores; ranks that differ. On this project's 2-core host the
+    /// Elementwise work other than gpt's GELU (norms, softmaxes, the loss, copies) is
+    /// charged as the memory traffic of the tensors each call makes, not as arithmetic.
+    ///
+    /// Not modelled: convolutions (no step time for convnet-bn and resnet-bn);
+    /// SyncBatchNorm's statistics messages; the lanes' staging buffers; bf16 and quantized
+    /// gathers; lanes competing with compute for the same cores; ranks that differ; products
+    /// of other shapes than the profile's square probes. On this project's 2-core host the
     /// step time came out 13-57% low (bench/RESULTS.md); memory within 5%.
+    ///
+    /// --trace and --svg write rank 0's simulated steady step as a Chrome trace in the
+    /// format of `train --trace`, and as an SVG timeline (`shardline timeline` draws a
+    /// measured trace the same way).
     ///
     /// A gpt too large to run one microbatch here (more than 1 GiB) has its activations
     /// counted from its shape instead (--activations); its kernels' scratch is then not
