@@ -70,6 +70,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             transport: r.transport,
             bytes: r.bytes,
             time_us: r.time_us,
+            world_max: None,
+            busbw_gbps: None,
+            step_latency_us: None,
+            source: None,
         }));
     }
     anyhow::ensure!(!collectives.is_empty(), "no usable collectives rows in --collectives");
@@ -78,7 +82,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for &s in &a.gemm {
         let gflops = gemm_gflops(&be, s, s, s, a.reps)?;
         println!("gemm {s}x{s}x{s}: {gflops:.2} GFLOP/s");
-        gemm.push(GemmRow { m: s, n: s, k: s, gflops });
+        gemm.push(GemmRow { m: s, n: s, k: s, gflops, source: None });
     }
     let mut gemm_shared = Vec::new();
     for t in 1..=a.shared_threads {
@@ -104,6 +108,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         gemm_shared,
         gemm,
         collectives,
+        published: None,
+        transports_default: None,
+        device_memory: None,
+            gemm_by: Default::default(),
+        sources: vec![],
     };
     std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)
         .with_context(|| format!("writing {}", a.out.display()))?;

@@ -58,6 +58,7 @@ pub mod shard;
 pub mod straggler;
 pub mod supervise;
 pub mod telemetry;
+pub mod timeline_svg;
 pub mod train;
 
 pub use error::{Result, RuntimeError};

@@ -140,33 +140,39 @@ impl Trace {
 
     /// Writes the Chrome trace-event JSON (`{"traceEvents": [...]}`).
     pub fn write_chrome(&self, path: &Path) -> std::io::Result<()> {
-        let events = self.events();
-        let mut out = Vec::with_capacity(events.len() + 16);
-        let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        for &r in &ranks {
-            out.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": r, "args": {"name": format!("rank {r}")}}));
-            for row in [Row::Compute, Row::Gather, Row::Reduce, Row::Stats, Row::Control] {
-                out.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": r, "tid": row as u32, "args": {"name": row.name()}}));
-            }
-        }
-        for e in &events {
-            let mut v = serde_json::json!({
-                "ph": "X", "name": e.name, "cat": e.row.name(), "pid": e.rank, "tid": e.row as u32,
-                "ts": e.start_us, "dur": e.dur_us,
-            });
-            if let Some(cpu) = e.process_cpu_ms {
-                v["args"] = serde_json::json!({ "process_cpu_ms": cpu });
-            }
-            if let Some(bytes) = e.bytes {
-                v["args"] = serde_json::json!({ "bytes": bytes });
-            }
-            out.push(v);
-        }
-        let doc = serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"});
+        let doc = chrome_json(&self.events());
         std::fs::write(path, serde_json::to_vec(&doc).map_err(std::io::Error::other)?)
     }
+}
+
+/// The Chrome trace-event document of `events` (`{"traceEvents": [...]}`): a process per
+/// rank, a thread per row, a complete event per span. `plan --trace` writes its simulated
+/// step in the same form.
+pub fn chrome_json(events: &[Event]) -> serde_json::Value {
+    let mut out = Vec::with_capacity(events.len() + 16);
+    let mut ranks: Vec<usize> = events.iter().map(|e| e.rank).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for &r in &ranks {
+        out.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": r, "args": {"name": format!("rank {r}")}}));
+        for row in [Row::Compute, Row::Gather, Row::Reduce, Row::Stats, Row::Control] {
+            out.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": r, "tid": row as u32, "args": {"name": row.name()}}));
+        }
+    }
+    for e in events {
+        let mut v = serde_json::json!({
+            "ph": "X", "name": e.name, "cat": e.row.name(), "pid": e.rank, "tid": e.row as u32,
+            "ts": e.start_us, "dur": e.dur_us,
+        });
+        if let Some(cpu) = e.process_cpu_ms {
+            v["args"] = serde_json::json!({ "process_cpu_ms": cpu });
+        }
+        if let Some(bytes) = e.bytes {
+            v["args"] = serde_json::json!({ "bytes": bytes });
+        }
+        out.push(v);
+    }
+    serde_json::json!({"traceEvents": out, "displayTimeUnit": "ms"})
 }
 
 /// This process's CPU time so far (every thread, user + system), ms.

@@ -138,6 +138,9 @@ pub struct TrainConfig {
     /// `gpt`: nanoGPT's dropout probability while training (default 0: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dropout: Option<f64>,
+    /// `gpt`: rows of the token embedding (default: the data set's vocabulary; at least it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<usize>,
     /// `resnet-bn`: channels of `conv1` and `layer1`, doubled by each later layer (default
     /// 64, torchvision's ResNet-18).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -297,6 +300,7 @@ impl Default for TrainConfig {
             n_embd: None,
             block_size: None,
             dropout: None,
+            vocab_size: None,
             width: None,
             init_from: None,
             threads: 1,
@@ -443,8 +447,13 @@ pub const GPT_DEFAULTS: (usize, usize, usize, usize) = (4, 4, 128, 64);
 /// name the flag.
 pub fn gpt_config(cfg: &TrainConfig, vocab: usize) -> Result<GptConfig> {
     let (l, h, e, b) = GPT_DEFAULTS;
+    if let Some(v) = cfg.vocab_size.filter(|&v| v < vocab) {
+        return Err(RuntimeError::config(format!(
+            "--vocab-size {v} is below the data set's {vocab} tokens"
+        )));
+    }
     let g = GptConfig {
-        vocab_size: vocab,
+        vocab_size: cfg.vocab_size.unwrap_or(vocab),
         block_size: cfg.block_size.unwrap_or(b),
         n_layer: cfg.n_layer.unwrap_or(l),
         n_head: cfg.n_head.unwrap_or(h),

@@ -140,7 +140,18 @@ fn tiny_profile(dir: &std::path::Path) -> String {
 fn plan_help_says_what_is_modelled_and_what_is_not() {
     let o = shardline(&["plan", "--help"]);
     assert_eq!(o.code, Some(0), "{}", o.stderr);
-    for s in ["Modelled:", "Not modelled:", "--profile", "--world", "--prefetch", "--json"] {
+    for s in [
+        "Modelled:",
+        "Not modelled:",
+        "--profile",
+        "--world",
+        "--prefetch",
+        "--json",
+        "--search",
+        "--memory-cap",
+        "h100-8x-ib",
+        "from published figures, not measured here",
+    ] {
         assert!(o.stdout.contains(s), "plan --help lacks {s}: {}", o.stdout);
     }
 }
@@ -158,6 +169,12 @@ fn plan_bad_input_exits_2_naming_the_flag() {
         (&["--grad-accum", "0"], "--grad-accum"),
         (&["--world", "3", "--profile", &profile], "--profile"),
         (&["--world", "2", "--profile", &profile, "--transport", "tcp"], "--transport"),
+        (&["--world", "2,4"], "--world"),
+        (&["--search"], "--profile"),
+        (&["--search", "--profile", &profile, "--memory-cap", "12XB"], "--memory-cap"),
+        (&["--profile", "no-such-profile"], "--profile"),
+        (&["--model", "mlp-bn", "--activations", "counted", "--world", "1"], "--activations"),
+        (&["--model", "gpt", "--vocab-size", "10", "--world", "1"], "--vocab-size"),
     ];
     for (args, flag) in cases {
         let mut all = vec!["plan"];
@@ -194,4 +211,156 @@ fn plan_json_gives_memory_and_the_step_plan_4() {
     let o = shardline(&args);
     assert_eq!(o.code, Some(0), "{}", o.stderr);
     assert!(o.stdout.contains("step: not predicted (no --profile given)"), "{}", o.stdout);
+}
+
+/// PLAN-10: `plan --search` ranks at least ten configurations, each within the cap and
+/// keeping the global batch, fastest first, and gives the `train` command of the best;
+/// a tighter cap leaves fewer.
+#[test]
+fn plan_search_ranks_configurations_within_the_cap_plan_10() {
+    let args = [
+        "plan",
+        "--model",
+        "gpt",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "8",
+        "--world",
+        "1,2",
+        "--profile",
+        "h100-8x-ib",
+        "--search",
+        "--json",
+    ];
+    let run = |cap: &str| {
+        let mut a = args.to_vec();
+        a.extend(["--memory-cap", cap]);
+        let o = shardline(&a);
+        assert_eq!(o.code, Some(0), "{}", o.stderr);
+        serde_json::from_str::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let v = run("64MiB");
+    let ranked = v["search"]["ranked"].as_array().unwrap();
+    assert!(ranked.len() >= 10, "{}", ranked.len());
+    let speeds: Vec<f64> = ranked.iter().map(|r| r["samples_per_s"].as_f64().unwrap()).collect();
+    assert!(speeds.windows(2).all(|w| w[0] >= w[1]), "{speeds:?}");
+    for r in ranked {
+        let c = &r["choice"];
+        let world = c["nodes"].as_u64().unwrap() * c["ranks_per_node"].as_u64().unwrap();
+        assert_eq!(8 % (world * c["grad_accum"].as_u64().unwrap()), 0, "{c}");
+        assert!(r["peak_bytes"].as_u64().unwrap() <= 64 << 20);
+    }
+    let best = v["best_command"].as_str().unwrap();
+    let c = &ranked[0]["choice"];
+    let world = c["nodes"].as_u64().unwrap() * c["ranks_per_node"].as_u64().unwrap();
+    assert!(best.starts_with("shardline train --model gpt --dataset text --n-layer 2"), "{best}");
+    assert!(best.contains(&format!("--world {world} --stage {}", c["stage"])), "{best}");
+    let smallest = ranked.iter().map(|r| r["peak_bytes"].as_u64().unwrap()).min().unwrap();
+    let tight = run(&smallest.to_string());
+    let left = tight["search"]["ranked"].as_array().unwrap().len();
+    assert!(left >= 1 && left < ranked.len(), "{left}");
+}
+
+/// PLAN-9: a 13B-parameter gpt over 128 ranks is predicted from published figures without
+/// running it here: its activations counted, the profile's words carried.
+#[test]
+fn plan_at_scale_counts_activations_plan_9() {
+    let o = shardline(&[
+        "plan",
+        "--model",
+        "gpt",
+        "--n-layer",
+        "40",
+        "--n-head",
+        "40",
+        "--n-embd",
+        "5120",
+        "--block-size",
+        "2048",
+        "--vocab-size",
+        "50304",
+        "--batch-size",
+        "1024",
+        "--world",
+        "16x8",
+        "--recompute",
+        "units",
+        "--grad-accum",
+        "8",
+        "--optimizer",
+        "adamw",
+        "--profile",
+        "h100-8x-ib",
+        "--json",
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["activations_from"], "counted");
+    assert!(v["published"].as_str().unwrap().contains("not measured here"));
+    assert!(v["params"].as_u64().unwrap() > 12_000_000_000);
+    assert!(v["step"]["tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+/// `plan --trace` writes the simulated step as `train --trace` writes a measured one (a
+/// Chrome trace: rank 0's compute, gather and reduce rows), and `shardline timeline` draws
+/// either as SVG; bad input exits 2 naming the file or the flag.
+#[test]
+fn plan_trace_and_timeline_draw_the_simulated_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = tiny_profile(dir.path());
+    let (trace, svg) = (dir.path().join("t.json"), dir.path().join("t.svg"));
+    let (t, s) = (trace.display().to_string(), svg.display().to_string());
+    let o = shardline(&[
+        "plan",
+        "--model",
+        "gpt",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--world",
+        "2",
+        "--profile",
+        &profile,
+        "--trace",
+        &t,
+        "--svg",
+        &s,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let evs = v["traceEvents"].as_array().unwrap();
+    let named = |p: &str, tid: u64| {
+        evs.iter().any(|e| {
+            e["ph"] == "X" && e["tid"] == tid && e["name"].as_str().unwrap().starts_with(p)
+        })
+    };
+    assert!(named("forward transformer.h.0", 0) && named("backward", 0), "{v}");
+    assert!(named("all-gather", 1) && named("reduce", 2), "{v}");
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<rect"));
+    let out = dir.path().join("again.svg").display().to_string();
+    let o = shardline(&["timeline", &t, "--out", &out, "--window-ms", "0:1000"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert!(std::fs::read_to_string(&out).unwrap().contains("rank 0 compute"));
+    let missing = dir.path().join("none.json").display().to_string();
+    let o = shardline(&["timeline", &missing, "--out", &out]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("none.json"), "{}", o.stderr);
+    let o = shardline(&["timeline", &t, "--out", &out, "--window-ms", "5:1"]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("--window-ms"), "{}", o.stderr);
+    let o = shardline(&["plan", "--trace", &t]);
+    assert_eq!(o.code, Some(2));
+    assert!(o.stderr.contains("--profile"), "{}", o.stderr);
 }

@@ -99,19 +99,50 @@ enum Cmd {
     /// node sharing its cores; every gather and reduction at its profiled time on its lane,
     /// overlapped with compute as the engine orders them.
     ///
-    /// Not modelled: elementwise compute other than gpt's GELU (norms, softmaxes, the loss);
-    /// convolutions (no step time for convnet-bn and resnet-bn); SyncBatchNorm's statistics
-    /// messages; the lanes' staging buffers; bf16 and quantized gathers; lanes competing
-    /// with compute for the same cores; ranks that differ. On this project's 2-core host the
+    /// Elementwise work other than gpt's GELU (norms, softmaxes, the loss, copies) is
+    /// charged as the memory traffic of the tensors each call makes, not as arithmetic.
+    ///
+    /// Not modelled: convolutions (no step time for convnet-bn and resnet-bn);
+    /// SyncBatchNorm's statistics messages; the lanes' staging buffers; bf16 and quantized
+    /// gathers; lanes competing with compute for the same cores; ranks that differ; products
+    /// of other shapes than the profile's square probes. On this project's 2-core host the
     /// step time came out 13-57% low (bench/RESULTS.md); memory within 5%.
+    ///
+    /// --trace and --svg write rank 0's simulated steady step as a Chrome trace in the
+    /// format of `train --trace`, and as an SVG timeline (`shardline timeline` draws a
+    /// measured trace the same way).
+    ///
+    /// A gpt too large to run one microbatch here (more than 1 GiB) has its activations
+    /// counted from its shape instead (--activations); its kernels' scratch is then not
+    /// modelled. --profile h100-8x-ib is shipped: H100 nodes from published figures, not
+    /// measured here, every figure with its source; across nodes it prices the executor's
+    /// hierarchical schedule (a ring in each node on NVLink, a ring across nodes among
+    /// ranks of the same local rank on InfiniBand).
+    ///
+    /// --search predicts every configuration of the model and global batch (stages 0-3,
+    /// prefetch 0-2 at stage 3, recompute none or units, each --grad-accum that divides a
+    /// rank's share, each --world given), drops those over --memory-cap per rank, ranks the
+    /// rest by predicted throughput and prints the --top of them and the `shardline train`
+    /// command of the best.
     ///
     /// Bad input exits 2 naming the flag.
     ///
     /// Examples:
     ///   shardline plan --model gpt --world 4 --stage 3
     ///   shardline plan --model gpt --n-layer 4 --n-embd 128 --world 1x4 --profile profile.json --prefetch 2 --json
+    ///   shardline plan --model gpt --n-layer 48 --n-head 25 --n-embd 1600 --block-size 1024 --vocab-size 50304 \
+    ///       --batch-size 512 --world 8x8,32x8 --profile h100-8x-ib --search --memory-cap 80GB
     #[command(verbatim_doc_comment)]
     Plan(Box<PlanArgs>),
+    /// Draw a Chrome trace (`train --trace`, `plan --trace`) as an SVG timeline: a lane per
+    /// rank and row, a box per span (compute blue, gather green, reduce orange, stats
+    /// purple, control grey, waits red), so that a measured step and a simulated one can be
+    /// compared side by side.
+    ///
+    /// Example:
+    ///   shardline timeline trace.json --out step.svg --window-ms 120:180
+    #[command(verbatim_doc_comment)]
+    Timeline(TimelineArgs),
     /// Print the hang/desync report from a failure dump (`train --dump-on-failure FILE`).
     Doctor {
         /// The dump file.
@@ -188,6 +219,67 @@ struct LaunchArgs {
     worker: Vec<String>,
 }
 
+/// The model's size, shared by `train` and `plan`.
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// gpt: transformer blocks [default: 4].
+    #[arg(long)]
+    n_layer: Option<usize>,
+    /// gpt: attention heads; must divide --n-embd [default: 4].
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// gpt: embedding width [default: 128].
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// gpt: context length in tokens; windows of block_size + 1 tokens must fit in the
+    /// text [default: 64].
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// gpt: rows of the token embedding, at least the data set's vocabulary (50304 is
+    /// nanoGPT's padded GPT-2 vocabulary) [default: the data set's, 256 for bytes].
+    #[arg(long)]
+    vocab_size: Option<usize>,
+    /// resnet-bn: channels of conv1 and layer1, doubled by each of layer2..layer4 (8 or 16
+    /// for a small study) [default: 64, torchvision's].
+    #[arg(long)]
+    width: Option<usize>,
+    /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Number of hidden blocks (mlp-bn).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Synthetic data: input features.
+    #[arg(long, default_value_t = 784)]
+    input_dim: usize,
+    /// Synthetic data: classes.
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    /// wide-mlp: parameter count (e.g. 50M).
+    #[arg(long, value_parser = parse_count, default_value = "50M")]
+    params: usize,
+}
+
+impl ModelArgs {
+    /// Sets `cfg`'s model size from these flags.
+    fn apply(&self, cfg: TrainConfig) -> TrainConfig {
+        TrainConfig {
+            n_layer: self.n_layer,
+            n_head: self.n_head,
+            n_embd: self.n_embd,
+            block_size: self.block_size,
+            vocab_size: self.vocab_size,
+            width: self.width,
+            hidden: self.hidden,
+            depth: self.depth,
+            input_dim: self.input_dim,
+            classes: self.classes,
+            params: self.params,
+            ..cfg
+        }
+    }
+}
+
 /// `shardline plan`.
 #[derive(Args, Debug)]
 struct PlanArgs {
@@ -199,16 +291,42 @@ struct PlanArgs {
     /// text for gpt, else digits].
     #[arg(long)]
     dataset: Option<String>,
-    /// Ranks: R (one node), or NxR (N nodes of R ranks).
-    #[arg(long, default_value = "4", value_parser = parse_world)]
-    world: (usize, usize),
-    /// Machine profile (shardline-bench machine-profile) for the step time.
-    #[arg(long, value_name = "FILE")]
-    profile: Option<PathBuf>,
-    /// The profile's transport for the collectives [default: local on one node (threads of
-    /// one process), tcp across nodes].
+    /// Ranks: R (one node), or NxR (N nodes of R ranks); with --search a comma list of
+    /// them, each searched (e.g. 1x8,4x8,16x8).
+    #[arg(long, default_value = "4", value_parser = parse_worlds)]
+    world: Worlds,
+    /// Machine profile for the step time: a file (shardline-bench machine-profile), or a
+    /// profile shipped in the binary by name: h100-8x-ib (H100 SXM 80GB nodes of 8 on
+    /// NVLink, 8x 400G InfiniBand each; from published figures, not measured here, each
+    /// figure with its source).
+    #[arg(long, value_name = "FILE|NAME")]
+    profile: Option<String>,
+    /// The profile's transport for the collectives; INTRA/INTER prices the executor's
+    /// hierarchical schedule across nodes [default: the profile's own (h100-8x-ib: nvlink,
+    /// nvlink/ib across nodes), else local on one node (threads of one process), tcp
+    /// across nodes].
     #[arg(long)]
     transport: Option<String>,
+    /// Activations and scratch: probe (one microbatch run on this host), counted (gpt's,
+    /// from its shape; scratch not modelled) or auto (counted for a gpt whose probe would
+    /// need more than 1 GiB here, else probe).
+    #[arg(long, value_enum, default_value = "auto")]
+    activations: ActivationsArg,
+    /// Search: predict every configuration of this model and global batch (stages 0-3,
+    /// prefetch 0-2 at stage 3, recompute none and units, every --grad-accum dividing a
+    /// rank's share, each --world), drop those over --memory-cap, and print the fastest
+    /// (--top) with their memory and step, and the `shardline train` command of the best.
+    /// Needs --profile; ignores --stage, --prefetch, --recompute, --grad-accum and
+    /// --accum-reduce (each stage's default).
+    #[arg(long)]
+    search: bool,
+    /// With --search: most bytes per rank (e.g. 64MiB, 80GB) [default: the profile's
+    /// device memory when it gives one, else no cap].
+    #[arg(long, value_parser = parse_bytes)]
+    memory_cap: Option<u64>,
+    /// With --search: configurations printed.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
     /// ZeRO stage, 0-3.
     #[arg(long, default_value = "3")]
     stage: String,
@@ -242,39 +360,91 @@ struct PlanArgs {
     /// Compute threads per rank.
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// gpt: transformer blocks [default: 4].
-    #[arg(long)]
-    n_layer: Option<usize>,
-    /// gpt: attention heads [default: 4].
-    #[arg(long)]
-    n_head: Option<usize>,
-    /// gpt: embedding width [default: 128].
-    #[arg(long)]
-    n_embd: Option<usize>,
-    /// gpt: context length [default: 64].
-    #[arg(long)]
-    block_size: Option<usize>,
-    /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
-    #[arg(long)]
-    hidden: Option<usize>,
-    /// Hidden blocks (mlp-bn).
-    #[arg(long)]
-    depth: Option<usize>,
-    /// resnet-bn: channels of conv1.
-    #[arg(long)]
-    width: Option<usize>,
-    /// wide-mlp: parameter count.
-    #[arg(long, value_parser = parse_count, default_value = "50M")]
-    params: usize,
-    /// Synthetic data: input features.
-    #[arg(long, default_value_t = 784)]
-    input_dim: usize,
-    /// Synthetic data: classes.
-    #[arg(long, default_value_t = 10)]
-    classes: usize,
+    #[command(flatten)]
+    size: ModelArgs,
     /// Print the prediction as JSON.
     #[arg(long)]
     json: bool,
+    /// Write the simulated steady step of rank 0 as a Chrome trace (the rows and span names
+    /// of `train --trace`: forward, backward, input grad, update, wait on the compute row;
+    /// all-gather and reduce on their lanes); needs --profile.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Write the same step as an SVG timeline (`shardline timeline` draws a measured trace
+    /// the same way); needs --profile.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+}
+
+/// `shardline timeline`.
+#[derive(Args, Debug)]
+struct TimelineArgs {
+    /// A Chrome trace: `train --trace FILE` or `plan --trace FILE`.
+    trace: PathBuf,
+    /// The SVG file to write.
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
+    /// Only the spans inside START:END, milliseconds from the trace's origin (e.g. one
+    /// step) [default: the whole trace].
+    #[arg(long, value_name = "START:END", value_parser = parse_window)]
+    window_ms: Option<(f64, f64)>,
+}
+
+/// `--window-ms START:END`, START below END.
+fn parse_window(s: &str) -> Result<(f64, f64), String> {
+    let bad = || format!("'{s}' is not START:END in milliseconds with START < END (try 120:180)");
+    let (a, b) = s.split_once(':').ok_or_else(bad)?;
+    let (a, b): (f64, f64) =
+        (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+    if a.is_finite() && b.is_finite() && a < b {
+        Ok((a, b))
+    } else {
+        Err(bad())
+    }
+}
+
+/// `shardline timeline`: the SVG of a Chrome trace.
+fn timeline_cmd(a: &TimelineArgs) -> i32 {
+    let doc =
+        std::fs::read(&a.trace).map_err(|e| format!("{}: {e}", a.trace.display())).and_then(|b| {
+            serde_json::from_slice::<serde_json::Value>(&b)
+                .map_err(|e| format!("{}: not JSON: {e}", a.trace.display()))
+        });
+    let window = a.window_ms.map(|(x, y)| (x * 1e3, y * 1e3));
+    let title = a.trace.display().to_string();
+    let svg = doc.and_then(|d| {
+        shardline_runtime::timeline_svg::render(&d, window, &title)
+            .map_err(|e| format!("{}: {e}", a.trace.display()))
+    });
+    match svg {
+        Ok(svg) => match std::fs::write(&a.out, svg) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: --out {}: {e}", a.out.display());
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+/// `plan --world`: (nodes, ranks per node) of each placement.
+#[derive(Clone, Debug)]
+struct Worlds(Vec<(usize, usize)>);
+
+/// `--world R`, `NxR`, or a comma list of them.
+fn parse_worlds(s: &str) -> Result<Worlds, String> {
+    s.split(',').map(parse_world).collect::<Result<_, _>>().map(Worlds)
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ActivationsArg {
+    Probe,
+    Counted,
+    Auto,
 }
 
 /// `--world R` or `NxR`.
@@ -290,7 +460,7 @@ fn parse_world(s: &str) -> Result<(usize, usize), String> {
 }
 
 fn plan_cmd(a: &PlanArgs) -> i32 {
-    use shardline_runtime::plan::{predict, profile::Profile, Placement};
+    use shardline_runtime::plan::{predict_from, profile::Profile, ActivationSource, Placement};
     let stage = match a.stage.parse::<u8>().ok().and_then(|n| Stage::from_index(n).ok()) {
         Some(s) => s,
         None => {
@@ -298,7 +468,11 @@ fn plan_cmd(a: &PlanArgs) -> i32 {
             return 2;
         }
     };
-    let (nodes, ranks) = a.world;
+    if a.world.0.len() > 1 && !a.search {
+        eprintln!("error: --world: a list of worlds needs --search");
+        return 2;
+    }
+    let (nodes, ranks) = a.world.0[0];
     let dataset = a.dataset.clone().unwrap_or_else(|| {
         if a.model == "gpt" {
             "text".into()
@@ -331,21 +505,12 @@ fn plan_cmd(a: &PlanArgs) -> i32 {
         },
         prefetch: a.prefetch,
         prefetch_budget: a.prefetch_budget,
-        hidden: a.hidden,
-        depth: a.depth,
-        width: a.width,
-        params: a.params,
-        input_dim: a.input_dim,
-        classes: a.classes,
-        n_layer: a.n_layer,
-        n_head: a.n_head,
-        n_embd: a.n_embd,
-        block_size: a.block_size,
         threads: a.threads,
         ..TrainConfig::default()
     };
+    let cfg = a.size.apply(cfg);
     let profile = match &a.profile {
-        Some(p) => match Profile::load(p) {
+        Some(p) => match Profile::load_named(p) {
             Ok(p) => Some(p),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -354,28 +519,78 @@ fn plan_cmd(a: &PlanArgs) -> i32 {
         },
         None => None,
     };
-    let transport =
-        a.transport.clone().unwrap_or_else(
-            || {
-                if nodes > 1 {
-                    "tcp".into()
-                } else {
-                    "local".into()
-                }
-            },
-        );
+    // The profile's own transports first, else threads of one process or tcp.
+    let transport_for = |nodes: usize| -> String {
+        if let Some(t) = &a.transport {
+            return t.clone();
+        }
+        match profile.as_ref().and_then(|p| p.transports_default.clone()) {
+            Some((intra, inter)) if nodes > 1 => format!("{intra}/{inter}"),
+            Some((intra, _)) => intra,
+            None if nodes > 1 => "tcp".into(),
+            None => "local".into(),
+        }
+    };
     if let (Some(p), Some(t)) = (&profile, &a.transport) {
-        if !p.transports(cfg.world).contains(t) && cfg.world > 1 {
+        let known = |t: &str, w: usize| w <= 1 || p.transports(w).iter().any(|x| x == t);
+        let ok = a.world.0.iter().all(|&(n, r)| match t.split_once('/') {
+            Some((intra, inter)) => known(intra, r) && known(inter, n),
+            None => known(t, n * r),
+        });
+        if !ok {
             eprintln!(
-                "error: --transport {t}: the profile measured {:?} at world {}",
+                "error: --transport {t}: the profile has {:?} at world {}",
                 p.transports(cfg.world),
                 cfg.world
             );
             return 2;
         }
     }
-    let at = Placement { nodes, ranks_per_node: ranks, transport };
-    match predict(&cfg, &at, profile.as_ref()) {
+    let source = match a.activations {
+        ActivationsArg::Probe => ActivationSource::Probe,
+        ActivationsArg::Counted => ActivationSource::Counted,
+        ActivationsArg::Auto => ActivationSource::Auto,
+    };
+    if a.search {
+        return search_cmd(a, &cfg, profile.as_ref(), &transport_for, source);
+    }
+    let at = Placement { nodes, ranks_per_node: ranks, transport: transport_for(nodes) };
+    let job = match shardline_runtime::train::plan(&cfg) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit_for(&e);
+        }
+    };
+    if (a.trace.is_some() || a.svg.is_some()) && profile.is_none() {
+        eprintln!("error: --trace and --svg draw the simulated step and need --profile");
+        return 2;
+    }
+    let p = predict_from(&cfg, &job, &at, profile.as_ref(), source);
+    if let Ok(p) = &p {
+        let doc = shardline_runtime::telemetry::chrome_json(&p.timeline);
+        let title = format!(
+            "shardline plan: {} world {} stage {}, simulated step",
+            p.model, p.world, p.stage
+        );
+        let files = [
+            (a.trace.as_ref(), "--trace", serde_json::to_string(&doc).unwrap_or_default()),
+            (
+                a.svg.as_ref(),
+                "--svg",
+                shardline_runtime::timeline_svg::render(&doc, None, &title).unwrap_or_default(),
+            ),
+        ];
+        for (path, flag, text) in files {
+            if let Some(path) = path {
+                if let Err(e) = std::fs::write(path, text) {
+                    eprintln!("error: {flag} {}: {e}", path.display());
+                    return 1;
+                }
+            }
+        }
+    }
+    match p {
         Ok(p) if a.json => {
             println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
             0
@@ -389,6 +604,137 @@ fn plan_cmd(a: &PlanArgs) -> i32 {
             exit_for(&e)
         }
     }
+}
+
+/// `plan --search`: the ranking, and the `train` command of the best.
+fn search_cmd(
+    a: &PlanArgs,
+    cfg: &TrainConfig,
+    profile: Option<&shardline_runtime::plan::profile::Profile>,
+    transport_for: &dyn Fn(usize) -> String,
+    source: shardline_runtime::plan::ActivationSource,
+) -> i32 {
+    use shardline_runtime::memory::format_bytes;
+    use shardline_runtime::plan::search;
+    let Some(p) = profile else {
+        eprintln!("error: --search ranks by step time and needs --profile");
+        return 2;
+    };
+    let cap = a.memory_cap.or(p.device_memory.as_ref().map(|m| m.value as u64));
+    let found = match search::search(cfg, &a.world.0, p, cap, transport_for, source) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return exit_for(&e);
+        }
+    };
+    let best = found.ranked.first().map(|b| train_command(a, cfg, &b.choice));
+    if a.json {
+        let v = serde_json::json!({ "search": found, "best_command": best });
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return 0;
+    }
+    let cap_words = cap.map_or("no cap".to_string(), format_bytes);
+    println!(
+        "shardline plan --search: {} ({} samples per step), {} configurations, {} within {cap_words} per rank",
+        cfg.model,
+        cfg.batch_size,
+        found.evaluated,
+        found.ranked.len()
+    );
+    if let Some(words) = &p.published {
+        println!("  profile: {words}");
+    }
+    if let Some(why) = &found.first_refusal {
+        println!("  {} configurations refused by train's checks (the first: {why})", found.refused);
+    }
+    println!(
+        "  {:>4} {:>7} {:>5} {:>8} {:>9} {:>5} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12}",
+        "rank",
+        "world",
+        "stage",
+        "prefetch",
+        "recompute",
+        "accum",
+        "peak",
+        "step ms",
+        "compute ms",
+        "exposed ms",
+        "samples/s",
+        "tokens/s"
+    );
+    for (i, r) in found.ranked.iter().take(a.top).enumerate() {
+        let c = &r.choice;
+        println!(
+            "  {:>4} {:>7} {:>5} {:>8} {:>9} {:>5} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>12.1} {:>12}",
+            i + 1,
+            format!("{}x{}", c.nodes, c.ranks_per_node),
+            c.stage,
+            c.prefetch,
+            c.recompute,
+            c.grad_accum,
+            format_bytes(r.peak_bytes),
+            r.step_s * 1e3,
+            r.compute_s * 1e3,
+            r.exposed_s * 1e3,
+            r.samples_per_s,
+            r.tokens_per_s.map_or("-".into(), |t| format!("{t:.0}"))
+        );
+    }
+    match best {
+        Some(cmd) => println!("  best: {cmd}"),
+        None => println!("  no configuration fits {cap_words} per rank"),
+    }
+    0
+}
+
+/// The `shardline train` command that runs `c` of the searched job (the placement as
+/// threads of one process, or `launch` across nodes, is the caller's).
+fn train_command(
+    a: &PlanArgs,
+    cfg: &TrainConfig,
+    c: &shardline_runtime::plan::search::Choice,
+) -> String {
+    let mut v = vec![
+        "shardline train".to_string(),
+        format!("--model {}", cfg.model),
+        format!("--dataset {}", cfg.dataset),
+    ];
+    let s = &a.size;
+    let sizes = [
+        ("--n-layer", s.n_layer),
+        ("--n-head", s.n_head),
+        ("--n-embd", s.n_embd),
+        ("--block-size", s.block_size),
+        ("--vocab-size", s.vocab_size),
+        ("--width", s.width),
+        ("--hidden", s.hidden),
+        ("--depth", s.depth),
+    ];
+    v.extend(sizes.iter().filter_map(|(f, x)| x.map(|x| format!("{f} {x}"))));
+    if cfg.model == "wide-mlp" {
+        v.push(format!("--params {}", s.params));
+    }
+    if cfg.dataset == "synthetic" {
+        v.push(format!("--input-dim {} --classes {}", s.input_dim, s.classes));
+    }
+    v.push(format!("--batch-size {} --optimizer {}", cfg.batch_size, cfg.optimizer));
+    if let Some(c) = cfg.clip_grad_norm {
+        v.push(format!("--clip-grad-norm {c}"));
+    }
+    v.push(format!("--sync-bn {}", format!("{:?}", a.sync_bn).to_lowercase()));
+    if cfg.threads != 1 {
+        v.push(format!("--threads {}", cfg.threads));
+    }
+    v.push(format!(
+        "--world {} --stage {} --prefetch {} --recompute {} --grad-accum {}",
+        c.world(),
+        c.stage,
+        c.prefetch,
+        c.recompute,
+        c.grad_accum
+    ));
+    v.join(" ")
 }
 
 #[derive(Args, Debug)]
@@ -572,28 +918,13 @@ struct TrainArgs {
     /// IDX pixels are always divided by 255 [default: values as they are].
     #[arg(long)]
     data_scale: Option<f32>,
-    /// gpt: transformer blocks [default: 4].
-    #[arg(long)]
-    n_layer: Option<usize>,
-    /// gpt: attention heads; must divide --n-embd [default: 4].
-    #[arg(long)]
-    n_head: Option<usize>,
-    /// gpt: embedding width [default: 128].
-    #[arg(long)]
-    n_embd: Option<usize>,
-    /// gpt: context length in tokens; windows of block_size + 1 tokens must fit in the
-    /// text [default: 64].
-    #[arg(long)]
-    block_size: Option<usize>,
+    #[command(flatten)]
+    size: ModelArgs,
     /// gpt: drop probability of nanoGPT's four dropout layers while training (the
     /// embeddings' sum, and in each block the attention probabilities after the softmax and
     /// the two residual branches), in [0, 1) [default: 0].
     #[arg(long)]
     dropout: Option<f64>,
-    /// resnet-bn: channels of conv1 and layer1, doubled by each of layer2..layer4 (8 or 16
-    /// for a small study) [default: 64, torchvision's].
-    #[arg(long)]
-    width: Option<usize>,
     /// Start from the weights of a safetensors file with torch's names (a torch
     /// state_dict saved by safetensors.torch.save_file, or `checkpoint export`'s output)
     /// instead of the seed's initialisation. Strict, as torch's load_state_dict: every
@@ -706,24 +1037,9 @@ struct TrainArgs {
     /// Values per scale of a quantized gather (a tensor's last block may be shorter).
     #[arg(long, default_value_t = 256)]
     gather_block: usize,
-    /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
-    #[arg(long)]
-    hidden: Option<usize>,
-    /// Number of hidden blocks (mlp-bn).
-    #[arg(long)]
-    depth: Option<usize>,
-    /// Synthetic data: input features.
-    #[arg(long, default_value_t = 784)]
-    input_dim: usize,
-    /// Synthetic data: classes.
-    #[arg(long, default_value_t = 10)]
-    classes: usize,
     /// Synthetic data: training samples.
     #[arg(long, default_value_t = 8192)]
     samples: usize,
-    /// wide-mlp: parameter count (e.g. 50M).
-    #[arg(long, value_parser = parse_count, default_value = "50M")]
-    params: usize,
     /// Group blocks into units of at least this many parameters (0: one unit per block).
     #[arg(long, value_parser = parse_count, default_value = "0")]
     wrap_params: usize,
@@ -877,7 +1193,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
             StageChoice::Fixed(Stage::from_index(n).map_err(|e| e.to_string())?)
         }
     };
-    Ok(TrainConfig {
+    Ok(a.size.apply(TrainConfig {
         world: a.world,
         stage,
         model: a.model.clone().unwrap_or_else(|| "mlp-bn".into()),
@@ -916,19 +1232,9 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         prefetch: a.prefetch,
         prefetch_budget: a.prefetch_budget,
         device_memory: a.device_memory,
-        hidden: a.hidden,
-        depth: a.depth,
-        input_dim: a.input_dim,
-        classes: a.classes,
         samples: a.samples,
-        params: a.params,
         wrap_params: a.wrap_params,
-        n_layer: a.n_layer,
-        n_head: a.n_head,
-        n_embd: a.n_embd,
-        block_size: a.block_size,
         dropout: a.dropout,
-        width: a.width,
         init_from: a.init_from.clone(),
         threads: a.threads,
         device: Device::Cpu,
@@ -938,7 +1244,8 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         reduce_dtype: a.reduce_dtype,
         gather_dtype: a.gather_dtype,
         gather_block: a.gather_block,
-    })
+        ..TrainConfig::default()
+    }))
 }
 
 /// What `train`'s flags ask of the run (outputs, checkpoints, stragglers), for either
@@ -1194,6 +1501,7 @@ fn main() {
         }
         Cmd::Launch(l) => launch_cmd(l),
         Cmd::Plan(a) => plan_cmd(&a),
+        Cmd::Timeline(a) => timeline_cmd(&a),
         Cmd::Doctor { dump } => match shardline_runtime::doctor::Diagnosis::load(&dump) {
             Ok(d) => {
                 print!("{}", d.report());

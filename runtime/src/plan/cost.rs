@@ -199,8 +199,13 @@ mod tests {
             memory_gbps: 10.0,
             gelu_ns: 0.0,
             gemm_shared: vec![],
-            gemm: vec![GemmRow { m: 64, n: 64, k: 64, gflops: 1.0 }],
+            gemm: vec![GemmRow { m: 64, n: 64, k: 64, gflops: 1.0, source: None }],
             collectives: vec![],
+            published: None,
+            transports_default: None,
+            device_memory: None,
+            gemm_by: Default::default(),
+            sources: vec![],
         }
     }
 

@@ -6,7 +6,9 @@
 //! [`ShardedModelLayout`], what a rank keeps the stage's rules; a step is the engine's walk
 //! (ENG-12) with its gather plan and reductions (`sim`), on costs from a machine profile
 //! (`profile`, `cost`). Activations and kernel scratch are those of one microbatch run once
-//! on this host (`activations::activation_peaks`, ACTEST-1): shapes, not timings.
+//! on this host (`activations::activation_peaks`, ACTEST-1): shapes, not timings; a `gpt`
+//! too large for that has them counted from its shape instead (`act_model`, PLAN-9).
+//! `search` ranks the configurations of one model and global batch by predicted speed.
 //!
 //! What is modelled: parameters, gradients (kept and transient), optimizer state, gathered
 //! units (the prefetch plan and its budget, the gather carried into the next step),
@@ -27,8 +29,10 @@
 //!   at stages 2 and 3 depend on when reductions complete, and lie between the floor (each
 //!   done when the clock says) and the bound (each done only when waited for, PLAN-6).
 
+pub mod act_model;
 pub mod cost;
 pub mod profile;
+pub mod search;
 pub mod sim;
 
 use serde::Serialize;
@@ -49,9 +53,24 @@ pub struct Placement {
     /// Ranks per node.
     pub ranks_per_node: usize,
     /// The transport the profile's collectives are read for (`local`: threads of one
-    /// process).
+    /// process); `INTRA/INTER` prices the executor's hierarchical schedule across nodes.
     pub transport: String,
 }
+
+/// Where a prediction's activations come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationSource {
+    /// One microbatch run on this host (ACTEST-1).
+    Probe,
+    /// Counted from `gpt`'s shape (PLAN-9).
+    Counted,
+    /// Counted for a `gpt` whose probe would need more than [`PROBE_LIMIT_BYTES`] of host
+    /// memory, else the probe.
+    Auto,
+}
+
+/// The most host memory the one-microbatch run may take under [`ActivationSource::Auto`].
+pub const PROBE_LIMIT_BYTES: u64 = 1 << 30;
 
 /// The predicted peak of one memory category on each rank.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -108,6 +127,11 @@ pub struct Prediction {
     pub recompute: String,
     /// Samples per rank and microbatch.
     pub microbatch: usize,
+    /// `probe` (one microbatch run on this host) or `counted` (`gpt`'s shape, PLAN-9).
+    pub activations_from: String,
+    /// The profile's words when its figures are published ones, not measured here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub published: Option<String>,
     /// Per category, each rank's peak.
     pub memory: Vec<MemoryRow>,
     /// The peak of the state, gathered units, gradients in flight and the pool's buffers
@@ -115,6 +139,9 @@ pub struct Prediction {
     pub peak_bytes: u64,
     /// The step, with a profile and a model whose compute is counted.
     pub step: Option<StepRow>,
+    /// The steady step's spans on rank 0, in the engine's trace rows (`--trace`).
+    #[serde(skip)]
+    pub timeline: Vec<crate::telemetry::Event>,
     /// Why there is no step prediction.
     pub no_step: Option<String>,
 }
@@ -145,14 +172,43 @@ pub fn predict_job(
     at: &Placement,
     profile: Option<&Profile>,
 ) -> Result<Prediction> {
+    predict_from(cfg, job, at, profile, ActivationSource::Auto)
+}
+
+/// [`predict_job`] with the activations from `source`.
+pub fn predict_from(
+    cfg: &TrainConfig,
+    job: &JobPlan,
+    at: &Placement,
+    profile: Option<&Profile>,
+    source: ActivationSource,
+) -> Result<Prediction> {
     let spec = job.model.spec();
     let layout = ShardedModelLayout::new(&spec, cfg.world)?;
     let calls = job.model.calls();
     let engine = &job.engine;
     let n = layout.units().len();
     let microbatch = crate::activations::microbatch(cfg);
-    // One microbatch run once: activations, scratch, each call's tensor traffic (ACTEST-2).
-    let once = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
+    // One microbatch run once: activations, scratch, each call's tensor traffic (ACTEST-2);
+    // or, for a gpt, counted from its shape (PLAN-9).
+    let counted = |g: &shardline_models::nn::GptConfig| crate::activations::MicrobatchMemory {
+        activations: act_model::gpt_activations(g, microbatch, engine.recompute),
+        scratch: 0,
+        traffic: act_model::gpt_traffic(g, microbatch),
+    };
+    let (once, activations_from) = match (source, &job.gpt) {
+        (ActivationSource::Counted, None) => {
+            return Err(flag_error("--activations counted", "only gpt's are counted"))
+        }
+        (ActivationSource::Counted, Some(g)) => (counted(g), "counted"),
+        (ActivationSource::Auto, Some(g))
+            // The probe holds parameters and gradients, and the microbatch's activations.
+            if 8 * spec.numel() as u64 + counted(g).activations > PROBE_LIMIT_BYTES =>
+        {
+            (counted(g), "counted")
+        }
+        _ => (crate::activations::activation_peaks(&*job.model, &job.train, cfg)?, "probe"),
+    };
     // Compute and communication costs, when the profile and the model allow.
     let (costs, comm, no_step) = match profile {
         None => (None, None, Some("no --profile given".to_string())),
@@ -172,7 +228,10 @@ pub fn predict_job(
         comm.as_ref().unwrap_or(&free),
     );
     // The first step starts without a carried gather (ENG-6); the third is steady.
-    let steps: Vec<SimStep> = (0..3).map(|_| rank.step()).collect();
+    let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
+    let t2 = rank.now();
+    steps.push(rank.step());
+    let timeline = rank.timeline_since(t2);
     // Memory: the same steps with every reduction late (PLAN-6).
     let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
     for _ in 0..3 {
@@ -218,10 +277,13 @@ pub fn predict_job(
         grad_accum: engine.grad_accum,
         recompute: engine.recompute.name().into(),
         microbatch,
+        activations_from: activations_from.into(),
+        published: profile.and_then(|p| p.published.clone()),
         memory,
         peak_bytes: mem.peak_total() + act + scratch,
         step,
         no_step,
+        timeline,
     })
 }
 
@@ -268,7 +330,11 @@ fn costs_of(
     let w = cfg.world;
     let t = at.transport.as_str();
     let coll = |op: &str, bytes: u64| {
-        p.collective_s(op, t, w, bytes).map_err(|e| flag_error("--profile", e))
+        match t.split_once('/') {
+            Some(pair) => p.hierarchical_s(op, pair, (at.nodes, at.ranks_per_node), bytes),
+            None => p.collective_s(op, t, w, bytes),
+        }
+        .map_err(|e| flag_error("--profile", e))
     };
     let reduce_op = match rules.reduce {
         crate::engine::sim_api::GradReduce::AllReduce => "all-reduce",
@@ -303,8 +369,14 @@ impl Prediction {
                 self.grad_accum,
                 self.recompute
             ),
-            "  memory per rank (peak by category):".into(),
         ];
+        if let Some(words) = &self.published {
+            v.push(format!("  profile: {words}"));
+        }
+        if self.activations_from == "counted" {
+            v.push("  activations counted from gpt's shape (too large to run here); kernels' scratch not modelled".into());
+        }
+        v.push("  memory per rank (peak by category):".into());
         for r in self.memory.iter().filter(|r| r.bytes > 0) {
             // Gradients in flight: the bound, and the floor when the clock gives less (PLAN-6).
             let floor = if r.floor != r.bytes {

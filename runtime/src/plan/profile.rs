@@ -10,10 +10,23 @@
 //! segment's bandwidth). The GEMM rate is interpolated in the logarithm of the product's
 //! smallest dimension.
 //!
+//! A profile may instead come from published figures (`published` says so, and every figure
+//! carries its `source`): a collective row is then a formula, not a measurement. It holds
+//! for worlds from `world` to `world_max` and costs a ring's: `steps` latencies plus the
+//! bytes each rank moves over a bus bandwidth, as nccl-tests defines busbw (all-reduce
+//! `2(n-1)/n` of the buffer, reduce-scatter and all-gather `(n-1)/n`). A job over several
+//! nodes runs the executor's hierarchical schedule (`algo::hier`, what `Algorithm::Auto`
+//! picks on a uniform multi-node topology): a ring inside each node, a ring across nodes
+//! among ranks of the same local rank on `1/ranks_per_node` of the buffer, each priced on
+//! its own transport ([`Profile::hierarchical_s`]).
+//!
 //! Invariants:
 //! - PLAN-1: a collective's cost is the measured time at every measured size, grows with the
 //!   bytes, and is never below the smallest size's (the latency); a GEMM's rate at a probed
 //!   size is the probe's.
+//! - PLAN-8: a formula row's all-reduce costs twice its reduce-scatter's bandwidth term, a
+//!   ring's; the hierarchical cost is the sum of its phases on their transports, and equals
+//!   the one-node cost when there is one node.
 
 use std::path::Path;
 
@@ -30,10 +43,39 @@ pub struct CollectiveRow {
     pub world: usize,
     /// `local`, `shm` or `tcp`.
     pub transport: String,
-    /// Whole-buffer bytes (the all-gather's output, the reduce-scatter's input).
+    /// Whole-buffer bytes (the all-gather's output, the reduce-scatter's input); 0 in a
+    /// formula row.
+    #[serde(default)]
     pub bytes: u64,
-    /// Median time of the slowest rank, microseconds.
+    /// Median time of the slowest rank, microseconds; 0 in a formula row.
+    #[serde(default)]
     pub time_us: f64,
+    /// A formula row: the ring's cost at every world from `world` to this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_max: Option<usize>,
+    /// A formula row: bus bandwidth, GB/s (nccl-tests' busbw).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busbw_gbps: Option<f64>,
+    /// A formula row: latency of each of the ring's steps, microseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_latency_us: Option<f64>,
+    /// Where the figures come from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+}
+
+impl CollectiveRow {
+    /// Seconds of a formula row's ring over `world` ranks moving `bytes` (PLAN-8); `None`
+    /// for a measured row.
+    fn formula_s(&self, world: usize, bytes: u64) -> Option<f64> {
+        let bw = self.busbw_gbps? * 1e9;
+        let n = world as f64;
+        let (factor, steps) = match self.op.as_str() {
+            "all-reduce" => (2.0 * (n - 1.0) / n, 2.0 * (n - 1.0)),
+            _ => ((n - 1.0) / n, n - 1.0),
+        };
+        Some(steps * self.step_latency_us.unwrap_or(0.0) * 1e-6 + bytes as f64 * factor / bw)
+    }
 }
 
 /// One GEMM probe: `m x n x k` products.
@@ -45,8 +87,11 @@ pub struct GemmRow {
     pub n: usize,
     /// Inner dimension.
     pub k: usize,
-    /// Best rate, GFLOP/s, one thread.
+    /// Best rate, GFLOP/s, one thread (one device in a published profile).
     pub gflops: f64,
+    /// Where the rate comes from (a published profile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// The GEMM probe run on several threads at once.
@@ -79,16 +124,92 @@ pub struct Profile {
     /// probed).
     #[serde(default)]
     pub gelu_ns: f64,
-    /// Collectives measured.
+    /// Collectives measured, or formula rows.
     pub collectives: Vec<CollectiveRow>,
+    /// Set when the figures are published ones, not measured here: the words
+    /// "from published figures, not measured here" and what the profile describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published: Option<String>,
+    /// The transport inside a node and the one across nodes (`plan`'s default
+    /// `--transport`: the first on one node, `INTRA/INTER` on several).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transports_default: Option<(String, String)>,
+    /// Memory of one rank's device, bytes, with its source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<Figure>,
+    /// How a product meets the GEMM probes: `smallest` (its smallest dimension, as a
+    /// CPU's cache blocking sees it; the default) or `volume` (the cube root of
+    /// `m x n x k`, as a GPU's rate grows with the work it is given).
+    #[serde(default, skip_serializing_if = "GemmBy::is_smallest")]
+    pub gemm_by: GemmBy,
+    /// Where the memory bandwidth, the core count and the GELU figure come from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<String>,
 }
 
+/// How a product's size is read against the GEMM probes.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GemmBy {
+    /// Its smallest dimension.
+    #[default]
+    Smallest,
+    /// The cube root of `m x n x k`.
+    Volume,
+}
+
+impl GemmBy {
+    fn is_smallest(&self) -> bool {
+        *self == GemmBy::Smallest
+    }
+
+    /// The size of an `m x n x k` product.
+    fn size(self, m: usize, n: usize, k: usize) -> f64 {
+        match self {
+            GemmBy::Smallest => m.min(n).min(k).max(1) as f64,
+            GemmBy::Volume => ((m.max(1) * n.max(1)) as f64 * k.max(1) as f64).cbrt(),
+        }
+    }
+}
+
+/// A published figure and where it comes from.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Figure {
+    /// The value.
+    pub value: f64,
+    /// Its source.
+    pub source: String,
+}
+
+/// The profiles shipped in the binary: `--profile NAME`.
+pub const SHIPPED: &[(&str, &str)] =
+    &[("h100-8x-ib", include_str!("../../profiles/h100-8x-ib.json"))];
+
 impl Profile {
+    /// A shipped profile by name, else a profile file; one that does not parse names
+    /// itself.
+    pub fn load_named(name: &str) -> Result<Self> {
+        match SHIPPED.iter().find(|s| s.0 == name) {
+            Some((_, text)) => Self::parse(text, Path::new(name)),
+            None => Self::load(Path::new(name)),
+        }
+    }
+
     /// Reads a profile file; a file that does not parse names itself.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| RuntimeError::config(format!("--profile {}: {e}", path.display())))?;
-        let p: Profile = serde_json::from_str(&text).map_err(|e| {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let names: Vec<&str> = SHIPPED.iter().map(|s| s.0).collect();
+            RuntimeError::config(format!(
+                "--profile {}: {e} (a file, or one of {})",
+                path.display(),
+                names.join(", ")
+            ))
+        })?;
+        Self::parse(&text, path)
+    }
+
+    fn parse(text: &str, path: &Path) -> Result<Self> {
+        let p: Profile = serde_json::from_str(text).map_err(|e| {
             RuntimeError::config(format!(
                 "--profile {}: not a machine profile: {e}",
                 path.display()
@@ -100,7 +221,47 @@ impl Profile {
                 path.display()
             )));
         }
+        if let Some(r) = p.collectives.iter().find(|r| {
+            let formula = r.busbw_gbps.is_some();
+            (formula && (r.busbw_gbps <= Some(0.0) || r.world_max < Some(r.world)))
+                || (!formula && (r.bytes == 0 || r.time_us <= 0.0))
+        }) {
+            return Err(RuntimeError::config(format!(
+                "--profile {}: the {} row over {} at world {} needs bytes and time_us, or \
+                 busbw_gbps above 0 and world_max at least world",
+                path.display(),
+                r.op,
+                r.transport,
+                r.world
+            )));
+        }
         Ok(p)
+    }
+
+    /// Seconds of `op` on `bytes` over `nodes` nodes of `per_node` ranks: one node's ring
+    /// on `intra`; across nodes the executor's hierarchical schedule (PLAN-8): the ring in
+    /// each node on `intra` and the ring among the ranks of one local rank on `inter`, over
+    /// `1/per_node` of the buffer.
+    pub fn hierarchical_s(
+        &self,
+        op: &str,
+        (intra, inter): (&str, &str),
+        (nodes, per_node): (usize, usize),
+        bytes: u64,
+    ) -> Result<f64> {
+        if nodes <= 1 {
+            return self.collective_s(op, intra, per_node, bytes);
+        }
+        let part = bytes / per_node.max(1) as u64;
+        let inside = |op| self.collective_s(op, intra, per_node, bytes);
+        let across = |op| self.collective_s(op, inter, nodes, part);
+        Ok(match op {
+            "all-reduce" => {
+                inside("reduce-scatter")? + across("all-reduce")? + inside("all-gather")?
+            }
+            "reduce-scatter" => inside("reduce-scatter")? + across("reduce-scatter")?,
+            _ => across("all-gather")? + inside("all-gather")?,
+        })
     }
 
     /// How much slower each of `threads` threads multiplies than one alone: the shared
@@ -120,7 +281,7 @@ impl Profile {
         let mut t: Vec<String> = self
             .collectives
             .iter()
-            .filter(|r| r.world == world)
+            .filter(|r| r.world == world || (r.world..=r.world_max.unwrap_or(0)).contains(&world))
             .map(|r| r.transport.clone())
             .collect();
         t.sort();
@@ -134,10 +295,19 @@ impl Profile {
         if world <= 1 {
             return Ok(0.0);
         }
+        let formula = self.collectives.iter().find(|r| {
+            r.op == op
+                && r.transport == transport
+                && (r.world..=r.world_max.unwrap_or(0)).contains(&world)
+        });
+        if let Some(s) = formula.and_then(|r| r.formula_s(world, bytes)) {
+            return Ok(s);
+        }
         let mut pts: Vec<(f64, f64)> = self
             .collectives
             .iter()
             .filter(|r| r.op == op && r.transport == transport && r.world == world)
+            .filter(|r| r.busbw_gbps.is_none())
             .map(|r| (r.bytes as f64, r.time_us * 1e-6))
             .collect();
         if pts.is_empty() {
@@ -155,7 +325,10 @@ impl Profile {
         let mut v: Vec<String> = self
             .collectives
             .iter()
-            .map(|r| format!("{} {} w{}", r.op, r.transport, r.world))
+            .map(|r| match r.world_max {
+                Some(m) => format!("{} {} w{}-{m}", r.op, r.transport, r.world),
+                None => format!("{} {} w{}", r.op, r.transport, r.world),
+            })
             .collect();
         v.sort();
         v.dedup();
@@ -163,12 +336,13 @@ impl Profile {
     }
 
     /// GFLOP/s of an `m x n x k` product on one thread (PLAN-1), interpolated in the log of
-    /// the smallest dimension between the probes'.
+    /// its size ([`GemmBy`]) between the probes'.
     pub fn gemm_gflops(&self, m: usize, n: usize, k: usize) -> f64 {
-        let size = |r: &GemmRow| (r.m.min(r.n).min(r.k).max(1) as f64).ln();
-        let mut pts: Vec<(f64, f64)> = self.gemm.iter().map(|r| (size(r), r.gflops)).collect();
+        let by = self.gemm_by;
+        let mut pts: Vec<(f64, f64)> =
+            self.gemm.iter().map(|r| (by.size(r.m, r.n, r.k).ln(), r.gflops)).collect();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let x = (m.min(n).min(k).max(1) as f64).ln();
+        let x = by.size(m, n, k).ln();
         match (pts.first(), pts.last()) {
             (Some(&(x0, r0)), _) if x <= x0 => r0,
             (_, Some(&(x1, r1))) if x >= x1 => r1,
@@ -207,6 +381,10 @@ mod tests {
             transport: "local".into(),
             bytes,
             time_us: us,
+            world_max: None,
+            busbw_gbps: None,
+            step_latency_us: None,
+            source: None,
         };
         Profile {
             note: String::new(),
@@ -215,10 +393,15 @@ mod tests {
             gelu_ns: 0.0,
             gemm_shared: vec![],
             gemm: vec![
-                GemmRow { m: 32, n: 32, k: 32, gflops: 10.0 },
-                GemmRow { m: 256, n: 256, k: 256, gflops: 40.0 },
+                GemmRow { m: 32, n: 32, k: 32, gflops: 10.0, source: None },
+                GemmRow { m: 256, n: 256, k: 256, gflops: 40.0, source: None },
             ],
             collectives: vec![row(4096, 20.0), row(1 << 20, 200.0), row(1 << 22, 500.0)],
+            published: None,
+            transports_default: None,
+            device_memory: None,
+            gemm_by: GemmBy::Smallest,
+            sources: vec![],
         }
     }
 
@@ -262,5 +445,68 @@ mod tests {
         assert_eq!(p.gemm_gflops(8, 8, 8), 10.0);
         let mid = p.gemm_gflops(90, 90, 90);
         assert!(mid > 10.0 && mid < 40.0, "{mid}");
+        // By volume, a thin product of much work meets the large probe.
+        let mut v = profile();
+        v.gemm_by = GemmBy::Volume;
+        assert_eq!(p.gemm_gflops(32, 4096, 4096), 10.0);
+        assert_eq!(v.gemm_gflops(32, 4096, 4096), 40.0);
+        assert_eq!(v.gemm_gflops(256, 256, 256), 40.0);
+    }
+
+    fn formula(op: &str, transport: &str, worlds: (usize, usize), gbps: f64) -> CollectiveRow {
+        CollectiveRow {
+            op: op.into(),
+            world: worlds.0,
+            transport: transport.into(),
+            bytes: 0,
+            time_us: 0.0,
+            world_max: Some(worlds.1),
+            busbw_gbps: Some(gbps),
+            step_latency_us: Some(10.0),
+            source: Some("test".into()),
+        }
+    }
+
+    /// PLAN-8: a formula row's ring costs; the hierarchical schedule's phases add up, and
+    /// one node is the ring inside it.
+    #[test]
+    fn formula_rows_cost_a_ring_and_nodes_add_phases_plan_8() {
+        let mut p = profile();
+        for op in ["all-reduce", "reduce-scatter", "all-gather"] {
+            p.collectives.push(formula(op, "nv", (2, 8), 100.0));
+            p.collectives.push(formula(op, "ib", (2, 128), 10.0));
+        }
+        let c = |op, t, w, b| p.collective_s(op, t, w, b).unwrap();
+        let gb = 1u64 << 30;
+        let rs = c("reduce-scatter", "nv", 8, gb);
+        assert!((rs - (7.0 * 10e-6 + gb as f64 * 7.0 / 8.0 / 100e9)).abs() < 1e-12, "{rs}");
+        let ar = c("all-reduce", "nv", 8, gb);
+        assert!((ar - 2.0 * rs).abs() < 1e-12, "a ring all-reduce is twice its reduce-scatter");
+        assert!(p.collective_s("all-reduce", "nv", 9, gb).is_err(), "beyond world_max");
+        let h = |op, nodes| p.hierarchical_s(op, ("nv", "ib"), (nodes, 8), gb).unwrap();
+        assert_eq!(h("all-reduce", 1), ar);
+        let across = c("all-reduce", "ib", 4, gb / 8);
+        assert!((h("all-reduce", 4) - (ar + across)).abs() < 1e-12);
+        let ag = c("all-gather", "nv", 8, gb) + c("all-gather", "ib", 4, gb / 8);
+        assert!((h("all-gather", 4) - ag).abs() < 1e-12);
+        assert_eq!(p.transports(64), vec!["ib".to_string()]);
+    }
+
+    /// The shipped profile parses, is marked as published, and every figure has a source.
+    #[test]
+    fn the_shipped_profile_cites_every_figure_plan_8() {
+        let p = Profile::load_named("h100-8x-ib").unwrap();
+        assert!(p
+            .published
+            .as_deref()
+            .unwrap()
+            .contains("from published figures, not measured here"));
+        assert!(p.collectives.iter().all(|r| r.source.as_deref().is_some_and(|s| !s.is_empty())));
+        assert!(p.gemm.iter().all(|r| r.source.is_some()));
+        assert!(p.device_memory.as_ref().is_some_and(|m| !m.source.is_empty()));
+        let t = p.hierarchical_s("all-reduce", ("nvlink", "ib"), (128, 8), 1 << 30).unwrap();
+        assert!(t > p.collective_s("all-reduce", "nvlink", 8, 1 << 30).unwrap());
+        let e = Profile::load_named("no-such-profile").unwrap_err().to_string();
+        assert!(e.contains("--profile no-such-profile") && e.contains("h100-8x-ib"), "{e}");
     }
 }

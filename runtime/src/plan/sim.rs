@@ -19,6 +19,9 @@
 //!   unit in use (the plan's ENG-5 on a clock), and with free communication nothing is
 //!   exposed: the step takes its compute.
 //! - PLAN-4: a step's time is its compute plus its exposed communication.
+//! - PLAN-11: a step's timeline is its figures: its compute spans add up to its compute,
+//!   its `wait` spans to its exposed communication, its gather and reduce rows to the lanes'
+//!   busy time.
 //! - PLAN-6: with late reductions (none done before the walk waits for it) the gradients
 //!   in flight are the most the reduce budget allows (ENG-7), never below those of any
 //!   clock.
@@ -35,6 +38,7 @@ use crate::engine::sim_api::{
 };
 use crate::memory::Category;
 use crate::shard::ShardedModelLayout;
+use crate::telemetry::{Event, Row};
 
 use super::cost::CallCosts;
 
@@ -151,9 +155,11 @@ impl Heap {
     }
 }
 
-/// The simulated clock: the rank's time and when each lane is next free.
+/// The simulated clock: the rank's time and when each lane is next free, and the spans it
+/// ran, in the engine's trace rows (`telemetry::Row`).
 #[derive(Debug, Default)]
 struct Clock {
+    spans: Vec<Event>,
     /// The rank's own time, shared with the reductions in flight (`is_done` reads it).
     now: Rc<Cell<f64>>,
     gather_free: f64,
@@ -169,30 +175,46 @@ impl Clock {
         self.now.get()
     }
 
-    fn compute(&mut self, s: f64) {
+    fn span(&mut self, row: Row, name: String, start: f64, dur: f64) {
+        if dur <= 0.0 {
+            return; // free (world 1): nothing to draw
+        }
+        let (start_us, dur_us) = (start * 1e6, dur * 1e6);
+        let (process_cpu_ms, bytes) = (None, None);
+        self.spans.push(Event { name, rank: 0, row, start_us, dur_us, process_cpu_ms, bytes });
+    }
+
+    fn compute(&mut self, s: f64, name: impl FnOnce() -> String) {
+        if s > 0.0 {
+            self.span(Row::Compute, name(), self.now(), s);
+        }
         self.compute += s;
         self.now.set(self.now() + s);
     }
 
-    /// Waits until `end`; the time blocked is exposed communication.
-    fn wait(&mut self, end: f64) {
+    /// Waits until `end`; the time blocked is exposed communication (a `wait` span on the
+    /// compute row, as the engine's clock records it).
+    fn wait(&mut self, end: f64, what: impl FnOnce() -> String) {
         let now = self.now();
         if end > now {
+            self.span(Row::Compute, format!("wait {}", what()), now, end - now);
             self.exposed += end - now;
             self.now.set(end);
         }
     }
 
     /// Queues an op of `s` seconds on the gather lane; returns when it ends.
-    fn on_gather(&mut self, s: f64) -> f64 {
+    fn on_gather(&mut self, s: f64, what: String) -> f64 {
         let end = self.now().max(self.gather_free) + s;
+        self.span(Row::Gather, what, end - s, s);
         self.gather_free = end;
         self.gather_busy += s;
         end
     }
 
-    fn on_reduce(&mut self, s: f64) -> f64 {
+    fn on_reduce(&mut self, s: f64, what: String) -> f64 {
         let end = self.now().max(self.reduce_free) + s;
+        self.span(Row::Reduce, what, end - s, s);
         self.reduce_free = end;
         self.reduce_busy += s;
         end
@@ -238,6 +260,7 @@ struct SimGathers<'a> {
     /// Per unit, its padded length.
     lens: &'a [usize],
     cost: &'a [f64],
+    names: &'a [String],
 }
 
 impl GatherIo for SimGathers<'_> {
@@ -247,11 +270,12 @@ impl GatherIo for SimGathers<'_> {
 
     fn issue(&mut self, unit: usize) -> Result<SimGather, Infallible> {
         let buf = self.heap.take(self.lens[unit], Category::GatheredUnits);
-        Ok(SimGather { end: self.clock.on_gather(self.cost[unit]), buf })
+        let what = format!("all-gather {}", self.names[unit]);
+        Ok(SimGather { end: self.clock.on_gather(self.cost[unit], what), buf })
     }
 
-    fn wait(&mut self, _unit: usize, p: SimGather) -> Result<SimFull, Infallible> {
-        self.clock.wait(p.end);
+    fn wait(&mut self, unit: usize, p: SimGather) -> Result<SimFull, Infallible> {
+        self.clock.wait(p.end, || format!("all-gather {}", self.names[unit]));
         Ok(SimFull { buf: p.buf })
     }
 
@@ -287,6 +311,8 @@ pub struct SimRank<'a> {
     lens: Vec<usize>,
     /// Per unit, its shard's length.
     shard_lens: Vec<usize>,
+    /// Per unit, its name.
+    names: Vec<String>,
     plan: GatherPlan<SimGather, SimFull>,
     clock: Clock,
     heap: Heap,
@@ -345,6 +371,7 @@ impl<'a> SimRank<'a> {
             partial: vec![None; lens.len()],
             late: false,
             shard_lens: layout.units().iter().map(|l| l.shard_len()).collect(),
+            names: layout.units().iter().map(|l| l.name().to_string()).collect(),
             lens,
             plan,
             clock: Clock::default(),
@@ -369,6 +396,19 @@ impl<'a> SimRank<'a> {
     /// The memory accounted so far.
     pub fn memory(&self) -> &SimMemory {
         &self.heap.mem
+    }
+
+    /// The spans of the steps so far from `t0` seconds on, shifted to start there, as the
+    /// engine's trace records them (rank 0).
+    pub fn timeline_since(&self, t0: f64) -> Vec<Event> {
+        let t0_us = t0 * 1e6;
+        let keep = self.clock.spans.iter().filter(|e| e.start_us + 1e-9 >= t0_us);
+        keep.map(|e| Event { start_us: e.start_us - t0_us, ..e.clone() }).collect()
+    }
+
+    /// The rank's time, seconds since its first step began.
+    pub fn now(&self) -> f64 {
+        self.clock.now()
     }
 
     /// Runs one step (ENG-12) and returns its figures.
@@ -405,6 +445,7 @@ impl<'a> SimRank<'a> {
             heap: &mut self.heap,
             lens: &self.lens,
             cost: &self.comm.gather_s,
+            names: &self.names,
         };
         (&mut self.plan, io)
     }
@@ -431,7 +472,8 @@ impl ReduceIo<SimOp> for SimRank<'_> {
     type Error = Infallible;
 
     fn finish(&mut self, r: Reduction<SimOp>) -> Result<(), Infallible> {
-        self.clock.wait(r.work.end);
+        let name = &self.names[r.unit];
+        self.clock.wait(r.work.end, || format!("reduce {name}"));
         // The full gradient, then the result's buffer, back to the pool (MEM-5).
         if let Some(b) = r.work.full {
             self.heap.give(b, Category::Grads);
@@ -443,7 +485,8 @@ impl ReduceIo<SimOp> for SimRank<'_> {
     }
 
     fn update(&mut self, unit: usize) -> Result<(), Infallible> {
-        self.clock.compute(self.costs.update_s[unit]);
+        let name = &self.names[unit];
+        self.clock.compute(self.costs.update_s[unit], || format!("update {name}"));
         // ENG-6: unit 0's gather for the next pass leaves right after its update.
         if carries_next_gather(self.rules.before_use, self.prefetch, unit) {
             let (plan, mut io) = self.gathers();
@@ -459,7 +502,8 @@ impl StepWork for SimRank<'_> {
 
     fn forward(&mut self, i: usize, call: usize, _mb: Micro, _cp: bool) -> Result<(), Infallible> {
         let full = self.acquire(i);
-        self.clock.compute(self.costs.calls[call].forward_s);
+        let name = &self.names[self.calls[call]];
+        self.clock.compute(self.costs.calls[call].forward_s, || format!("forward {name}"));
         self.done_with(i, full);
         Ok(())
     }
@@ -478,8 +522,10 @@ impl StepWork for SimRank<'_> {
     ) -> Result<(), Infallible> {
         let u = self.calls[call];
         let full = self.acquire(i);
+        let name = self.names[u].clone();
         if self.recompute.checkpoints(call, self.calls.len()) {
-            self.clock.compute(self.costs.calls[call].forward_s); // RECOMP-1
+            // RECOMP-1
+            self.clock.compute(self.costs.calls[call].forward_s, || format!("recompute {name}"));
         }
         // A transient full gradient exists from the unit's first backward call until its
         // reduction is finished (ENG-7), in a pooled buffer.
@@ -490,12 +536,12 @@ impl StepWork for SimRank<'_> {
             None => None,
         };
         let c = self.costs.calls[call];
-        self.clock.compute(c.grads_s);
+        self.clock.compute(c.grads_s, || format!("backward {name}"));
         if hand.reduce {
             // ACC-3: a result added to an earlier microbatch's arrives in a pooled buffer.
             let out = (transient && hand.add)
                 .then(|| self.heap.take(self.shard_lens[u], Category::CommBuffers));
-            let end = self.clock.on_reduce(self.comm.reduce_s[u]);
+            let end = self.clock.on_reduce(self.comm.reduce_s[u], format!("reduce {name}"));
             let unreduced = grad.map_or(0, |b| b.cap as u64 * 4);
             let now = Rc::clone(&self.clock.now);
             let late = self.late;
@@ -504,7 +550,8 @@ impl StepWork for SimRank<'_> {
             // Held for a later call or microbatch (a kept buffer at stages 0 and 1).
             self.partial[u] = grad.or(Some(SimBuf { len: 0, cap: 0 }));
         }
-        self.clock.compute(c.input_grad_s); // ENG-9: after the hand-off
+        // ENG-9: after the hand-off
+        self.clock.compute(c.input_grad_s, || format!("input grad {name}"));
         self.done_with(i, full);
         Ok(())
     }
@@ -520,8 +567,8 @@ impl StepWork for SimRank<'_> {
     }
 
     fn loss_and_norm(&mut self) -> Result<(), Infallible> {
-        let end = self.clock.on_reduce(self.comm.loss_s);
-        self.clock.wait(end);
+        let end = self.clock.on_reduce(self.comm.loss_s, "loss+norm".into());
+        self.clock.wait(end, || "loss+norm".into());
         Ok(())
     }
 
@@ -530,9 +577,15 @@ impl StepWork for SimRank<'_> {
     }
 
     fn gather_updated(&mut self) -> Result<(), Infallible> {
-        let ends: Vec<f64> =
-            self.comm.gather_s.clone().into_iter().map(|s| self.clock.on_gather(s)).collect();
-        ends.into_iter().for_each(|e| self.clock.wait(e));
+        let ends: Vec<f64> = (0..self.lens.len())
+            .map(|u| {
+                let what = format!("all-gather {}", self.names[u]);
+                self.clock.on_gather(self.comm.gather_s[u], what)
+            })
+            .collect();
+        for (u, e) in ends.into_iter().enumerate() {
+            self.clock.wait(e, || format!("all-gather {}", self.names[u]));
+        }
         Ok(())
     }
 }
@@ -638,5 +691,30 @@ mod tests {
         // ENG-5: besides the unit in use, within the budget of (prefetch + 1) units.
         assert!(g0 <= 4000 + 4000 && g1 <= 4000 * 2 + 4000, "{g0} {g1}");
         assert!(g1 > g0, "prefetch holds more gathered bytes: {g0} {g1}");
+    }
+
+    /// PLAN-11: the steady step's spans add up to its figures, row by row.
+    #[test]
+    fn the_timeline_adds_up_to_the_step_plan_11() {
+        let l = layout(&[1000, 3000, 2000], 2);
+        let calls: Vec<usize> = (0..3).collect();
+        let c = costs(3, 1e-3);
+        let comm = CommCosts { gather_s: vec![2e-3; 3], reduce_s: vec![1e-3; 3], loss_s: 1e-4 };
+        for stage in Stage::ALL {
+            let mut r = SimRank::new(&l, &calls, &engine(stage, 1, 12000), &c, &comm);
+            r.step();
+            let t0 = r.now();
+            let s = r.step();
+            let spans = r.timeline_since(t0);
+            let sum = |row: Row, wait: bool| -> f64 {
+                let of = |e: &&Event| e.row == row && e.name.starts_with("wait ") == wait;
+                spans.iter().filter(of).map(|e| e.dur_us * 1e-6).sum()
+            };
+            assert!((sum(Row::Compute, false) - s.compute_s).abs() < 1e-9, "{stage:?}");
+            assert!((sum(Row::Compute, true) - s.exposed_s).abs() < 1e-9, "{stage:?}");
+            assert!((sum(Row::Gather, false) - s.gather_s).abs() < 1e-9, "{stage:?}");
+            assert!((sum(Row::Reduce, false) - s.reduce_s).abs() < 1e-9, "{stage:?}");
+            assert!(spans.iter().all(|e| e.start_us >= 0.0), "{stage:?}");
+        }
     }
 }
