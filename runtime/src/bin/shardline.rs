@@ -3,7 +3,9 @@
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::on_device::Offload;
-use shardline_runtime::engine::{AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute};
+use shardline_runtime::engine::{
+    AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute, ShardGroup,
+};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -706,6 +708,19 @@ struct TrainArgs {
     /// Values per scale of a quantized gather (a tensor's last block may be shorter).
     #[arg(long, default_value_t = 256)]
     gather_block: usize,
+    /// Hybrid sharding (HSDP): N shards the model inside groups of N consecutive ranks and
+    /// replicates it across the world/N groups; node takes the ranks of each node (nodes of
+    /// equal size, consecutive ranks); world, the default, shards over the whole world.
+    /// Gathers and reduce-scatters stay inside a group; each reduced gradient shard is then
+    /// all-reduced across the groups (ranks of equal index in every group) while backward
+    /// goes on; the loss and SyncBN statistics are reduced over the world, and the
+    /// gradients are averaged over the whole global batch as without groups. Checkpoints
+    /// hold one copy of each shard (the first group writes them) and resume under any
+    /// group shape or world. At stage 0 the group changes nothing (plain replication).
+    /// N must divide the world; gradients are reduced in f32 (--reduce-dtype f32); not
+    /// with --device sim.
+    #[arg(long, default_value = "world", value_parser = parse_shard_group, value_name = "N|node|world")]
+    shard_group: ShardGroup,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
     #[arg(long)]
     hidden: Option<usize>,
@@ -826,6 +841,10 @@ fn parse_export_dtype(s: &str) -> Result<PrecisionDtype, String> {
     PrecisionDtype::parse("--dtype", s)
 }
 
+fn parse_shard_group(s: &str) -> Result<ShardGroup, String> {
+    s.parse().map_err(|e| format!("--shard-group {s}: {e}"))
+}
+
 fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
     GatherDtype::parse("--gather-dtype", s)
 }
@@ -938,6 +957,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         reduce_dtype: a.reduce_dtype,
         gather_dtype: a.gather_dtype,
         gather_block: a.gather_block,
+        shard_group: a.shard_group,
     })
 }
 
@@ -979,6 +999,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
+        (!a.shard_group.is_world(), "--shard-group"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
         eprintln!("error: {flag} is not supported with --device sim");
