@@ -71,7 +71,7 @@ fn gpt_groups_match_one_rank_at_every_stage_hsdp_3() {
     }
 }
 
-/// HSDP-3, measured at the lanes (LANE-8) on gpt at stage 3: a 2x2 job's gathers and
+/// HSDP-3, measured at the lanes (LANE-8) on gpt at stage 3, prefetch 0: a 2x2 job's gathers and
 /// reduce-scatters are a world-2 job's (they stay inside the group of 2), and what crosses
 /// the groups is the all-reduce of each unit's reduced gradient shard (replica lane) plus
 /// the world's loss all-reduce. Byte counts per rank per step, both ops small enough to go
@@ -80,19 +80,30 @@ fn gpt_groups_match_one_rank_at_every_stage_hsdp_3() {
 /// 3 + world values to every peer: 20 bytes at world 2, 84 at world 4.
 #[test]
 fn cross_group_traffic_is_the_shard_all_reduce_hsdp_3() {
-    let cfg = gpt_cfg(1, 3, 12);
+    // Prefetch 0: a gather prefetched across the step boundary counts in whichever step it
+    // runs during (LANE-8), which timing decides.
+    let cfg = TrainConfig { prefetch: 0, ..gpt_cfg(1, 3, 12) };
     let plain2 = run_ok(TrainConfig { world: 2, ..cfg.clone() }, quiet());
-    let hsdp = run_ok(hybrid(cfg, (2, 2), 1), quiet());
+    let plain4 = run_ok(TrainConfig { world: 4, ..cfg.clone() }, quiet());
+    let hsdp = run_ok(hybrid(cfg, (2, 2), 0), quiet());
     for (k, (h, p)) in hsdp.step_stats.iter().zip(&plain2.step_stats).enumerate() {
         assert_eq!(h.gather_bytes, p.gather_bytes, "step {k}: gathers stay in the group of 2");
         let scatter = p.reduce_bytes - 20;
         assert_eq!(h.reduce_bytes, scatter + 84, "step {k}: the group's reduce-scatters");
         assert_eq!(h.replica_bytes, scatter, "step {k}: each reduced shard, all-reduced once");
         assert_eq!(p.replica_bytes, 0, "step {k}: one group has no replica traffic");
+        // Sharding over 4 sends each rank 3 of 4 quarters per gather, over 2 one half.
+        let w4 = &plain4.step_stats[k];
+        assert!(h.gather_bytes < w4.gather_bytes, "step {k}: gathers over 2, not 4");
         eprintln!(
-            "hsdp 2x2 gpt stage 3 step {k}: gather {} B (world 2: {} B), reduce {} B, \
-             replica {} B per rank",
-            h.gather_bytes, p.gather_bytes, h.reduce_bytes, h.replica_bytes
+            "hsdp 2x2 gpt stage 3 step {k}: gather {} B (world 2: {} B, world 4: {} B), \
+             reduce {} B (world 4: {} B), replica {} B per rank",
+            h.gather_bytes,
+            p.gather_bytes,
+            w4.gather_bytes,
+            h.reduce_bytes,
+            w4.reduce_bytes,
+            h.replica_bytes
         );
     }
 }
