@@ -71,6 +71,28 @@ fn gpt_groups_match_one_rank_at_every_stage_hsdp_3() {
     }
 }
 
+/// HSDP-3 with gradient accumulation (ACC-3): 2x2 with 2 microbatches per rank, each
+/// microbatch's reduced shard summed over the replicas and added into the shard (`each`),
+/// or one reduction after the last (`last`), against one rank without accumulation.
+#[test]
+fn gpt_groups_with_grad_accum_match_one_rank_hsdp_3() {
+    use shardline_runtime::engine::AccumReduce;
+    let batch = 16;
+    let reference = run_ok(gpt_cfg(1, 0, batch), quiet());
+    for stage in [1u8, 2, 3] {
+        for how in [AccumReduce::Each, AccumReduce::Last] {
+            let accum = TrainConfig {
+                grad_accum: 2,
+                accum_reduce: (stage >= 2).then_some(how),
+                ..gpt_cfg(1, stage, batch)
+            };
+            let s = run_ok(hybrid(accum, (2, 2), 1), quiet());
+            let what = format!("gpt 2x2 stage {stage} grad-accum 2 {how:?}");
+            check(&s, &reference, (GPT_LOSS_REL_TOL, GPT_PARAM_ABS_TOL), &what);
+        }
+    }
+}
+
 /// HSDP-3, measured at the lanes (LANE-8) on gpt at stage 3, prefetch 0: a 2x2 job's gathers and
 /// reduce-scatters are a world-2 job's (they stay inside the group of 2), and what crosses
 /// the groups is the all-reduce of each unit's reduced gradient shard (replica lane) plus
@@ -115,7 +137,7 @@ fn bad_shard_groups_exit_2_naming_the_flag() {
     for (extra, says) in [
         (&["--shard-group", "3"][..], "--shard-group 3 does not divide"),
         (&["--shard-group", "0"][..], "--shard-group 0"),
-        (&["--shard-group", "x"][..], "--shard-group"),
+        (&["--shard-group", "x"][..], "--shard-group x: 'x' is not a number"),
         (&["--shard-group", "2", "--param-dtype", "bf16"][..], "--reduce-dtype f32"),
         (&["--shard-group", "2", "--device", "sim"][..], "--shard-group is not supported"),
     ] {

@@ -717,8 +717,9 @@ struct TrainArgs {
     /// gradients are averaged over the whole global batch as without groups. Checkpoints
     /// hold one copy of each shard (the first group writes them) and resume under any
     /// group shape or world. At stage 0 the group changes nothing (plain replication).
-    /// N must divide the world; gradients are reduced in f32 (--reduce-dtype f32); not
-    /// with --device sim.
+    /// N must divide the world; at stages 1-3 the gradients must be reduced in f32 (with
+    /// --param-dtype bf16, pass --reduce-dtype f32); not with --device sim, and `plan`
+    /// does not model it.
     #[arg(long, default_value = "world", value_parser = parse_shard_group, value_name = "N|node|world")]
     shard_group: ShardGroup,
     /// Hidden width (mlp-bn) or first-stage channels (convnet-bn).
