@@ -778,8 +778,10 @@ struct TrainArgs {
     /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
     /// stats_messages (the job's figures, the same however the ranks run), and step_time_s
     /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes;
-    /// gather_bytes and reduce_bytes (payload bytes the first rank of this process sent on
-    /// each lane during the step) and cast_s (its f32/bf16 conversion time).
+    /// gather_bytes, reduce_bytes and replica_bytes (payload bytes the first rank of this
+    /// process sent on each lane during the step; replica_bytes, the gradient shards'
+    /// all-reduce across --shard-group groups, 0 without them) and cast_s (its f32/bf16
+    /// conversion time).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,

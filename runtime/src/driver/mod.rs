@@ -411,7 +411,8 @@ impl StepFigures {
             "comm_exposed_s": self.exposed_s, "compute_s": s.compute_time.as_secs_f64(),
             "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
             "grad_norm": s.grad_norm, "gather_bytes": s.gather_bytes,
-            "reduce_bytes": s.reduce_bytes, "cast_s": s.cast_time.as_secs_f64(),
+            "reduce_bytes": s.reduce_bytes, "replica_bytes": s.replica_bytes,
+            "cast_s": s.cast_time.as_secs_f64(),
         })
     }
 }
