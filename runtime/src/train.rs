@@ -1003,6 +1003,18 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("{l}");
     }
     println!("  sync-bn: {}", p.sync.1);
+    match cfg.shard_group {
+        ShardGroup::World => {}
+        // HSDP-4.
+        _ if p.stage == Stage::Zero0 => {
+            println!("  shard group: {} (stage 0: plain replication)", cfg.shard_group)
+        }
+        ShardGroup::Node => println!("  shard group: the ranks of each node (HSDP)"),
+        ShardGroup::Ranks(n) => println!(
+            "  shard group: {n} consecutive ranks, {} replica groups (HSDP)",
+            cfg.world / n.max(1)
+        ),
+    }
     if cfg.grad_accum > 1 {
         let reduce = if p.stage.grads_sharded() {
             format!("reduce-scatter {}", p.engine.accum_reduce.name())

@@ -226,15 +226,13 @@ fn logged_losses(path: &std::path::Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// HSDP-1..3 with one process per rank (`shardline launch`, shm links): a 2x2 job at stage 3
-/// logs bitwise the losses of the same job with its ranks as threads, and its checkpoint
-/// holds the 2 shards once (the launched commit, HSDP-2).
+/// HSDP-1..3 with one process per rank (`shardline launch`, over shm and over tcp): a 2x2
+/// job at stage 3 logs bitwise the losses of the same job with its ranks as threads, and its
+/// checkpoint holds the 2 shards once (the launched commit, HSDP-2).
 #[test]
 fn launched_2x2_matches_threads_and_writes_each_shard_once_hsdp_2() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let utf8 = |p: &std::path::Path| p.to_str().expect("utf-8 temp path").to_owned();
-    let (local, launched, ck) =
-        (tmp.path().join("local.jsonl"), tmp.path().join("launched.jsonl"), tmp.path().join("ck"));
     let train: Vec<String> = [
         "train",
         "--hidden",
@@ -261,18 +259,28 @@ fn launched_2x2_matches_threads_and_writes_each_shard_once_hsdp_2() {
         let o = shardline(&refs);
         assert_eq!(o.code, Some(0), "shardline {args:?}\n{}\n{}", o.stdout, o.stderr);
     };
+    let local = tmp.path().join("local.jsonl");
     let mut a = train.clone();
     a.extend(["--world".into(), "4".into(), "--log-json".into(), utf8(&local)]);
     run(a);
-    let mut b: Vec<String> =
-        ["launch", "--nproc-per-node", "4", "--"].iter().map(|s| s.to_string()).collect();
-    b.extend(train);
-    b.extend(["--log-json".into(), utf8(&launched), "--checkpoint-dir".into(), utf8(&ck)]);
-    run(b);
-    let (la, lb) = (logged_losses(&local), logged_losses(&launched));
+    let la = logged_losses(&local);
     assert_eq!(la.len(), 4, "one line per step");
-    assert_eq!(la, lb, "threads and processes log the same losses");
-    let c = newest(&ck);
-    assert_eq!((c.manifest().world, c.manifest().step, shard_files(&c)), (2, 4, 2));
-    c.verify().expect("the launched checkpoint verifies");
+    // auto: shm between the processes of one node.
+    for transport in ["auto", "tcp"] {
+        let launched = tmp.path().join(format!("{transport}.jsonl"));
+        let ck = tmp.path().join(format!("ck-{transport}"));
+        let mut b: Vec<String> =
+            ["launch", "--nproc-per-node", "4", "--transport", transport, "--"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        b.extend(train.clone());
+        b.extend(["--log-json".into(), utf8(&launched), "--checkpoint-dir".into(), utf8(&ck)]);
+        run(b);
+        let lb = logged_losses(&launched);
+        assert_eq!(la, lb, "{transport}: threads and processes log the same losses");
+        let c = newest(&ck);
+        assert_eq!((c.manifest().world, c.manifest().step, shard_files(&c)), (2, 4, 2));
+        c.verify().expect("the launched checkpoint verifies");
+    }
 }
