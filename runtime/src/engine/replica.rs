@@ -200,3 +200,44 @@ fn chain(lane: &Lane, scatter: Scatter) -> std::result::Result<Issued, Collectiv
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_collectives::local_group;
+    use shardline_collectives::testing::run_ranks;
+    use std::sync::mpsc;
+
+    /// HSDP-3: queuing a reduction never waits for its reduce-scatter (the peer has not
+    /// even issued its part yet); the all-reduce follows it on the replica lane and the
+    /// result is the sum over both groups.
+    #[test]
+    fn the_chain_never_blocks_its_caller_hsdp_3() {
+        let t = Duration::from_secs(30);
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = (Mutex::new(go_tx), Mutex::new(go_rx));
+        let shards = run_ranks(local_group(4).unwrap(), 2 * t, move |comm| {
+            let r = comm.rank();
+            // Shard groups {0, 1}, {2, 3}; replica groups {0, 2}, {1, 3}.
+            let shard = comm.subgroup("shard", &[r / 2 * 2, r / 2 * 2 + 1]).unwrap();
+            let replica = comm.subgroup("replica", &[r % 2, r % 2 + 2]).unwrap();
+            let chain = ReplicaChain::start(replica.lane("reduce").unwrap(), t).unwrap();
+            let scatter_lane = shard.lane("reduce").unwrap();
+            if r == 1 {
+                // Rank 1 joins only once rank 0's chain is queued.
+                go_rx.lock().unwrap().recv_timeout(t).unwrap();
+            }
+            let input = vec![r as f32 + 1.0; 4];
+            let w = scatter_lane.reduce_scatter(input, vec![0.0; 2], ReduceOp::Sum);
+            let chained = chain.after(Scatter::Shard(w));
+            if r == 0 {
+                assert!(!chained.is_done(), "rank 1 has not issued its part");
+                go_tx.lock().unwrap().send(()).unwrap();
+            }
+            let mut clock = CommClock::default();
+            chained.wait(&mut clock, &Trace::disabled(), r, "unit").unwrap().shard
+        });
+        // 1 + 2 + 3 + 4: both shard groups' sums, summed across the replicas.
+        assert!(shards.iter().all(|s| s == &vec![10.0; 2]), "{shards:?}");
+    }
+}
