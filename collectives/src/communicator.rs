@@ -5,12 +5,17 @@
 //!   with `Aborted` carrying the first reason given, and poisons peers (best effort).
 //! - COMM-2: `lane(name)` returns the same lane for the same name; all ranks must open the
 //!   same lanes.
+//! - COMM-3: a sub-group communicator ([`Communicator::subgroup`]) is its members renumbered
+//!   in the order given, over the parent's links (GROUP-1); its topology is the members' part
+//!   of the parent's, its bytes are counted apart from the parent's, and aborting the parent
+//!   aborts it.
 
 use crate::config;
 use crate::error::CollectiveError;
 use crate::lane::Lane;
 use crate::pool::BufferPool;
 use crate::topology::Topology;
+use crate::transport::group::GroupTransport;
 use crate::transport::local::{LocalFabric, LocalTransport};
 use crate::transport::Transport;
 use std::collections::HashMap;
@@ -149,6 +154,11 @@ struct CommInner {
     /// cell, and ranks may open different lanes from several threads in any order.
     lanes: Mutex<HashMap<String, LaneCell>>,
     pool: BufferPool,
+    /// A sub-group's kind: its lanes are named `"{kind}:{name}"`, as the parent's lanes that
+    /// carry them (GROUP-1).
+    kind: Option<String>,
+    /// Sub-groups made from this communicator, aborted with it (COMM-3).
+    children: Mutex<Vec<Communicator>>,
 }
 
 /// A rank's communicator. Cheap to clone; `Send + Sync`.
@@ -192,6 +202,15 @@ impl Communicator {
         topology: Topology,
         opts: CommOptions,
     ) -> Result<Self, CollectiveError> {
+        Self::build(transport, topology, opts, None)
+    }
+
+    fn build(
+        transport: Arc<dyn Transport>,
+        topology: Topology,
+        opts: CommOptions,
+        kind: Option<String>,
+    ) -> Result<Self, CollectiveError> {
         let (rank, world) = (transport.rank(), transport.world());
         if topology.world() != world || rank >= world {
             return Err(CollectiveError::InvalidArgument(format!(
@@ -215,8 +234,55 @@ impl Communicator {
                 shared,
                 lanes: Mutex::new(HashMap::new()),
                 pool: BufferPool::default(),
+                kind,
+                children: Mutex::new(Vec::new()),
             }),
         })
+    }
+
+    /// The communicator of the group `members` (this communicator's ranks, in the group's
+    /// order; they must include this rank) of kind `kind` (COMM-3). Every rank makes the
+    /// groups of the same kinds (their lanes are the parent's lanes `"{kind}:{name}"`, which
+    /// every rank opens), the groups of one kind having disjoint members (GROUP-2). Cheap:
+    /// the lanes open as they are used.
+    ///
+    /// ```
+    /// use shardline_collectives::{local_group, ReduceOp};
+    /// let comms = local_group(4).unwrap();
+    /// let handles: Vec<_> = comms
+    ///     .into_iter()
+    ///     .map(|comm| {
+    ///         std::thread::spawn(move || {
+    ///             // Ranks {0, 1} and {2, 3}.
+    ///             let first = comm.rank() / 2 * 2;
+    ///             let pair = comm.subgroup("pair", &[first, first + 1]).unwrap();
+    ///             let lane = pair.lane("sum").unwrap();
+    ///             let buf = vec![comm.rank() as f32; 2];
+    ///             let t = std::time::Duration::from_secs(30);
+    ///             lane.all_reduce(buf, ReduceOp::Sum).wait_timeout(t).unwrap()
+    ///         })
+    ///     })
+    ///     .collect();
+    /// let sums: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()[0]).collect();
+    /// assert_eq!(sums, vec![1.0, 1.0, 5.0, 5.0]);
+    /// ```
+    pub fn subgroup(&self, kind: &str, members: &[usize]) -> Result<Self, CollectiveError> {
+        let t = GroupTransport::new(Arc::clone(&self.inner.transport), kind, members)
+            .map_err(|e| CollectiveError::InvalidArgument(e.to_string()))?;
+        let topology =
+            Topology::from_nodes(members.iter().map(|&r| self.topology().node_of(r)).collect());
+        let opts = self.options().clone();
+        let sub = Self::build(Arc::new(t), topology, opts, Some(kind.to_string()))?;
+        self.inner.children.lock().unwrap_or_else(|e| e.into_inner()).push(sub.clone());
+        if self.is_aborted() {
+            sub.abort(&self.inner.shared.abort_reason());
+        }
+        Ok(sub)
+    }
+
+    /// A sub-group's kind ([`Communicator::subgroup`]); `None` for a communicator of its own.
+    pub fn kind(&self) -> Option<&str> {
+        self.inner.kind.as_deref()
     }
 
     /// This rank.
@@ -261,7 +327,12 @@ impl Communicator {
             .transport
             .open_lane(name, deadline)
             .map_err(|source| CollectiveError::Transport { lane: name.to_string(), source })?;
-        let lane = Lane::start(name, self.inner.shared.clone(), links)?;
+        // A sub-group's lane goes by its parent lane's name, in traces and reports.
+        let full = match &self.inner.kind {
+            Some(kind) => GroupTransport::parent_lane(kind, name),
+            None => name.to_string(),
+        };
+        let lane = Lane::start(&full, self.inner.shared.clone(), links)?;
         *slot = Some(lane.clone());
         Ok(lane)
     }
@@ -288,6 +359,11 @@ impl Communicator {
                 }
             }
         }
+        // COMM-3: the sub-groups run over the same links and stop with it.
+        let children = self.inner.children.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for c in children {
+            c.abort(reason);
+        }
     }
 
     /// True once [`Communicator::abort`] was called.
@@ -300,7 +376,8 @@ impl Communicator {
         self.inner.shared.recent.snapshot()
     }
 
-    /// Payload bytes this rank has sent on all of its lanes so far (LANE-8).
+    /// Payload bytes this rank has sent on all of its lanes so far (LANE-8); a sub-group's
+    /// lanes count in the sub-group's, not here (COMM-3).
     pub fn bytes_sent(&self) -> u64 {
         self.inner.shared.sent.load(Ordering::Acquire)
     }

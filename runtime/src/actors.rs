@@ -59,10 +59,11 @@ pub struct Step {
 #[rtype(result = "std::result::Result<(u64, u64, f32), String>")]
 pub struct Eval;
 
-/// Write this rank's shard into a pending checkpoint.
+/// Write this rank's shard into a pending checkpoint of this many shards: ranks from that
+/// number on (the other replica groups, HSDP-2) write nothing.
 #[derive(Message)]
-#[rtype(result = "std::result::Result<FileEntry, String>")]
-pub struct Save(pub Arc<PendingCheckpoint>);
+#[rtype(result = "std::result::Result<Option<FileEntry>, String>")]
+pub struct Save(pub Arc<PendingCheckpoint>, pub usize);
 
 /// Copy this rank's checkpointed state now, at the step boundary, for a checkpoint written
 /// in the background (DRIVE-4); no collective.
@@ -226,10 +227,14 @@ impl Handler<Eval> for RankActor {
 }
 
 impl Handler<Save> for RankActor {
-    type Result = std::result::Result<FileEntry, String>;
+    type Result = std::result::Result<Option<FileEntry>, String>;
     fn handle(&mut self, m: Save, _: &mut Self::Context) -> Self::Result {
-        let written =
-            self.engine.shard_state().and_then(|shard| m.0.write_shard(self.engine.rank(), &shard));
+        let rank = self.engine.rank();
+        let written = if rank < m.1 {
+            self.engine.shard_state().and_then(|shard| m.0.write_shard(rank, &shard)).map(Some)
+        } else {
+            Ok(None)
+        };
         match written {
             Ok(f) => {
                 if let Some(hook) = &self.checkpoint_hook {

@@ -149,6 +149,7 @@ fn eval_config(recorded: TrainConfig, ck: &Checkpoint, o: &EvalOptions) -> Train
         grad_accum: 1,
         accum_reduce: None,
         recompute: Default::default(),
+        shard_group: Default::default(),
         ..recorded
     }
 }

@@ -7,7 +7,7 @@
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
 use crate::engine::{
     AccumReduce, EngineConfig, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather, Recompute,
-    StepStats,
+    ShardGroup, StepStats,
 };
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
@@ -174,6 +174,11 @@ pub struct TrainConfig {
     /// `--gather-block`: values per scale of a quantized gather.
     #[serde(default = "default_gather_block")]
     pub gather_block: usize,
+    /// `--shard-group`: the ranks that shard the model together, replicated across groups
+    /// (HSDP-1). Not part of the configuration hash: a checkpoint resumes under any group
+    /// shape (HSDP-2).
+    #[serde(default, skip_serializing_if = "ShardGroup::is_world")]
+    pub shard_group: ShardGroup,
 }
 
 fn default_gather_block() -> usize {
@@ -311,6 +316,7 @@ impl Default for TrainConfig {
             reduce_dtype: None,
             gather_dtype: None,
             gather_block: default_gather_block(),
+            shard_group: ShardGroup::World,
         }
     }
 }
@@ -536,6 +542,7 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
         return Err(RuntimeError::config("nothing to do: --epochs or --steps must be at least 1"));
     }
     validate_accum(cfg)?;
+    validate_shard_group(cfg)?;
     if let Some(s) = cfg.data_scale {
         if !(s.is_finite() && s > 0.0) {
             return Err(RuntimeError::config(format!(
@@ -546,6 +553,22 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
             return Err(RuntimeError::config(format!(
                 "--data-scale applies to csv:PATH and npy:X,Y data, not '{}'",
                 cfg.dataset
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `--shard-group` (HSDP-1): a size that divides the world (`node` is checked against the
+/// topology where a rank learns it); gradients reduced in f32 across groups.
+fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
+    if let ShardGroup::Ranks(n) = cfg.shard_group {
+        ShardGroup::Ranks(n).size(&shardline_collectives::Topology::single_node(cfg.world))?;
+        let stage0 = matches!(cfg.stage, StageChoice::Fixed(Stage::Zero0));
+        if n < cfg.world && !stage0 && cfg.precision().bf16_grads() {
+            return Err(RuntimeError::config(format!(
+                "--shard-group {n} reduces gradients across groups in f32: it needs \
+                 --reduce-dtype f32 (with --param-dtype bf16 the reduce dtype defaults to bf16)"
             )));
         }
     }
@@ -939,6 +962,7 @@ fn job_plan(
         accum_reduce: cfg.accum_reduce.unwrap_or_default(),
         recompute: cfg.recompute,
         precision: cfg.precision(),
+        shard_group: cfg.shard_group,
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -988,6 +1012,18 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("{l}");
     }
     println!("  sync-bn: {}", p.sync.1);
+    match cfg.shard_group {
+        ShardGroup::World => {}
+        // HSDP-4.
+        _ if p.stage == Stage::Zero0 => {
+            println!("  shard group: {} (stage 0: plain replication)", cfg.shard_group)
+        }
+        ShardGroup::Node => println!("  shard group: the ranks of each node (HSDP)"),
+        ShardGroup::Ranks(n) => println!(
+            "  shard group: {n} consecutive ranks, {} replica groups (HSDP)",
+            cfg.world / n.max(1)
+        ),
+    }
     if cfg.grad_accum > 1 {
         let reduce = if p.stage.grads_sharded() {
             format!("reduce-scatter {}", p.engine.accum_reduce.name())

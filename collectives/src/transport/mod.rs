@@ -24,6 +24,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 pub mod faulty;
+pub mod group;
 pub mod hybrid;
 pub mod local;
 pub mod rdma;

@@ -3,7 +3,9 @@
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::on_device::Offload;
-use shardline_runtime::engine::{AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute};
+use shardline_runtime::engine::{
+    AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute, ShardGroup,
+};
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{RunOptions, StageChoice, SyncBnMode, TrainConfig};
@@ -1037,6 +1039,20 @@ struct TrainArgs {
     /// Values per scale of a quantized gather (a tensor's last block may be shorter).
     #[arg(long, default_value_t = 256)]
     gather_block: usize,
+    /// Hybrid sharding (HSDP): N shards the model inside groups of N consecutive ranks and
+    /// replicates it across the world/N groups; node takes the ranks of each node (nodes of
+    /// equal size, consecutive ranks); world, the default, shards over the whole world.
+    /// Gathers and reduce-scatters stay inside a group; each reduced gradient shard is then
+    /// all-reduced across the groups (ranks of equal index in every group) while backward
+    /// goes on; the loss and SyncBN statistics are reduced over the world, and the
+    /// gradients are averaged over the whole global batch as without groups. Checkpoints
+    /// hold one copy of each shard (the first group writes them) and resume under any
+    /// group shape or world. At stage 0 the group changes nothing (plain replication).
+    /// N must divide the world; at stages 1-3 the gradients must be reduced in f32 (with
+    /// --param-dtype bf16, pass --reduce-dtype f32); not with --device sim, and `plan`
+    /// does not model it.
+    #[arg(long, default_value = "world", value_parser = parse_shard_group, value_name = "N|node|world")]
+    shard_group: ShardGroup,
     /// Synthetic data: training samples.
     #[arg(long, default_value_t = 8192)]
     samples: usize,
@@ -1078,8 +1094,10 @@ struct TrainArgs {
     /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
     /// stats_messages (the job's figures, the same however the ranks run), and step_time_s
     /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes;
-    /// gather_bytes and reduce_bytes (payload bytes the first rank of this process sent on
-    /// each lane during the step) and cast_s (its f32/bf16 conversion time).
+    /// gather_bytes, reduce_bytes and replica_bytes (payload bytes the first rank of this
+    /// process sent on each lane during the step; replica_bytes, the gradient shards'
+    /// all-reduce across --shard-group groups, 0 without them) and cast_s (its f32/bf16
+    /// conversion time).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,
@@ -1140,6 +1158,10 @@ fn parse_param_dtype(s: &str) -> Result<PrecisionDtype, String> {
 
 fn parse_export_dtype(s: &str) -> Result<PrecisionDtype, String> {
     PrecisionDtype::parse("--dtype", s)
+}
+
+fn parse_shard_group(s: &str) -> Result<ShardGroup, String> {
+    s.parse().map_err(|e| format!("--shard-group {s}: {e}"))
 }
 
 fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
@@ -1244,6 +1266,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         reduce_dtype: a.reduce_dtype,
         gather_dtype: a.gather_dtype,
         gather_block: a.gather_block,
+        shard_group: a.shard_group,
         ..TrainConfig::default()
     }))
 }
@@ -1286,6 +1309,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
+        (!a.shard_group.is_world(), "--shard-group"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
         eprintln!("error: {flag} is not supported with --device sim");

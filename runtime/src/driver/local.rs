@@ -25,9 +25,13 @@ impl Placement for InProcess {
 
     async fn save(&self, ranks: &Ranks, dir: &Path, step: u64, meta: CheckpointMeta) -> Result<()> {
         let pending = Arc::new(PendingCheckpoint::begin(dir, step)?);
+        // HSDP-2: the first replica group's ranks write the shards.
         let files = ranks
-            .ask(|_| Save(Arc::clone(&pending)), &format!("checkpoint at step {step}"))
-            .await?;
+            .ask(|_| Save(Arc::clone(&pending), meta.world), &format!("checkpoint at step {step}"))
+            .await?
+            .into_iter()
+            .flatten()
+            .collect();
         // Buffers are replicated: rank 0's, read without any collective (gathering the
         // parameters here would put the whole model on every rank at every checkpoint).
         let buffers = ranks.addrs()[0]
@@ -55,13 +59,17 @@ impl Placement for InProcess {
         // A failing run waits for it: a restart in this process must not meet its commit.
         BackgroundSave::start(step, true, move || {
             let pending = PendingCheckpoint::begin(&dir, step)?;
+            // HSDP-2: the first replica group's ranks write the shards.
+            let writing: Vec<_> = snaps.iter().filter(|snap| snap.rank < meta.world).collect();
             let files = std::thread::scope(|s| {
                 let (pending, hooks) = (&pending, &hooks);
-                let writers: Vec<_> =
-                    snaps.iter().map(|snap| s.spawn(move || hooks.write(pending, snap))).collect();
+                let writers: Vec<_> = writing
+                    .iter()
+                    .map(|&snap| s.spawn(move || hooks.write(pending, snap)))
+                    .collect();
                 writers
                     .into_iter()
-                    .zip(&snaps)
+                    .zip(&writing)
                     .map(|(w, snap)| {
                         w.join().unwrap_or_else(|p| {
                             // The rank died (an injected kill): as when its actor dies, the

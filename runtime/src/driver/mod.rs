@@ -71,6 +71,10 @@ pub struct Job {
     pub sync: (bool, String),
     /// The decoder's configuration when the model is `gpt`.
     pub gpt: Option<shardline_models::nn::GptConfig>,
+    /// The shards of a checkpoint: the shard group's size (HSDP-2), the world without one;
+    /// ranks `0..shards` write them. Set for one node; a launched worker sets it from the
+    /// job's topology.
+    pub shards: usize,
 }
 
 impl Job {
@@ -98,7 +102,10 @@ impl Job {
             DistributedSampler::new(train.len(), cfg.world, cfg.batch_size, cfg.seed, true)
                 .map_err(RuntimeError::from_model)?;
         let data = Arc::new(RankData { train: Arc::new(train), test: Arc::new(test), sampler });
+        let single = shardline_collectives::Topology::single_node(cfg.world);
+        let shards = crate::engine::checkpoint_shards(cfg.shard_group, stage, &single)?;
         let job = Job {
+            shards,
             cfg,
             opts,
             model,
@@ -118,7 +125,7 @@ impl Job {
     pub fn checkpoint_meta(&self, epoch: u64, next_index: u64) -> CheckpointMeta {
         let position =
             train::loader_position(self.steps_per_epoch, epoch, next_index, self.cfg.seed);
-        train::checkpoint_meta(
+        let mut meta = train::checkpoint_meta(
             &self.cfg,
             self.stage,
             &self.hash,
@@ -126,7 +133,10 @@ impl Job {
             &*self.model,
             self.gpt.as_ref(),
             position,
-        )
+        );
+        // HSDP-2: one copy of each shard.
+        meta.world = self.shards;
+        meta
     }
 }
 
@@ -401,7 +411,8 @@ impl StepFigures {
             "comm_exposed_s": self.exposed_s, "compute_s": s.compute_time.as_secs_f64(),
             "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
             "grad_norm": s.grad_norm, "gather_bytes": s.gather_bytes,
-            "reduce_bytes": s.reduce_bytes, "cast_s": s.cast_time.as_secs_f64(),
+            "reduce_bytes": s.reduce_bytes, "replica_bytes": s.replica_bytes,
+            "cast_s": s.cast_time.as_secs_f64(),
         })
     }
 }
@@ -452,11 +463,13 @@ async fn resume(job: &Job, ranks: &Ranks, lead: bool, speak: bool) -> Result<u64
     let latest = ck.dir().to_path_buf();
     let buffers = ck.buffers()?;
     let step = ck.manifest().step;
-    let world = job.cfg.world;
-    let mut shards = if ranks.ranks().len() == world {
-        ck.load_all(world)?
+    // HSDP-2: rank r holds shard r % shards, whichever group shape wrote the checkpoint.
+    let world = job.shards;
+    let mut shards: Vec<_> = if ranks.ranks().len() >= world {
+        let all = ck.load_all(world)?;
+        ranks.ranks().iter().map(|&r| all[r % world].clone()).collect()
     } else {
-        ranks.ranks().iter().map(|&r| ck.load_rank(r, world)).collect::<Result<_>>()?
+        ranks.ranks().iter().map(|&r| ck.load_rank(r % world, world)).collect::<Result<_>>()?
     };
     let shards: Vec<_> = shards.drain(..).map(Some).collect();
     let shards = Mutex::new(shards);

@@ -14,6 +14,11 @@
 //! produced them; stages 1 and 2 reduce-scatter them, step the own slice and all-gather the
 //! updated parameters. Gathers, reductions and SyncBN statistics use three separate lanes.
 //!
+//! With a shard group smaller than the world (`hybrid`, HSDP-1..4) the gathers and the
+//! reduce-scatters run over the rank's shard group, each reduced shard is then all-reduced
+//! over its replica group on a fourth lane (`replica`, chained off the compute thread), and
+//! the loss reduction and SyncBN statistics stay over the world.
+//!
 //! The engine is cut into pure cores, which decide, and a shell, which acts; the cores take
 //! completions and sizes as inputs, read no clock and issue no collective, so that a
 //! simulated device or a plan simulator can drive the same code:
@@ -59,12 +64,14 @@ mod clock;
 mod device;
 mod driven;
 mod gpu_choice;
+mod hybrid;
 pub mod on_device;
 mod pass;
 mod precision;
 mod prefetch;
 mod recompute;
 mod reduction;
+mod replica;
 mod shard_state;
 mod stage;
 mod stats;
@@ -86,6 +93,7 @@ pub(crate) mod sim_api {
 pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
 pub use driven::Driven;
 pub use gpu_choice::{rank_gpu, GpuChoiceError};
+pub use hybrid::{checkpoint_shards, Groups, ShardGroup};
 pub use precision::{gather_round_trip, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;
 pub use stats::STATS_LANE;
@@ -158,6 +166,8 @@ pub struct EngineConfig {
     pub recompute: Recompute,
     /// The mixed-precision policy (PREC-1..5; default all `f32`).
     pub precision: MixedPrecision,
+    /// The ranks that shard the model together (HSDP-1; default the whole world).
+    pub shard_group: ShardGroup,
 }
 
 /// Figures of one step on one rank.
@@ -190,9 +200,12 @@ pub struct StepStats {
     /// the lane as each op runs; with prefetch at stage 3, unit 0's gather for the next
     /// step is counted in the step during which it ran).
     pub gather_bytes: u64,
-    /// Payload bytes this rank sent on the reduce lane during the step (gradient
-    /// reductions and the loss all-reduce).
+    /// Payload bytes this rank sent on the reduce lanes during the step (gradient
+    /// reductions over the shard group and the loss all-reduce over the world).
     pub reduce_bytes: u64,
+    /// Payload bytes this rank sent on the replica lane during the step: the all-reduces of
+    /// the reduced gradient shards across shard groups (HSDP-3); 0 with one shard group.
+    pub replica_bytes: u64,
     /// Time spent converting between `f32` and bf16 (rounding shards and gradients,
     /// upcasting gathered units and reduced gradients); zero in `f32`.
     pub cast_time: Duration,
@@ -224,8 +237,14 @@ pub(crate) struct StepState {
 
 /// One rank's engine: its shard state and the schedule that drives it.
 pub struct RankEngine {
+    /// The world rank and size: data slices, the loss and SyncBN statistics, the trace.
     rank: usize,
     world: usize,
+    /// The rank's index in its shard group: the shard it holds (HSDP-2); the layout's world
+    /// is the group's size.
+    shard_rank: usize,
+    /// The rank's index in its replica group: the first replica's norms count (HSDP-3).
+    replica_index: usize,
     model: Arc<dyn Network>,
     /// The unit of each call of a forward pass (a tied root's unit twice).
     calls: Vec<usize>,
@@ -238,9 +257,16 @@ pub struct RankEngine {
     rules: &'static StageRules,
     /// Unit names, for the trace and the memory tracker.
     labels: Vec<String>,
+    /// The world's communicator (what an abort stops, with its sub-groups, COMM-3).
+    world_comm: Communicator,
+    /// The shard group's communicator: gathers, reductions, the buffer pool.
     comm: Communicator,
     gather: Lane,
     reduce: Lane,
+    /// The world's reduce lane: the loss and evaluation sums (`reduce` with one group).
+    loss_lane: Lane,
+    /// The replica all-reduces behind the reduce-scatters, with more than one shard group.
+    replica: Option<replica::ReplicaChain>,
     /// Shared so that a step can hand it to the model while the engine's other state changes.
     stats: Arc<StatsLane>,
     backend: Box<dyn Backend>,
@@ -285,10 +311,26 @@ impl RankEngine {
     ) -> Result<Self> {
         let (rank, world) = (comm.rank(), comm.world());
         let spec = model.spec();
-        let layout = ShardedModelLayout::new(&spec, world)?;
+        // HSDP-4: stage 0 keeps everything everywhere; a group changes nothing.
+        let size = checkpoint_shards(cfg.shard_group, cfg.stage, comm.topology())?;
+        let groups = Groups::new(world, size, rank);
+        if size < world && cfg.precision.bf16_grads() {
+            return Err(RuntimeError::config(
+                "--shard-group below the world reduces gradients in f32: use --reduce-dtype f32",
+            ));
+        }
+        let (shard_comm, replica_comm) = groups.open(&comm)?;
+        let layout = ShardedModelLayout::new(&spec, size)?;
         let no_decay = spec.units.iter().map(|u| cfg.weight_decay_on.no_decay_ranges(u)).collect();
-        let gather = comm.lane(GATHER_LANE)?;
-        let reduce = comm.lane(REDUCE_LANE)?;
+        let gather = shard_comm.lane(GATHER_LANE)?;
+        let reduce = shard_comm.lane(REDUCE_LANE)?;
+        let loss_lane = comm.lane(REDUCE_LANE)?;
+        let replica = match &replica_comm {
+            Some(c) => {
+                Some(replica::ReplicaChain::start(c.lane(REDUCE_LANE)?, c.options().get_timeout())?)
+            }
+            None => None,
+        };
         let stats = Arc::new(StatsLane::open(&comm, trace.clone())?);
         let n = layout.units().len();
         let labels: Vec<String> = spec.units.iter().map(|u| u.name.clone()).collect();
@@ -300,14 +342,22 @@ impl RankEngine {
             )));
         }
         // The lanes' staging and the pool's kept buffers are communication memory (MEM-5).
-        for l in [&gather, &reduce, stats.lane()] {
+        let mut lanes = vec![&gather, &reduce, stats.lane()];
+        if size < world {
+            lanes.push(&loss_lane);
+        }
+        if let Some(r) = &replica {
+            lanes.push(r.lane());
+        }
+        for l in lanes {
             l.set_account(HeldBytes::new(&mem, &format!("{} lane staging", l.name()))? as _);
         }
-        comm.pool().set_account(HeldBytes::new(&mem, "buffer pool")? as _);
+        shard_comm.pool().set_account(HeldBytes::new(&mem, "buffer pool")? as _);
         // MEM-6: under a cap, the pool's idle buffers give way to an allocation.
-        let pool_comm = comm.clone();
+        let pool_comm = shard_comm.clone();
         mem.set_reclaim(Some(Arc::new(move || pool_comm.pool().clear())));
-        let state = ShardState::init(&*model, &layout, &cfg, rank, &mem, &labels)?;
+        let shard_rank = groups.shard_index();
+        let state = ShardState::init(&*model, &layout, &cfg, shard_rank, &mem, &labels)?;
         let own_packed = precision::OwnPacked::new(state.params.len());
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
@@ -315,6 +365,8 @@ impl RankEngine {
         Ok(RankEngine {
             rank,
             world,
+            shard_rank,
+            replica_index: groups.replica_index(),
             model,
             calls,
             partial_grads: (0..n).map(|_| None).collect(),
@@ -322,9 +374,12 @@ impl RankEngine {
             rules: StageRules::of(cfg.stage),
             cfg,
             labels,
-            comm,
+            world_comm: comm,
+            comm: shard_comm,
             gather,
             reduce,
+            loss_lane,
+            replica,
             stats,
             backend,
             meter: RankMeter::new(mem.clone()),
@@ -385,9 +440,9 @@ impl RankEngine {
         &self.layout
     }
 
-    /// The communicator (for aborting from outside).
+    /// The world's communicator (for aborting from outside; its sub-groups stop with it).
     pub fn communicator(&self) -> &Communicator {
-        &self.comm
+        &self.world_comm
     }
 
     /// The configuration.
@@ -402,6 +457,7 @@ impl RankEngine {
     ) -> (&'a mut GatherPlan<PendingGather, Gathered>, LaneGathers<'a>) {
         let io = LaneGathers {
             rank: self.rank,
+            shard_rank: self.shard_rank,
             layout: &self.layout,
             shards: &self.state.params,
             comm: &self.comm,
@@ -422,7 +478,7 @@ impl RankEngine {
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
         let _meter = self.install_meter();
         let t_step = Instant::now();
-        let sent0 = (self.gather.bytes_sent(), self.reduce.bytes_sent());
+        let sent0 = (self.gather.bytes_sent(), self.reduce_bytes(), self.replica_bytes());
         self.cast.set(Duration::ZERO);
         let n = self.layout.units().len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
@@ -486,7 +542,8 @@ impl RankEngine {
             grad_norm: total_sq.sqrt(),
             stop,
             gather_bytes: self.gather.bytes_sent() - sent0.0,
-            reduce_bytes: self.reduce.bytes_sent() - sent0.1,
+            reduce_bytes: self.reduce_bytes() - sent0.1,
+            replica_bytes: self.replica_bytes() - sent0.2,
             cast_time: self.cast.get(),
             rank_busy_s: rank_busy,
         })
@@ -503,7 +560,8 @@ impl RankEngine {
         busy: f32,
         st: &mut StepState,
     ) -> Result<(f32, f64, bool, Vec<f32>)> {
-        let sq: f64 = st.unit_sq.iter().sum();
+        // ENG-2: every replica holds the same shards: one copy of each counts (HSDP-3).
+        let sq: f64 = if self.replica_index == 0 { st.unit_sq.iter().sum() } else { 0.0 };
         // Waited for at once: a blocking call runs on this thread when the lane is idle.
         let mut now = CallOptions::new();
         now.blocking(true);
@@ -511,9 +569,21 @@ impl RankEngine {
         let mut v = vec![0.0; 3 + self.world];
         v[..3].copy_from_slice(&[local_loss, sq as f32, stop]);
         v[3 + self.rank] = busy;
-        let w = self.reduce.all_reduce_opts(v, ReduceOp::Sum, &now);
+        let w = self.loss_lane.all_reduce_opts(v, ReduceOp::Sum, &now);
         let sums = st.clock.wait(&self.trace, self.rank, w, Row::Reduce, "loss+norm")?;
         Ok((sums[0], sums[1] as f64, sums[2] > 0.0, sums[3..].to_vec()))
+    }
+
+    /// Bytes sent on the shard group's reduce lane and, where it is another lane, the
+    /// world's loss lane.
+    fn reduce_bytes(&self) -> u64 {
+        let loss = if self.layout.world() < self.world { self.loss_lane.bytes_sent() } else { 0 };
+        self.reduce.bytes_sent() + loss
+    }
+
+    /// Bytes sent on the replica lane (HSDP-3).
+    fn replica_bytes(&self) -> u64 {
+        self.replica.as_ref().map_or(0, |r| r.lane().bytes_sent())
     }
 
     /// Each unit's update is its own span; one `optimizer` mark at the end of the last
@@ -580,7 +650,7 @@ impl RankEngine {
         let (correct, count) = loss_fn.correct(&x, y)?.unwrap_or((0, local));
         let (loss, _) = loss_fn.forward_backward(&x, y, global_n.max(y.batch()))?;
         let sums = self
-            .reduce
+            .loss_lane
             .all_reduce(vec![correct as f32, count as f32, loss], ReduceOp::Sum)
             .wait()?;
         self.meter.check()?;
@@ -594,7 +664,7 @@ impl RankEngine {
     /// share is one sample shorter runs an empty last one).
     pub fn eval_set(&mut self, test: &Dataset, batch: usize) -> Result<(u64, u64, f32)> {
         let _meter = self.install_meter();
-        let (world, rank) = (self.layout.world(), self.rank);
+        let (world, rank) = (self.world, self.rank);
         eval_share(test, world, rank, batch, |x, y, n| self.eval(x, y, n))
     }
 }

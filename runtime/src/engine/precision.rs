@@ -210,7 +210,7 @@ impl MixedPrecision {
         self.param_wire().is_some()
     }
 
-    fn bf16_grads(&self) -> bool {
+    pub(crate) fn bf16_grads(&self) -> bool {
         self.reduce_dtype == PrecisionDtype::Bf16
     }
 }
@@ -454,7 +454,8 @@ impl RankEngine {
             Wire::Quant(..) => {
                 // QUANT-4: a range that holds decoded values (stages 1, 2) decodes to them.
                 full.copy_from_slice(&self.state.params[u]);
-                Slots::on(l, self.world, wire).round_trip_all(&mut full, &self.labels[u])?;
+                Slots::on(l, self.layout.world(), wire)
+                    .round_trip_all(&mut full, &self.labels[u])?;
             }
         }
         self.cast_since(t0);
@@ -470,14 +471,14 @@ impl RankEngine {
         for u in 0..n {
             let l = self.layout.unit(u);
             let wire = self.param_wire().unwrap_or(Wire::Bf16);
-            let slots = Slots::on(l, self.world, wire);
+            let slots = Slots::on(l, self.layout.world(), wire);
             let what = format!("{} (packed gather)", self.labels[u]);
             let alloc = self.mem.alloc_f32(Category::CommBuffers, slots.len(), &what)?;
             let t0 = Instant::now();
             let mut packed = self.comm.pool().take(slots.len());
-            let own = l.shard_range(self.rank);
+            let own = l.shard_range(self.shard_rank);
             let params = &self.state.params[u][own];
-            slots.pack_slot(self.rank, params, &mut packed, &self.labels[u])?;
+            slots.pack_slot(self.shard_rank, params, &mut packed, &self.labels[u])?;
             self.cast_since(t0);
             works.push((u, slots, alloc, self.gather.all_gather_in_place(packed)));
         }
@@ -485,7 +486,7 @@ impl RankEngine {
             let what = format!("all-gather {}", self.labels[u]);
             let packed = clock.wait(&self.trace, self.rank, work, Row::Gather, &what)?;
             let t0 = Instant::now();
-            slots.unpack_all(&packed, &mut self.state.params[u], Some(self.rank));
+            slots.unpack_all(&packed, &mut self.state.params[u], Some(self.shard_rank));
             self.cast_since(t0);
             self.comm.pool().give(packed);
             drop(alloc);
@@ -503,7 +504,7 @@ impl RankEngine {
         (gfull, galloc): (Vec<f32>, Option<Allocation>),
         add: bool,
     ) -> Result<()> {
-        let slots = Slots::of(self.layout.unit(u), self.world);
+        let slots = Slots::of(self.layout.unit(u), self.layout.world());
         let what = format!("{} (bf16 reduction)", self.labels[u]);
         let out_words =
             if self.rules.reduce == GradReduce::ReduceScatter { slots.words() } else { 0 };
@@ -545,8 +546,8 @@ impl RankEngine {
         clock: &mut CommClock,
     ) -> Result<()> {
         let l = self.layout.unit(u);
-        let slots = Slots::of(l, self.world);
-        let (trace, rank) = (&self.trace, self.rank);
+        let slots = Slots::of(l, self.layout.world());
+        let (trace, rank, shard) = (&self.trace, self.rank, self.shard_rank);
         match (p.work, p.full) {
             (PackedWork::InPlace(work), Some(mut full)) => {
                 let kind = match self.rules.reduce {
@@ -559,7 +560,7 @@ impl RankEngine {
                 if self.rules.reduce == GradReduce::AllReduce {
                     slots.unpack_all(&packed, &mut full, None);
                 } else {
-                    slots.unpack_slot(rank, &packed, &mut full[l.shard_range(rank)]);
+                    slots.unpack_slot(shard, &packed, &mut full[l.shard_range(shard)]);
                 }
                 self.cast_since(t0);
                 self.comm.pool().give(packed);

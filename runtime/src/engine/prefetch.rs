@@ -317,7 +317,10 @@ impl Gathered {
 /// from the communicator's pool, counted by the memory tracker, waited on with the step's
 /// clock.
 pub(crate) struct LaneGathers<'a> {
+    /// The world rank (the trace's row).
     pub(crate) rank: usize,
+    /// The rank's index in its shard group: the shard it holds (HSDP-2).
+    pub(crate) shard_rank: usize,
     pub(crate) layout: &'a ShardedModelLayout,
     /// This rank's parameter shards, per unit.
     pub(crate) shards: &'a [Vec<f32>],
@@ -351,7 +354,14 @@ impl GatherIo for LaneGathers<'_> {
             let t0 = Instant::now();
             let mut packed = self.comm.pool().take(slots.len());
             let (shard, label) = (&self.shards[unit], &self.labels[unit][..]);
-            self.own_packed.fill(unit, &slots, self.rank, shard, &mut packed, (label, self.mem))?;
+            self.own_packed.fill(
+                unit,
+                &slots,
+                self.shard_rank,
+                shard,
+                &mut packed,
+                (label, self.mem),
+            )?;
             self.cast.set(self.cast.get() + t0.elapsed());
             let work = self.lane.all_gather_in_place(packed);
             return Ok(PendingGather { work, alloc, packed: true });
@@ -363,7 +373,7 @@ impl GatherIo for LaneGathers<'_> {
         // Its capacity: a kept buffer may be longer than asked for.
         let alloc =
             self.mem.alloc_f32(Category::GatheredUnits, full.capacity(), &self.labels[unit])?;
-        full[l.shard_range(self.rank)].copy_from_slice(&self.shards[unit]);
+        full[l.shard_range(self.shard_rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
         Ok(PendingGather { work, alloc, packed: false })
     }

@@ -207,6 +207,17 @@ pub(crate) enum ReduceWork {
     },
     /// Any stage with reduce dtype bf16 (PREC-4).
     Packed(super::precision::PackedReduction),
+    /// Stages 1-3 with more than one shard group (HSDP-3): the reduce-scatter over the
+    /// shard group, then its shard's all-reduce over the replica group, chained. The
+    /// allocations are the stage's, as above; `copy` counts stage 1's shard copy on the
+    /// replica lane.
+    Chained {
+        chained: super::replica::Chained,
+        alloc: Option<Allocation>,
+        out: Option<Allocation>,
+        copy: Option<Allocation>,
+        add: bool,
+    },
 }
 
 impl InFlight for ReduceWork {
@@ -215,6 +226,7 @@ impl InFlight for ReduceWork {
             ReduceWork::AllReduce(w) | ReduceWork::ReduceScatterInPlace(w) => w.is_done(),
             ReduceWork::ReduceScatter { work, .. } => work.is_done(),
             ReduceWork::Packed(p) => p.is_done(),
+            ReduceWork::Chained { chained, .. } => chained.is_done(),
         }
     }
 }
@@ -242,7 +254,65 @@ impl RankEngine {
             return self.issue_packed_reduction(reds, u, (gfull, alloc), add);
         }
         let unreduced = alloc.as_ref().map_or(0, Allocation::bytes);
-        let work = match self.rules.reduce {
+        let work = match (self.rules.reduce, &self.replica) {
+            (GradReduce::AllReduce, _) => {
+                ReduceWork::AllReduce(self.reduce.all_reduce(gfull, ReduceOp::Sum))
+            }
+            (GradReduce::ReduceScatterInPlace, Some(chain)) => {
+                let own = self.layout.unit(u).shard_range(self.shard_rank);
+                let what = format!("{} (replica all-reduce)", self.labels[u]);
+                let copy = Some(self.mem.alloc_f32(Category::CommBuffers, own.len(), &what)?);
+                let scatter = self.reduce.reduce_scatter_in_place(gfull, ReduceOp::Sum);
+                let chained = chain.after(super::replica::Scatter::InPlace(scatter, own));
+                ReduceWork::Chained { chained, alloc, out: None, copy, add: false }
+            }
+            (GradReduce::ReduceScatter, Some(chain)) => {
+                let (buf, out) = self.scatter_output(u, kept_shard)?;
+                let scatter = self.reduce.reduce_scatter(gfull, buf, ReduceOp::Sum);
+                let chained = chain.after(super::replica::Scatter::Shard(scatter));
+                ReduceWork::Chained { chained, alloc, out, copy: None, add }
+            }
+            (rule, None) => self.issue_one_group(rule, u, (gfull, alloc), add, kept_shard)?,
+        };
+        reds.issue(u, unreduced, work);
+        Ok(())
+    }
+
+    /// Where a reduce-scatter's shard lands. The kept shard's own buffer, whose last values
+    /// the optimizer has used: no second shard-sized buffer, and the kept one keeps its
+    /// registration. An earlier microbatch's gradients there are added to instead (ACC-3):
+    /// the result then comes in a pool buffer, counted while in flight (MEM-5).
+    fn scatter_output(
+        &self,
+        u: usize,
+        kept_shard: Option<Vec<f32>>,
+    ) -> Result<(Vec<f32>, Option<Allocation>)> {
+        let len = self.layout.unit(u).shard_len();
+        Ok(match kept_shard {
+            Some(mut buf) => {
+                buf.resize(len, 0.0);
+                (buf, None)
+            }
+            _ => {
+                let mut buf = self.comm.pool().take(len);
+                buf.resize(len, 0.0);
+                let what = format!("{} (reduce-scatter output)", self.labels[u]);
+                let out = self.mem.alloc_f32(Category::CommBuffers, buf.capacity(), &what)?;
+                (buf, Some(out))
+            }
+        })
+    }
+
+    /// A unit's reduction with one shard group: the stage's collective on the reduce lane.
+    fn issue_one_group(
+        &self,
+        rule: GradReduce,
+        u: usize,
+        (gfull, alloc): (Vec<f32>, Option<Allocation>),
+        add: bool,
+        kept_shard: Option<Vec<f32>>,
+    ) -> Result<ReduceWork> {
+        Ok(match rule {
             GradReduce::AllReduce => {
                 ReduceWork::AllReduce(self.reduce.all_reduce(gfull, ReduceOp::Sum))
             }
@@ -250,32 +320,11 @@ impl RankEngine {
                 self.reduce.reduce_scatter_in_place(gfull, ReduceOp::Sum),
             ),
             GradReduce::ReduceScatter => {
-                let len = self.layout.unit(u).shard_len();
-                // The result lands in the kept shard's own buffer, whose last values the
-                // optimizer has used: no second shard-sized buffer, and the kept one keeps
-                // its registration. An earlier microbatch's gradients there are added to
-                // instead (ACC-3): the result then comes in a pool buffer, counted while in
-                // flight (MEM-5).
-                let (buf, out) = match kept_shard {
-                    Some(mut buf) => {
-                        buf.resize(len, 0.0);
-                        (buf, None)
-                    }
-                    _ => {
-                        let mut buf = self.comm.pool().take(len);
-                        buf.resize(len, 0.0);
-                        let what = format!("{} (reduce-scatter output)", self.labels[u]);
-                        let out =
-                            self.mem.alloc_f32(Category::CommBuffers, buf.capacity(), &what)?;
-                        (buf, Some(out))
-                    }
-                };
+                let (buf, out) = self.scatter_output(u, kept_shard)?;
                 let work = self.reduce.reduce_scatter(gfull, buf, ReduceOp::Sum);
                 ReduceWork::ReduceScatter { work, alloc, out, add }
             }
-        };
-        reds.issue(u, unreduced, work);
-        Ok(())
+        })
     }
 
     /// Waits for a unit's gradient reduction and stores the result where the optimizer reads
@@ -300,24 +349,52 @@ impl RankEngine {
             ReduceWork::ReduceScatter { work, alloc, out, add } => {
                 let what = format!("reduce-scatter {}", self.labels[unit]);
                 let (full, shard) = clock.wait(trace, rank, work, Row::Reduce, &what)?;
-                let old = if add {
-                    // ACC-3: the microbatches' reduced gradients sum in the shard.
-                    let acc = &mut self.state.grads[unit];
-                    acc.iter_mut().zip(&shard).for_each(|(a, s)| *a += s);
-                    shard
-                } else {
-                    // The kept shard's own buffer, back with the result.
-                    std::mem::replace(&mut self.state.grads[unit], shard)
-                };
-                // Unregistered before the pool keeps it: never counted twice (MEM-5). The
-                // result now holds the kept shard's registration, or was added into it.
-                drop((alloc, out));
-                self.comm.pool().give(old);
-                self.comm.pool().give(full);
+                self.store_shard(unit, shard, add, full, (alloc, out));
             }
             ReduceWork::Packed(p) => self.finish_packed_reduction(unit, p, clock)?,
+            ReduceWork::Chained { chained, alloc, out, copy, add } => {
+                let what = self.labels[unit].clone();
+                let super::replica::Reduced { full, range, shard } =
+                    chained.wait(clock, trace, rank, &what)?;
+                match range {
+                    // Stage 1: the summed shard back into the persistent full buffer.
+                    Some(range) => {
+                        let mut full = full;
+                        full[range].copy_from_slice(&shard);
+                        self.state.grads[unit] = full;
+                        drop(copy);
+                    }
+                    None => self.store_shard(unit, shard, add, full, (alloc, out)),
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Stages 2 and 3: stores a unit's reduced gradient shard (adding it to an earlier
+    /// microbatch's, ACC-3) and gives the buffers back to the pool, unregistered first
+    /// (MEM-5).
+    fn store_shard(
+        &mut self,
+        unit: usize,
+        shard: Vec<f32>,
+        add: bool,
+        full: Vec<f32>,
+        allocs: (Option<Allocation>, Option<Allocation>),
+    ) {
+        let old = if add {
+            // ACC-3: the microbatches' reduced gradients sum in the shard.
+            let acc = &mut self.state.grads[unit];
+            acc.iter_mut().zip(&shard).for_each(|(a, s)| *a += s);
+            shard
+        } else {
+            // The kept shard's own buffer, back with the result.
+            std::mem::replace(&mut self.state.grads[unit], shard)
+        };
+        // The result now holds the kept shard's registration, or was added into it.
+        drop(allocs);
+        self.comm.pool().give(old);
+        self.comm.pool().give(full);
     }
 }
 
@@ -337,7 +414,7 @@ impl ReduceIo<ReduceWork> for StepIo<'_> {
         self.eng.finish_reduction(r, &mut self.st.clock)?;
         if self.st.norms_when_reduced {
             let t0 = Instant::now();
-            let own = self.eng.layout.unit(u).shard_range(self.eng.rank);
+            let own = self.eng.layout.unit(u).shard_range(self.eng.shard_rank);
             self.st.unit_sq[u] =
                 optim::sq_norm(self.eng.rules.own_grads(&self.eng.state.grads[u], &own));
             self.st.compute += t0.elapsed();
@@ -362,7 +439,7 @@ impl RankEngine {
     /// the step and whatever the caller does between steps.
     fn step_unit(&mut self, u: usize, st: &mut StepState) -> Result<f64> {
         let t0 = Instant::now();
-        let own = self.layout.unit(u).shard_range(self.rank);
+        let own = self.layout.unit(u).shard_range(self.shard_rank);
         let update = Update { opt: &self.cfg.optimizer, lr: st.lr, step: self.step, coef: st.coef };
         let s = &mut self.state;
         let sq = self.rules.update_unit(

@@ -90,7 +90,7 @@ impl RankEngine {
             let masters_elsewhere = self.rules.gather_after_update && self.packed_params();
             let full = match self.rules.params {
                 Holding::Full if masters_elsewhere => {
-                    let own = self.state.params[u][l.shard_range(self.rank)].to_vec();
+                    let own = self.state.params[u][l.shard_range(self.shard_rank)].to_vec();
                     let (_, full) =
                         self.gather.all_gather(own, vec![0.0; l.padded_numel()]).wait()?;
                     full
@@ -125,7 +125,7 @@ impl RankEngine {
         let k = self.cfg.optimizer.state_len_per_param();
         let units = (0..self.layout.units().len())
             .map(|u| {
-                let r = self.layout.unit(u).shard_range(self.rank);
+                let r = self.layout.unit(u).shard_range(self.shard_rank);
                 let params = match self.rules.params {
                     Holding::Full => self.state.params[u][r.clone()].to_vec(),
                     Holding::Shard => self.state.params[u].clone(),

@@ -130,6 +130,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         accum_reduce: AccumReduce::Each,
         recompute: Recompute::None,
         precision: MixedPrecision::default(),
+        shard_group: crate::engine::ShardGroup::World,
     }
 }
 

@@ -96,11 +96,13 @@ fn run_rank(
         engine.set_backend((o.0)(rank));
     }
     let tracker = engine.memory().clone();
-    let (job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
+    let (mut job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
+    // HSDP-2: `--shard-group node` follows the nodes the job runs on.
+    job.shards =
+        crate::engine::checkpoint_shards(job.cfg.shard_group, job.stage, &joined.topology)?;
     let placement = Launched {
         commit: StoreCommit {
             rank,
-            world: job.cfg.world,
             job: env.job.clone(),
             wait: Duration::from_secs(job.cfg.timeout_s),
             store: Arc::clone(&joined.store),
@@ -144,7 +146,7 @@ impl Placement for Launched {
     async fn save(&self, ranks: &Ranks, dir: &Path, step: u64, meta: CheckpointMeta) -> Result<()> {
         let pending = Arc::new(self.commit.begin(dir, step)?);
         let mut entry = ranks
-            .ask(|_| Save(Arc::clone(&pending)), &format!("checkpoint at step {step}"))
+            .ask(|_| Save(Arc::clone(&pending), meta.world), &format!("checkpoint at step {step}"))
             .await?;
         let entry = entry.swap_remove(0);
         let buffers = if self.commit.rank == 0 {
@@ -158,7 +160,7 @@ impl Placement for Launched {
         };
         let pending = Arc::try_unwrap(pending)
             .map_err(|_| RuntimeError::config("checkpoint still shared"))?;
-        self.commit.finish(pending, &entry, meta, buffers.as_deref())
+        self.commit.finish(pending, entry.as_ref(), meta, buffers.as_deref())
     }
 
     /// LAUNCH-4 on a thread of the rank's process, from the snapshot taken now: its barriers
@@ -177,9 +179,13 @@ impl Placement for Launched {
         // communicator, and so does the process.
         BackgroundSave::start(step, false, move || {
             let pending = commit.begin(&dir, step)?;
-            let entry = hooks.write(&pending, &snap)?;
+            // HSDP-2: the first replica group's ranks write the shards.
+            let entry = match snap.rank < meta.world {
+                true => Some(hooks.write(&pending, &snap)?),
+                false => None,
+            };
             let buffers = (commit.rank == 0).then_some(snap.buffers.as_slice());
-            commit.finish(pending, &entry, meta, buffers)
+            commit.finish(pending, entry.as_ref(), meta, buffers)
         })
     }
 }
@@ -193,7 +199,6 @@ const CHECKPOINT_GRACE: Duration = Duration::from_secs(20);
 #[derive(Clone)]
 struct StoreCommit {
     rank: usize,
-    world: usize,
     job: String,
     /// Deadline of the checkpoint barriers and store reads (the collective timeout).
     wait: Duration,
@@ -214,26 +219,29 @@ impl StoreCommit {
         }
     }
 
-    /// Publishes this rank's written shard `entry`; rank 0, which passes the replicated
-    /// `buffers`, commits once the barrier says every rank's shard is durable. Returns
-    /// once the checkpoint is committed on every rank.
+    /// Publishes this rank's written shard `entry` (none from the replica groups but the
+    /// first, HSDP-2); rank 0, which passes the replicated `buffers`, commits once the
+    /// barrier says every shard of `meta.world` is durable. Returns once the checkpoint is
+    /// committed on every rank.
     fn finish(
         &self,
         pending: PendingCheckpoint,
-        entry: &FileEntry,
+        entry: Option<&FileEntry>,
         meta: CheckpointMeta,
         buffers: Option<&[Vec<f32>]>,
     ) -> Result<()> {
         let step = pending.step();
         let key = |r: usize| format!("launch/{}/ckpt/{step}/{r}", self.job);
-        let text = serde_json::to_vec(entry)
-            .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
-        self.store.set(&key(self.rank), &text).map_err(store_err("publishing a shard"))?;
+        if let Some(entry) = entry {
+            let text = serde_json::to_vec(entry)
+                .map_err(|e| RuntimeError::config(format!("encoding file entry: {e}")))?;
+            self.store.set(&key(self.rank), &text).map_err(store_err("publishing a shard"))?;
+        }
         self.barrier(step, "written by every rank")?;
         if let Some(buffers) = buffers {
-            let mut files = Vec::with_capacity(self.world);
+            let mut files = Vec::with_capacity(meta.world);
             let grace = blocked::with_grace(CHECKPOINT_GRACE);
-            for r in 0..self.world {
+            for r in 0..meta.world {
                 let _b = blocked::on(format!("rank {r}'s shard entry of step {step}"));
                 let v =
                     self.store.get(&key(r), self.wait).map_err(store_err("collecting shards"))?;

@@ -629,6 +629,7 @@ mod tests {
             accum_reduce: crate::engine::AccumReduce::Each,
             recompute: Recompute::None,
             precision: crate::engine::MixedPrecision::default(),
+            shard_group: crate::engine::ShardGroup::World,
         }
     }
 

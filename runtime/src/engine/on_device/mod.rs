@@ -292,10 +292,13 @@ impl DeviceEngine {
                 "--offload params keeps the parameter shards on the host: it needs --stage 3",
             ));
         }
-        let missing = [(
-            !cfg.precision.is_f32(),
-            "bf16 or quantized gathers (--param-dtype, --reduce-dtype, --gather-dtype)",
-        )];
+        let missing = [
+            (
+                !cfg.precision.is_f32(),
+                "bf16 or quantized gathers (--param-dtype, --reduce-dtype, --gather-dtype)",
+            ),
+            (!cfg.shard_group.is_world(), "hybrid sharding (--shard-group)"),
+        ];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
             return Err(RuntimeError::config(format!(
                 "the device engine does not run {what} yet; use the host engine"
