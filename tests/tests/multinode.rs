@@ -65,6 +65,8 @@ fn reference(world: usize, steps: u64, dir: &Path) -> serde_json::Value {
 
 /// Losses, accuracy and the committed final parameters of the launched job equal the
 /// one-process run within float tolerance (the hierarchical sums differ in order only).
+/// `world` is the number of shards the launched checkpoint holds (the shard group's size
+/// under hybrid sharding, HSDP-2).
 fn assert_matches_reference(dir: &Path, world: usize) {
     let one = summary(&dir.join("one.json"));
     let multi = summary(&dir.join("multi.json"));
@@ -153,11 +155,18 @@ fn net_or_skip(nodes: usize, test: &str) -> Option<LaunchNet> {
 
 /// Runs `nodes x nproc` ranks over namespaces and checks them against `train --world W`.
 fn multinode_matches(nodes: usize, nproc: usize, test: &str) {
+    multinode_matches_with(nodes, nproc, &[], nodes * nproc, test)
+}
+
+/// [`multinode_matches`] with `extra` flags for the launched job only, whose checkpoint
+/// holds `shards` shards.
+fn multinode_matches_with(nodes: usize, nproc: usize, extra: &[&str], shards: usize, test: &str) {
     let Some(net) = net_or_skip(nodes, test) else { return };
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     reference(nodes * nproc, 10, dir);
-    let args = train_args(10, dir, "multi");
+    let mut args = train_args(10, dir, "multi");
+    args.extend(extra.iter().map(|s| s.to_string()));
     let port = 29_500;
     let children: Vec<Child> = (0..nodes).map(|k| net.launch(k, nproc, port, &[], &args)).collect();
     let deadline = Instant::now() + DEADLINE;
@@ -174,7 +183,7 @@ fn multinode_matches(nodes: usize, nproc: usize, test: &str) {
             assert!(text.contains(&format!("on {nodes} node(s)")), "topology: {text}");
         }
     }
-    assert_matches_reference(dir, nodes * nproc);
+    assert_matches_reference(dir, shards);
 }
 
 /// LAUNCH-2, HYB-2 end to end: 2 nodes x 2 processes equal the one-process run.
@@ -187,6 +196,34 @@ fn two_nodes_by_two_processes_match_one_process_run() {
 #[test]
 fn three_nodes_by_one_process_match_one_process_run() {
     multinode_matches(3, 1, "three_nodes_by_one_process_match_one_process_run");
+}
+
+/// HSDP-1..3 across hosts: 2 nodes x 2 processes sharding inside each node at stage 3
+/// (`--shard-group node`: gathers and reduce-scatters over shared memory, the gradient
+/// shards all-reduced across the nodes over tcp) equal the one-process run at world 4, and
+/// the checkpoint holds one copy of each of the node's 2 shards.
+#[test]
+fn hybrid_sharding_on_two_nodes_matches_one_process_run_hsdp_3() {
+    multinode_matches_with(
+        2,
+        2,
+        &["--stage", "3", "--shard-group", "node"],
+        2,
+        "hybrid_sharding_on_two_nodes_matches_one_process_run_hsdp_3",
+    );
+}
+
+/// 3 nodes x 1 process with `--shard-group node` (3 groups of 1: stage 3 replicated across
+/// the nodes, every rank's reduce-scatter of one rank a copy) equal the one-process run.
+#[test]
+fn hybrid_sharding_three_groups_of_one_matches_one_process_run() {
+    multinode_matches_with(
+        3,
+        1,
+        &["--stage", "3", "--shard-group", "node"],
+        1,
+        "hybrid_sharding_three_groups_of_one_matches_one_process_run",
+    );
 }
 
 /// Pids of the direct children of `pid`.
