@@ -16,6 +16,8 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+mod kv_machine;
+pub mod raft;
 mod tcp;
 pub mod torch;
 #[cfg(any(test, feature = "test-utils"))]
