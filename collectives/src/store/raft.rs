@@ -211,7 +211,8 @@ impl Replica {
             now: 0,
             election_due: 0,
             leader_contact: None,
-            quiet_until: timing.election_min,
+            // A fresh replica acknowledged no leader: no lease to protect (RSTORE-4).
+            quiet_until: 0,
             led_since: 0,
             votes: vec![false; n],
             next: vec![1; n],
@@ -223,6 +224,11 @@ impl Replica {
             done: Vec::new(),
         };
         r.reset_election();
+        // Replica 0 campaigns first at start-up, so that a healthy group's leader is the
+        // first node's, as a single store would be; later timeouts are drawn alike.
+        if id == 0 {
+            r.election_due = timing.election_min / 2;
+        }
         r
     }
 
