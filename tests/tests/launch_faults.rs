@@ -456,3 +456,20 @@ fn a_lone_agent_stops_for_want_of_a_quorum() {
     assert_eq!(out.status.code(), Some(1), "{log}");
     assert!(log.contains("lost the quorum"), "{log}");
 }
+
+/// Bad `--rdzv` lists exit 2 naming the flag: as many addresses as nodes, each HOST:PORT.
+#[test]
+fn a_bad_replica_list_is_refused_naming_the_flag() {
+    for (rdzv, says) in [
+        ("127.0.0.1:1,127.0.0.1:2", "2 addresses for --nnodes 3"),
+        ("127.0.0.1:1,127.0.0.1:x,127.0.0.1:3", "--rdzv 127.0.0.1:x: expected HOST:PORT"),
+    ] {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "3", "--node-rank", "1"])
+            .args(["--rdzv", rdzv, "--token", "t", "--", "train", "--steps", "1"]);
+        let o = wait_output(spawn(cmd), Instant::now() + DEADLINE, "launch");
+        let log = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{log}");
+        assert!(log.contains(says), "{log}");
+    }
+}
