@@ -473,3 +473,55 @@ fn a_bad_replica_list_is_refused_naming_the_flag() {
         assert!(log.contains(says), "{log}");
     }
 }
+
+/// LAUNCH-14 on namespace nodes: node 0 (normally the store's leader and the deciding
+/// agent) is cut off for good mid-run. Its agent, a minority of one, stops its worker and
+/// exits 1 saying it lost the quorum; nodes 1 and 2 elect a leader among their replicas,
+/// whose agent takes the job over and restarts it on the two of them from the last
+/// checkpoint, and it finishes.
+#[test]
+fn a_partitioned_minority_stops_and_the_majority_finishes() {
+    let test = "a_partitioned_minority_stops_and_the_majority_finishes";
+    let Some(net) = LaunchNet::or_skip(3, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let args = train_args(steps, 10, dir, "cut");
+    let rdzv: Vec<String> = (0..3).map(|k| format!("{}:29613", net.addr(k))).collect();
+    let agents: Vec<_> = (0..3)
+        .map(|k| {
+            let mut cmd = net.command(k, shardline());
+            cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3"])
+                .args(["--max-restarts", "1", "--heartbeat-timeout-s", "1", "--grace-s", "0.5"])
+                .args(["--node-rank", &k.to_string(), "--rdzv", &rdzv.join(",")])
+                .args(["--token", REPLICATED_TOKEN, "--"])
+                .args(&args);
+            spawn(cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("cut.jsonl")) < 30 {
+        assert!(Instant::now() < deadline, "training never reached step 30");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let link = net.link_down(0).expect("link down");
+    let cut_at = Instant::now();
+    let mut outs: Vec<Output> = Vec::new();
+    for (k, c) in agents.into_iter().enumerate() {
+        outs.push(wait_output(c, deadline, &format!("node {k}")));
+        println!("node {k} exited {:.1} s after the cut", cut_at.elapsed().as_secs_f64());
+    }
+    drop(link);
+    let lone = text(&outs[0]);
+    assert_eq!(outs[0].status.code(), Some(1), "{lone}");
+    assert!(lone.contains("lost the quorum"), "{lone}");
+    let mut log = String::new();
+    for (k, o) in outs.iter().enumerate().skip(1) {
+        assert!(o.status.success(), "node {k} failed:\n{}", text(o));
+        log.push_str(&text(o));
+    }
+    assert!(log.contains("restart 1/1: generation 1 on node(s) [1, 2] (world 2)"), "{log}");
+    let ck = latest(&dir.join("ck-cut"));
+    assert_eq!(ck.manifest().step, steps);
+    assert_eq!(ck.manifest().world, 2);
+}

@@ -170,8 +170,9 @@ struct LaunchArgs {
     /// Rendezvous store HOST:PORT (node 0's address); required for several nodes. Or one
     /// HOST:PORT per node, comma-separated in node order: each agent serves a replica of the
     /// store on its own port, writes commit on a majority of them, and the agent whose
-    /// replica leads decides each generation; an agent whose replica hears from no majority
-    /// for 6 s stops its workers and exits 1, saying it lost the quorum.
+    /// replica leads decides each generation; an agent whose replica has heard from no
+    /// majority for 6 s stops its workers and exits 1, saying it lost the quorum (it looks
+    /// between its store requests, each of which may wait 3 s for a leader).
     #[arg(long)]
     rdzv: Option<String>,
     /// Job token (else SHARDLINE_TOKEN); required for several nodes, generated for one.
