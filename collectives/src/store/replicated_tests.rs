@@ -105,3 +105,35 @@ fn a_bad_token_is_refused() {
     let c = ReplicatedStore::new(addrs, "secreT", FAILOVER).unwrap();
     assert!(matches!(c.set("a", b"1"), Err(StoreError::Refused(_))));
 }
+
+/// What the launch agents rely on to never both start a generation: of clients that race a
+/// compare-and-set from the same value, exactly one succeeds, and each loser sees the
+/// winner's value.
+#[test]
+fn racing_compare_sets_have_one_winner() {
+    let addrs = free_ports(3);
+    let _reps = start(&addrs, "tok");
+    let c = ReplicatedStore::new(addrs.clone(), "tok", FAILOVER).unwrap();
+    c.set("gen", b"0").unwrap();
+    for round in 0..5u8 {
+        let old = [b'0' + round];
+        let hs: Vec<_> = (0..4u8)
+            .map(|k| {
+                let addrs = addrs.clone();
+                std::thread::spawn(move || {
+                    let c = ReplicatedStore::new(addrs, "tok", FAILOVER).unwrap();
+                    let mine = [b'a' + k];
+                    (mine, c.compare_set("gen", Some(&old), &mine).unwrap())
+                })
+            })
+            .collect();
+        let results: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        let winners: Vec<_> = results.iter().filter(|(_, (ok, _))| *ok).collect();
+        assert_eq!(winners.len(), 1, "round {round}: {results:?}");
+        let won = winners[0].0.to_vec();
+        for (_, (_, current)) in &results {
+            assert_eq!(current.as_deref(), Some(&won[..]));
+        }
+        c.set("gen", &[b'0' + round + 1]).unwrap();
+    }
+}
