@@ -34,6 +34,8 @@ const SERVER_TICK: Duration = Duration::from_millis(50);
 
 struct Shared {
     core: Replica,
+    /// Ticks delivered to the core since `State::t0`.
+    ticks: u64,
     /// Results of committed requests whose clients wait here.
     results: HashMap<(u64, u64), super::raft::OpResult>,
     waiting: HashSet<(u64, u64)>,
@@ -46,12 +48,22 @@ struct State {
     token: Vec<u8>,
     stop: AtomicBool,
     id: usize,
+    t0: Instant,
 }
 
 impl State {
+    /// The core, its clock brought up to the wall clock first: a lease is checked, and a
+    /// message's arrival dated, at the true time even when the clock thread was starved
+    /// (RSTORE-4).
     fn lock(&self) -> MutexGuard<'_, Shared> {
         // The core is only changed by whole method calls; a panic leaves it consistent.
-        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+        let mut s = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let due = (self.t0.elapsed().as_millis() / TICK.as_millis()) as u64;
+        while s.ticks < due {
+            s.core.tick();
+            s.ticks += 1;
+        }
+        s
     }
 
     /// Sends the core's messages and records the results of waited-for requests.
@@ -120,6 +132,7 @@ impl ReplicaServer {
         let state = Arc::new(State {
             shared: Mutex::new(Shared {
                 core: Replica::new(id, n, TIMING, seed),
+                ticks: 0,
                 results: HashMap::new(),
                 waiting: HashSet::new(),
             }),
@@ -128,6 +141,7 @@ impl ReplicaServer {
             token: token.as_bytes().to_vec(),
             stop: AtomicBool::new(false),
             id,
+            t0: Instant::now(),
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -177,18 +191,12 @@ impl Drop for ReplicaServer {
     }
 }
 
-/// Ticks the core at the wall clock's rate (so that leases hold in real time, RSTORE-4).
+/// Ticks the core at the wall clock's rate (so that leases hold in real time, RSTORE-4)
+/// and sends what the ticks produced.
 fn clock_loop(st: &State) {
-    let t0 = Instant::now();
-    let mut ticks = 0u64;
     while !st.stop.load(Ordering::Relaxed) {
-        let due = (t0.elapsed().as_millis() / TICK.as_millis()) as u64;
-        if due > ticks {
+        {
             let mut s = st.lock();
-            while ticks < due {
-                s.core.tick();
-                ticks += 1;
-            }
             st.flush(&mut s);
         }
         std::thread::sleep(TICK / 4);
@@ -379,7 +387,8 @@ fn propose(st: &State, cmd: Command, wait_ms: u64) -> Frame {
             ));
         }
         let slice = (deadline - now).min(SERVER_TICK);
-        s = st.changed.wait_timeout(s, slice).unwrap_or_else(|e| e.into_inner()).0;
+        drop(st.changed.wait_timeout(s, slice).unwrap_or_else(|e| e.into_inner()).0);
+        s = st.lock();
     };
     s.waiting.remove(&key);
     reply
@@ -405,6 +414,7 @@ fn get(st: &State, key: &str, wait_ms: u64) -> Frame {
             return refusal.map_or(Frame::Unset, not_leader);
         }
         let slice = (deadline - now).min(SERVER_TICK);
-        s = st.changed.wait_timeout(s, slice).unwrap_or_else(|e| e.into_inner()).0;
+        drop(st.changed.wait_timeout(s, slice).unwrap_or_else(|e| e.into_inner()).0);
+        s = st.lock();
     }
 }
