@@ -72,11 +72,11 @@ pub struct Command {
 }
 
 /// The map and the sessions.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KvMachine {
-    map: BTreeMap<String, Vec<u8>>,
+    pub(super) map: BTreeMap<String, Vec<u8>>,
     /// Per client: its last applied request number and that request's result.
-    sessions: HashMap<u64, (u64, OpResult)>,
+    pub(super) sessions: HashMap<u64, (u64, OpResult)>,
 }
 
 impl KvMachine {

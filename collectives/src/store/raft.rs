@@ -7,11 +7,14 @@
 //! Algorithm", 2014, Figure 2; section numbers below are that paper's, "diss." is Ongaro's
 //! dissertation, 2014): terms, one vote per term, the election restriction, AppendEntries
 //! with its consistency check, and commitment by a majority of an entry of the leader's own
-//! term. Committed commands are applied in log order to a [`KvMachine`].
+//! term. Committed commands are applied in log order to a [`KvMachine`]; every
+//! [`COMPACT_AFTER`] applied entries the log's prefix is compacted into a snapshot of it,
+//! which the leader sends (InstallSnapshot, §7) to a follower that needs compacted entries,
+//! so that a long job's store holds its state, not its history.
 //!
 //! Time is counted in ticks that the driver delivers at one rate on every replica. The
 //! replica's state lives in memory: a replica that is restarted by [`Replica::restart`] keeps
-//! its term, vote and log (Raft's persistent state), as a process that wrote them to disk
+//! its term, vote, log and snapshot (Raft's persistent state), as a process that wrote them to disk
 //! would; the networked replica keeps them only as long as its process lives.
 //!
 //! Invariants:
@@ -51,6 +54,8 @@ pub struct Timing {
 
 /// Most entries in one AppendEntries.
 const MAX_BATCH: usize = 256;
+/// Applied entries kept in the log before they are compacted into a snapshot (§7).
+pub const COMPACT_AFTER: u64 = 4096;
 
 /// One entry of the log.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +100,20 @@ pub enum Message {
         /// The leader's tick when it sent this, echoed back for its lease (RSTORE-4).
         sent: u64,
     },
+    /// InstallSnapshot (§7): the state machine up to `index`, for a follower that needs
+    /// entries the leader compacted. Answered by an `AppendReply`.
+    Snapshot {
+        /// The leader's term.
+        term: u64,
+        /// The last index the snapshot covers.
+        index: u64,
+        /// That entry's term.
+        last_term: u64,
+        /// The state machine after it.
+        machine: KvMachine,
+        /// As in `Append`.
+        sent: u64,
+    },
     /// AppendEntries' reply.
     AppendReply {
         /// The follower's term.
@@ -116,6 +135,7 @@ impl Message {
             Message::Vote { term, .. }
             | Message::VoteReply { term, .. }
             | Message::Append { term, .. }
+            | Message::Snapshot { term, .. }
             | Message::AppendReply { term, .. } => *term,
         }
     }
@@ -143,6 +163,8 @@ pub struct Applied {
     pub client: u64,
     /// The client's request number.
     pub seq: u64,
+    /// The command itself.
+    pub cmd: Command,
     /// What applying it returned.
     pub result: OpResult,
 }
@@ -165,7 +187,13 @@ pub struct Replica {
     // Persistent state (Figure 2).
     term: u64,
     voted: Option<usize>,
+    /// The entries after `snap_index`.
     log: Vec<Entry>,
+    /// The last index compacted into `snap`, and its term (§7).
+    snap_index: u64,
+    snap_term: u64,
+    snap: KvMachine,
+    compact_after: u64,
     // Volatile state.
     commit: u64,
     applied: u64,
@@ -203,6 +231,10 @@ impl Replica {
             term: 0,
             voted: None,
             log: Vec::new(),
+            snap_index: 0,
+            snap_term: 0,
+            snap: KvMachine::new(),
+            compact_after: COMPACT_AFTER,
             commit: 0,
             applied: 0,
             kv: KvMachine::new(),
@@ -235,9 +267,10 @@ impl Replica {
     /// Loses the volatile state as a crash would and starts again as a follower from the
     /// persistent state (term, vote, log); the state machine is rebuilt as entries commit.
     pub fn restart(&mut self) {
-        self.commit = 0;
-        self.applied = 0;
-        self.kv = KvMachine::new();
+        // The snapshot is persistent state too: it holds committed entries only.
+        self.commit = self.snap_index;
+        self.applied = self.snap_index;
+        self.kv = self.snap.clone();
         self.role = Role::Follower;
         self.leader = None;
         self.leader_contact = None;
@@ -272,7 +305,31 @@ impl Replica {
         self.commit
     }
 
-    /// Its log (index `i` is `log()[i - 1]`).
+    /// Compacts applied entries into a snapshot once `entries` of them are kept (§7).
+    pub fn with_compaction(mut self, entries: u64) -> Self {
+        self.compact_after = entries.max(1);
+        self
+    }
+
+    /// The entry at `index`, unless it is compacted or not there.
+    pub fn entry(&self, index: u64) -> Option<&Entry> {
+        if index <= self.snap_index {
+            return None;
+        }
+        self.log.get((index - self.snap_index - 1) as usize)
+    }
+
+    /// The last index compacted into the snapshot (0: none).
+    pub fn snapshot_index(&self) -> u64 {
+        self.snap_index
+    }
+
+    /// Its last index.
+    pub fn last_log_index(&self) -> u64 {
+        self.last_index()
+    }
+
+    /// The entries it keeps (after the snapshot).
     pub fn log(&self) -> &[Entry] {
         &self.log
     }
@@ -302,14 +359,16 @@ impl Replica {
     }
 
     fn last_index(&self) -> u64 {
-        self.log.len() as u64
+        self.snap_index + self.log.len() as u64
     }
 
+    /// The term of the entry at `index`: the snapshot's for its last index, 0 for one
+    /// compacted before it or absent.
     fn term_at(&self, index: u64) -> u64 {
-        if index == 0 {
-            0
+        if index == self.snap_index {
+            self.snap_term
         } else {
-            self.log.get(index as usize - 1).map_or(0, |e| e.term)
+            self.entry(index).map_or(0, |e| e.term)
         }
     }
 
@@ -394,7 +453,19 @@ impl Replica {
 
     fn send_append(&mut self, p: usize) {
         let prev_index = self.next[p].saturating_sub(1).min(self.last_index());
-        let from = prev_index as usize;
+        if prev_index < self.snap_index {
+            // §7: the entries it needs are compacted: it gets the snapshot.
+            let m = Message::Snapshot {
+                term: self.term,
+                index: self.snap_index,
+                last_term: self.snap_term,
+                machine: self.snap.clone(),
+                sent: self.now,
+            };
+            self.send(p, m);
+            return;
+        }
+        let from = (prev_index - self.snap_index) as usize;
         let to = (from + MAX_BATCH).min(self.log.len());
         let m = Message::Append {
             term: self.term,
@@ -500,7 +571,10 @@ impl Replica {
                 self.leader_contact = Some(self.now);
                 self.quiet_until = self.now + self.timing.election_min;
                 self.reset_election();
-                if prev_index > self.last_index() || self.term_at(prev_index) != prev_term {
+                // Entries up to the snapshot are committed: they match (§5.3, §7).
+                let matches = prev_index <= self.snap_index
+                    || (prev_index <= self.last_index() && self.term_at(prev_index) == prev_term);
+                if !matches {
                     let hint = self.last_index().min(prev_index.saturating_sub(1));
                     let reply = Message::AppendReply {
                         term: self.term,
@@ -514,6 +588,9 @@ impl Replica {
                 let count = entries.len() as u64;
                 for (k, e) in entries.into_iter().enumerate() {
                     let index = prev_index + 1 + k as u64;
+                    if index <= self.snap_index {
+                        continue;
+                    }
                     if index <= self.last_index() {
                         if self.term_at(index) == e.term {
                             continue;
@@ -521,7 +598,7 @@ impl Replica {
                         // Figure 2, AppendEntries 3: a conflict removes the entry and all
                         // that follow it (never a committed one, RSTORE-2).
                         debug_assert!(index > self.commit, "a committed entry conflicts");
-                        self.log.truncate(index as usize - 1);
+                        self.log.truncate((index - self.snap_index - 1) as usize);
                     }
                     self.log.push(e);
                 }
@@ -532,6 +609,36 @@ impl Replica {
                 }
                 let reply =
                     Message::AppendReply { term: self.term, ok: true, match_index: last_new, sent };
+                self.send(from, reply);
+            }
+            Message::Snapshot { term, index, last_term, machine, sent } => {
+                if term < self.term {
+                    let reply =
+                        Message::AppendReply { term: self.term, ok: false, match_index: 0, sent };
+                    self.send(from, reply);
+                    return;
+                }
+                self.become_follower(term);
+                self.leader = Some(from);
+                self.leader_contact = Some(self.now);
+                self.quiet_until = self.now + self.timing.election_min;
+                self.reset_election();
+                if index > self.commit {
+                    // §7: a log that holds the snapshot's last entry keeps what follows it.
+                    if self.term_at(index) == last_term && index <= self.last_index() {
+                        self.log.drain(..(index - self.snap_index) as usize);
+                    } else {
+                        self.log.clear();
+                    }
+                    self.snap_index = index;
+                    self.snap_term = last_term;
+                    self.snap = machine.clone();
+                    self.kv = machine;
+                    self.commit = index;
+                    self.applied = index;
+                }
+                let reply =
+                    Message::AppendReply { term: self.term, ok: true, match_index: index, sent };
                 self.send(from, reply);
             }
             Message::AppendReply { term, ok, match_index, sent } => {
@@ -569,10 +676,18 @@ impl Replica {
     fn apply(&mut self) {
         while self.applied < self.commit {
             self.applied += 1;
-            let e = &self.log[self.applied as usize - 1];
+            let e = &self.log[(self.applied - self.snap_index - 1) as usize];
             let (term, client, seq) = (e.term, e.cmd.client, e.cmd.seq);
             let result = self.kv.apply(&e.cmd);
-            self.done.push(Applied { index: self.applied, term, client, seq, result });
+            let cmd = e.cmd.clone();
+            self.done.push(Applied { index: self.applied, term, client, seq, cmd, result });
+        }
+        if self.applied - self.snap_index >= self.compact_after {
+            // §7: the applied prefix becomes the snapshot.
+            self.snap_term = self.term_at(self.applied);
+            self.log.drain(..(self.applied - self.snap_index) as usize);
+            self.snap_index = self.applied;
+            self.snap = self.kv.clone();
         }
     }
 

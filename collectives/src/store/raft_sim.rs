@@ -61,6 +61,8 @@ struct Sim {
     completed: u64,
     /// No new client requests (the last stretch, so that followers catch up).
     quiet: bool,
+    /// Snapshots delivered.
+    snapshots: u64,
 }
 
 impl Sim {
@@ -68,7 +70,8 @@ impl Sim {
         let mut rng = Rng(seed);
         let loss = rng.below(20);
         Sim {
-            reps: (0..n).map(|i| Replica::new(i, n, TIMING, seed)).collect(),
+            // Compaction every few entries, so that snapshots travel under every fault.
+            reps: (0..n).map(|i| Replica::new(i, n, TIMING, seed).with_compaction(16)).collect(),
             up: vec![true; n],
             rng,
             flight: Vec::new(),
@@ -84,6 +87,7 @@ impl Sim {
             reads_served: 0,
             completed: 0,
             quiet: false,
+            snapshots: 0,
         }
     }
 
@@ -121,6 +125,7 @@ impl Sim {
         for (_, from, to, m) in due {
             let cut = self.cut.contains(&(from, to)) || self.cut.contains(&(to, from));
             if self.up[to] && self.side[from] == self.side[to] && !cut {
+                self.snapshots += u64::from(matches!(m, Message::Snapshot { .. }));
                 self.reps[to].step(from, m);
                 self.collect(to);
             }
@@ -140,41 +145,45 @@ impl Sim {
                 let l = *self.leaders.entry(r.term()).or_insert(i);
                 assert_eq!(l, i, "two leaders in term {}: {l} and {i}", r.term());
             }
-            // RSTORE-2: committed prefixes agree with every commit seen before.
-            let commit = r.commit_index() as usize;
-            let common = commit.min(self.committed.len());
-            assert_eq!(
-                &r.log()[..common],
-                &self.committed[..common],
-                "replica {i}'s committed log differs"
-            );
-            if commit > self.committed.len() {
-                let new: Vec<Entry> = r.log()[self.committed.len()..commit].to_owned();
-                for e in new {
-                    // RSTORE-3: an entry commits only once a majority stores it.
-                    let k = self.committed.len();
-                    let stored = self.reps.iter().filter(|x| x.log().get(k) == Some(&e)).count();
-                    assert!(
-                        stored > self.n() / 2,
-                        "entry {} committed on {stored} replica(s)",
-                        k + 1
-                    );
-                    let result = self.model.apply(&e.cmd);
-                    if e.cmd.client != 0 {
-                        self.results.entry((e.cmd.client, e.cmd.seq)).or_insert(result);
-                    }
-                    self.committed.push(e);
+        }
+        // The oracle learns each committed entry from the first replica that applies it
+        // (the leader that committed it); every later application agrees (RSTORE-2, -5).
+        let mut applied: Vec<Applied> = Vec::new();
+        for r in self.reps.iter_mut() {
+            applied.extend(r.take_applied());
+        }
+        applied.sort_by_key(|a| a.index);
+        for a in applied {
+            let k = a.index as usize;
+            assert!(k <= self.committed.len() + 1, "entry {k} applied before entry {}", k - 1);
+            if k == self.committed.len() + 1 {
+                let e = Entry { term: a.term, cmd: a.cmd.clone() };
+                // RSTORE-3: an entry commits only once a majority stores it (compacted into
+                // a snapshot counts: only applied entries are).
+                let stored = self
+                    .reps
+                    .iter()
+                    .filter(|x| x.entry(a.index) == Some(&e) || x.snapshot_index() >= a.index)
+                    .count();
+                assert!(stored > self.n() / 2, "entry {k} committed on {stored} replica(s)");
+                let result = self.model.apply(&e.cmd);
+                if e.cmd.client != 0 {
+                    self.results.entry((e.cmd.client, e.cmd.seq)).or_insert(result);
                 }
+                self.committed.push(e);
+            }
+            let e = &self.committed[k - 1];
+            assert_eq!((e.term, &e.cmd), (a.term, &a.cmd), "entry {k} applied differently");
+            if a.client != 0 {
+                assert_eq!(self.results.get(&(a.client, a.seq)), Some(&a.result));
             }
         }
-        for i in 0..self.n() {
-            for a in self.reps[i].take_applied() {
-                assert_eq!(self.committed[a.index as usize - 1].term, a.term);
-                if a.client != 0 {
-                    // Every replica applies the same result as the oracle (RSTORE-5: a
-                    // repeat returns the first result).
-                    assert_eq!(self.results.get(&(a.client, a.seq)), Some(&a.result));
-                }
+        // RSTORE-2: every replica's committed entries are the oracle's.
+        for r in &self.reps {
+            let upto = r.commit_index().min(self.committed.len() as u64);
+            for idx in r.snapshot_index() + 1..=upto {
+                let want = &self.committed[idx as usize - 1];
+                assert_eq!(r.entry(idx), Some(want), "replica {}'s entry {idx} differs", r.id());
             }
         }
     }
@@ -337,14 +346,16 @@ proptest! {
 /// leaders answer reads.
 #[test]
 fn the_simulation_exercises_elections_commits_and_reads() {
-    let (mut terms, mut completed, mut reads) = (0, 0, 0);
+    let (mut terms, mut completed, mut reads, mut snapshots) = (0, 0, 0, 0);
     for seed in 0..8 {
         let s = run(3, seed);
         terms += s.leaders.len();
         completed += s.completed;
         reads += s.reads_served;
+        snapshots += s.snapshots;
     }
     assert!(terms > 8 * 2, "leaders changed in only {terms} terms");
+    assert!(snapshots > 8, "only {snapshots} snapshots were installed");
     assert!(completed > 100 && reads > 100, "completed {completed}, reads {reads}");
 }
 

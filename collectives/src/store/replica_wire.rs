@@ -3,7 +3,7 @@
 //! (`raft.rs`); clients send operations and reads, and get results, values or the leader's
 //! index. Every connection opens with a hello carrying the job token (STORE-1).
 
-use super::raft::{Command, Entry, Message, Op, OpResult};
+use super::raft::{Command, Entry, KvMachine, Message, Op, OpResult};
 use super::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
 use std::io::{Read, Write};
 
@@ -90,6 +90,37 @@ impl Enc {
         self.u64(c.seq);
         self.op(&c.op);
     }
+    fn result(&mut self, r: &OpResult) {
+        match r {
+            OpResult::Done => self.u8(0),
+            OpResult::Added(v) => {
+                self.u8(1);
+                self.u64(*v as u64);
+            }
+            OpResult::Swapped { ok, current } => {
+                self.u8(2);
+                self.u8(u8::from(*ok));
+                self.opt(current);
+            }
+            OpResult::Failed(why) => {
+                self.u8(3);
+                self.bytes(why.as_bytes());
+            }
+        }
+    }
+    fn machine(&mut self, m: &KvMachine) {
+        self.u64(m.map.len() as u64);
+        for (k, v) in &m.map {
+            self.bytes(k.as_bytes());
+            self.bytes(v);
+        }
+        self.u64(m.sessions.len() as u64);
+        for (client, (seq, r)) in &m.sessions {
+            self.u64(*client);
+            self.u64(*seq);
+            self.result(r);
+        }
+    }
 }
 
 struct Dec<'a>(&'a [u8]);
@@ -138,6 +169,29 @@ impl Dec<'_> {
     fn cmd(&mut self) -> Res<Command> {
         Ok(Command { client: self.u64()?, seq: self.u64()?, op: self.op()? })
     }
+    fn result(&mut self) -> Res<OpResult> {
+        Ok(match self.u8()? {
+            0 => OpResult::Done,
+            1 => OpResult::Added(self.u64()? as i64),
+            2 => OpResult::Swapped { ok: self.u8()? != 0, current: self.opt()? },
+            3 => OpResult::Failed(String::from_utf8_lossy(&self.bytes()?).into()),
+            k => return Err(format!("unknown result {k}")),
+        })
+    }
+    fn machine(&mut self) -> Res<KvMachine> {
+        let mut m = KvMachine::new();
+        // Counts come from the peer: nothing is reserved for them, each item is read.
+        for _ in 0..self.u64()? {
+            let k = self.string()?;
+            m.map.insert(k, self.bytes()?);
+        }
+        for _ in 0..self.u64()? {
+            let client = self.u64()?;
+            let seq = self.u64()?;
+            m.sessions.insert(client, (seq, self.result()?));
+        }
+        Ok(m)
+    }
 }
 
 /// The payload of a frame.
@@ -175,6 +229,11 @@ pub(super) fn encode(f: &Frame) -> Vec<u8> {
                         e.cmd(&x.cmd);
                     }
                 }
+                Message::Snapshot { term, index, last_term, machine, sent } => {
+                    e.u8(4);
+                    [*term, *index, *last_term, *sent].iter().for_each(|&v| e.u64(v));
+                    e.machine(machine);
+                }
                 Message::AppendReply { term, ok, match_index, sent } => {
                     e.u8(3);
                     e.u64(*term);
@@ -196,22 +255,7 @@ pub(super) fn encode(f: &Frame) -> Vec<u8> {
         }
         Frame::Result(r) => {
             e.u8(7);
-            match r {
-                OpResult::Done => e.u8(0),
-                OpResult::Added(v) => {
-                    e.u8(1);
-                    e.u64(*v as u64);
-                }
-                OpResult::Swapped { ok, current } => {
-                    e.u8(2);
-                    e.u8(u8::from(*ok));
-                    e.opt(current);
-                }
-                OpResult::Failed(why) => {
-                    e.u8(3);
-                    e.bytes(why.as_bytes());
-                }
-            }
+            e.result(r);
         }
         Frame::Value(v) => {
             e.u8(8);
@@ -261,17 +305,18 @@ pub(super) fn decode(b: &[u8]) -> Res<Frame> {
                 match_index: d.u64()?,
                 sent: d.u64()?,
             },
+            4 => Message::Snapshot {
+                term: d.u64()?,
+                index: d.u64()?,
+                last_term: d.u64()?,
+                sent: d.u64()?,
+                machine: d.machine()?,
+            },
             k => return Err(format!("unknown message {k}")),
         }),
         5 => Frame::Propose { cmd: d.cmd()?, wait_ms: d.u64()? },
         6 => Frame::Get { key: d.string()?, wait_ms: d.u64()? },
-        7 => Frame::Result(match d.u8()? {
-            0 => OpResult::Done,
-            1 => OpResult::Added(d.u64()? as i64),
-            2 => OpResult::Swapped { ok: d.u8()? != 0, current: d.opt()? },
-            3 => OpResult::Failed(text(&mut d)?),
-            k => return Err(format!("unknown result {k}")),
-        }),
+        7 => Frame::Result(d.result()?),
         8 => Frame::Value(d.bytes()?),
         9 => Frame::Unset,
         10 => {
@@ -361,6 +406,22 @@ mod tests {
                 sent: 99,
             }),
             Frame::Raft(Message::AppendReply { term: 5, ok: false, match_index: 3, sent: 99 }),
+            Frame::Raft(Message::Snapshot {
+                term: 6,
+                index: 40,
+                last_term: 5,
+                machine: {
+                    let mut m = KvMachine::new();
+                    m.apply(&cmd(Op::Set { key: "k".into(), value: vec![7] }));
+                    m.apply(&Command {
+                        client: 4,
+                        seq: 2,
+                        op: Op::Add { key: "n".into(), delta: 3 },
+                    });
+                    m
+                },
+                sent: 7,
+            }),
             Frame::Propose { cmd: cmd(Op::Noop), wait_ms: 10 },
             Frame::Get { key: "k".into(), wait_ms: 5 },
             Frame::Result(OpResult::Swapped { ok: false, current: Some(b"y".to_vec()) }),
