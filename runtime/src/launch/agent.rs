@@ -753,8 +753,13 @@ impl Agent<'_> {
                 {
                     // Node 0 may simply start later; say what is awaited instead of silence.
                     told_waiting = true;
+                    let whose = if self.replica.is_some() {
+                        "a majority of the store's replicas"
+                    } else {
+                        "node 0's store"
+                    };
                     self.log(format_args!(
-                        "waiting for node 0's store at {} ({}); giving up after {:?}",
+                        "waiting for {whose} at {} ({}); giving up after {:?}",
                         self.rdzv,
                         self.link.last_err.as_deref().unwrap_or("no answer"),
                         STORE_LOST
