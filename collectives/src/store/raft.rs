@@ -34,6 +34,10 @@
 //!   (diss. §4.2.3, §6.4.1), so with `lease` below that timeout no other leader is elected
 //!   while the lease holds.
 //! - RSTORE-5: a command retried by its client applies once (`kv_machine.rs`, diss. §6.3).
+//! - RSTORE-6: a replica that lost its state (started again empty while the group runs)
+//!   neither votes nor campaigns until a leader brought it up to that leader's commit, so
+//!   its empty log cannot elect a leader that lacks committed entries; while it catches up,
+//!   the group without it may be unable to elect, never unsafe.
 
 pub use super::kv_machine::{Command, KvMachine, Op, OpResult};
 
@@ -194,6 +198,9 @@ pub struct Replica {
     snap_term: u64,
     snap: KvMachine,
     compact_after: u64,
+    /// Started without the state it had (an agent restarted): it neither votes nor
+    /// campaigns until a leader brought it up to that leader's commit (RSTORE-6).
+    learner: bool,
     // Volatile state.
     commit: u64,
     applied: u64,
@@ -235,6 +242,7 @@ impl Replica {
             snap_term: 0,
             snap: KvMachine::new(),
             compact_after: COMPACT_AFTER,
+            learner: false,
             commit: 0,
             applied: 0,
             kv: KvMachine::new(),
@@ -303,6 +311,18 @@ impl Replica {
     /// Its commit index.
     pub fn commit_index(&self) -> u64 {
         self.commit
+    }
+
+    /// A replica that lost the state it had before (RSTORE-6): it votes and campaigns only
+    /// once a leader brought it up to that leader's commit.
+    pub fn as_learner(mut self) -> Self {
+        self.learner = true;
+        self
+    }
+
+    /// Whether it still waits to catch up before it votes (RSTORE-6).
+    pub fn is_learner(&self) -> bool {
+        self.learner
     }
 
     /// Compacts applied entries into a snapshot once `entries` of them are kept (§7).
@@ -393,6 +413,8 @@ impl Replica {
             if self.now - self.last_heartbeat >= self.timing.heartbeat {
                 self.broadcast_append();
             }
+        } else if self.now >= self.election_due && self.learner {
+            self.reset_election();
         } else if self.now >= self.election_due {
             self.start_election();
         }
@@ -530,7 +552,7 @@ impl Replica {
         if let Message::Vote { .. } = m {
             // RSTORE-4 (diss. §4.2.3): while a leader is heard from, a vote request is
             // ignored, term and all; a leader ignores them too.
-            if self.role == Role::Leader || self.now < self.quiet_until {
+            if self.role == Role::Leader || self.now < self.quiet_until || self.learner {
                 return;
             }
         }
@@ -607,6 +629,7 @@ impl Replica {
                     self.commit = self.commit.max(commit.min(last_new));
                     self.apply();
                 }
+                self.learner &= self.commit < commit;
                 let reply =
                     Message::AppendReply { term: self.term, ok: true, match_index: last_new, sent };
                 self.send(from, reply);
@@ -637,6 +660,7 @@ impl Replica {
                     self.commit = index;
                     self.applied = index;
                 }
+                self.learner &= self.commit < index;
                 let reply =
                     Message::AppendReply { term: self.term, ok: true, match_index: index, sent };
                 self.send(from, reply);

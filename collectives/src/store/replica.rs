@@ -108,12 +108,15 @@ pub struct ReplicaServer {
 impl ReplicaServer {
     /// Starts replica `id` of the replicas at `addrs` (one `HOST:PORT` each), listening on
     /// `bind` (port 0 picks one), with the job `token`; `seed` draws election timeouts.
+    /// `joining`: the others already serve the store and this replica starts without the
+    /// state it may have had, so it votes only once caught up (RSTORE-6).
     pub fn start(
         id: usize,
         addrs: &[String],
         bind: impl ToSocketAddrs,
         token: &str,
         seed: u64,
+        joining: bool,
     ) -> Result<ReplicaServer, StoreError> {
         if id >= addrs.len() {
             return Err(StoreError::Io(format!("replica {id} of {} replicas", addrs.len())));
@@ -131,7 +134,14 @@ impl ReplicaServer {
         }
         let state = Arc::new(State {
             shared: Mutex::new(Shared {
-                core: Replica::new(id, n, TIMING, seed),
+                core: {
+                    let r = Replica::new(id, n, TIMING, seed);
+                    if joining {
+                        r.as_learner()
+                    } else {
+                        r
+                    }
+                },
                 ticks: 0,
                 results: HashMap::new(),
                 waiting: HashSet::new(),

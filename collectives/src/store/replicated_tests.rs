@@ -18,7 +18,7 @@ fn free_ports(n: usize) -> Vec<String> {
 
 fn start(addrs: &[String], token: &str) -> Vec<Option<ReplicaServer>> {
     (0..addrs.len())
-        .map(|i| Some(ReplicaServer::start(i, addrs, addrs[i].as_str(), token, 7).unwrap()))
+        .map(|i| Some(ReplicaServer::start(i, addrs, addrs[i].as_str(), token, 7, false).unwrap()))
         .collect()
 }
 

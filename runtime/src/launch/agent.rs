@@ -83,6 +83,9 @@ const QUORUM_LOST: Duration = Duration::from_secs(6);
 /// little more than one election.
 const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long an agent starting with replicas asks whether the store already runs.
+const JOIN_PROBE: Duration = Duration::from_secs(2);
+
 /// What an agent does next (LAUNCH-14: with replicas, it decides while its replica leads).
 enum Next {
     /// Runs the generations another agent decides, from this one with these workers.
@@ -923,12 +926,27 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         }
         let port = port_of(&replicas[o.node_rank])?;
         let seed = std::process::id() as u64 ^ (o.node_rank as u64) << 32;
-        let r = ReplicaServer::start(o.node_rank, &replicas, ("0.0.0.0", port), &token, seed)
-            .map_err(|e| {
-                RuntimeError::config(format!(
-                    "hosting this node's store replica on port {port}: {e}"
-                ))
-            })?;
+        // RSTORE-6: a store that already answers is a running job this agent rejoins (it was
+        // restarted): its empty replica votes only once it caught up.
+        let probe = ReplicatedStore::new(replicas.clone(), &token, JOIN_PROBE)
+            .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?;
+        let joining = matches!(
+            shardline_collectives::Store::get(&probe, "agent/probe", Duration::ZERO),
+            Ok(_) | Err(shardline_collectives::StoreError::Timeout { .. })
+        );
+        if joining {
+            say!(
+                "shardline launch: node {}: the store already runs: this node's replica joins it and votes once it caught up",
+                o.node_rank
+            );
+        }
+        let r =
+            ReplicaServer::start(o.node_rank, &replicas, ("0.0.0.0", port), &token, seed, joining)
+                .map_err(|e| {
+                    RuntimeError::config(format!(
+                        "hosting this node's store replica on port {port}: {e}"
+                    ))
+                })?;
         replica = Some(r);
         (None, replicas.join(","))
     } else if o.node_rank == 0 {
