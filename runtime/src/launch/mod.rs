@@ -79,8 +79,11 @@
 //!   saw it, so two agents can never both start a generation; the one that loses follows.
 //!   An agent whose replica heard from no majority for 6 s (a partition's minority side, or
 //!   the survivor of a lost majority) stops its workers and exits 1, saying it lost the
-//!   quorum; it looks between its store requests, each of which may wait 3 s for a leader. A replica's state lives in its agent's memory: an agent restarted on a node
-//!   joins with an empty replica, which Raft's rules do not cover (not supported).
+//!   quorum; it looks between its store requests, each of which may wait 3 s for a leader.
+//!   A replica's state lives in its agent's memory: an agent restarted while the store
+//!   answers joins with an empty replica that votes only once it caught up (RSTORE-6); one
+//!   restarted while no leader answers starts as a voter with an empty log, which can lose
+//!   a commit that only its lost state and a dead node held.
 /// Writes one line to stderr in a single write, so that it never interleaves with the
 /// workers' lines.
 macro_rules! say {
