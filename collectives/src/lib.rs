@@ -61,6 +61,9 @@ pub use error::CollectiveError;
 pub use lane::{CallOptions, Lane};
 pub use pool::BufferPool;
 pub use reduce::ReduceOp;
-pub use store::{MemStore, Store, StoreError, TcpStoreClient, TcpStoreServer, TorchStoreClient};
+pub use store::{
+    MemStore, ReplicaServer, ReplicatedStore, Store, StoreError, TcpStoreClient, TcpStoreServer,
+    TorchStoreClient,
+};
 pub use topology::Topology;
 pub use work::Work;

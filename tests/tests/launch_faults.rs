@@ -323,3 +323,205 @@ fn interrupted_launch_checkpoints_one_step_and_exits_130() {
     assert_eq!(c.manifest().world, 2);
     assert_eq!(c.manifest().step as usize, lines(), "the checkpoint holds the last logged step");
 }
+
+/// Three agents on this host with a replicated store (LAUNCH-14): one `--rdzv` address per
+/// node, `--nnodes 2:3 --max-restarts 1`, one worker each, checkpoints every 10 steps.
+struct Replicated {
+    addrs: Vec<String>,
+    agents: Vec<Option<shardline_tests::launch::Child>>,
+}
+
+const REPLICATED_TOKEN: &str = "replicated-store-test";
+
+impl Replicated {
+    fn start(args: &[String]) -> Replicated {
+        let ls: Vec<std::net::TcpListener> =
+            (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+        drop(ls);
+        let agents = (0..3)
+            .map(|k| {
+                let mut cmd = Command::new(shardline());
+                cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3"])
+                    .args(["--max-restarts", "1", "--heartbeat-timeout-s", "1", "--grace-s", "0.5"])
+                    .args(["--node-rank", &k.to_string(), "--rdzv", &addrs.join(",")])
+                    .args(["--token", REPLICATED_TOKEN, "--"])
+                    .args(args);
+                Some(spawn(cmd))
+            })
+            .collect();
+        Replicated { addrs, agents }
+    }
+
+    /// The node whose agent decided the running generation, read from the store.
+    fn decider(&self, deadline: Instant) -> u64 {
+        let rdzv = self.addrs.join(",");
+        let hash = shardline_runtime::checkpoint::config_hash(&(rdzv.as_str(), REPLICATED_TOKEN))
+            .expect("hash");
+        let key = format!("agent/l{}/gen", &hash[..10]);
+        let store = shardline_collectives::ReplicatedStore::new(
+            self.addrs.clone(),
+            REPLICATED_TOKEN,
+            Duration::from_secs(5),
+        )
+        .expect("client");
+        use shardline_collectives::Store as _;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let v = store.get(&key, left).expect("the generation record");
+        let g: serde_json::Value = serde_json::from_slice(&v).expect("json");
+        g["by"].as_u64().expect("by")
+    }
+
+    fn kill(&mut self, node: usize) -> Output {
+        let c = self.agents[node].take().expect("running");
+        kill_group(&c);
+        wait_output(c, Instant::now() + DEADLINE, &format!("node {node}"))
+    }
+
+    fn wait(&mut self, node: usize, deadline: Instant) -> Output {
+        let c = self.agents[node].take().expect("running");
+        wait_output(c, deadline, &format!("node {node}"))
+    }
+}
+
+/// LAUNCH-14, LAUNCH-10: node 0's agent (with its worker) is SIGKILLed mid-run; the store
+/// lives on in the other two replicas, the agent whose replica leads then decides a second
+/// generation on the two survivors, which resumes from the last checkpoint and finishes.
+/// Node 0's replica campaigns first at start-up, so node 0 is normally the leader and the
+/// deciding agent when killed; the test says which it was.
+#[test]
+fn replicated_store_survives_node_0() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let mut job = Replicated::start(&train_args(steps, 10, dir, "rep"));
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("rep.jsonl")) < 30 {
+        assert!(Instant::now() < deadline, "training never reached step 30");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let decider = job.decider(deadline);
+    println!("node {decider}'s agent decided generation 0; killing node 0's");
+    let killed_at = Instant::now();
+    job.kill(0);
+    let mut log = String::new();
+    for k in [1, 2] {
+        let out = job.wait(k, deadline);
+        let t = text(&out);
+        assert!(out.status.success(), "node {k} failed:\n{t}");
+        log.push_str(&t);
+    }
+    println!("the survivors finished {:.1} s after the kill", killed_at.elapsed().as_secs_f64());
+    assert!(log.contains("restart 1/1: generation 1 on node(s) [1, 2] (world 2)"), "{log}");
+    if decider == 0 {
+        assert!(log.contains("takes over generation 0 from node 0"), "{log}");
+    }
+    let resumed: u64 = log
+        .split("(step ")
+        .nth(1)
+        .and_then(|t| t.split(')').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no resume step:\n{log}"));
+    assert!(resumed >= 30 && resumed.is_multiple_of(10), "resumed from step {resumed}");
+    let ck = latest(&dir.join("ck-rep"));
+    assert_eq!(ck.manifest().step, steps);
+    assert_eq!(ck.manifest().world, 2);
+}
+
+/// LAUNCH-14: two of three agents are SIGKILLed mid-run (the deciding one among them when
+/// it is not the third); the last agent's replica hears from no majority, so it stops its
+/// worker and exits non-zero, saying it lost the quorum, within the test's deadline.
+#[test]
+fn a_lone_agent_stops_for_want_of_a_quorum() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let mut job = Replicated::start(&train_args(100_000, 1000, dir, "lone"));
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("lone.jsonl")) < 10 {
+        assert!(Instant::now() < deadline, "training never reached step 10");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let decider = job.decider(deadline) as usize;
+    let lone = if decider == 2 { 0 } else { 2 };
+    let killed_at = Instant::now();
+    for k in (0..3).filter(|&k| k != lone) {
+        job.kill(k);
+    }
+    let out = job.wait(lone, deadline);
+    let log = text(&out);
+    println!(
+        "node {lone} alone (node {decider} decided) exited {:.1} s after the kill",
+        killed_at.elapsed().as_secs_f64()
+    );
+    assert_eq!(out.status.code(), Some(1), "{log}");
+    assert!(log.contains("lost the quorum"), "{log}");
+}
+
+/// Bad `--rdzv` lists exit 2 naming the flag: as many addresses as nodes, each HOST:PORT.
+#[test]
+fn a_bad_replica_list_is_refused_naming_the_flag() {
+    for (rdzv, says) in [
+        ("127.0.0.1:1,127.0.0.1:2", "2 addresses for --nnodes 3"),
+        ("127.0.0.1:1,127.0.0.1:x,127.0.0.1:3", "--rdzv 127.0.0.1:x: expected HOST:PORT"),
+    ] {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "3", "--node-rank", "1"])
+            .args(["--rdzv", rdzv, "--token", "t", "--", "train", "--steps", "1"]);
+        let o = wait_output(spawn(cmd), Instant::now() + DEADLINE, "launch");
+        let log = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{log}");
+        assert!(log.contains(says), "{log}");
+    }
+}
+
+/// LAUNCH-14 on namespace nodes: node 0 (normally the store's leader and the deciding
+/// agent) is cut off for good mid-run. Its agent, a minority of one, stops its worker and
+/// exits 1 saying it lost the quorum; nodes 1 and 2 elect a leader among their replicas,
+/// whose agent takes the job over and restarts it on the two of them from the last
+/// checkpoint, and it finishes.
+#[test]
+fn a_partitioned_minority_stops_and_the_majority_finishes() {
+    let test = "a_partitioned_minority_stops_and_the_majority_finishes";
+    let Some(net) = LaunchNet::or_skip(3, test) else { return };
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let args = train_args(steps, 10, dir, "cut");
+    let rdzv: Vec<String> = (0..3).map(|k| format!("{}:29613", net.addr(k))).collect();
+    let agents: Vec<_> = (0..3)
+        .map(|k| {
+            let mut cmd = net.command(k, shardline());
+            cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3"])
+                .args(["--max-restarts", "1", "--heartbeat-timeout-s", "1", "--grace-s", "0.5"])
+                .args(["--node-rank", &k.to_string(), "--rdzv", &rdzv.join(",")])
+                .args(["--token", REPLICATED_TOKEN, "--"])
+                .args(&args);
+            spawn(cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    while logged_step(&dir.join("cut.jsonl")) < 30 {
+        assert!(Instant::now() < deadline, "training never reached step 30");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let link = net.link_down(0).expect("link down");
+    let cut_at = Instant::now();
+    let mut outs: Vec<Output> = Vec::new();
+    for (k, c) in agents.into_iter().enumerate() {
+        outs.push(wait_output(c, deadline, &format!("node {k}")));
+        println!("node {k} exited {:.1} s after the cut", cut_at.elapsed().as_secs_f64());
+    }
+    drop(link);
+    let lone = text(&outs[0]);
+    assert_eq!(outs[0].status.code(), Some(1), "{lone}");
+    assert!(lone.contains("lost the quorum"), "{lone}");
+    let mut log = String::new();
+    for (k, o) in outs.iter().enumerate().skip(1) {
+        assert!(o.status.success(), "node {k} failed:\n{}", text(o));
+        log.push_str(&text(o));
+    }
+    assert!(log.contains("restart 1/1: generation 1 on node(s) [1, 2] (world 2)"), "{log}");
+    let ck = latest(&dir.join("ck-cut"));
+    assert_eq!(ck.manifest().step, steps);
+    assert_eq!(ck.manifest().world, 2);
+}

@@ -4,6 +4,9 @@
 //! - [`MemStore`] serves threads of one process;
 //! - [`TcpStoreServer`]/[`TcpStoreClient`] (`tcp.rs`) serve processes and nodes and require
 //!   the job token;
+//! - [`ReplicaServer`]/[`ReplicatedStore`] (`replica.rs`, `replicated.rs`) replicate the
+//!   store across the launch agents (a Raft log, `raft.rs`), so that it outlives any one
+//!   node, and require the job token;
 //! - [`TorchStoreClient`] (`torch.rs`) speaks PyTorch's c10d `TCPStore` protocol, so that the
 //!   workers of a torchrun job rendezvous through the store its agent already serves;
 //!   `TorchStoreServer` (feature `test-utils`) plays that store in tests without torch.
@@ -16,11 +19,18 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+mod kv_machine;
+pub mod raft;
+mod replica;
+mod replica_wire;
+mod replicated;
 mod tcp;
 pub mod torch;
 #[cfg(any(test, feature = "test-utils"))]
 mod torch_server;
 
+pub use replica::{ReplicaServer, ReplicaStatus};
+pub use replicated::ReplicatedStore;
 pub use tcp::{TcpStoreClient, TcpStoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};
 pub use torch::TorchStoreClient;
 #[cfg(any(test, feature = "test-utils"))]

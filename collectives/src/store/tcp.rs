@@ -146,7 +146,7 @@ fn read_frame(s: &mut TcpStream, stop: Option<&AtomicBool>) -> Result<Frame, Rea
 }
 
 /// Compares two secrets in time that depends only on their lengths (STORE-1).
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+pub(super) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     let n = a.len().max(b.len());
     let mut diff = (a.len() ^ b.len()) as u64;
     for i in 0..n {

@@ -159,6 +159,11 @@ enum Cmd {
     ///   shardline launch --nproc-per-node 4 -- train --steps 50
     ///   shardline launch --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29500 --token T \
     ///       --nproc-per-node 4 -- train --steps 50      (--node-rank 1 on the other node)
+    /// or, with one address per node, every agent holds a replica of the store and the job
+    /// survives the loss of any minority of the nodes (node 0 included):
+    ///   shardline launch --nnodes 2:3 --node-rank K --token T --max-restarts 1 \
+    ///       --rdzv 10.0.0.1:29500,10.0.0.2:29500,10.0.0.3:29500 \
+    ///       --nproc-per-node 4 -- train --steps 50 --checkpoint-dir D
     ///
     /// With torchrun (also what Kubernetes PyTorchJob runs): the ranks meet in the TCPStore
     /// torchrun's agent serves at MASTER_ADDR:MASTER_PORT; one node, then several:
@@ -192,10 +197,15 @@ struct LaunchArgs {
     /// down to MIN nodes; the checkpoint reshards on load).
     #[arg(long, default_value = "1", value_parser = shardline_runtime::launch::parse_nnodes)]
     nnodes: (usize, usize),
-    /// This node's index (0 hosts the rendezvous store).
+    /// This node's index (with one --rdzv address, 0 hosts the rendezvous store).
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Rendezvous store HOST:PORT (node 0's address); required for several nodes.
+    /// Rendezvous store HOST:PORT (node 0's address); required for several nodes. Or one
+    /// HOST:PORT per node, comma-separated in node order: each agent serves a replica of the
+    /// store on its own port, writes commit on a majority of them, and the agent whose
+    /// replica leads decides each generation; an agent whose replica has heard from no
+    /// majority for 6 s stops its workers and exits 1, saying it lost the quorum (it looks
+    /// between its store requests, each of which may wait 3 s for a leader).
     #[arg(long)]
     rdzv: Option<String>,
     /// Job token (else SHARDLINE_TOKEN); required for several nodes, generated for one.
@@ -209,7 +219,8 @@ struct LaunchArgs {
     /// invalid input); needs --checkpoint-dir in the train arguments.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
-    /// Seconds without a heartbeat after which node 0's agent counts a node as lost.
+    /// Seconds without a heartbeat after which the deciding agent (node 0's, or with
+    /// replicas the leading one) counts a node as lost.
     #[arg(long, default_value_t = 3.0)]
     heartbeat_timeout_s: f64,
     /// Transport between the workers: auto (shm inside a node; rdma across nodes when every

@@ -7,7 +7,7 @@ use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, StoreL
 use super::worker::{progress_key, unix_ms};
 use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
-use shardline_collectives::TcpStoreServer;
+use shardline_collectives::{ReplicaServer, ReplicatedStore, TcpStoreServer};
 use std::time::{Duration, Instant};
 
 /// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
@@ -75,7 +75,28 @@ const WAITING_NOTE_AFTER: Duration = Duration::from_secs(3);
 const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
 /// How long node 0's agent keeps the store up after success for the other nodes' reports.
 const END_WAIT: Duration = Duration::from_secs(10);
-/// How one generation ended for node 0's agent.
+/// LAUNCH-14: an agent whose store replica heard from no majority this long (three of its
+/// longest election timeouts, so that an election among the others is not mistaken for a
+/// partition) stops its workers and exits.
+const QUORUM_LOST: Duration = Duration::from_secs(6);
+/// How long a request of an agent to the replicated store may take, failover included: a
+/// little more than one election.
+const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long an agent starting with replicas asks whether the store already runs.
+const JOIN_PROBE: Duration = Duration::from_secs(2);
+
+/// What an agent does next (LAUNCH-14: with replicas, it decides while its replica leads).
+enum Next {
+    /// Runs the generations another agent decides, from this one with these workers.
+    Follow(Option<Generation>, Vec<Worker>),
+    /// Decides the generations, from the start or taking over this one with these workers.
+    Lead(Option<(Generation, Vec<Worker>)>),
+    /// Exits with this code.
+    Exit(i32),
+}
+
+/// How one generation ended for the deciding agent.
 enum Outcome {
     Done,
     Failed(String),
@@ -95,6 +116,11 @@ struct Agent<'a> {
     forwarded: i32,
     /// Last step rank 0 reported, per generation's job.
     progress: u64,
+    /// This node's replica of the store, when the agents replicate it (LAUNCH-14).
+    replica: Option<ReplicaServer>,
+    /// The generation record as this agent last read or wrote it: what its next write
+    /// expects to replace (LAUNCH-14).
+    gen_seen: Option<Vec<u8>>,
 }
 
 impl Agent<'_> {
@@ -261,18 +287,89 @@ impl Agent<'_> {
         }
     }
 
-    fn publish(&mut self, g: &Generation) -> Result<()> {
+    /// Writes the generation record; with replicas only if it still holds what this agent
+    /// last saw (LAUNCH-14), so that two agents can never both start a generation. False when
+    /// another agent wrote it since, or this node lost the quorum: the caller follows.
+    fn publish(&mut self, g: &Generation) -> Result<bool> {
         let text = serde_json::to_vec(g)
             .map_err(|e| RuntimeError::config(format!("encoding generation: {e}")))?;
         let key = agent_key(&self.job, "gen");
         let deadline = Instant::now() + STORE_LOST;
-        while !self.link.set(&key, &text) {
+        loop {
+            let expected = self.gen_seen.clone();
+            match self.link.compare_set(&key, expected.as_deref(), &text) {
+                Some(true) => {
+                    self.gen_seen = Some(text);
+                    return Ok(true);
+                }
+                Some(false) => {
+                    self.log(format_args!(
+                        "another agent wrote generation record first: following it"
+                    ));
+                    return Ok(false);
+                }
+                None => {}
+            }
+            if self.quorum_lost().is_some() {
+                return Ok(false);
+            }
             if Instant::now() >= deadline {
-                return Err(RuntimeError::config("node 0's agent cannot reach its own store"));
+                return Err(RuntimeError::config("the deciding agent cannot reach the store"));
             }
             std::thread::sleep(POLL_EVERY);
         }
-        Ok(())
+    }
+
+    /// LAUNCH-14: whether this node's replica leads the store.
+    fn leads(&self) -> bool {
+        self.replica.as_ref().is_some_and(|r| r.status().leads)
+    }
+
+    /// LAUNCH-14: why this node's replica counts as cut off from a majority, if it does.
+    fn quorum_lost(&self) -> Option<String> {
+        let st = self.replica.as_ref()?.status();
+        let (quiet, limit) = match st.out_of_contact {
+            Some(t) => (t, QUORUM_LOST),
+            // Never in contact: the other agents may still be starting.
+            None => (self.t0.elapsed(), RENDEZVOUS_TIMEOUT),
+        };
+        (quiet >= limit).then(|| {
+            format!(
+                "lost the quorum: this node's store replica has heard from no majority of the {} replicas for {:.1} s (a partition, or most nodes lost)",
+                self.o.nnodes,
+                quiet.as_secs_f64()
+            )
+        })
+    }
+
+    /// LAUNCH-14: stops this node's workers and returns the exit code once the quorum is lost.
+    fn stop_without_quorum(&mut self, workers: &mut [Worker], gen: u64) -> Option<i32> {
+        let why = self.quorum_lost()?;
+        self.log(format_args!("{why}: stopping this node's workers"));
+        self.stop(workers, gen);
+        Some(1)
+    }
+
+    /// Why a generation taken over fails at once, if it does: it was stopping, this node
+    /// is not in it, or its workers here failed.
+    fn takeover_failure(&self, g: &Generation, workers: &[Worker]) -> Option<String> {
+        let me = self.o.node_rank;
+        if g.state == GenState::Stop {
+            return Some(format!(
+                "generation {} was stopping when node {}'s agent stopped leading",
+                g.gen, g.by
+            ));
+        }
+        if !g.nodes.contains(&me) || workers.is_empty() {
+            return Some(format!("node {me} leads the store and rejoins the job"));
+        }
+        workers
+            .iter()
+            .filter_map(|w| w.status.filter(|s| !s.success()).map(|s| (w.rank, s)))
+            .next()
+            .map(|(rank, s)| {
+                format!("rank {rank} exited with {} (generation {})", describe(s), g.gen)
+            })
     }
 
     /// Node 0: which nodes start the job. A fixed-size job takes them all (its workers'
@@ -305,24 +402,60 @@ impl Agent<'_> {
         }
     }
 
-    /// Node 0's agent: decides every generation (LAUNCH-6, LAUNCH-10).
-    fn coordinate(&mut self) -> Result<i32> {
+    /// The deciding agent (LAUNCH-6, LAUNCH-10): node 0's with a single store; with replicas
+    /// the one whose replica leads (LAUNCH-14), from the start, or taking over the running
+    /// generation `adopt` with this node's workers.
+    fn coordinate(&mut self, adopt: Option<(Generation, Vec<Worker>)>) -> Result<Next> {
         let o = self.o;
         let me = o.node_rank;
         let mut beats = Heartbeats::new(o.nnodes);
-        let nodes = self.initial_nodes(&mut beats)?;
-        let mut g = Generation { gen: 0, nodes, state: GenState::Run };
         let mut restarts = 0u32;
         // (step to pass, when the failure was detected)
         let mut recovering: Option<(u64, Instant)> = None;
+        // A generation taken over, with this node's workers and why it fails at once.
+        let mut adopted: Option<(Vec<Worker>, Option<String>)> = None;
+        let mut g = match adopt {
+            Some((g, workers)) => {
+                // Every generation after the first was a restart.
+                restarts = u32::try_from(g.gen).unwrap_or(u32::MAX);
+                let why = self.takeover_failure(&g, &workers);
+                self.log(format_args!(
+                    "this node's store replica leads: its agent takes over generation {} from node {}",
+                    g.gen, g.by
+                ));
+                adopted = Some((workers, why));
+                g
+            }
+            None => {
+                let nodes = self.initial_nodes(&mut beats)?;
+                Generation { gen: 0, nodes, state: GenState::Run, by: me }
+            }
+        };
         loop {
-            self.publish(&g)?;
-            self.progress = 0;
-            let mut workers = self.spawn(&g)?;
+            let (mut workers, mut fail_now) = match adopted.take() {
+                Some((workers, why)) => {
+                    g.by = me;
+                    // A running generation is claimed as it is; a failing one by its stop.
+                    if why.is_none() && !self.publish(&g)? {
+                        return Ok(Next::Follow(Some(g), workers));
+                    }
+                    (workers, why)
+                }
+                None => {
+                    if !self.publish(&g)? {
+                        return Ok(Next::Follow(None, Vec::new()));
+                    }
+                    self.progress = 0;
+                    (self.spawn(&g)?, None)
+                }
+            };
             let started = Instant::now();
             let mut last_poll: Option<Instant> = None;
             let mut interrupted = false;
             let outcome = loop {
+                if let Some(why) = fail_now.take() {
+                    break Outcome::Failed(why);
+                }
                 self.heartbeat();
                 interrupted |= self.forward_signals(&workers);
                 let failed = self.poll_workers(&mut workers, g.gen);
@@ -343,6 +476,21 @@ impl Agent<'_> {
                                 at.elapsed().as_secs_f64()
                             ));
                             recovering = None;
+                        }
+                    }
+                    if self.replica.is_some() {
+                        if let Some(code) = self.stop_without_quorum(&mut workers, g.gen) {
+                            return Ok(Next::Exit(code));
+                        }
+                        // LAUNCH-14: another agent took the record over: this one follows.
+                        if let Got::Value(v) = self.link.get(&agent_key(&self.job, "gen")) {
+                            if self.gen_seen.as_deref() != Some(&v[..]) {
+                                self.log(format_args!(
+                                    "another agent decides now: node {me} follows"
+                                ));
+                                self.gen_seen = Some(v);
+                                return Ok(Next::Follow(Some(g), workers));
+                            }
                         }
                     }
                     beats.poll(&mut self.link, &self.job);
@@ -383,19 +531,23 @@ impl Agent<'_> {
                         ));
                     }
                     g.state = GenState::Done;
-                    self.publish(&g)?;
+                    if !self.publish(&g)? {
+                        return Ok(Next::Follow(Some(g), workers));
+                    }
                     self.wait_for_ends(&g, &mut beats);
                     if restarts > 0 {
                         self.log(format_args!("finished after {restarts} restart(s)"));
                     }
-                    return Ok(0);
+                    return Ok(Next::Exit(0));
                 }
                 Outcome::Failed(why) => why,
             };
             let detected = Instant::now();
             let failed_step = self.progress + 1;
             g.state = GenState::Stop;
-            self.publish(&g)?;
+            if !self.publish(&g)? {
+                return Ok(Next::Follow(Some(g), workers));
+            }
             self.stop(&mut workers, g.gen);
             let alive = self.wait_stopped(&g, &mut beats, started);
             interrupted |= received() != 0;
@@ -405,6 +557,7 @@ impl Agent<'_> {
                            beats: &mut Heartbeats|
              -> Result<i32> {
                 g.state = GenState::Abort;
+                // Lost to another agent, the record says what that one decided.
                 agent.publish(g)?;
                 agent.log(format_args!("giving up: {reason} (last failure: {why})"));
                 // The others learn of the end through this store: keep it up until they did.
@@ -420,7 +573,7 @@ impl Agent<'_> {
                     &mut beats,
                 )?;
                 // As a shell reports a process ended by the signal.
-                return Ok(128 + sig);
+                return Ok(Next::Exit(128 + sig));
             }
             // A worker's exit code 2 is invalid input (flags, configuration, no checkpoint
             // that verifies): a new generation would fail the same way.
@@ -430,7 +583,8 @@ impl Agent<'_> {
                     self,
                     &mut g,
                     &mut beats,
-                );
+                )
+                .map(Next::Exit);
             }
             if restarts >= o.max_restarts {
                 return give_up(
@@ -438,7 +592,8 @@ impl Agent<'_> {
                     self,
                     &mut g,
                     &mut beats,
-                );
+                )
+                .map(Next::Exit);
             }
             let next: Vec<usize> = if o.min_nodes >= o.nnodes {
                 (0..o.nnodes).collect()
@@ -472,7 +627,8 @@ impl Agent<'_> {
                     self,
                     &mut g,
                     &mut beats,
-                );
+                )
+                .map(Next::Exit);
             }
             restarts += 1;
             recovering = Some((failed_step, detected));
@@ -482,7 +638,7 @@ impl Agent<'_> {
                 g.gen + 1,
                 next.len() * o.nproc_per_node
             ));
-            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run };
+            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run, by: me };
         }
     }
 
@@ -544,11 +700,13 @@ impl Agent<'_> {
         }
     }
 
-    /// Any other node's agent: runs the generations node 0 decides (LAUNCH-6).
-    fn follow(&mut self) -> Result<i32> {
+    /// Any other node's agent: runs the generations the deciding agent decides (LAUNCH-6),
+    /// from `cur` with `workers`; with replicas it decides once its replica leads, and stops
+    /// once its replica lost the quorum (LAUNCH-14).
+    fn follow(&mut self, cur: Option<Generation>, workers: Vec<Worker>) -> Result<Next> {
         let me = self.o.node_rank;
-        let mut cur: Option<Generation> = None;
-        let mut workers: Vec<Worker> = Vec::new();
+        let mut cur = cur;
+        let mut workers = workers;
         let mut reported = false;
         let mut stopped_sent = false;
         let mut last_poll: Option<Instant> = None;
@@ -559,7 +717,7 @@ impl Agent<'_> {
             if self.forward_signals(&workers) {
                 let gen = cur.as_ref().map_or(0, |g| g.gen);
                 self.stop(&mut workers, gen);
-                return Ok(128 + self.forwarded);
+                return Ok(Next::Exit(128 + self.forwarded));
             }
             let gen = cur.as_ref().map_or(0, |g| g.gen);
             let failed = self.poll_workers(&mut workers, gen);
@@ -572,7 +730,7 @@ impl Agent<'_> {
                 if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
                     let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
                     self.link.set(&key, b"ok");
-                    return Ok(0);
+                    return Ok(Next::Exit(0));
                 }
                 if !reported {
                     let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
@@ -588,6 +746,9 @@ impl Agent<'_> {
             let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
             if last_poll.is_none_or(|t| t.elapsed() >= every) {
                 last_poll = Some(Instant::now());
+                if let Some(code) = self.stop_without_quorum(&mut workers, gen) {
+                    return Ok(Next::Exit(code));
+                }
                 let got = self.link.get(&agent_key(&self.job, "gen"));
                 if matches!(got, Got::Unreachable)
                     && !told_waiting
@@ -595,8 +756,13 @@ impl Agent<'_> {
                 {
                     // Node 0 may simply start later; say what is awaited instead of silence.
                     told_waiting = true;
+                    let whose = if self.replica.is_some() {
+                        "a majority of the store's replicas"
+                    } else {
+                        "node 0's store"
+                    };
                     self.log(format_args!(
-                        "waiting for node 0's store at {} ({}); giving up after {:?}",
+                        "waiting for {whose} at {} ({}); giving up after {:?}",
                         self.rdzv,
                         self.link.last_err.as_deref().unwrap_or("no answer"),
                         STORE_LOST
@@ -609,8 +775,10 @@ impl Agent<'_> {
                             self.rdzv, STORE_LOST
                         ));
                         self.stop(&mut workers, gen);
-                        return Ok(1);
+                        return Ok(Next::Exit(1));
                     }
+                    // LAUNCH-14: no generation yet and this node's replica leads: it decides.
+                    Got::Unset if self.leads() => return Ok(Next::Lead(None)),
                     Got::Unset if start.elapsed() >= RENDEZVOUS_TIMEOUT => {
                         return Err(RuntimeError::config(format!(
                             "node 0's agent published no generation within {RENDEZVOUS_TIMEOUT:?}"
@@ -618,21 +786,36 @@ impl Agent<'_> {
                     }
                     Got::Value(v) => {
                         let g: Generation = serde_json::from_slice(&v).map_err(|e| {
-                            RuntimeError::config(format!("node 0 published a bad generation: {e}"))
+                            RuntimeError::config(format!(
+                                "the store holds a bad generation record: {e}"
+                            ))
                         })?;
+                        self.gen_seen = Some(v);
+                        // LAUNCH-14: the agent that decided this generation no longer leads
+                        // the store and this node's replica does: this agent takes over.
+                        let running = matches!(g.state, GenState::Run | GenState::Stop);
+                        let same = cur.as_ref().is_some_and(|c| c.gen == g.gen);
+                        if running && g.by != me && same && self.leads() {
+                            return Ok(Next::Lead(Some((g, workers))));
+                        }
                         if !workers.is_empty() {
                             self.poll_progress(gen);
                         }
                         let newer = cur.as_ref().is_none_or(|c| g.gen > c.gen);
                         match g.state {
                             GenState::Abort => {
-                                self.log(format_args!("node 0 ended the job after a failure"));
+                                self.log(format_args!(
+                                    "node {} ended the job after a failure",
+                                    g.by
+                                ));
                                 self.stop(&mut workers, gen);
                                 let key = agent_key(&self.job, &format!("end/{}/{me}", g.gen));
                                 self.link.set(&key, b"aborted");
-                                return Ok(1);
+                                return Ok(Next::Exit(1));
                             }
-                            GenState::Done if workers.is_empty() || all_exited => return Ok(0),
+                            GenState::Done if workers.is_empty() || all_exited => {
+                                return Ok(Next::Exit(0))
+                            }
                             GenState::Run if newer => {
                                 if workers.iter().any(|w| w.status.is_none()) {
                                     self.stop(&mut workers, gen);
@@ -722,11 +905,52 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
             ))
         }
     };
-    let (server, rdzv) = if o.node_rank == 0 {
-        let port = rdzv
-            .rsplit_once(':')
+    // LAUNCH-14: one address per node replicates the store across the agents.
+    let replicas: Vec<String> = rdzv.split(',').map(|a| a.trim().to_owned()).collect();
+    if replicas.len() > 1 && replicas.len() != o.nnodes {
+        return Err(RuntimeError::config(format!(
+            "--rdzv {rdzv}: {} addresses for --nnodes {}; give one HOST:PORT (node 0's store) or one per node (a replicated store)",
+            replicas.len(),
+            o.nnodes
+        )));
+    }
+    let port_of = |a: &str| {
+        a.rsplit_once(':')
             .and_then(|(_, p)| p.parse::<u16>().ok())
-            .ok_or_else(|| RuntimeError::config(format!("--rdzv {rdzv}: expected HOST:PORT")))?;
+            .ok_or_else(|| RuntimeError::config(format!("--rdzv {a}: expected HOST:PORT")))
+    };
+    let mut replica = None;
+    let (server, rdzv) = if replicas.len() > 1 {
+        for a in &replicas {
+            port_of(a)?;
+        }
+        let port = port_of(&replicas[o.node_rank])?;
+        let seed = std::process::id() as u64 ^ (o.node_rank as u64) << 32;
+        // RSTORE-6: a store that already answers is a running job this agent rejoins (it was
+        // restarted): its empty replica votes only once it caught up.
+        let probe = ReplicatedStore::new(replicas.clone(), &token, JOIN_PROBE)
+            .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?;
+        let joining = matches!(
+            shardline_collectives::Store::get(&probe, "agent/probe", Duration::ZERO),
+            Ok(_) | Err(shardline_collectives::StoreError::Timeout { .. })
+        );
+        if joining {
+            say!(
+                "shardline launch: node {}: the store already runs: this node's replica joins it and votes once it caught up",
+                o.node_rank
+            );
+        }
+        let r =
+            ReplicaServer::start(o.node_rank, &replicas, ("0.0.0.0", port), &token, seed, joining)
+                .map_err(|e| {
+                    RuntimeError::config(format!(
+                        "hosting this node's store replica on port {port}: {e}"
+                    ))
+                })?;
+        replica = Some(r);
+        (None, replicas.join(","))
+    } else if o.node_rank == 0 {
+        let port = port_of(&rdzv)?;
         // An address given by the user is reached through whatever interface it names.
         let bind = if o.rdzv.is_some() { "0.0.0.0" } else { "127.0.0.1" };
         let server = TcpStoreServer::bind((bind, port), &token)
@@ -743,10 +967,18 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     crate::interrupt::install(false)?;
     let exe = std::env::current_exe()
         .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
+    let replicated = match replica {
+        Some(_) => Some(
+            ReplicatedStore::new(replicas.clone(), &token, REPLICATED_REQUEST_TIMEOUT)
+                .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?,
+        ),
+        None => None,
+    };
     let link = StoreLink {
         addr: rdzv.clone(),
         token: token.clone(),
         client: None,
+        replicated,
         last_ok: Instant::now(),
         last_err: None,
     };
@@ -762,8 +994,23 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         last_beat: None,
         forwarded: 0,
         progress: 0,
+        replica,
+        gen_seen: None,
     };
-    let code = if o.node_rank == 0 { agent.coordinate()? } else { agent.follow()? };
+    // With a single store node 0's agent decides; with replicas every agent starts as a
+    // follower and the one whose replica leads decides (LAUNCH-14).
+    let mut next = if o.node_rank == 0 && agent.replica.is_none() {
+        Next::Lead(None)
+    } else {
+        Next::Follow(None, Vec::new())
+    };
+    let code = loop {
+        next = match next {
+            Next::Lead(adopt) => agent.coordinate(adopt)?,
+            Next::Follow(cur, workers) => agent.follow(cur, workers)?,
+            Next::Exit(code) => break code,
+        };
+    };
     drop(server);
     if code > 128 {
         say!(

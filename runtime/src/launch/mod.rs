@@ -4,7 +4,8 @@
 //! A worker learns its place from the environment, in this order:
 //! - `shardline launch`: `SHARDLINE_RANK`, `SHARDLINE_WORLD_SIZE`, `SHARDLINE_LOCAL_RANK`,
 //!   `SHARDLINE_LOCAL_WORLD_SIZE`, `SHARDLINE_NODE_RANK`, `SHARDLINE_RDZV`, `SHARDLINE_TOKEN`,
-//!   `SHARDLINE_JOB`; the agent of node 0 hosts the rendezvous store.
+//!   `SHARDLINE_JOB`; the agent of node 0 hosts the rendezvous store, or, when `SHARDLINE_RDZV`
+//!   lists one address per node, every agent holds a replica of it (LAUNCH-14).
 //! - torchrun style: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //!   `MASTER_PORT` (node from `GROUP_RANK` or `NODE_RANK`, else the host name). Under
 //!   torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks meet in the torch `TCPStore`
@@ -37,11 +38,11 @@
 //!   others after a short grace period in which they may report their own errors, and exits
 //!   non-zero; SIGINT and SIGTERM are forwarded to the workers.
 //! - LAUNCH-6: with `--max-restarts N` a failure (a worker's exit or signal, a node's report,
-//!   a node's silence) does not end the job: node 0's agent decides a new generation in the
-//!   store (`agent/JOB/gen`: number, nodes, state), every agent stops its workers and starts
-//!   the new generation's, which resume from the newest checkpoint that verifies
-//!   (`--resume`), up to N times. Only node 0's agent writes the generation, so the agents
-//!   cannot disagree. A worker's exit code 2 (invalid input or configuration) ends the job
+//!   a node's silence) does not end the job: the deciding agent (node 0's; with replicas the
+//!   leading one, LAUNCH-14) decides a new generation in the store (`agent/JOB/gen`: number,
+//!   nodes, state, deciding node), every agent stops its workers and starts the new
+//!   generation's, which resume from the newest checkpoint that verifies (`--resume`), up to
+//!   N times. Only the deciding agent writes the generation, so the agents cannot disagree. A worker's exit code 2 (invalid input or configuration) ends the job
 //!   without a restart: the next generation would fail the same way.
 //! - LAUNCH-7: a generation's workers use the job name `JOBgN`: fresh store keys and shm
 //!   segment names, so nothing of a dead generation is read by the next.
@@ -67,6 +68,22 @@
 //!   the other ranks' hellos, the links) ends the process at once, a collective of a step
 //!   after 0.5 s, a checkpoint's barrier after 20 s; the process then exits with 128 + the
 //!   signal, naming what it waited for.
+//! - LAUNCH-14: with one `--rdzv` address per node the store survives the loss of any
+//!   minority of the nodes, node 0 included: every agent serves a replica of it (a Raft log,
+//!   `shardline_collectives::store::raft`, RSTORE-n), workers and agents talk to the leader
+//!   through `ReplicatedStore`, which fails over within its deadline. Every agent starts as
+//!   a follower; the one whose replica leads decides: the first generation when none is
+//!   recorded, or takes over the running one when the agent that decided it no longer
+//!   leads (its workers go on; a generation that was stopping fails at once). Every write
+//!   of the generation record is a compare-and-set against the record as the writer last
+//!   saw it, so two agents can never both start a generation; the one that loses follows.
+//!   An agent whose replica heard from no majority for 6 s (a partition's minority side, or
+//!   the survivor of a lost majority) stops its workers and exits 1, saying it lost the
+//!   quorum; it looks between its store requests, each of which may wait 3 s for a leader.
+//!   A replica's state lives in its agent's memory: an agent restarted while the store
+//!   answers joins with an empty replica that votes only once it caught up (RSTORE-6); one
+//!   restarted while no leader answers starts as a voter with an empty log, which can lose
+//!   a commit that only its lost state and a dead node held.
 /// Writes one line to stderr in a single write, so that it never interleaves with the
 /// workers' lines.
 macro_rules! say {

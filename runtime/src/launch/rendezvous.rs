@@ -9,8 +9,8 @@ use shardline_collectives::transport::select::{open_for_job, Selection, Transpor
 use shardline_collectives::transport::tcp::TcpOptions;
 use shardline_collectives::transport::Transport;
 use shardline_collectives::{
-    blocked, CommOptions, Communicator, Store, TcpStoreClient, TcpStoreServer, Topology,
-    TorchStoreClient,
+    blocked, CommOptions, Communicator, ReplicatedStore, Store, TcpStoreClient, TcpStoreServer,
+    Topology, TorchStoreClient,
 };
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
@@ -72,9 +72,16 @@ const SLURM_RULE: &str = "without SHARDLINE_RDZV or MASTER_ADDR/MASTER_PORT a Sl
      is on the first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) at port 15000 + the \
      last four digits of SLURM_JOB_ID";
 
+/// The store's address, or the first replica's when the agents replicate it (a list,
+/// LAUNCH-14): the route towards it is this host's address for the other nodes.
+fn first_store_addr(rdzv: &str) -> &str {
+    rdzv.split(',').next().unwrap_or(rdzv)
+}
+
 /// Fails at once, saying so, when the store's host name does not resolve here.
 fn check_resolves(env: &WorkerEnv) -> Result<()> {
-    let why = match env.rdzv.to_socket_addrs().map(|mut addrs| addrs.next()) {
+    let first = first_store_addr(&env.rdzv);
+    let why = match first.to_socket_addrs().map(|mut addrs| addrs.next()) {
         Ok(Some(_)) => return Ok(()),
         Ok(None) => "it resolves to no address".to_string(),
         Err(e) => e.to_string(),
@@ -122,6 +129,13 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
             StoreAt::TorchAgent => {
                 let c = TorchStoreClient::connect(env.rdzv.as_str(), RENDEZVOUS_TIMEOUT)
                     .map_err(store_err("connecting to torchrun's agent store"))?;
+                Arc::new(c)
+            }
+            // LAUNCH-14: the agents replicate the store; any majority of them serves it.
+            StoreAt::Connect if env.rdzv.contains(',') => {
+                let addrs = env.rdzv.split(',').map(str::to_owned).collect();
+                let c = ReplicatedStore::new(addrs, &env.token, request_timeout)
+                    .map_err(store_err("connecting"))?;
                 Arc::new(c)
             }
             StoreAt::Host | StoreAt::Connect => {
@@ -184,7 +198,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     let topology = Topology::from_nodes(node_of);
     let mut tcp = TcpOptions::default();
     tcp.bind(SocketAddr::from(([0, 0, 0, 0], 0)))
-        .advertise(local_ip_towards(&env.rdzv)?.to_string());
+        .advertise(local_ip_towards(first_store_addr(&env.rdzv))?.to_string());
     let choice = TransportChoice::from_env()
         .map_err(|e| RuntimeError::config(format!("SHARDLINE_TRANSPORT: {e}")))?;
     let links = blocked::on(format!("links with the other ranks (rendezvous via {})", env.rdzv));

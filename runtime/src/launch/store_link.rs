@@ -2,16 +2,20 @@
 //! the other agents' heartbeats (LAUNCH-10).
 
 use super::agent::STORE_REQUEST_TIMEOUT;
-use shardline_collectives::{Store, TcpStoreClient};
+use shardline_collectives::{ReplicatedStore, Store, TcpStoreClient};
 use std::time::{Duration, Instant};
 
-/// What node 0's agent decided for one generation of the worker group (LAUNCH-6).
+/// What the deciding agent (node 0's, or the one whose replica leads, LAUNCH-14) decided
+/// for one generation of the worker group (LAUNCH-6).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(super) struct Generation {
     pub(super) gen: u64,
     /// Nodes whose workers make up this generation, ascending; their position numbers ranks.
     pub(super) nodes: Vec<usize>,
     pub(super) state: GenState,
+    /// The node whose agent decided it (LAUNCH-14).
+    #[serde(default)]
+    pub(super) by: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -40,17 +44,22 @@ pub(super) enum Got {
 
 /// An agent's connection to the store. After an I/O error it reconnects (a request that timed
 /// out may leave its late reply in the stream), and it remembers when it last got through.
+/// With replicas (LAUNCH-14) the client finds the leader itself and is kept.
 pub(super) struct StoreLink {
     pub(super) addr: String,
     pub(super) token: String,
     pub(super) client: Option<TcpStoreClient>,
+    pub(super) replicated: Option<ReplicatedStore>,
     pub(super) last_ok: Instant,
     /// Why the last connection attempt failed (for the "still waiting" line).
     pub(super) last_err: Option<String>,
 }
 
 impl StoreLink {
-    pub(super) fn client(&mut self) -> Option<&TcpStoreClient> {
+    pub(super) fn client(&mut self) -> Option<&dyn Store> {
+        if let Some(r) = &self.replicated {
+            return Some(r);
+        }
         if self.client.is_none() {
             match TcpStoreClient::connect(self.addr.as_str(), &self.token, STORE_REQUEST_TIMEOUT) {
                 Ok(c) => {
@@ -60,7 +69,7 @@ impl StoreLink {
                 Err(e) => self.last_err = Some(e.to_string()),
             }
         }
-        self.client.as_ref()
+        self.client.as_ref().map(|c| c as &dyn Store)
     }
 
     pub(super) fn set(&mut self, key: &str, value: &[u8]) -> bool {
@@ -70,9 +79,32 @@ impl StoreLink {
                 self.last_ok = Instant::now();
                 true
             }
-            Err(_) => {
+            Err(e) => {
+                self.last_err = Some(e.to_string());
                 self.client = None;
                 false
+            }
+        }
+    }
+
+    /// LAUNCH-14: sets `key` to `value` only if it holds `expected`; `Some(true)` when it
+    /// did, `Some(false)` when the key held something else, `None` when the store did not
+    /// answer. A single store (no replicas) is written by one agent only and just set.
+    pub(super) fn compare_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        value: &[u8],
+    ) -> Option<bool> {
+        let Some(r) = &self.replicated else { return self.set(key, value).then_some(true) };
+        match r.compare_set(key, expected, value) {
+            Ok((ok, _)) => {
+                self.last_ok = Instant::now();
+                Some(ok)
+            }
+            Err(e) => {
+                self.last_err = Some(e.to_string());
+                None
             }
         }
     }
@@ -88,7 +120,8 @@ impl StoreLink {
                 self.last_ok = Instant::now();
                 Got::Unset
             }
-            Err(_) => {
+            Err(e) => {
+                self.last_err = Some(e.to_string());
                 self.client = None;
                 Got::Unreachable
             }
