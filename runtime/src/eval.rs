@@ -150,6 +150,7 @@ fn eval_config(recorded: TrainConfig, ck: &Checkpoint, o: &EvalOptions) -> Train
         accum_reduce: None,
         recompute: Default::default(),
         shard_group: Default::default(),
+        cross_node_reduce_dtype: None,
         ..recorded
     }
 }

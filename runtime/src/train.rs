@@ -179,6 +179,10 @@ pub struct TrainConfig {
     /// shape (HSDP-2).
     #[serde(default, skip_serializing_if = "ShardGroup::is_world")]
     pub shard_group: ShardGroup,
+    /// `--cross-node-reduce-dtype`: the gradient shards' reduction across shard groups
+    /// packed in blocks of `gather_block` values (QREDUCE-1); `None`: in f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cross_node_reduce_dtype: Option<GatherDtype>,
 }
 
 fn default_gather_block() -> usize {
@@ -317,6 +321,7 @@ impl Default for TrainConfig {
             gather_dtype: None,
             gather_block: default_gather_block(),
             shard_group: ShardGroup::World,
+            cross_node_reduce_dtype: None,
         }
     }
 }
@@ -562,6 +567,16 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
 /// `--shard-group` (HSDP-1): a size that divides the world (`node` is checked against the
 /// topology where a rank learns it); gradients reduced in f32 across groups.
 fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
+    if let Some(d) = cfg.cross_node_reduce_dtype {
+        let stage0 = matches!(cfg.stage, StageChoice::Fixed(Stage::Zero0));
+        if cfg.shard_group.is_world() || stage0 {
+            return Err(RuntimeError::config(format!(
+                "--cross-node-reduce-dtype {} packs the reduction across shard groups: it needs \
+                 --shard-group N|node and a stage of 1-3",
+                d.name()
+            )));
+        }
+    }
     if let ShardGroup::Ranks(n) = cfg.shard_group {
         ShardGroup::Ranks(n).size(&shardline_collectives::Topology::single_node(cfg.world))?;
         let stage0 = matches!(cfg.stage, StageChoice::Fixed(Stage::Zero0));
@@ -963,6 +978,9 @@ fn job_plan(
         recompute: cfg.recompute,
         precision: cfg.precision(),
         shard_group: cfg.shard_group,
+        cross_node_reduce: cfg
+            .cross_node_reduce_dtype
+            .map(|dtype| QuantGather { dtype, block: cfg.gather_block }),
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {

@@ -1064,6 +1064,16 @@ struct TrainArgs {
     /// does not model it.
     #[arg(long, default_value = "world", value_parser = parse_shard_group, value_name = "N|node|world")]
     shard_group: ShardGroup,
+    /// Gradient shards reduced across shard groups (across nodes with --shard-group node)
+    /// packed in int8 or fp8 (e4m3), one f32 scale per --gather-block values, as ZeRO++'s
+    /// qgZ: each replica packs its reduced shard once, the packed shards are all-gathered
+    /// (about a quarter of an f32 shard each), and every replica decodes all of them and sums
+    /// them in f32 in replica order, so every replica steps the same values and the error is
+    /// one rounding per replica, not one per hop. The reduce-scatter inside a group stays in
+    /// the reduce dtype. Lossy; needs --shard-group below the world and a stage of 1-3
+    /// [default: all-reduce in f32].
+    #[arg(long, value_parser = parse_cross_node_reduce_dtype, value_name = "int8|fp8")]
+    cross_node_reduce_dtype: Option<GatherDtype>,
     /// Synthetic data: training samples.
     #[arg(long, default_value_t = 8192)]
     samples: usize,
@@ -1179,6 +1189,10 @@ fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
     GatherDtype::parse("--gather-dtype", s)
 }
 
+fn parse_cross_node_reduce_dtype(s: &str) -> Result<GatherDtype, String> {
+    GatherDtype::parse("--cross-node-reduce-dtype", s)
+}
+
 fn parse_reduce_dtype(s: &str) -> Result<PrecisionDtype, String> {
     PrecisionDtype::parse("--reduce-dtype", s)
 }
@@ -1278,6 +1292,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         gather_dtype: a.gather_dtype,
         gather_block: a.gather_block,
         shard_group: a.shard_group,
+        cross_node_reduce_dtype: a.cross_node_reduce_dtype,
         ..TrainConfig::default()
     }))
 }

@@ -72,6 +72,7 @@ mod prefetch;
 mod recompute;
 mod reduction;
 mod replica;
+mod replica_quant;
 mod shard_state;
 mod stage;
 mod stats;
@@ -168,6 +169,9 @@ pub struct EngineConfig {
     pub precision: MixedPrecision,
     /// The ranks that shard the model together (HSDP-1; default the whole world).
     pub shard_group: ShardGroup,
+    /// `--cross-node-reduce-dtype`: gradient shards packed for the reduction across shard
+    /// groups (QREDUCE-1); `None`: an f32 all-reduce.
+    pub cross_node_reduce: Option<QuantGather>,
 }
 
 /// Figures of one step on one rank.
@@ -327,7 +331,13 @@ impl RankEngine {
         let loss_lane = comm.lane(REDUCE_LANE)?;
         let replica = match &replica_comm {
             Some(c) => {
-                Some(replica::ReplicaChain::start(c.lane(REDUCE_LANE)?, c.options().get_timeout())?)
+                let quant = cfg.cross_node_reduce.map(|q| (q.dtype.code(), q.block));
+                Some(replica::ReplicaChain::start(
+                    c.lane(REDUCE_LANE)?,
+                    c.options().get_timeout(),
+                    quant,
+                    c.world(),
+                )?)
             }
             None => None,
         };

@@ -140,7 +140,7 @@ impl GatherDtype {
         }
     }
 
-    fn code(self) -> Code {
+    pub(crate) fn code(self) -> Code {
         match self {
             GatherDtype::Int8 => Code::Int8,
             GatherDtype::Fp8 => Code::Fp8,

@@ -14,9 +14,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{unbounded, Sender};
+use shardline_collectives::quant::Code;
 use shardline_collectives::{CollectiveError, Lane, ReduceOp, Work};
 
 use super::clock::CommClock;
+use super::replica_quant;
 use crate::error::{Result, RuntimeError};
 use crate::telemetry::{Row, Trace};
 
@@ -38,8 +40,17 @@ pub(crate) struct Issued {
     pub(crate) range: Option<Range<usize>>,
     /// The reduce-scatter's span on its lane (WORK-1).
     pub(crate) scatter_span: Option<(Instant, Instant)>,
-    /// The all-reduce of the shard over the replica group.
-    pub(crate) all_reduce: Work<Vec<f32>>,
+    /// The reduction of the shard over the replica group.
+    pub(crate) op: ReplicaOp,
+}
+
+/// The reduction across the replica group in flight.
+pub(crate) enum ReplicaOp {
+    /// An f32 all-reduce (sum) of the shard.
+    Sum(Work<Vec<f32>>),
+    /// The packed shards' all-gather, summed when waited for (QREDUCE-1): `len` values
+    /// over `replicas` replicas.
+    Packed { work: Work<(Vec<f32>, Vec<f32>)>, quant: (Code, usize), len: usize, replicas: usize },
 }
 
 /// A chained reduction's result.
@@ -70,7 +81,10 @@ impl Chained {
     pub(crate) fn is_done(&self) -> bool {
         match &*self.slot.issued.lock().unwrap_or_else(|e| e.into_inner()) {
             None => false,
-            Some(Ok(i)) => i.all_reduce.is_done(),
+            Some(Ok(i)) => match &i.op {
+                ReplicaOp::Sum(w) => w.is_done(),
+                ReplicaOp::Packed { work, .. } => work.is_done(),
+            },
             Some(Err(_)) => true,
         }
     }
@@ -104,19 +118,22 @@ impl Chained {
             }
         };
         clock.exposed += t0.elapsed();
-        let Issued { full, range, scatter_span, all_reduce } = issued?;
+        let Issued { full, range, scatter_span, op } = issued?;
         if let Some(span) = scatter_span {
             let bytes = full.len() as u64 * 4;
             trace.record_op(rank, Row::Reduce, format!("reduce-scatter {what}"), span, bytes);
             clock.spans.push(span);
         }
-        let shard = clock.wait(
-            trace,
-            rank,
-            all_reduce,
-            Row::Reduce,
-            &format!("all-reduce (replica) {what}"),
-        )?;
+        let shard = match op {
+            ReplicaOp::Sum(w) => {
+                clock.wait(trace, rank, w, Row::Reduce, &format!("all-reduce (replica) {what}"))?
+            }
+            ReplicaOp::Packed { work, quant: (code, block), len, replicas } => {
+                let label = format!("all-gather {} (replica) {what}", code.name());
+                let (_, gathered) = clock.wait(trace, rank, work, Row::Reduce, &label)?;
+                replica_quant::sum_packed(code, block, len, replicas, &gathered)
+            }
+        };
         Ok(Reduced { full, range, shard })
     }
 }
@@ -137,14 +154,21 @@ pub(crate) struct ReplicaChain {
 impl ReplicaChain {
     /// Starts the chain over `lane`, the replica group's; `timeout` is the collectives'
     /// deadline (a reduce-scatter has ended, one way or the other, within it).
-    pub(crate) fn start(lane: Lane, timeout: Duration) -> Result<Self> {
+    /// `quant`: pack the shards with this code and block for the `replicas` ranks of the
+    /// replica group instead of an f32 all-reduce.
+    pub(crate) fn start(
+        lane: Lane,
+        timeout: Duration,
+        quant: Option<(Code, usize)>,
+        replicas: usize,
+    ) -> Result<Self> {
         let (tx, rx) = unbounded::<Job>();
         let chain_lane = lane.clone();
         let thread = std::thread::Builder::new()
             .name("replica-chain".into())
             .spawn(move || {
                 for job in rx {
-                    let out = chain(&chain_lane, job.scatter);
+                    let out = chain(&chain_lane, quant.map(|q| (q, replicas)), job.scatter);
                     *job.slot.issued.lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
                     job.slot.cv.notify_all();
                 }
@@ -183,22 +207,44 @@ impl Drop for ReplicaChain {
     }
 }
 
-/// Waits for the reduce-scatter and issues the replica all-reduce of its shard.
-fn chain(lane: &Lane, scatter: Scatter) -> std::result::Result<Issued, CollectiveError> {
-    match scatter {
+/// Waits for the reduce-scatter and issues the replica reduction of its shard: an f32
+/// all-reduce, or with `quant` the all-gather of the shard packed once (QREDUCE-2).
+fn chain(
+    lane: &Lane,
+    quant: Option<((Code, usize), usize)>,
+    scatter: Scatter,
+) -> std::result::Result<Issued, CollectiveError> {
+    let (r, scatter_span) = match scatter {
         Scatter::Shard(w) => {
-            let (r, scatter_span) = w.wait_timed();
-            let (full, shard) = r?;
-            let all_reduce = lane.all_reduce(shard, ReduceOp::Sum);
-            Ok(Issued { full, range: None, scatter_span, all_reduce })
+            let (r, span) = w.wait_timed();
+            (r.map(|(full, shard)| (shard, full, None)), span)
         }
         Scatter::InPlace(w, range) => {
-            let (r, scatter_span) = w.wait_timed();
-            let full = r?;
-            let all_reduce = lane.all_reduce(full[range.clone()].to_vec(), ReduceOp::Sum);
-            Ok(Issued { full, range: Some(range), scatter_span, all_reduce })
+            let (r, span) = w.wait_timed();
+            (r.map(|full| (full[range.clone()].to_vec(), full, Some(range))), span)
         }
-    }
+    };
+    let (shard, full, range) = r?;
+    let op = match quant {
+        None => ReplicaOp::Sum(lane.all_reduce(shard, ReduceOp::Sum)),
+        Some(((code, block), replicas)) => {
+            let len = shard.len();
+            let packed = replica_quant::pack_shard(code, block, &shard).map_err(|i| {
+                CollectiveError::InvalidArgument(format!(
+                    "--cross-node-reduce-dtype {}: gradient element {i} of the shard is not finite",
+                    code.name()
+                ))
+            })?;
+            let out = vec![0.0f32; packed.len() * replicas];
+            ReplicaOp::Packed {
+                work: lane.all_gather(packed, out),
+                quant: (code, block),
+                len,
+                replicas,
+            }
+        }
+    };
+    Ok(Issued { full, range, scatter_span, op })
 }
 
 #[cfg(test)]
@@ -221,7 +267,7 @@ mod tests {
             // Shard groups {0, 1}, {2, 3}; replica groups {0, 2}, {1, 3}.
             let shard = comm.subgroup("shard", &[r / 2 * 2, r / 2 * 2 + 1]).unwrap();
             let replica = comm.subgroup("replica", &[r % 2, r % 2 + 2]).unwrap();
-            let chain = ReplicaChain::start(replica.lane("reduce").unwrap(), t).unwrap();
+            let chain = ReplicaChain::start(replica.lane("reduce").unwrap(), t, None, 2).unwrap();
             let scatter_lane = shard.lane("reduce").unwrap();
             if r == 1 {
                 // Rank 1 joins only once rank 0's chain is queued.

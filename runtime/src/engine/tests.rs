@@ -131,6 +131,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         recompute: Recompute::None,
         precision: MixedPrecision::default(),
         shard_group: crate::engine::ShardGroup::World,
+        cross_node_reduce: None,
     }
 }
 

@@ -630,6 +630,7 @@ mod tests {
             recompute: Recompute::None,
             precision: crate::engine::MixedPrecision::default(),
             shard_group: crate::engine::ShardGroup::World,
+            cross_node_reduce: None,
         }
     }
 
