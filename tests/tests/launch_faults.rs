@@ -181,12 +181,7 @@ fn elastic_job_shrinks_when_a_node_is_lost() {
     let log = text(&out);
     assert!(out.status.success(), "node 0 failed:\n{log}");
     assert!(log.contains("restart 1/1: generation 1 on node(s) [0] (world 1)"), "{log}");
-    let resumed: u64 = log
-        .split("(step ")
-        .nth(1)
-        .and_then(|t| t.split(')').next())
-        .and_then(|t| t.parse().ok())
-        .unwrap_or_else(|| panic!("no resume step:\n{log}"));
+    let resumed = resumed_step(&log);
     assert!(resumed >= 40 && resumed.is_multiple_of(10), "resumed from step {resumed}");
     let ck = latest(&dir.join("ck-el"));
     assert_eq!(ck.manifest().step, steps);
@@ -416,12 +411,7 @@ fn replicated_store_survives_node_0() {
     if decider == 0 {
         assert!(log.contains("takes over generation 0 from node 0"), "{log}");
     }
-    let resumed: u64 = log
-        .split("(step ")
-        .nth(1)
-        .and_then(|t| t.split(')').next())
-        .and_then(|t| t.parse().ok())
-        .unwrap_or_else(|| panic!("no resume step:\n{log}"));
+    let resumed = resumed_step(&log);
     assert!(resumed >= 30 && resumed.is_multiple_of(10), "resumed from step {resumed}");
     let ck = latest(&dir.join("ck-rep"));
     assert_eq!(ck.manifest().step, steps);
@@ -524,4 +514,13 @@ fn a_partitioned_minority_stops_and_the_majority_finishes() {
     let ck = latest(&dir.join("ck-cut"));
     assert_eq!(ck.manifest().step, steps);
     assert_eq!(ck.manifest().world, 2);
+}
+
+/// The step the restarted generation resumed from, as the agents log it (`(step N)`).
+fn resumed_step(log: &str) -> u64 {
+    log.split("(step ")
+        .nth(1)
+        .and_then(|t| t.split(')').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no resume step:\n{log}"))
 }

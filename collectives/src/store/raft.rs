@@ -420,6 +420,23 @@ impl Replica {
         }
     }
 
+    /// An append or snapshot from `from` in `term`: refused (and answered) from a stale
+    /// term; otherwise a leader of this term exists, so a candidate steps down (§5.2) and
+    /// votes are ignored for a while (RSTORE-4). Whether to go on with the message.
+    fn hear_leader(&mut self, from: usize, term: u64, sent: u64) -> bool {
+        if term < self.term {
+            let reply = Message::AppendReply { term: self.term, ok: false, match_index: 0, sent };
+            self.send(from, reply);
+            return false;
+        }
+        self.become_follower(term);
+        self.leader = Some(from);
+        self.leader_contact = Some(self.now);
+        self.quiet_until = self.now + self.timing.election_min;
+        self.reset_election();
+        true
+    }
+
     fn start_election(&mut self) {
         self.term += 1;
         self.role = Role::Candidate;
@@ -581,18 +598,9 @@ impl Replica {
                 }
             }
             Message::Append { term, prev_index, prev_term, entries, commit, sent } => {
-                if term < self.term {
-                    let reply =
-                        Message::AppendReply { term: self.term, ok: false, match_index: 0, sent };
-                    self.send(from, reply);
+                if !self.hear_leader(from, term, sent) {
                     return;
                 }
-                // A leader of this term exists: a candidate steps down (§5.2).
-                self.become_follower(term);
-                self.leader = Some(from);
-                self.leader_contact = Some(self.now);
-                self.quiet_until = self.now + self.timing.election_min;
-                self.reset_election();
                 // Entries up to the snapshot are committed: they match (§5.3, §7).
                 let matches = prev_index <= self.snap_index
                     || (prev_index <= self.last_index() && self.term_at(prev_index) == prev_term);
@@ -635,17 +643,9 @@ impl Replica {
                 self.send(from, reply);
             }
             Message::Snapshot { term, index, last_term, machine, sent } => {
-                if term < self.term {
-                    let reply =
-                        Message::AppendReply { term: self.term, ok: false, match_index: 0, sent };
-                    self.send(from, reply);
+                if !self.hear_leader(from, term, sent) {
                     return;
                 }
-                self.become_follower(term);
-                self.leader = Some(from);
-                self.leader_contact = Some(self.now);
-                self.quiet_until = self.now + self.timing.election_min;
-                self.reset_election();
                 if index > self.commit {
                     // §7: a log that holds the snapshot's last entry keeps what follows it.
                     if self.term_at(index) == last_term && index <= self.last_index() {
