@@ -151,6 +151,7 @@ fn eval_config(recorded: TrainConfig, ck: &Checkpoint, o: &EvalOptions) -> Train
         recompute: Default::default(),
         shard_group: Default::default(),
         cross_node_reduce_dtype: None,
+        reshard_after_forward: Default::default(),
         ..recorded
     }
 }

@@ -43,7 +43,7 @@ use crate::error::{Result, RuntimeError};
 use shardline_models::meter::Use;
 
 /// Number of [`Category`] values.
-pub const N_CATEGORIES: usize = 8;
+pub const N_CATEGORIES: usize = 9;
 
 /// What a tracked buffer is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -58,6 +58,9 @@ pub enum Category {
     OptimizerState,
     /// Units gathered for compute at stage 3 (including prefetched ones).
     GatheredUnits,
+    /// Stage 3's secondary pieces, held between a unit's forward and its later uses in the
+    /// step (`--reshard-after-forward`, HPZ-2).
+    SecondaryShards,
     /// Saved activations and temporaries of forward/backward.
     Activations,
     /// Staging buffers of collectives.
@@ -75,6 +78,7 @@ impl Category {
         Category::Grads,
         Category::OptimizerState,
         Category::GatheredUnits,
+        Category::SecondaryShards,
         Category::Activations,
         Category::CommBuffers,
         Category::Scratch,
@@ -88,6 +92,7 @@ impl Category {
             Category::Grads => "grads",
             Category::OptimizerState => "optimizer state",
             Category::GatheredUnits => "gathered unit",
+            Category::SecondaryShards => "secondary shards",
             Category::Activations => "activations",
             Category::CommBuffers => "comm buffers",
             Category::Scratch => "scratch",
@@ -102,6 +107,7 @@ impl Category {
             Category::Grads => "grads",
             Category::OptimizerState => "optimizer_state",
             Category::GatheredUnits => "gathered_units",
+            Category::SecondaryShards => "secondary_shards",
             Category::Activations => "activations",
             Category::CommBuffers => "comm_buffers",
             Category::Scratch => "scratch",

@@ -7,7 +7,7 @@
 use crate::checkpoint::{self, CheckpointMeta, DataLoaderState};
 use crate::engine::{
     AccumReduce, EngineConfig, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather, Recompute,
-    ShardGroup, StepStats,
+    ReshardAfterForward, ShardGroup, StepStats,
 };
 use crate::error::{Result, RuntimeError};
 use crate::memory::{format_bytes, MemoryTracker};
@@ -183,6 +183,11 @@ pub struct TrainConfig {
     /// packed in blocks of `gather_block` values (QREDUCE-1); `None`: in f32.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cross_node_reduce_dtype: Option<GatherDtype>,
+    /// `--reshard-after-forward`: what a stage-3 unit leaves after its forward, a secondary
+    /// shard over the node or groups of N ranks (HPZ-1..4). Not part of the configuration
+    /// hash: the pieces live inside a step, checkpoints are unchanged.
+    #[serde(default, skip_serializing_if = "ReshardAfterForward::is_world")]
+    pub reshard_after_forward: ReshardAfterForward,
 }
 
 fn default_gather_block() -> usize {
@@ -322,6 +327,7 @@ impl Default for TrainConfig {
             gather_block: default_gather_block(),
             shard_group: ShardGroup::World,
             cross_node_reduce_dtype: None,
+            reshard_after_forward: ReshardAfterForward::World,
         }
     }
 }
@@ -548,6 +554,7 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
     }
     validate_accum(cfg)?;
     validate_shard_group(cfg)?;
+    validate_reshard(cfg)?;
     if let Some(s) = cfg.data_scale {
         if !(s.is_finite() && s > 0.0) {
             return Err(RuntimeError::config(format!(
@@ -586,6 +593,30 @@ fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
                  --reduce-dtype f32 (with --param-dtype bf16 the reduce dtype defaults to bf16)"
             )));
         }
+    }
+    Ok(())
+}
+
+/// `--reshard-after-forward` (HPZ-1, HPZ-4): at stage 3, an N that divides the shard group
+/// and is smaller than it (`node` is checked against the topology where a rank learns it),
+/// and f32 gathers; the other stages ignore it.
+fn validate_reshard(cfg: &TrainConfig) -> Result<()> {
+    if cfg.reshard_after_forward.is_world()
+        || !matches!(cfg.stage, StageChoice::Fixed(Stage::Zero3))
+    {
+        return Ok(());
+    }
+    if cfg.gather_dtype.is_some() || cfg.param_dtype != PrecisionDtype::F32 {
+        return Err(RuntimeError::config(format!(
+            "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype bf16 \
+             or --gather-dtype int8|fp8",
+            cfg.reshard_after_forward
+        )));
+    }
+    if let ReshardAfterForward::Ranks(_) = cfg.reshard_after_forward {
+        let single = shardline_collectives::Topology::single_node(cfg.world);
+        let shard = cfg.shard_group.size(&single)?;
+        cfg.reshard_after_forward.size(shard, &single)?;
     }
     Ok(())
 }
@@ -981,6 +1012,7 @@ fn job_plan(
         cross_node_reduce: cfg
             .cross_node_reduce_dtype
             .map(|dtype| QuantGather { dtype, block: cfg.gather_block }),
+        reshard_after_forward: cfg.reshard_after_forward,
     };
     let hash = resume_hash(cfg, stage, sync)?;
     Ok(JobPlan {
@@ -1041,6 +1073,20 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
             "  shard group: {n} consecutive ranks, {} replica groups (HSDP)",
             cfg.world / n.max(1)
         ),
+    }
+    match cfg.reshard_after_forward {
+        ReshardAfterForward::World => {}
+        // HPZ-4.
+        r if p.stage != Stage::Zero3 => {
+            println!("  reshard after forward: {r} (stages 0-2 keep full parameters: no effect)")
+        }
+        ReshardAfterForward::Node => println!(
+            "  reshard after forward: a secondary shard over each node (hpZ: later gathers \
+             of a unit in the step stay in the node)"
+        ),
+        ReshardAfterForward::Ranks(n) => {
+            println!("  reshard after forward: a secondary shard over {n} consecutive ranks (hpZ)")
+        }
     }
     if cfg.grad_accum > 1 {
         let reduce = if p.stage.grads_sharded() {

@@ -4,7 +4,7 @@
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shardline_runtime::engine::on_device::Offload;
 use shardline_runtime::engine::{
-    AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute, ShardGroup,
+    AccumReduce, Device, GatherDtype, PrecisionDtype, Recompute, ReshardAfterForward, ShardGroup,
 };
 use shardline_runtime::optim::WeightDecayOn;
 use shardline_runtime::shard::Stage;
@@ -1074,6 +1074,22 @@ struct TrainArgs {
     /// [default: all-reduce in f32].
     #[arg(long, value_parser = parse_cross_node_reduce_dtype, value_name = "int8|fp8")]
     cross_node_reduce_dtype: Option<GatherDtype>,
+    /// Secondary shards (ZeRO++'s hpZ) at stage 3: world, the default, frees a unit after
+    /// its forward down to the rank's shard, so its backward gathers it again over the
+    /// shard group (the world, or --shard-group's group), across nodes; node keeps instead
+    /// the rank's piece of a copy of the unit sharded over the ranks of its node (nodes of
+    /// equal size, consecutive ranks), and every later gather of the unit in the step (its
+    /// backward's, a tied root's second call, the next microbatches') all-gathers those
+    /// pieces inside the node alone. N takes groups of N consecutive ranks instead of nodes.
+    /// The first gather of each unit in a step still goes over the shard group; results are
+    /// bitwise those of world; the cost is each rank's pieces, held from a unit's forward to
+    /// its last use in the step (memory category "secondary shards"); checkpoints are
+    /// unchanged. The group (node or N) must divide the shard group and be smaller than it:
+    /// a one-node job, or --shard-group node, is refused (the gathers already stay in the
+    /// node). Needs f32 gathers (not --param-dtype bf16 or --gather-dtype). Stages 0-2
+    /// keep full parameters: there it changes nothing. Not with --device sim.
+    #[arg(long, default_value = "world", value_parser = parse_reshard, value_name = "N|node|world")]
+    reshard_after_forward: ReshardAfterForward,
     /// Synthetic data: training samples.
     #[arg(long, default_value_t = 8192)]
     samples: usize,
@@ -1115,10 +1131,11 @@ struct TrainArgs {
     /// Append one JSON object per step to this file: step, epoch, loss, lr, grad_norm and
     /// stats_messages (the job's figures, the same however the ranks run), and step_time_s
     /// (the slowest rank of this process), compute_s, comm_s, comm_exposed_s and peak_bytes;
-    /// gather_bytes, reduce_bytes and replica_bytes (payload bytes the first rank of this
-    /// process sent on each lane during the step; replica_bytes, the gradient shards'
-    /// all-reduce across --shard-group groups, 0 without them) and cast_s (its f32/bf16
-    /// conversion time).
+    /// gather_bytes, reduce_bytes, replica_bytes and hpz_bytes (payload bytes the first rank
+    /// of this process sent on each lane during the step; replica_bytes, the gradient
+    /// shards' all-reduce across --shard-group groups, 0 without them; hpz_bytes, the
+    /// gathers from secondary shards inside a node, 0 without --reshard-after-forward) and
+    /// cast_s (its f32/bf16 conversion time).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,
@@ -1183,6 +1200,10 @@ fn parse_export_dtype(s: &str) -> Result<PrecisionDtype, String> {
 
 fn parse_shard_group(s: &str) -> Result<ShardGroup, String> {
     s.parse().map_err(|e| format!("--shard-group {s}: {e}"))
+}
+
+fn parse_reshard(s: &str) -> Result<ReshardAfterForward, String> {
+    s.parse().map_err(|e| format!("--reshard-after-forward {s}: {e}"))
 }
 
 fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
@@ -1293,6 +1314,7 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         gather_block: a.gather_block,
         shard_group: a.shard_group,
         cross_node_reduce_dtype: a.cross_node_reduce_dtype,
+        reshard_after_forward: a.reshard_after_forward,
         ..TrainConfig::default()
     }))
 }
@@ -1336,6 +1358,7 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
         (!a.shard_group.is_world(), "--shard-group"),
+        (!a.reshard_after_forward.is_world(), "--reshard-after-forward"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
         eprintln!("error: {flag} is not supported with --device sim");

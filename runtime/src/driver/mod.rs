@@ -412,6 +412,7 @@ impl StepFigures {
             "comm_s": self.comm_s, "peak_bytes": self.peak, "stats_messages": s.stats_messages,
             "grad_norm": s.grad_norm, "gather_bytes": s.gather_bytes,
             "reduce_bytes": s.reduce_bytes, "replica_bytes": s.replica_bytes,
+            "hpz_bytes": s.hpz_bytes,
             "cast_s": s.cast_time.as_secs_f64(),
         })
     }

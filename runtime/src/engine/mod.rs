@@ -19,6 +19,10 @@
 //! over its replica group on a fourth lane (`replica`, chained off the compute thread), and
 //! the loss reduction and SyncBN statistics stay over the world.
 //!
+//! With secondary shards (`hpz`, HPZ-1..4, stage 3) a unit used again in the step leaves
+//! the rank its piece of a copy sharded over its node, and its later gathers run over the
+//! node's group on a fifth lane (`hpz:gather`).
+//!
 //! The engine is cut into pure cores, which decide, and a shell, which acts; the cores take
 //! completions and sizes as inputs, read no clock and issue no collective, so that a
 //! simulated device or a plan simulator can drive the same code:
@@ -64,6 +68,7 @@ mod clock;
 mod device;
 mod driven;
 mod gpu_choice;
+mod hpz;
 mod hybrid;
 pub mod on_device;
 mod pass;
@@ -94,6 +99,7 @@ pub(crate) mod sim_api {
 pub use device::{cuda_devices, open_backend, open_rank_backend, BackendOverride, Device};
 pub use driven::Driven;
 pub use gpu_choice::{rank_gpu, GpuChoiceError};
+pub use hpz::{ReshardAfterForward, Secondary};
 pub use hybrid::{checkpoint_shards, Groups, ShardGroup};
 pub use precision::{gather_round_trip, GatherDtype, MixedPrecision, PrecisionDtype, QuantGather};
 pub use recompute::Recompute;
@@ -172,6 +178,8 @@ pub struct EngineConfig {
     /// `--cross-node-reduce-dtype`: gradient shards packed for the reduction across shard
     /// groups (QREDUCE-1); `None`: an f32 all-reduce.
     pub cross_node_reduce: Option<QuantGather>,
+    /// What a stage-3 unit leaves after its forward (HPZ-1..4; default its shard).
+    pub reshard_after_forward: ReshardAfterForward,
 }
 
 /// Figures of one step on one rank.
@@ -210,6 +218,9 @@ pub struct StepStats {
     /// Payload bytes this rank sent on the replica lane during the step: the all-reduces of
     /// the reduced gradient shards across shard groups (HSDP-3); 0 with one shard group.
     pub replica_bytes: u64,
+    /// Payload bytes this rank sent on the secondary groups' gather lane during the step:
+    /// the gathers from secondary shards (HPZ-2); 0 without them.
+    pub hpz_bytes: u64,
     /// Time spent converting between `f32` and bf16 (rounding shards and gradients,
     /// upcasting gathered units and reduced gradients); zero in `f32`.
     pub cast_time: Duration,
@@ -271,6 +282,11 @@ pub struct RankEngine {
     loss_lane: Lane,
     /// The replica all-reduces behind the reduce-scatters, with more than one shard group.
     replica: Option<replica::ReplicaChain>,
+    /// The rank's secondary group and its gather lane (HPZ-1), under
+    /// `--reshard-after-forward node|N` at stage 3.
+    hpz: Option<(Secondary, Lane)>,
+    /// The secondary pieces held (HPZ-2).
+    pieces: hpz::Pieces,
     /// Shared so that a step can hand it to the model while the engine's other state changes.
     stats: Arc<StatsLane>,
     backend: Box<dyn Backend>,
@@ -324,6 +340,7 @@ impl RankEngine {
             ));
         }
         let (shard_comm, replica_comm) = groups.open(&comm)?;
+        let hpz = Self::open_secondary(&cfg, size, &comm)?;
         let layout = ShardedModelLayout::new(&spec, size)?;
         let no_decay = spec.units.iter().map(|u| cfg.weight_decay_on.no_decay_ranges(u)).collect();
         let gather = shard_comm.lane(GATHER_LANE)?;
@@ -359,6 +376,9 @@ impl RankEngine {
         if let Some(r) = &replica {
             lanes.push(r.lane());
         }
+        if let Some((_, l)) = &hpz {
+            lanes.push(l);
+        }
         for l in lanes {
             l.set_account(HeldBytes::new(&mem, &format!("{} lane staging", l.name()))? as _);
         }
@@ -390,6 +410,8 @@ impl RankEngine {
             reduce,
             loss_lane,
             replica,
+            hpz,
+            pieces: hpz::Pieces::new(n),
             stats,
             backend,
             meter: RankMeter::new(mem.clone()),
@@ -479,6 +501,8 @@ impl RankEngine {
             wire: self.param_wire(),
             cast: &self.cast,
             own_packed: &mut self.own_packed,
+            hpz: self.hpz.as_ref().map(|(s, l)| (*s, l)),
+            pieces: &self.pieces,
         };
         (&mut self.plan, io)
     }
@@ -489,6 +513,7 @@ impl RankEngine {
         let _meter = self.install_meter();
         let t_step = Instant::now();
         let sent0 = (self.gather.bytes_sent(), self.reduce_bytes(), self.replica_bytes());
+        let hpz0 = self.hpz_bytes();
         self.cast.set(Duration::ZERO);
         let n = self.layout.units().len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
@@ -554,6 +579,7 @@ impl RankEngine {
             gather_bytes: self.gather.bytes_sent() - sent0.0,
             reduce_bytes: self.reduce_bytes() - sent0.1,
             replica_bytes: self.replica_bytes() - sent0.2,
+            hpz_bytes: self.hpz_bytes() - hpz0,
             cast_time: self.cast.get(),
             rank_busy_s: rank_busy,
         })
@@ -589,6 +615,36 @@ impl RankEngine {
     fn reduce_bytes(&self) -> u64 {
         let loss = if self.layout.world() < self.world { self.loss_lane.bytes_sent() } else { 0 };
         self.reduce.bytes_sent() + loss
+    }
+
+    /// Bytes sent on the secondary groups' gather lane (HPZ-2).
+    fn hpz_bytes(&self) -> u64 {
+        self.hpz.as_ref().map_or(0, |(_, l)| l.bytes_sent())
+    }
+
+    /// Stage 3 under `--reshard-after-forward node|N`: the rank's secondary group inside its
+    /// shard group of `shard` ranks and its gather lane (HPZ-1); `None` otherwise (HPZ-4).
+    /// The pieces are kept in f32: packed gathers are refused.
+    fn open_secondary(
+        cfg: &EngineConfig,
+        shard: usize,
+        world: &Communicator,
+    ) -> Result<Option<(Secondary, Lane)>> {
+        if StageRules::of(cfg.stage).before_use != stage::BeforeUse::Gather {
+            return Ok(None);
+        }
+        let Some(size) = cfg.reshard_after_forward.size(shard, world.topology())? else {
+            return Ok(None);
+        };
+        if cfg.precision.param_wire().is_some() {
+            return Err(RuntimeError::config(format!(
+                "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype                  bf16 or --gather-dtype int8|fp8",
+                cfg.reshard_after_forward
+            )));
+        }
+        let sec = Secondary::new(shard, size, world.rank());
+        let lane = world.subgroup("hpz", &sec.members())?.lane(GATHER_LANE)?;
+        Ok(Some((sec, lane)))
     }
 
     /// Bytes sent on the replica lane (HSDP-3).
@@ -791,6 +847,8 @@ impl StepWork for EngineStep<'_, '_> {
         (self.grad, self.data) = (None, None);
         let (plan, mut io) = self.eng.gathers(&mut self.st.clock);
         plan.end_pass(&mut io);
+        // HPZ-2: every unit's last use dropped its piece; none outlives the step.
+        self.eng.pieces.clear();
         self.stats_messages = self.stats.end_step(&mut self.st.clock);
         self.eng.fault_point(Phase::Reduce);
         Ok(())

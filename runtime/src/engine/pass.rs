@@ -91,18 +91,26 @@ impl RankEngine {
         plan.acquire(i, &mut io).map(Some)
     }
 
-    /// After use `i`: the plan keeps or frees its gathered parameters (ENG-5).
-    fn done_with(&mut self, i: usize, gathered: Option<Gathered>, st: &mut StepState) {
+    /// After use `i`: the rank keeps or drops its secondary piece (HPZ-2), then the plan
+    /// keeps or frees the gathered parameters (ENG-5).
+    fn done_with(
+        &mut self,
+        i: usize,
+        gathered: Option<Gathered>,
+        st: &mut StepState,
+    ) -> Result<()> {
         if self.rules.before_use != BeforeUse::Gather {
             if let Some(copy) = gathered {
                 copy.give_back(self.comm.pool());
             }
-            return;
+            return Ok(());
         }
         if let Some(g) = gathered {
+            self.piece_after_use(i, &g.full)?;
             let (plan, mut io) = self.gathers(&mut st.clock);
             plan.done_with(i, g, &mut io);
         }
+        Ok(())
     }
 
     /// Use `i` of the pass: its unit's forward on `x`. Training also returns what the call
@@ -154,7 +162,7 @@ impl RankEngine {
             let label = &self.labels[u];
             self.trace.record(self.rank, Row::Compute, format!("forward {label}"), t0, t1);
         }
-        self.done_with(i, gathered, st);
+        self.done_with(i, gathered, st)?;
         self.meter.check()?;
         Ok((y, kept))
     }
@@ -274,7 +282,7 @@ impl RankEngine {
             st.compute += t1 - t0;
             self.trace.record(self.rank, Row::Compute, format!("input grad {label}"), t0, t1);
         }
-        self.done_with(i, gathered, st);
+        self.done_with(i, gathered, st)?;
         self.meter.check()?;
         Ok(grad)
     }

@@ -23,6 +23,7 @@ use std::time::Instant;
 use shardline_collectives::{Communicator, Lane, Work};
 
 use super::clock::CommClock;
+use super::hpz::{Pieces, Secondary};
 use super::precision::{OwnPacked, Slots, Wire};
 use super::stage::BeforeUse;
 use crate::error::{Result, RuntimeError};
@@ -236,6 +237,11 @@ impl<Q, H> GatherPlan<Q, H> {
         Ok(h)
     }
 
+    /// Whether the unit of use `i` is used again later in the pass (HPZ-2).
+    pub(crate) fn used_again(&self, i: usize) -> bool {
+        self.uses[i + 1..].contains(&self.uses[i])
+    }
+
     /// Whether the unit of use `i` is kept after it: it is used again, and it, the units
     /// used in between and the units already held fit the budget together (ENG-5).
     pub(crate) fn keeps(&mut self, i: usize) -> bool {
@@ -336,6 +342,10 @@ pub(crate) struct LaneGathers<'a> {
     pub(crate) cast: &'a std::cell::Cell<std::time::Duration>,
     /// Each unit's own packed shard, kept until its update (QGATHER-2).
     pub(crate) own_packed: &'a mut OwnPacked,
+    /// The rank's secondary group and its gather lane (HPZ-1), with secondary shards.
+    pub(crate) hpz: Option<(Secondary, &'a Lane)>,
+    /// The secondary pieces held: a unit's gather reads its piece where one is (HPZ-2).
+    pub(crate) pieces: &'a Pieces,
 }
 
 impl GatherIo for LaneGathers<'_> {
@@ -373,6 +383,13 @@ impl GatherIo for LaneGathers<'_> {
         // Its capacity: a kept buffer may be longer than asked for.
         let alloc =
             self.mem.alloc_f32(Category::GatheredUnits, full.capacity(), &self.labels[unit])?;
+        // HPZ-2: a unit used earlier in the step is gathered from the secondary pieces, over
+        // the secondary group alone.
+        if let (Some((sec, lane)), Some(piece)) = (self.hpz, self.pieces.get(unit)) {
+            full[sec.own_piece(l.padded_numel())].copy_from_slice(piece);
+            let work = lane.all_gather_in_place(full);
+            return Ok(PendingGather { work, alloc, packed: false });
+        }
         full[l.shard_range(self.shard_rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
         Ok(PendingGather { work, alloc, packed: false })

@@ -450,8 +450,10 @@ impl RankEngine {
             &mut s.grads[u],
             &mut s.optim_state[u],
         )?;
-        // QGATHER-2: the master changed; its packed slot is stale.
+        // QGATHER-2: the master changed; its packed slot is stale (and so is a secondary
+        // piece, HPZ-2).
         self.own_packed.invalidate(u);
+        self.pieces.drop_unit(u);
         if carries_next_gather(self.rules.before_use, self.cfg.prefetch, u) {
             let (plan, mut io) = self.gathers(&mut st.clock);
             let pending = io.issue(0)?;

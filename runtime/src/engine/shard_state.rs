@@ -112,6 +112,7 @@ impl RankEngine {
     /// Frees the state and returns pooled buffers; later steps fail. Idempotent.
     pub fn shutdown(&mut self) {
         self.plan.discard();
+        self.pieces.clear();
         self.state.clear();
     }
 
@@ -148,6 +149,7 @@ impl RankEngine {
         // shard the old master (QGATHER-2).
         self.plan.discard();
         self.own_packed.clear();
+        self.pieces.clear();
         let k = self.cfg.optimizer.state_len_per_param();
         if shard.units.len() != self.layout.units().len()
             || buffers.len() != self.state.buffers.len()

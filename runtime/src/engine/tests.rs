@@ -132,6 +132,7 @@ fn stage3_sgd(prefetch: usize, seed: u64) -> EngineConfig {
         precision: MixedPrecision::default(),
         shard_group: crate::engine::ShardGroup::World,
         cross_node_reduce: None,
+        reshard_after_forward: crate::engine::ReshardAfterForward::World,
     }
 }
 

@@ -631,6 +631,7 @@ mod tests {
             precision: crate::engine::MixedPrecision::default(),
             shard_group: crate::engine::ShardGroup::World,
             cross_node_reduce: None,
+            reshard_after_forward: crate::engine::ReshardAfterForward::World,
         }
     }
 

@@ -298,6 +298,7 @@ impl DeviceEngine {
                 "bf16 or quantized gathers (--param-dtype, --reduce-dtype, --gather-dtype)",
             ),
             (!cfg.shard_group.is_world(), "hybrid sharding (--shard-group)"),
+            (!cfg.reshard_after_forward.is_world(), "secondary shards (--reshard-after-forward)"),
         ];
         if let Some((_, what)) = missing.iter().find(|m| m.0) {
             return Err(RuntimeError::config(format!(
