@@ -155,13 +155,19 @@ fn net_or_skip(nodes: usize, test: &str) -> Option<LaunchNet> {
 
 /// Runs `nodes x nproc` ranks over namespaces and checks them against `train --world W`.
 fn multinode_matches(nodes: usize, nproc: usize, test: &str) {
-    multinode_matches_with(nodes, nproc, &[], nodes * nproc, test)
+    multinode_matches_with(nodes, nproc, &[], nodes * nproc, test);
 }
 
 /// [`multinode_matches`] with `extra` flags for the launched job only, whose checkpoint
-/// holds `shards` shards.
-fn multinode_matches_with(nodes: usize, nproc: usize, extra: &[&str], shards: usize, test: &str) {
-    let Some(net) = net_or_skip(nodes, test) else { return };
+/// holds `shards` shards; false when the test is skipped (no namespaces without root).
+fn multinode_matches_with(
+    nodes: usize,
+    nproc: usize,
+    extra: &[&str],
+    shards: usize,
+    test: &str,
+) -> bool {
+    let Some(net) = net_or_skip(nodes, test) else { return false };
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     reference(nodes * nproc, 10, dir);
@@ -184,6 +190,7 @@ fn multinode_matches_with(nodes: usize, nproc: usize, extra: &[&str], shards: us
         }
     }
     assert_matches_reference(dir, shards);
+    true
 }
 
 /// LAUNCH-2, HYB-2 end to end: 2 nodes x 2 processes equal the one-process run.
@@ -211,6 +218,43 @@ fn hybrid_sharding_on_two_nodes_matches_one_process_run_hsdp_3() {
         2,
         "hybrid_sharding_on_two_nodes_matches_one_process_run_hsdp_3",
     );
+}
+
+/// HPZ-1..3 across hosts: 2 nodes x 2 processes at stage 3 with `--reshard-after-forward
+/// node` (each unit's first gather of a step over the world, its backward's from the
+/// pieces of the node's 2 ranks, over shared memory; prefetch 0) equal the one-process run at world 4;
+/// rank 0's log shows bytes on the secondary lane every step, and the checkpoint is the
+/// plain one of 4 shards (the pieces live inside a step).
+#[test]
+fn secondary_shards_on_two_nodes_match_one_process_run_hpz_3() {
+    let logs = tempfile::tempdir().expect("tempdir");
+    let log = logs.path().join("steps.jsonl");
+    let log_arg = log.to_string_lossy().to_string();
+    // Prefetch 0: only the head is kept whole from forward into backward (ENG-5), so every
+    // block is gathered again in backward (prefetch changes no value, ENG-1).
+    let extra = [
+        "--stage",
+        "3",
+        "--prefetch",
+        "0",
+        "--reshard-after-forward",
+        "node",
+        "--log-json",
+        &log_arg,
+    ];
+    let test = "secondary_shards_on_two_nodes_match_one_process_run_hpz_3";
+    if !multinode_matches_with(2, 2, &extra, 4, test) {
+        return;
+    }
+    let text = std::fs::read_to_string(&log).expect("rank 0's step log");
+    let hpz: Vec<u64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        .map(|v| v["hpz_bytes"].as_u64().expect("hpz_bytes"))
+        .collect();
+    assert_eq!(hpz.len(), 10, "{text}");
+    assert!(hpz.iter().all(|&b| b > 0), "bytes on the secondary lane per step: {hpz:?}");
+    eprintln!("hpz 2 nodes x 2 processes: secondary lane bytes of rank 0 per step {hpz:?}");
 }
 
 /// 3 nodes x 1 process with `--shard-group node` (3 groups of 1: stage 3 replicated across
