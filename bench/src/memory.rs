@@ -7,6 +7,11 @@
 //! 3 holds up to `prefetch + 1` gathered units; the other stages none). Whatever the peak
 //! holds beyond that (activations of the small batch, a unit's unreduced gradient, collective
 //! staging) is printed as the excess, with each category's own peak.
+//!
+//! With `--hpz NODESxRANKS,...` it measures instead the cost of secondary shards
+//! (`--reshard-after-forward`, HPZ-2) at stage 3: per shape, threads in secondary groups of
+//! RANKS consecutive ranks (a node's worth), the peak per rank next to the full-shard run's
+//! and the `secondary shards` category's own peak, all read from the ranks' trackers.
 
 use crate::report;
 use anyhow::Context;
@@ -25,9 +30,34 @@ pub struct Args {
     /// World sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub world: Vec<usize>,
-    /// Model: wide-mlp (sized by --params) or mlp-bn.
+    /// Model: wide-mlp (sized by --params) or mlp-bn; with --hpz also gpt (on the bundled
+    /// text, shaped by --n-layer, --n-head, --n-embd, --block-size).
     #[arg(long, default_value = "wide-mlp")]
     pub model: String,
+    /// mlp-bn hidden width (default the model's).
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// mlp-bn depth in blocks (default the model's).
+    #[arg(long)]
+    pub depth: Option<usize>,
+    /// gpt layers (default the model's).
+    #[arg(long)]
+    pub n_layer: Option<usize>,
+    /// gpt attention heads (default the model's).
+    #[arg(long)]
+    pub n_head: Option<usize>,
+    /// gpt embedding width (default the model's).
+    #[arg(long)]
+    pub n_embd: Option<usize>,
+    /// gpt context length (default the model's).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Measure secondary shards instead, at stage 3, for each NODESxRANKS shape (e.g.
+    /// 2x2,2x4): the world is NODES*RANKS threads, the secondary groups RANKS consecutive
+    /// ranks; prints the full-shard peak, the peak with secondary shards and the pieces' own
+    /// peak per rank (the largest over the ranks).
+    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
+    pub hpz: Vec<(usize, usize)>,
     /// wide-mlp parameter count, e.g. 2M.
     #[arg(long, default_value = "2M", value_parser = parse_count)]
     pub params: usize,
@@ -53,6 +83,16 @@ pub struct Args {
     /// Write the rows and the demonstration as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("--hpz {s}: expected NODESxRANKS, e.g. 2x4");
+    let (n, r) = s.split_once('x').ok_or_else(bad)?;
+    match (n.trim().parse::<usize>(), r.trim().parse::<usize>()) {
+        (Ok(n), Ok(r)) if n >= 2 && r >= 1 => Ok((n, r)),
+        (Ok(_), Ok(_)) => Err(format!("--hpz {s}: needs at least 2 nodes of at least 1 rank")),
+        _ => Err(bad()),
+    }
 }
 
 fn parse_count(s: &str) -> Result<usize, String> {
@@ -154,6 +194,12 @@ fn config(a: &Args, world: usize, stage: Stage) -> TrainConfig {
         sync_bn: SyncBnMode::Auto,
         prefetch: a.prefetch,
         timeout_s: 120,
+        hidden: a.hidden,
+        depth: a.depth,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_embd: a.n_embd,
+        block_size: a.block_size,
         ..TrainConfig::default()
     }
 }
@@ -201,6 +247,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     report::check_flags(!a.world.is_empty() && a.world.iter().all(|&w| w > 0), || {
         "--world must be at least 1".into()
     })?;
+    if !a.hpz.is_empty() {
+        return hpz(&a);
+    }
     let mut rows = Vec::new();
     let mut params = 0;
     println!(
@@ -352,4 +401,90 @@ fn cap_demo(a: &Args, rows: &[Row]) -> anyhow::Result<Option<CapDemo>> {
         runs.push(run);
     }
     Ok(Some(CapDemo { world, cap_bytes: cap, runs }))
+}
+
+/// One shape's secondary-shard measurement (HPZ-2), the largest figure over its ranks.
+#[derive(Debug, Serialize)]
+pub struct HpzRow {
+    /// Nodes (secondary groups per shard group).
+    pub nodes: usize,
+    /// Ranks per node (the secondary group's size).
+    pub ranks_per_node: usize,
+    /// Peak per rank at stage 3, `--reshard-after-forward world`.
+    pub full_shard_peak_bytes: u64,
+    /// Peak per rank with secondary shards over each node.
+    pub hpz_peak_bytes: u64,
+    /// The `secondary shards` category's own peak per rank: the pieces held at once.
+    pub secondary_peak_bytes: u64,
+    /// The `gathered units` category's peak per rank under `world`, for scale.
+    pub gathered_peak_bytes: u64,
+}
+
+/// Secondary shards: per `--hpz` shape, stage 3 under `world` and under groups of the
+/// node's ranks, the peaks read from the trackers.
+fn hpz(a: &Args) -> anyhow::Result<()> {
+    use shardline_runtime::engine::ReshardAfterForward;
+    println!(
+        "shardline-bench memory --hpz: {} (hidden {:?}, depth {:?}; gpt layers {:?}, heads {:?}, \
+         embd {:?}, block {:?}), global batch {}, {} steps, optimizer {}, prefetch {}, stage 3; \
+         per rank, the largest over the ranks",
+        a.model,
+        a.hidden,
+        a.depth,
+        a.n_layer,
+        a.n_head,
+        a.n_embd,
+        a.block_size,
+        a.batch_size,
+        a.steps,
+        a.optimizer,
+        a.prefetch
+    );
+    println!(
+        "{:>5} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "nodes", "ranks", "full shard", "with hpZ", "difference", "pieces", "gathered"
+    );
+    let max = |s: &train::Summary, key: &str| {
+        s.peak_by_category
+            .iter()
+            .map(|c| c.iter().find(|(k, _)| k == key).map_or(0, |(_, b)| *b))
+            .max()
+            .unwrap_or(0)
+    };
+    let mut rows = Vec::new();
+    for &(nodes, per) in &a.hpz {
+        let mut cfg = config(a, nodes * per, Stage::Zero3);
+        if a.model == "gpt" {
+            cfg.dataset = "text".into();
+        }
+        let what = |r: &str| format!("{nodes}x{per} {r}");
+        let full = train::run(cfg.clone(), quiet()).with_context(|| what("world"))?;
+        cfg.reshard_after_forward = ReshardAfterForward::Ranks(per);
+        let hpz = train::run(cfg, quiet()).with_context(|| what("node"))?;
+        let peak = |s: &train::Summary| s.peak_bytes.iter().copied().max().unwrap_or(0);
+        let row = HpzRow {
+            nodes,
+            ranks_per_node: per,
+            full_shard_peak_bytes: peak(&full),
+            hpz_peak_bytes: peak(&hpz),
+            secondary_peak_bytes: max(&hpz, "secondary_shards"),
+            gathered_peak_bytes: max(&full, "gathered_units"),
+        };
+        println!(
+            "{:>5} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            nodes,
+            per,
+            format_bytes(row.full_shard_peak_bytes),
+            format_bytes(row.hpz_peak_bytes),
+            signed_bytes(row.hpz_peak_bytes as i64 - row.full_shard_peak_bytes as i64),
+            format_bytes(row.secondary_peak_bytes),
+            format_bytes(row.gathered_peak_bytes)
+        );
+        rows.push(row);
+    }
+    if let Some(p) = &a.json {
+        report::write_json(p, &rows)?;
+        println!("wrote {}", p.display());
+    }
+    Ok(())
 }
