@@ -87,7 +87,7 @@ fn mlp_bn_secondary_shards_are_bitwise_world_hpz_3() {
 }
 
 /// HPZ-3: the narrow gpt (its root unit called first and last), every shape, prefetch 0
-/// and 1.
+/// and 1, and with two microbatches per rank.
 #[test]
 fn gpt_secondary_shards_are_bitwise_world_hpz_3() {
     let batch = 12;
@@ -101,6 +101,13 @@ fn gpt_secondary_shards_are_bitwise_world_hpz_3() {
             check(&s, &world, &one, (GPT_LOSS_REL_TOL, GPT_PARAM_ABS_TOL), shape.2, &what);
         }
     }
+    // Two microbatches: the pieces serve the second microbatch's forward too.
+    let accum = TrainConfig { grad_accum: 2, ..gpt_cfg(1, 3, 16) };
+    let cfg = with(accum, (4, ShardGroup::World, 2), 1);
+    let world = run_ok(world_of(&cfg), quiet());
+    let s = run_ok(cfg, quiet());
+    let one = run_ok(gpt_cfg(1, 0, 16), quiet());
+    check(&s, &world, &one, (GPT_LOSS_REL_TOL, GPT_PARAM_ABS_TOL), 2, "gpt grad-accum 2");
 }
 
 /// HPZ-2, measured at the lanes (LANE-8) at stage 3, prefetch 0 (no gather crosses a step
