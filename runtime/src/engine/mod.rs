@@ -638,7 +638,8 @@ impl RankEngine {
         };
         if cfg.precision.param_wire().is_some() {
             return Err(RuntimeError::config(format!(
-                "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype                  bf16 or --gather-dtype int8|fp8",
+                "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype \
+                 bf16 or --gather-dtype int8|fp8",
                 cfg.reshard_after_forward
             )));
         }
