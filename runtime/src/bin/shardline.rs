@@ -1084,10 +1084,12 @@ struct TrainArgs {
     /// The first gather of each unit in a step still goes over the shard group; results are
     /// bitwise those of world; the cost is each rank's pieces, held from a unit's forward to
     /// its last use in the step (memory category "secondary shards"); checkpoints are
-    /// unchanged. The group (node or N) must divide the shard group and be smaller than it:
-    /// a one-node job, or --shard-group node, is refused (the gathers already stay in the
-    /// node). Needs f32 gathers (not --param-dtype bf16 or --gather-dtype). Stages 0-2
-    /// keep full parameters: there it changes nothing. Not with --device sim.
+    /// unchanged. At stage 3 the group (node or N) must divide the shard group and be
+    /// smaller than it, so node is refused on one node, with --shard-group node, or with a
+    /// --shard-group inside one node (its gathers already stay in the node); with
+    /// --shard-group N the secondary groups cut each shard group. Needs f32 gathers (not
+    /// --param-dtype bf16 or --gather-dtype). Stages 0-2 keep full parameters: there it
+    /// changes nothing and no group size is checked. Not with --device sim.
     #[arg(long, default_value = "world", value_parser = parse_reshard, value_name = "N|node|world")]
     reshard_after_forward: ReshardAfterForward,
     /// Synthetic data: training samples.
