@@ -1,9 +1,9 @@
 //! Secondary shards (`--reshard-after-forward`, HPZ-1..4) as threads of one process, whose
-//! secondary groups are N consecutive ranks (a process's threads form one node): 2x2 and
-//! 3x1, over the world or inside a shard group, at stage 3 with prefetch 0 and 1, on mlp-bn
-//! (SyncBN) and a narrow gpt, bitwise the same run under `world`; the later gathers go over
-//! the secondary lane; stages 0-2 ignore the flag; checkpoints are unchanged; bad values
-//! exit 2 naming the flag.
+//! secondary groups are N consecutive ranks (a process's threads form one node): 2x2, 3x1,
+//! and 2x2 inside each of two shard groups of 4 or 2x1 inside shard groups of 2, at stage 3
+//! with prefetch 0 and 1, on mlp-bn (SyncBN) and a narrow gpt, bitwise the same run under
+//! `world`; the later gathers go over the secondary lane; stages 0-2 ignore the flag;
+//! checkpoints are unchanged; bad values exit 2 naming the flag.
 
 mod common;
 use common::*;
@@ -17,9 +17,14 @@ const GPT_LOSS_REL_TOL: f32 = 2e-6;
 const GPT_PARAM_ABS_TOL: f32 = 2e-6;
 
 /// (world, shard group, secondary group): 2 "nodes" of 2 over the world, 3 of 1 (the
-/// secondary shard is the whole unit), and 2 of 1 inside each shard group of 2.
-const SHAPES: [(usize, ShardGroup, usize); 3] =
-    [(4, ShardGroup::World, 2), (3, ShardGroup::World, 1), (4, ShardGroup::Ranks(2), 1)];
+/// secondary shard is the whole unit), 2 of 1 inside each shard group of 2, and 2 of 2
+/// inside each of 2 shard groups of 4 (HSDP across them).
+const SHAPES: [(usize, ShardGroup, usize); 4] = [
+    (4, ShardGroup::World, 2),
+    (3, ShardGroup::World, 1),
+    (4, ShardGroup::Ranks(2), 1),
+    (8, ShardGroup::Ranks(4), 2),
+];
 
 fn with(
     cfg: TrainConfig,
