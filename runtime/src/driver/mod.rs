@@ -81,10 +81,15 @@ impl Job {
     /// Splits a rank's plan into what the loop needs and the data its ranks read (the
     /// training set behind the job's distributed sampler).
     pub fn from_plan(
-        cfg: TrainConfig,
+        mut cfg: TrainConfig,
         opts: RunOptions,
         plan: JobPlan,
     ) -> Result<(Job, Arc<RankData>)> {
+        // What `--stage auto --profile` chose stands in the configuration from here on
+        // (checkpoints record it).
+        cfg.shard_group = plan.engine.shard_group;
+        cfg.gather_dtype = plan.engine.precision.gather_quant.map(|q| q.dtype);
+        cfg.cross_node_reduce_dtype = plan.engine.cross_node_reduce.map(|q| q.dtype);
         let JobPlan {
             train,
             test,
