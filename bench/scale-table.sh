@@ -8,13 +8,13 @@
 # launched jobs are built for it), so the table is mlp-bn, width $HIDDEN (1024), depth
 # $DEPTH (4), stage 3, prefetch 1, global batch $BATCH (256), lr 0.01.
 #
-# Per row, means over the seeds: bytes per rank and step across nodes, measured at the nodes'
-# interfaces (veth transmit counters over the whole job, headers and the store's heartbeats
-# included, over its steps and ranks); bytes rank 0's lanes sent per step (payload, every
-# link: the lanes' counters); inside a node, their difference (the interfaces see no shm
-# traffic); the step time and exposed communication (medians after the warmup, from the
-# workers' traces); the final loss (the last step's, rank 0's log) and its difference from
-# full-shard f32's. A third sharding mode, hpz (`--reshard-after-forward node`), runs only
+# Per row, means over the seeds: bytes rank 0 sent per step inside its node and to the other
+# node, counted by its hybrid transport where it routes them (HYB-4, `--log-json`'s
+# intra_node_bytes and inter_node_bytes; medians after the warmup); bytes per rank and step
+# across nodes at the nodes' interfaces (veth transmit counters over the whole job, headers
+# and the store's heartbeats included, over its steps and ranks), a cross-check; the step
+# time and exposed communication (medians after the warmup, from the workers' traces); the
+# final loss (the last step's, rank 0's log) and its difference from full-shard f32's. A third sharding mode, hpz (`--reshard-after-forward node`), runs only
 # when `shardline train --help` lists that flag. Writes $OUT/scale-table.json and
 # $OUT/scale-table.md and prints the table's four checks.
 #
@@ -68,28 +68,31 @@ for m in "${modes[@]}"; do
     done
 done
 
-python3 - "$OUT" "$RATE" "$STEPS" "$SEEDS" "${modes[@]}" <<'PY'
+python3 - "$OUT" "$RATE" "$STEPS" "$WARMUP" "$SEEDS" "${modes[@]}" <<'PY'
 import json, statistics, sys
-out, rate, steps, seeds, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(), sys.argv[5:]
+out, rate, steps, warmup, seeds, modes = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                          sys.argv[5].split(), sys.argv[6:])
 names = [m.split("|")[0] for m in modes]
-def losses(tag):
+def log(tag):
     with open(f"{out}/runs/{tag}/p1.jsonl") as f:
-        return [json.loads(l)["loss"] for l in f if l.strip()]
+        return [json.loads(l) for l in f if l.strip()]
 rows = []
 for name in names:
     per = []
     for s in seeds:
         tag = name.replace("/", "-") + f"-{s}"
         r = json.load(open(f"{out}/runs/{tag}.json"))["rows"][0]
-        l = losses(tag)
-        per.append({"seed": int(s), "across": r["inter_node_bytes"], "sent": r["rank0_sent_bytes"],
-                    "step_ms": r["step_ms"], "exposed_ms": r["exposed_ms"],
-                    "first_loss": l[0], "final_loss": l[-1]})
+        l = log(tag)
+        counted = l[warmup:] or l
+        med = lambda k: statistics.median(x[k] for x in counted)
+        per.append({"seed": int(s), "inside": med("intra_node_bytes"), "across": med("inter_node_bytes"),
+                    "across_veth": r["inter_node_bytes"], "step_ms": r["step_ms"],
+                    "exposed_ms": r["exposed_ms"], "first_loss": l[0]["loss"], "final_loss": l[-1]["loss"]})
     mean = lambda k: statistics.mean(p[k] for p in per)
-    rows.append({"mode": name, "seeds": per, "across_bytes": mean("across"),
-                 "lane_bytes": mean("sent"), "inside_bytes": mean("sent") - mean("across"),
-                 "step_ms": mean("step_ms"), "exposed_ms": mean("exposed_ms"),
-                 "first_loss": mean("first_loss"), "final_loss": mean("final_loss")})
+    rows.append({"mode": name, "seeds": per, "inside_bytes": mean("inside"), "across_bytes": mean("across"),
+                 "across_veth_bytes": mean("across_veth"), "step_ms": mean("step_ms"),
+                 "exposed_ms": mean("exposed_ms"), "first_loss": mean("first_loss"),
+                 "final_loss": mean("final_loss")})
 by = {r["mode"]: r for r in rows}
 base = by["full/f32"]
 for r in rows:
@@ -99,11 +102,11 @@ for r in rows:
 mib = lambda b: f"{b / 2**20:.2f}"
 md = [f"links {rate} (tc tbf), 2 nodes x 2 ranks, seeds {' '.join(seeds)}, {steps} steps",
       "",
-      "| mode | across nodes MiB/rank/step (veth) | x full f32 | lanes sent MiB/step (rank 0) | inside nodes MiB (lanes - veth) | step ms | exposed ms | speedup | final loss | vs f32 |",
+      "| mode | inside node MiB/step (rank 0, transport) | across nodes MiB/step (rank 0, transport) | x full f32 | across MiB/rank/step (veth) | step ms | exposed ms | speedup | final loss | vs f32 |",
       "|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
-    md.append(f"| {r['mode']} | {mib(r['across_bytes'])} | {r['across_vs_f32']:.3f} | {mib(r['lane_bytes'])} | "
-              f"{mib(r['inside_bytes'])} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['speedup_vs_f32']:.2f}x | "
+    md.append(f"| {r['mode']} | {mib(r['inside_bytes'])} | {mib(r['across_bytes'])} | {r['across_vs_f32']:.3f} | "
+              f"{mib(r['across_veth_bytes'])} | {r['step_ms']:.1f} | {r['exposed_ms']:.1f} | {r['speedup_vs_f32']:.2f}x | "
               f"{r['final_loss']:.4f} | {r['loss_vs_f32_pct']:+.2f}% |")
 if not any(n.startswith("hpz/") for n in names):
     md.append("| hpz | skipped: `shardline train --help` lists no `--reshard-after-forward` | | | | | | | | |")
@@ -111,8 +114,8 @@ g = 2  # ranks per shard group (a node)
 h, q = by["hsdp/f32/x-f32"], by["hsdp/int8/x-int8"]
 drop = (base["first_loss"] - base["final_loss"]) / base["first_loss"]
 checks = [
-    (f"HSDP f32 across-node bytes <= 1/{g} of full shard f32's (all collectives: the interfaces "
-     f"do not split gathers from reductions; HSDP gathers stay inside a node)",
+    (f"HSDP f32 across-node bytes <= 1/{g} of full shard f32's (all collectives: the transport "
+     f"counts by link, not by lane; HSDP's gathers stay inside a node)",
      h["across_bytes"] <= base["across_bytes"] / g, f"{h['across_vs_f32']:.3f}x"),
     ("HSDP + int8 gathers + int8 cross-node reduce across-node bytes <= 1/4 of full-shard f32's",
      q["across_bytes"] <= base["across_bytes"] / 4, f"{q['across_vs_f32']:.3f}x"),

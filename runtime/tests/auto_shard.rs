@@ -182,9 +182,10 @@ fn free_port() -> u16 {
 
 /// Two nodes of two ranks, `--stage auto --profile` with 1 Gbit/s across and `cap`: node 0's
 /// output.
-fn two_nodes(cap: u64) -> String {
-    let (cap, f) = (cap.to_string(), fixture());
+fn two_nodes(cap: u64, log: &std::path::Path) -> String {
+    let (cap, f, log) = (cap.to_string(), fixture(), log.to_str().unwrap().to_string());
     let mut train = vec!["train", "--stage", "auto", "--profile", &f, "--device-memory", &cap];
+    train.extend(["--log-json", &log]);
     // Wider: the estimate leaves out the lanes' staging (comm buffers), which the run's cap
     // counts; the caps below leave the gap to the next candidate for it.
     train.extend(WIDE);
@@ -210,10 +211,20 @@ fn two_nodes_on_a_slow_link_choose_the_node_group_when_it_fits_auto_3() {
     let (node, world) = (estimate(&c, Stage::Zero3, 2), estimate(&c, Stage::Zero3, 4));
     let stage2 = estimate(&c, Stage::Zero2, 4);
     assert!(stage2 > node && node > world, "premise");
-    let out = two_nodes(stage2 - 1);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.jsonl");
+    let out = two_nodes(stage2 - 1, &log);
     assert!(out.contains("2 node(s) of 2 ranks"), "{out}");
     assert!(chose(&out).contains("stage 3, group node (2 ranks)"), "{out}");
     assert!(out.contains("shard group: the ranks of each node (HSDP)"), "{out}");
-    let out = two_nodes(node - 1);
+    // HYB-4 in the log: rank 0's transport sent inside its node (the shard group's gathers)
+    // and across (the replica all-reduce) in every step.
+    let text = std::fs::read_to_string(&log).unwrap();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (inside, across) = (v["intra_node_bytes"].as_u64(), v["inter_node_bytes"].as_u64());
+        assert!(inside > Some(0) && across > Some(0), "{line}");
+    }
+    let out = two_nodes(node - 1, &dir.path().join("log2.jsonl"));
     assert!(chose(&out).contains("stage 3, group world (4 ranks)"), "{out}");
 }

@@ -1142,7 +1142,9 @@ struct TrainArgs {
     /// gather_bytes, reduce_bytes and replica_bytes (payload bytes the first rank of this
     /// process sent on each lane during the step; replica_bytes, the gradient shards'
     /// all-reduce across --shard-group groups, 0 without them) and cast_s (its f32/bf16
-    /// conversion time).
+    /// conversion time); intra_node_bytes and inter_node_bytes (payload bytes this
+    /// process's hybrid transport sent inside its node and to other nodes since the previous
+    /// line, every lane; 0 for ranks that are threads of one process, which use none).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,

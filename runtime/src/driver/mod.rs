@@ -360,18 +360,27 @@ impl Progress {
 }
 
 /// `--log-json`: one JSON object per step, appended.
-struct StepLog(Option<std::io::BufWriter<std::fs::File>>);
+/// The `--log-json` file, and this process's hybrid transport counts (HYB-4) at the last
+/// line, so that each line carries what was sent inside and across nodes since.
+struct StepLog(Option<std::io::BufWriter<std::fs::File>>, (u64, u64));
 
 impl StepLog {
     fn open(path: Option<&Path>) -> Result<Self> {
-        let Some(p) = path else { return Ok(StepLog(None)) };
+        let sent = shardline_collectives::transport::hybrid::sent_bytes();
+        let Some(p) = path else { return Ok(StepLog(None, sent)) };
         let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
             RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
         })?;
-        Ok(StepLog(Some(std::io::BufWriter::new(f))))
+        Ok(StepLog(Some(std::io::BufWriter::new(f)), sent))
     }
 
-    fn write(&mut self, line: serde_json::Value) -> Result<()> {
+    fn write(&mut self, mut line: serde_json::Value) -> Result<()> {
+        let now = shardline_collectives::transport::hybrid::sent_bytes();
+        if let Some(o) = line.as_object_mut() {
+            o.insert("intra_node_bytes".into(), (now.0 - self.1 .0).into());
+            o.insert("inter_node_bytes".into(), (now.1 - self.1 .1).into());
+        }
+        self.1 = now;
         match self.0.as_mut() {
             Some(w) => writeln!(w, "{line}")
                 .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}"))),
