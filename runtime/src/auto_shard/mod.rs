@@ -16,9 +16,10 @@
 //! - AUTO-1: a lossy candidate (a gather or cross-group reduction in 8 bits the user did not
 //!   ask for) is chosen only when lossy communication is allowed.
 //! - AUTO-2: the chosen candidate's memory is within the cap; when none is, none is chosen.
-//! - AUTO-3: the choice has the least predicted communication among the eligible (lossless
-//!   unless allowed, within the cap); ties go to less memory, then the lower stage, then
-//!   the larger group, then the lossless wire.
+//! - AUTO-3: the choice has the least predicted communication, to the nanosecond, among the
+//!   eligible (lossless unless allowed, within the cap); ties (candidates that send the same
+//!   bytes over other group shapes price alike but for rounding) go to less memory, then the
+//!   lower stage, then the larger group, then the lossless wire.
 //! - AUTO-4: a candidate's memory at group size `g` is the estimate of a world of `g`: a rank
 //!   holds the shards of its index in its group (HSDP-2).
 //! - AUTO-5: on one node no candidate's price reads the transport across nodes, and a shard
@@ -77,12 +78,17 @@ impl Candidate {
         };
         let lossy = if self.lossy { " [lossy]" } else { "" };
         format!(
-            "  {}: ~{} per rank, communication ~{:.3} ms per step{over}{lossy}",
+            "  {}: ~{} per rank, communication ~{:.1} us per step{over}{lossy}",
             self.label(world),
             format_bytes(self.memory),
-            self.comm_s * 1e3
+            self.comm_s * 1e6
         )
     }
+}
+
+/// Seconds as whole nanoseconds: the resolution at which predictions are compared.
+fn ns(s: f64) -> u64 {
+    (s * 1e9).round() as u64
 }
 
 /// The candidate a job runs (AUTO-1..3): among those lossless (or any, with `lossy_ok`) and
@@ -95,8 +101,8 @@ pub fn choose(cands: &[Candidate], cap: Option<u64>, lossy_ok: bool) -> Option<u
         .enumerate()
         .filter(|(_, c)| eligible(c))
         .min_by(|(_, a), (_, b)| {
-            a.comm_s
-                .total_cmp(&b.comm_s)
+            ns(a.comm_s)
+                .cmp(&ns(b.comm_s))
                 .then(a.memory.cmp(&b.memory))
                 .then(a.stage.cmp(&b.stage))
                 .then(b.group.cmp(&a.group))
@@ -164,5 +170,8 @@ mod tests {
         assert_eq!(choose(&tie, None, false), Some(1), "equal time and memory: the larger group");
         let stages = vec![cand(3, 4, false, 500, 1.0), cand(2, 4, false, 500, 1.0)];
         assert_eq!(choose(&stages, None, false), Some(1), "then the lower stage");
+        // Below a nanosecond apart is a tie: the smaller memory wins.
+        let close = vec![cand(2, 2, false, 600, 1e-5), cand(2, 4, false, 500, 1e-5 + 1e-13)];
+        assert_eq!(choose(&close, None, false), Some(1), "a tie to the nanosecond");
     }
 }

@@ -915,11 +915,13 @@ struct TrainArgs {
     /// candidates are stages 0-3 x shard groups (unless --shard-group names one): the world
     /// and every group size dividing it (node: the ranks of a node, when launched on several
     /// nodes); a candidate's memory per rank is --stage auto's estimate in a world of the
-    /// group's size. One step's communication is the profile's time for its parameter
-    /// all-gathers (stage 3: two per call of a unit), its gradient reduce-scatter or
-    /// all-reduce and, across groups, the reduced shard's all-reduce, each inside a node on
-    /// the profile's transport there and across nodes on its transport across (lane time:
-    /// overlap with compute, the loss all-reduce and SyncBN are not counted). Chosen: the
+    /// group's size; combinations train refuses (groups with bf16 gradients, say) are left
+    /// out. One step's communication is the profile's time for its parameter all-gathers
+    /// (stage 3: two per call of a unit; stages 1 and 2: one after the update), its
+    /// gradient reduce-scatter or all-reduce and, across groups, the reduced shard's
+    /// all-reduce (or its packed all-gather), each inside a node on the profile's transport
+    /// there and across nodes on its transport across (lane time of one microbatch: overlap
+    /// with compute, later microbatches, the loss all-reduce and SyncBN are not counted). Chosen: the
     /// least communication within --device-memory; ties go to less memory, the lower stage,
     /// the larger group. Every candidate is printed with its memory and communication. The
     /// profile needs transports_default (the transports inside and across nodes); one that
