@@ -9,6 +9,7 @@ mod ckpt_stall;
 mod collectives;
 mod faults;
 mod limits;
+mod link_bytes;
 mod machine_profile;
 mod measured;
 mod memory;

@@ -128,6 +128,19 @@ pub struct Args {
     /// [default: the --param-dtype].
     #[arg(long, value_parser = parse_gather_dtype)]
     pub gather_dtype: Option<GatherDtype>,
+    /// With --nodes: `train --shard-group` (N, node or world) [default: train's, world].
+    #[arg(long)]
+    pub shard_group: Option<String>,
+    /// With --nodes: `train --cross-node-reduce-dtype` (int8 or fp8; needs --shard-group).
+    #[arg(long, value_parser = parse_gather_dtype)]
+    pub cross_node_reduce_dtype: Option<GatherDtype>,
+    /// With --nodes: `train --seed`.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// With --nodes: one more flag or value passed to `train` as it is (repeatable, e.g.
+    /// --train-arg=--reshard-after-forward --train-arg=node).
+    #[arg(long = "train-arg", allow_hyphen_values = true)]
+    pub train_args: Vec<String>,
 }
 
 fn parse_gather_dtype(s: &str) -> Result<GatherDtype, String> {
@@ -169,8 +182,8 @@ pub struct Row {
     /// With --nodes: rank 0's median exposed communication from its `--log-json`, ms.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank0_log_exposed_ms: Option<f64>,
-    /// With --nodes: rank 0's median payload bytes sent per step on the gather and reduce
-    /// lanes, from its `--log-json` (the lanes' counters, LANE-8).
+    /// With --nodes: rank 0's median payload bytes sent per step on the gather, reduce and
+    /// replica lanes, from its `--log-json` (the lanes' counters, LANE-8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rank0_sent_bytes: Option<f64>,
     /// With --nodes: CPU time per step of one rank's process (every thread, user + system;
@@ -189,6 +202,13 @@ pub struct Row {
     /// communication can take on the shaped link.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wire_ms: Option<f64>,
+    /// With --nodes: bytes sent across nodes per rank and step, measured at the nodes'
+    /// interfaces over the whole job (LINKB-1) and divided by its steps and ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inter_node_bytes: Option<f64>,
+    /// With --nodes: the loss of the job's last step (rank 0's `--log-json`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_loss: Option<f64>,
 }
 
 /// The whole report.
@@ -330,6 +350,8 @@ fn run_one(
             rank0_log_step_ms: None,
             rank0_log_exposed_ms: None,
             rank0_sent_bytes: None,
+            inter_node_bytes: None,
+            final_loss: None,
             cpu_ms: None,
             cpu_floor_ms: None,
             wire_bytes: None,
@@ -624,6 +646,8 @@ fn combine_ranks(prefetch: usize, per_rank: &[Vec<[f64; 4]>], warmup: u64) -> an
         cpu_floor_ms: None,
         wire_bytes: None,
         wire_ms: None,
+        inter_node_bytes: None,
+        final_loss: None,
     })
 }
 
@@ -687,7 +711,9 @@ fn rank0_log(path: &Path, warmup: u64) -> anyhow::Result<(f64, f64, f64)> {
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line)?;
         let f = |k: &str| v[k].as_f64().ok_or_else(|| anyhow::anyhow!("log line without {k}: {v}"));
-        let sent = f("gather_bytes")? + f("reduce_bytes")?;
+        // Under --shard-group the replica lane's bytes too (0 without groups).
+        let sent =
+            f("gather_bytes")? + f("reduce_bytes")? + v["replica_bytes"].as_f64().unwrap_or(0.0);
         steps.push((f("step_time_s")? * 1e3, f("comm_exposed_s")? * 1e3, sent));
     }
     let counted: Vec<_> = steps.into_iter().skip(warmup as usize).collect();
@@ -761,6 +787,14 @@ fn train_args(a: &Args, prefetch: usize, dir: &Path) -> Vec<String> {
     if let Some(r) = a.reduce_dtype {
         v.extend(["--reduce-dtype".to_string(), r.name().to_string()]);
     }
+    if let Some(g) = &a.shard_group {
+        v.extend(["--shard-group".to_string(), g.clone()]);
+    }
+    if let Some(d) = a.cross_node_reduce_dtype {
+        v.extend(["--cross-node-reduce-dtype".to_string(), d.name().to_string()]);
+    }
+    v.extend(["--seed".to_string(), a.seed.to_string()]);
+    v.extend(a.train_args.iter().cloned());
     v
 }
 
@@ -860,6 +894,7 @@ fn run_nodes_in(
         // A fresh port per job: the previous job's store may still be in TIME_WAIT.
         let rdzv = format!("{}:{}", net.addr(0), 29700 + i);
         let mut agents = Vec::new();
+        let tx_before = crate::link_bytes::nodes_tx_bytes(&net)?;
         for k in 0..nodes {
             let mut cmd = net.command(k, bin);
             cmd.args(["launch", "--nproc-per-node", &a.nproc_per_node.to_string()])
@@ -870,6 +905,7 @@ fn run_nodes_in(
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
         process::wait_all(agents, deadline).with_context(|| format!("the prefetch {p} job"))?;
+        let across = crate::link_bytes::nodes_tx_bytes(&net)?.saturating_sub(tx_before);
         let events = load_rank_traces(dir, p, world)?;
         let per: Vec<Vec<[f64; 4]>> = (0..world).map(|r| rank_steps(&events, r)).collect();
         let mut row = combine_ranks(p, &per, a.warmup)?;
@@ -888,17 +924,22 @@ fn run_nodes_in(
         row.rank0_log_step_ms = Some(s0);
         row.rank0_log_exposed_ms = Some(e0);
         row.rank0_sent_bytes = Some(sent0);
+        row.inter_node_bytes = Some(across as f64 / (a.steps.max(1) * w) as f64);
+        row.final_loss = Some(crate::link_bytes::final_loss(&dir.join(format!("p{p}.jsonl")))?);
         if p == a.timeline_prefetch {
             timeline_events = Some(events);
         }
         println!(
             "  prefetch {p}: step {:.1} ms, compute {:.1} ms, comm {:.1} ms, exposed {:.1} ms, \
-             rank 0 sent {} per step (lane counters)",
+             rank 0 sent {} per step (lane counters), {} per rank and step across nodes \
+             (interfaces), final loss {:.4}",
             row.step_ms,
             row.compute_ms,
             row.comm_ms,
             row.exposed_ms,
-            report::human_bytes(sent0)
+            report::human_bytes(sent0),
+            report::human_bytes(row.inter_node_bytes.unwrap_or(0.0)),
+            row.final_loss.unwrap_or(f64::NAN)
         );
         rows.push(row);
     }

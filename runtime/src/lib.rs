@@ -38,6 +38,7 @@
 
 pub mod activations;
 pub mod actors;
+pub mod auto_shard;
 pub mod checkpoint;
 pub mod config_file;
 pub mod dataset;

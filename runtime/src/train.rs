@@ -188,6 +188,19 @@ pub struct TrainConfig {
     /// hash: the pieces live inside a step, checkpoints are unchanged.
     #[serde(default, skip_serializing_if = "ReshardAfterForward::is_world")]
     pub reshard_after_forward: ReshardAfterForward,
+    /// `--profile`: the machine profile (a shipped name or a file) `--stage auto` prices
+    /// each stage and shard group's communication on (AUTO-3); `None`: the stage alone is
+    /// chosen, by memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// `--allow-lossy-comm`: `--stage auto --profile` may choose 8-bit gathers and 8-bit
+    /// reductions across shard groups (AUTO-1).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_lossy_comm: bool,
+    /// Ranks on each node, as the launch environment says (`None`: one node); where
+    /// `--stage auto --profile` places the shard groups.
+    #[serde(skip)]
+    pub ranks_per_node: Option<usize>,
 }
 
 fn default_gather_block() -> usize {
@@ -328,6 +341,9 @@ impl Default for TrainConfig {
             shard_group: ShardGroup::World,
             cross_node_reduce_dtype: None,
             reshard_after_forward: ReshardAfterForward::World,
+            profile: None,
+            allow_lossy_comm: false,
+            ranks_per_node: None,
         }
     }
 }
@@ -574,6 +590,28 @@ pub fn validate(cfg: &TrainConfig) -> Result<()> {
 /// `--shard-group` (HSDP-1): a size that divides the world (`node` is checked against the
 /// topology where a rank learns it); gradients reduced in f32 across groups.
 fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
+    let auto = cfg.stage == StageChoice::Auto;
+    if cfg.profile.is_some() && !auto {
+        return Err(RuntimeError::config(
+            "--profile prices --stage auto's candidates: it needs --stage auto",
+        ));
+    }
+    if cfg.allow_lossy_comm && !(auto && cfg.profile.is_some()) {
+        return Err(RuntimeError::config(
+            "--allow-lossy-comm lets --stage auto --profile choose 8-bit gathers and \
+             cross-group reductions: it needs --stage auto and --profile",
+        ));
+    }
+    if cfg.shard_group == ShardGroup::Auto {
+        if !(auto && cfg.profile.is_some()) {
+            return Err(RuntimeError::config(
+                "--shard-group auto is chosen by --stage auto on a machine profile: it needs \
+                 --stage auto and --profile",
+            ));
+        }
+        // The candidates are checked one by one.
+        return Ok(());
+    }
     if let Some(d) = cfg.cross_node_reduce_dtype {
         let stage0 = matches!(cfg.stage, StageChoice::Fixed(Stage::Zero0));
         if cfg.shard_group.is_world() || stage0 {
@@ -972,7 +1010,19 @@ fn job_plan(
         }
         None => model,
     };
-    let (stage, stage_lines) = choose_stage(&*model, cfg, &train)?;
+    // AUTO-1..5: with a profile, the stage, shard group and wires are chosen together.
+    let resolved = crate::auto_shard::estimate::resolve(&*model, cfg, &train)?;
+    let chosen;
+    let (stage, stage_lines, cfg) = match resolved {
+        Some((r, lines)) => {
+            chosen = r.apply(cfg);
+            (r.stage, lines, &chosen)
+        }
+        None => {
+            let (stage, lines) = choose_stage(&*model, cfg, &train)?;
+            (stage, lines, cfg)
+        }
+    };
     if train.is_empty() {
         return Err(RuntimeError::config(format!(
             "the training set of '{}' is empty (--samples {}): nothing to train on",
@@ -1062,11 +1112,12 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
         println!("{l}");
     }
     println!("  sync-bn: {}", p.sync.1);
-    match cfg.shard_group {
-        ShardGroup::World => {}
+    let group = p.engine.shard_group;
+    match group {
+        ShardGroup::World | ShardGroup::Auto => {}
         // HSDP-4.
         _ if p.stage == Stage::Zero0 => {
-            println!("  shard group: {} (stage 0: plain replication)", cfg.shard_group)
+            println!("  shard group: {group} (stage 0: plain replication)")
         }
         ShardGroup::Node => println!("  shard group: the ranks of each node (HSDP)"),
         ShardGroup::Ranks(n) => println!(
@@ -1103,7 +1154,7 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
     if cfg.recompute != Recompute::None {
         println!("  recompute: {}", cfg.recompute.name());
     }
-    let prec = cfg.precision();
+    let prec = p.engine.precision;
     if !prec.with_gather(None).is_f32() {
         println!(
             "  precision: params {} (gathers and compute), gradients reduced in {}; masters, \
@@ -1115,6 +1166,13 @@ pub fn print_header(cfg: &TrainConfig, p: &JobPlan) {
     if let Some(q) = prec.gather_quant {
         println!(
             "  gathers: {} in blocks of {} (lossy: compute sees the dequantized parameters)",
+            q.dtype.name(),
+            q.block
+        );
+    }
+    if let Some(q) = p.engine.cross_node_reduce {
+        println!(
+            "  reduction across shard groups: {} in blocks of {} (lossy)",
             q.dtype.name(),
             q.block
         );

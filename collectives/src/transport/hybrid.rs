@@ -14,8 +14,11 @@
 //! - HYB-3: bytes received over the inter-node part of a mixed exchange reach their sink
 //!   only after the whole exchange succeeded, in one piece at offset 0 (TR-2 holds: the
 //!   staging buffers are 4-byte aligned).
+//! - HYB-4: every send adds its payload bytes to this process's count of the part it travels
+//!   over ([`sent_bytes`]: inside the node, across nodes) as the exchange hands it over, so
+//!   the traffic of each kind of link is measured where it is routed, not derived.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +30,16 @@ use crate::topology::Topology;
 
 /// How often the helper of a mixed exchange looks at the caller's cancel flag.
 const CANCEL_POLL: Duration = Duration::from_millis(1);
+
+/// Payload bytes this process's hybrid transports handed to their parts (HYB-4).
+static SENT_INTRA: AtomicU64 = AtomicU64::new(0);
+static SENT_INTER: AtomicU64 = AtomicU64::new(0);
+
+/// Payload bytes every hybrid transport of this process has sent so far: (inside the node,
+/// across nodes) (HYB-4). A launched worker runs one rank: its own.
+pub fn sent_bytes() -> (u64, u64) {
+    (SENT_INTRA.load(Ordering::Relaxed), SENT_INTER.load(Ordering::Relaxed))
+}
 
 /// Which part carries the traffic with a peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,6 +279,9 @@ impl LaneLinks for HybridLinks {
                 Route::Inter => inter_recvs.push(r),
             }
         }
+        let bytes = |v: &[SendOp<'_>]| v.iter().map(|s| s.data.len() as u64).sum::<u64>();
+        SENT_INTRA.fetch_add(bytes(&intra_sends), Ordering::Relaxed);
+        SENT_INTER.fetch_add(bytes(&inter_sends), Ordering::Relaxed);
         let uses_intra = !intra_sends.is_empty() || !intra_recvs.is_empty();
         let uses_inter = !inter_sends.is_empty() || !inter_recvs.is_empty();
         let node_ranks = Arc::clone(&self.node_ranks);

@@ -906,9 +906,34 @@ struct TrainArgs {
     world: usize,
     /// ZeRO stage: 0 (DDP), 1, 2, 3 (FSDP full shard), or auto (the lowest whose estimate fits
     /// --device-memory: model state, plus the activations and scratch of one microbatch,
-    /// measured by running it once with the --recompute choice).
+    /// measured by running it once with the --recompute choice). With --profile, auto
+    /// chooses the shard group too (see --profile).
     #[arg(long, default_value = "3")]
     stage: String,
+    /// With --stage auto: a machine profile (a file of `shardline-bench machine-profile`, or
+    /// the shipped h100-8x-ib) whose collectives price each candidate's communication. The
+    /// candidates are stages 0-3 x shard groups (unless --shard-group names one): the world
+    /// and every group size dividing it (node: the ranks of a node, when launched on several
+    /// nodes); a candidate's memory per rank is --stage auto's estimate in a world of the
+    /// group's size; combinations train refuses (groups with bf16 gradients, say) are left
+    /// out. One step's communication is the profile's time for its parameter all-gathers
+    /// (stage 3: two per call of a unit; stages 1 and 2: one after the update), its
+    /// gradient reduce-scatter or all-reduce and, across groups, the reduced shard's
+    /// all-reduce (or its packed all-gather), each inside a node on the profile's transport
+    /// there and across nodes on its transport across (lane time of one microbatch: overlap
+    /// with compute, later microbatches, the loss all-reduce and SyncBN are not counted). Chosen: the
+    /// least communication within --device-memory; ties go to less memory, the lower stage,
+    /// the larger group. Every candidate is printed with its memory and communication. The
+    /// profile needs transports_default (the transports inside and across nodes); one that
+    /// does not read or parse exits 2.
+    #[arg(long, value_name = "FILE|h100-8x-ib")]
+    profile: Option<String>,
+    /// With --stage auto --profile: candidates may also gather parameters in int8 and, across
+    /// shard groups, reduce gradients in int8 (--gather-dtype, --cross-node-reduce-dtype; fp8
+    /// sends the same bytes), both lossy; without it no 8-bit wire is chosen that the flags
+    /// did not name.
+    #[arg(long)]
+    allow_lossy_comm: bool,
     /// Model: mlp-bn, convnet-bn, wide-mlp, resnet-bn (torchvision's ResNet-18 with a 3x3
     /// stride-1 stem and no max-pool, torchvision's names; sized by --width), or gpt
     /// (nanoGPT's decoder, byte-level on --dataset text; sized by --n-layer, --n-head,
@@ -1061,9 +1086,10 @@ struct TrainArgs {
     /// group shape or world. At stage 0 the group changes nothing (plain replication).
     /// N must divide the world; at stages 1-3 the gradients must be reduced in f32 (with
     /// --param-dtype bf16, pass --reduce-dtype f32); not with --device sim, and `plan`
-    /// does not model it.
-    #[arg(long, default_value = "world", value_parser = parse_shard_group, value_name = "N|node|world")]
-    shard_group: ShardGroup,
+    /// does not model it. auto: chosen by --stage auto with --profile, which implies it
+    /// when no group is named [default: world; auto with --stage auto --profile].
+    #[arg(long, value_parser = parse_shard_group, value_name = "N|node|world|auto")]
+    shard_group: Option<ShardGroup>,
     /// Gradient shards reduced across shard groups (across nodes with --shard-group node)
     /// packed in int8 or fp8 (e4m3), one f32 scale per --gather-block values, as ZeRO++'s
     /// qgZ: each replica packs its reduced shard once, the packed shards are all-gathered
@@ -1137,7 +1163,10 @@ struct TrainArgs {
     /// of this process sent on each lane during the step; replica_bytes, the gradient
     /// shards' all-reduce across --shard-group groups, 0 without them; hpz_bytes, the
     /// gathers from secondary shards inside a node, 0 without --reshard-after-forward) and
-    /// cast_s (its f32/bf16 conversion time).
+    /// cast_s (its f32/bf16 conversion time); intra_node_bytes and inter_node_bytes (payload
+    /// bytes this process's hybrid transport sent inside its node and to other nodes since
+    /// the previous line, every lane; 0 for ranks that are threads of one process, which use
+    /// none).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,
@@ -1314,9 +1343,15 @@ fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         reduce_dtype: a.reduce_dtype,
         gather_dtype: a.gather_dtype,
         gather_block: a.gather_block,
-        shard_group: a.shard_group,
+        // A profile lets --stage auto choose the group unless one is named.
+        shard_group: a.shard_group.unwrap_or(match (stage, &a.profile) {
+            (StageChoice::Auto, Some(_)) => ShardGroup::Auto,
+            _ => ShardGroup::World,
+        }),
         cross_node_reduce_dtype: a.cross_node_reduce_dtype,
         reshard_after_forward: a.reshard_after_forward,
+        profile: a.profile.clone(),
+        allow_lossy_comm: a.allow_lossy_comm,
         ..TrainConfig::default()
     }))
 }
@@ -1359,8 +1394,9 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
-        (!a.shard_group.is_world(), "--shard-group"),
+        (!cfg.shard_group.is_world(), "--shard-group"),
         (!a.reshard_after_forward.is_world(), "--reshard-after-forward"),
+        (cfg.profile.is_some(), "--profile"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
         eprintln!("error: {flag} is not supported with --device sim");

@@ -81,10 +81,15 @@ impl Job {
     /// Splits a rank's plan into what the loop needs and the data its ranks read (the
     /// training set behind the job's distributed sampler).
     pub fn from_plan(
-        cfg: TrainConfig,
+        mut cfg: TrainConfig,
         opts: RunOptions,
         plan: JobPlan,
     ) -> Result<(Job, Arc<RankData>)> {
+        // What `--stage auto --profile` chose stands in the configuration from here on
+        // (checkpoints record it).
+        cfg.shard_group = plan.engine.shard_group;
+        cfg.gather_dtype = plan.engine.precision.gather_quant.map(|q| q.dtype);
+        cfg.cross_node_reduce_dtype = plan.engine.cross_node_reduce.map(|q| q.dtype);
         let JobPlan {
             train,
             test,
@@ -355,18 +360,27 @@ impl Progress {
 }
 
 /// `--log-json`: one JSON object per step, appended.
-struct StepLog(Option<std::io::BufWriter<std::fs::File>>);
+/// The `--log-json` file, and this process's hybrid transport counts (HYB-4) at the last
+/// line, so that each line carries what was sent inside and across nodes since.
+struct StepLog(Option<std::io::BufWriter<std::fs::File>>, (u64, u64));
 
 impl StepLog {
     fn open(path: Option<&Path>) -> Result<Self> {
-        let Some(p) = path else { return Ok(StepLog(None)) };
+        let sent = shardline_collectives::transport::hybrid::sent_bytes();
+        let Some(p) = path else { return Ok(StepLog(None, sent)) };
         let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
             RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
         })?;
-        Ok(StepLog(Some(std::io::BufWriter::new(f))))
+        Ok(StepLog(Some(std::io::BufWriter::new(f)), sent))
     }
 
-    fn write(&mut self, line: serde_json::Value) -> Result<()> {
+    fn write(&mut self, mut line: serde_json::Value) -> Result<()> {
+        let now = shardline_collectives::transport::hybrid::sent_bytes();
+        if let Some(o) = line.as_object_mut() {
+            o.insert("intra_node_bytes".into(), (now.0 - self.1 .0).into());
+            o.insert("inter_node_bytes".into(), (now.1 - self.1 .1).into());
+        }
+        self.1 = now;
         match self.0.as_mut() {
             Some(w) => writeln!(w, "{line}")
                 .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}"))),

@@ -44,6 +44,8 @@ pub enum ShardGroup {
     Node,
     /// Groups of this many consecutive ranks.
     Ranks(usize),
+    /// Chosen by `--stage auto --profile` before any rank starts (AUTO-3).
+    Auto,
 }
 
 impl ShardGroup {
@@ -65,6 +67,9 @@ impl ShardGroup {
                 "--shard-group {n} does not divide the world of {w} ranks"
             ))),
             ShardGroup::Ranks(n) => Ok(n),
+            ShardGroup::Auto => Err(RuntimeError::config(
+                "--shard-group auto is resolved by --stage auto before the ranks start",
+            )),
             ShardGroup::Node => {
                 let per = topology.local_world(0);
                 let consecutive = (0..topology.nodes())
@@ -100,10 +105,11 @@ impl FromStr for ShardGroup {
         match s {
             "world" => Ok(ShardGroup::World),
             "node" => Ok(ShardGroup::Node),
+            "auto" => Ok(ShardGroup::Auto),
             n => match n.parse::<usize>() {
                 Ok(0) => Err("a group needs at least one rank".into()),
                 Ok(n) => Ok(ShardGroup::Ranks(n)),
-                Err(_) => Err(format!("'{s}' is not a number of ranks, node or world")),
+                Err(_) => Err(format!("'{s}' is not a number of ranks, node, world or auto")),
             },
         }
     }
@@ -114,6 +120,7 @@ impl fmt::Display for ShardGroup {
         match self {
             ShardGroup::World => f.write_str("world"),
             ShardGroup::Node => f.write_str("node"),
+            ShardGroup::Auto => f.write_str("auto"),
             ShardGroup::Ranks(n) => write!(f, "{n}"),
         }
     }

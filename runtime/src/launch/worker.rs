@@ -26,6 +26,8 @@ pub fn run_worker(mut cfg: TrainConfig, opts: RunOptions, env: &WorkerEnv) -> Re
         tracing::info!("world {} from the launch environment (not {})", env.world, cfg.world);
         cfg.world = env.world;
     }
+    // Where `--stage auto --profile` places the shard groups.
+    cfg.ranks_per_node = Some(env.local_world);
     let plan = train::plan(&cfg)?;
     run_worker_planned(cfg, opts, env, plan)
 }
