@@ -639,6 +639,14 @@ fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
 /// and is smaller than it (`node` is checked against the topology where a rank learns it),
 /// and f32 gathers; the other stages ignore it.
 fn validate_reshard(cfg: &TrainConfig) -> Result<()> {
+    // The profile's choice prices no secondary shards and may pick 8-bit gathers.
+    if !cfg.reshard_after_forward.is_world() && cfg.profile.is_some() {
+        return Err(RuntimeError::config(format!(
+            "--reshard-after-forward {} is not among --stage auto --profile's candidates: \
+             choose the stage and the group yourself to use it",
+            cfg.reshard_after_forward
+        )));
+    }
     if cfg.reshard_after_forward.is_world()
         || !matches!(cfg.stage, StageChoice::Fixed(Stage::Zero3))
     {

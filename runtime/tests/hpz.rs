@@ -218,4 +218,10 @@ fn bad_values_exit_2_naming_the_flag_hpz_1() {
         assert!(out.stderr.contains(says), "{extra:?}: {}", out.stderr);
         assert!(!out.stderr.contains("panicked"), "{extra:?}: {}", out.stderr);
     }
+    // `--stage auto --profile` prices no secondary shards: refused, not silently ignored.
+    let profile = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/two-links-profile.json");
+    let args = ["train", "--steps", "1", "--world", "4", "--batch-size", "8", "--stage", "auto"];
+    let out = shardline(&[&args[..], &["--profile", profile, flag, "2"]].concat());
+    assert_eq!(out.code, Some(2), "{}", out.stderr);
+    assert!(out.stderr.contains("not among --stage auto --profile's candidates"), "{}", out.stderr);
 }
