@@ -98,6 +98,13 @@ pub struct StepRow {
     pub reduce_s: f64,
     /// Time the rank waited for communication.
     pub exposed_s: f64,
+    /// The compute of the calls by what it is (products, elementwise, allocations).
+    pub compute_parts: cost::Parts,
+    /// The optimizer updates' compute.
+    pub update_s: f64,
+    /// The fraction of the products' flops priced at their own shape and form (PLAN-12);
+    /// the rest at the square probes' rate.
+    pub products_probed: f64,
     /// Samples per second of the whole job.
     pub samples_per_s: f64,
     /// Tokens per second (`gpt`).
@@ -144,6 +151,10 @@ pub struct Prediction {
     pub timeline: Vec<crate::telemetry::Event>,
     /// Why there is no step prediction.
     pub no_step: Option<String>,
+    /// The distinct matrix products of one microbatch (PROD-1), for
+    /// `shardline-bench machine-profile --products` to probe; empty when counted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub products: Vec<shardline_models::nn::products::Product>,
 }
 
 impl Prediction {
@@ -195,6 +206,7 @@ pub fn predict_from(
         activations: act_model::gpt_activations(g, microbatch, engine.recompute),
         scratch: 0,
         traffic: act_model::gpt_traffic(g, microbatch),
+        work: vec![],
     };
     let (once, activations_from) = match (source, &job.gpt) {
         (ActivationSource::Counted, None) => {
@@ -212,13 +224,16 @@ pub fn predict_from(
     // Compute and communication costs, when the profile and the model allow.
     let (costs, comm, no_step) = match profile {
         None => (None, None, Some("no --profile given".to_string())),
-        Some(p) => match costs_of(cfg, job, (&layout, &calls, &once.traffic), at, p)? {
+        Some(p) => match costs_of(cfg, job, (&layout, &calls, &once), at, p)? {
             Ok((c, m)) => (Some(c), Some(m), None),
             Err(why) => (None, None, Some(why)),
         },
     };
-    let zero =
-        CallCosts { calls: vec![cost::CallCost::default(); calls.len()], update_s: vec![0.0; n] };
+    let zero = CallCosts {
+        calls: vec![cost::CallCost::default(); calls.len()],
+        update_s: vec![0.0; n],
+        flops: (0.0, 0.0),
+    };
     let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], loss_s: 0.0 };
     let mut rank = SimRank::new(
         &layout,
@@ -262,6 +277,15 @@ pub fn predict_from(
             gather_s: s.gather_s,
             reduce_s: s.reduce_s,
             exposed_s: s.exposed_s,
+            compute_parts: s.parts,
+            update_s: s.update_s,
+            products_probed: costs.as_ref().map_or(0.0, |c| {
+                if c.flops.0 > 0.0 {
+                    c.flops.1 / c.flops.0
+                } else {
+                    0.0
+                }
+            }),
             samples_per_s: samples,
             tokens_per_s: job.gpt.as_ref().map(|g| samples * g.block_size as f64),
         }
@@ -284,7 +308,23 @@ pub fn predict_from(
         step,
         no_step,
         timeline,
+        products: distinct_products(&once),
     })
+}
+
+/// The distinct products of every call's forward, backward and input gradient.
+fn distinct_products(
+    once: &crate::activations::MicrobatchMemory,
+) -> Vec<shardline_models::nn::products::Product> {
+    let mut v: Vec<_> = once
+        .work
+        .iter()
+        .flat_map(|w| [&w.forward, &w.backward, &w.input_grad])
+        .flat_map(|m| m.products.iter().copied())
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// The step's compute and collective costs on `p`; the reason when the job has what is not
@@ -292,7 +332,7 @@ pub fn predict_from(
 fn costs_of(
     cfg: &TrainConfig,
     job: &JobPlan,
-    (layout, calls, traffic): (&ShardedModelLayout, &[usize], &[(u64, u64)]),
+    (layout, calls, once): (&ShardedModelLayout, &[usize], &crate::activations::MicrobatchMemory),
     at: &Placement,
     p: &Profile,
 ) -> Result<std::result::Result<(CallCosts, CommCosts), String>> {
@@ -320,7 +360,7 @@ fn costs_of(
         gpt,
         rows,
         (&stepped, &engine.optimizer),
-        Some(traffic),
+        Some(once),
         p,
         share,
     ) {
@@ -393,6 +433,13 @@ impl Prediction {
                 v.push("  step (simulated, steady state):".into());
                 v.push(format!("    {:<16} {:>12}", "step", ms(s.step_s)));
                 v.push(format!("    {:<16} {:>12}", "compute", ms(s.compute_s)));
+                let p = &s.compute_parts;
+                let probed =
+                    format!("  ({:.0}% of flops at their own shape)", s.products_probed * 1e2);
+                v.push(format!("      {:<14} {:>12}{probed}", "products", ms(p.products_s)));
+                v.push(format!("      {:<14} {:>12}", "elementwise", ms(p.elementwise_s)));
+                v.push(format!("      {:<14} {:>12}", "allocations", ms(p.alloc_s)));
+                v.push(format!("      {:<14} {:>12}", "updates", ms(s.update_s)));
                 v.push(format!("    {:<16} {:>12}", "gather lane", ms(s.gather_s)));
                 v.push(format!("    {:<16} {:>12}", "reduce lane", ms(s.reduce_s)));
                 v.push(format!("    {:<16} {:>12}", "exposed comm", ms(s.exposed_s)));
