@@ -43,6 +43,10 @@ pub struct Args {
     /// probes.
     #[arg(long, value_delimiter = ',')]
     pub products: Vec<PathBuf>,
+    /// Bytes of operand copies each probed product rotates over (at least the last-level
+    /// cache's size: operands come from memory, as in a step); 0: one copy, hot in cache.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub products_cold_bytes: u64,
     /// Sizes of fresh allocations to probe, bytes (each allocated, touched and freed, up to
     /// 32 MiB of them held at once).
     #[arg(
@@ -121,7 +125,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     wanted.dedup();
     let mut products = Vec::new();
     for p in wanted {
-        let gflops = product_best_gflops(p, a.reps);
+        let gflops = product_best_gflops(p, a.reps, a.products_cold_bytes);
         println!("product {}x{}x{} {:?}: {gflops:.2} GFLOP/s", p.m, p.n, p.k, p.form);
         products.push(ProductRow { product: p, gflops });
     }
@@ -171,40 +175,36 @@ struct PlanProducts {
     products: Vec<Product>,
 }
 
-/// Best rate of `p` alone on this thread through `nn::Gemm` (the layers' entry point), on
-/// operands laid out as its form says, GFLOP/s: each pass repeats it for at least a
-/// millisecond.
-fn product_best_gflops(p: Product, reps: usize) -> f64 {
+/// Best rate of `p` on this thread through `nn::Gemm` (the layers' entry point), on operands
+/// laid out as its form says, GFLOP/s. The operands rotate over copies of `cold_bytes` in
+/// all, so that each product finds its operands outside the caches, as a step's products
+/// find the activations that other kernels wrote since (0: one copy, kept hot). Each pass
+/// runs at least every copy once and a millisecond.
+fn product_best_gflops(p: Product, reps: usize, cold_bytes: u64) -> f64 {
     use shardline_models::nn::gemm::{Gemm, View};
     use shardline_models::GemmShape;
     let Product { m, n, k, form, accumulate } = p;
     if m * n * k == 0 {
         return 0.0;
     }
-    let a: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
-    let b: Vec<f32> = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
-    let mut c = vec![0.0f32; m * n];
-    let once = |c: &mut [f32]| match form {
+    let set_bytes = ((m * k + k * n + m * n) * 4) as u64;
+    let copies = (cold_bytes / set_bytes).clamp(1, 4096) as usize;
+    let mut sets: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..copies)
+        .map(|s| {
+            let a = (0..m * k).map(|i| ((i % 13 + s) as f32 - 6.0) * 0.01).collect();
+            let b = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+            (a, b, vec![0.0f32; m * n])
+        })
+        .collect();
+    let once = |(a, b, c): &mut (Vec<f32>, Vec<f32>, Vec<f32>)| match form {
         Form::View => {
             let rows = View::rows;
-            f32::gemm_view(
-                (m, n, k),
-                (&a, rows(0, k)),
-                (&b, rows(0, n)),
-                (c, rows(0, n)),
-                accumulate,
-            )
+            f32::gemm_view((m, n, k), (a, rows(0, k)), (b, rows(0, n)), (c, rows(0, n)), accumulate)
         }
         Form::ViewT => {
             // `b` stored as the rows of its transpose, `n x k` (attention's keys).
-            let bt = View::rows(0, k).t();
-            f32::gemm_view(
-                (m, n, k),
-                (&a, View::rows(0, k)),
-                (&b, bt),
-                (c, View::rows(0, n)),
-                accumulate,
-            )
+            let (rows, bt) = (View::rows, View::rows(0, k).t());
+            f32::gemm_view((m, n, k), (a, rows(0, k)), (b, bt), (c, rows(0, n)), accumulate)
         }
         _ => {
             let (trans_a, trans_b) = match form {
@@ -213,20 +213,20 @@ fn product_best_gflops(p: Product, reps: usize) -> f64 {
                 Form::Tt => (true, true),
                 _ => (false, false),
             };
-            f32::gemm(GemmShape { m, n, k, trans_a, trans_b }, &a, &b, c, accumulate)
+            f32::gemm(GemmShape { m, n, k, trans_a, trans_b }, a, b, c, accumulate)
         }
     };
-    once(&mut c);
+    sets.iter_mut().for_each(once);
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
-        let (t0, mut calls) = (Instant::now(), 0u32);
-        while calls == 0 || t0.elapsed().as_secs_f64() < 1e-3 {
-            once(&mut c);
+        let (t0, mut calls) = (Instant::now(), 0usize);
+        while calls < copies || t0.elapsed().as_secs_f64() < 1e-3 {
+            once(&mut sets[calls % copies]);
             calls += 1;
         }
         best = best.min(t0.elapsed().as_secs_f64() / calls as f64);
-        std::hint::black_box(&c);
     }
+    std::hint::black_box(&sets);
     p.flops() / best.max(1e-12) / 1e9
 }
 
