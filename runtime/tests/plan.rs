@@ -205,7 +205,7 @@ fn plan_json_gives_memory_and_the_step_plan_4() {
     assert!(step["tokens_per_s"].as_f64().unwrap() > 0.0);
     // The compute's parts add up to it (PLAN-13), and the products to probe are listed.
     let parts = &step["compute_parts"];
-    let sum: f64 = ["products_s", "elementwise_s", "alloc_s"]
+    let sum: f64 = ["products_s", "elementwise_s", "alloc_s", "lanes_s"]
         .iter()
         .map(|k| parts[k].as_f64().unwrap())
         .sum::<f64>()

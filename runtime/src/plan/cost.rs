@@ -22,6 +22,10 @@
 //!   computes no input gradient.
 //! - PLAN-7: a call's elementwise charge is its tensor traffic less its matrix products'
 //!   outputs, twice over the memory bandwidth, never negative.
+//! - PLAN-14: the lanes' CPU time ([`lanes_extra_s`]) is zero while the node's idle cores
+//!   absorb the lanes' busy time over the compute, never negative, grows with the lanes'
+//!   time, and with every core computing adds each rank's share of all its node's lanes'
+//!   time: ranks x lanes over the cores computing.
 //! - PLAN-13: with the calls' recorded work, a call's products cost the sum of each
 //!   product's own time (PLAN-12) and its allocations the sum of each tensor's; a piece's
 //!   total is the sum of its parts.
@@ -45,12 +49,15 @@ pub struct Parts {
     pub elementwise_s: f64,
     /// Fresh allocations (PLAN-12).
     pub alloc_s: f64,
+    /// The lanes' copies and reductions on the same cores, charged to this compute
+    /// (PLAN-14).
+    pub lanes_s: f64,
 }
 
 impl Parts {
     /// All of it (PLAN-13).
     pub fn total(&self) -> f64 {
-        self.products_s + self.elementwise_s + self.alloc_s
+        self.products_s + self.elementwise_s + self.alloc_s + self.lanes_s
     }
 
     /// Each part plus `other`'s.
@@ -58,15 +65,43 @@ impl Parts {
         self.products_s += other.products_s;
         self.elementwise_s += other.elementwise_s;
         self.alloc_s += other.alloc_s;
+        self.lanes_s += other.lanes_s;
     }
 
-    /// Each part times `f`.
-    pub fn scaled(&self, f: f64) -> Parts {
-        Parts {
-            products_s: self.products_s * f,
-            elementwise_s: self.elementwise_s * f,
-            alloc_s: self.alloc_s * f,
-        }
+    /// These parts with the lanes' CPU time added at `f - 1` times their total (PLAN-14).
+    pub fn stretched(&self, f: f64) -> Parts {
+        Parts { lanes_s: self.lanes_s + self.total() * (f - 1.0), ..*self }
+    }
+}
+
+/// The extra compute time of each rank when its node's lanes copy and reduce on the cores
+/// its ranks compute on (PLAN-14): every lane's busy time, `lanes_s` per rank and step, is
+/// taken as CPU time (a CPU transport's ops copy and reduce on a lane thread); the cores no
+/// rank computes on absorb up to their idle time over the step's compute, `compute_s`, and
+/// the rest is taken from the ranks' compute, spread over the cores computing.
+pub fn lanes_extra_s(cores: usize, share: Share, compute_s: f64, lanes_s: f64) -> f64 {
+    let computing = (share.ranks_per_node * share.threads).max(1) as f64;
+    let cores = cores.max(1) as f64;
+    let idle = (cores - computing).max(0.0);
+    let stolen = (share.ranks_per_node as f64 * lanes_s - idle * compute_s).max(0.0);
+    stolen / computing.min(cores)
+}
+
+impl CallCosts {
+    /// These costs with the lanes' CPU time charged to the calls' compute at `f - 1` times
+    /// each piece (PLAN-14); the updates, which run when the lanes have no reduction left,
+    /// as they were.
+    pub fn stretched(&self, f: f64) -> CallCosts {
+        let calls = self
+            .calls
+            .iter()
+            .map(|c| CallCost {
+                forward: c.forward.stretched(f),
+                grads: c.grads.stretched(f),
+                input_grad: c.input_grad.stretched(f),
+            })
+            .collect();
+        CallCosts { calls, ..self.clone() }
     }
 }
 
@@ -402,5 +437,24 @@ mod tests {
         assert_eq!(c.calls[0].forward_s(), f.products_s + f.elementwise_s + f.alloc_s);
         assert_eq!(c.calls[1].forward_s(), 0.0, "recorded nothing: costs nothing");
         assert_eq!(c.flops, (fwd.flops() + dw.flops(), fwd.flops()));
+    }
+
+    /// PLAN-14: idle cores absorb the lanes; with every core computing each rank pays its
+    /// node's lanes over the cores; more lanes' time costs more; stretched costs keep their
+    /// other parts and add the rest as the lanes' part.
+    #[test]
+    fn lanes_take_cpu_from_compute_when_cores_are_busy_plan_14() {
+        let share = |ranks| Share { ranks_per_node: ranks, threads: 1 };
+        assert_eq!(lanes_extra_s(4, share(2), 10.0, 3.0), 0.0, "2 idle cores absorb 2 x 3");
+        assert_eq!(lanes_extra_s(4, share(1), 1.0, 0.0), 0.0);
+        assert_eq!(lanes_extra_s(2, share(2), 10.0, 3.0), 3.0, "2 ranks x 3 over 2 cores");
+        assert_eq!(lanes_extra_s(2, share(4), 10.0, 3.0), 6.0, "4 ranks x 3 over 2 cores");
+        assert_eq!(lanes_extra_s(3, share(2), 1.0, 3.0), 2.5, "(2 x 3 - 1) over 2 cores");
+        assert!(lanes_extra_s(2, share(2), 10.0, 4.0) > lanes_extra_s(2, share(2), 10.0, 3.0));
+        let p = Parts { products_s: 2.0, elementwise_s: 1.0, alloc_s: 1.0, lanes_s: 0.0 };
+        let s = p.stretched(1.5);
+        assert_eq!((s.products_s, s.elementwise_s, s.alloc_s), (2.0, 1.0, 1.0));
+        assert_eq!(s.lanes_s, 2.0);
+        assert_eq!(s.total(), 6.0);
     }
 }

@@ -12,15 +12,18 @@
 //!
 //! What is modelled: parameters, gradients (kept and transient), optimizer state, gathered
 //! units (the prefetch plan and its budget, the gather carried into the next step),
-//! activations and scratch; compute as matrix products at the profiled GEMM rate, `gpt`'s
-//! GELU at its profiled time per element and updates at the memory bandwidth, ranks of a
-//! node sharing its cores; each collective at its
+//! activations and scratch; compute as matrix products (each at its own probed shape and
+//! form where the profile has it, PLAN-12, else the square probes' rate), elementwise work
+//! as memory traffic (PLAN-7), fresh tensors at the profiled allocation cost, `gpt`'s GELU
+//! at its profiled time per element and updates at the memory bandwidth, ranks of a node
+//! sharing its cores; each collective at its
 //! profiled time on its lane, one op at a time, overlapped with compute as the walk orders
-//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`). What is not:
-//! elementwise compute other than gpt's GELU (norms, softmaxes, the loss), convolutions (no
-//! step time for conv models), SyncBatchNorm's statistics messages, the lanes' staging
-//! buffers, bf16 and quantized gathers, contention between a rank's lanes and its compute
-//! for the same cores, and ranks that differ.
+//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`); on a measured
+//! (CPU) profile, the lanes' busy time as CPU time taken from the ranks' compute where no
+//! idle core absorbs it (PLAN-14). What is not: convolutions (no step time for conv
+//! models), SyncBatchNorm's statistics messages, the lanes' staging buffers, bf16 and
+//! quantized gathers, the lanes' own slowdown while the ranks compute (a collective costs
+//! its time measured alone), and ranks that differ.
 //!
 //! Invariant:
 //! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
@@ -222,7 +225,7 @@ pub fn predict_from(
         _ => (crate::activations::activation_peaks(&*job.model, &job.train, cfg)?, "probe"),
     };
     // Compute and communication costs, when the profile and the model allow.
-    let (costs, comm, no_step) = match profile {
+    let (mut costs, comm, no_step) = match profile {
         None => (None, None, Some("no --profile given".to_string())),
         Some(p) => match costs_of(cfg, job, (&layout, &calls, &once), at, p)? {
             Ok((c, m)) => (Some(c), Some(m), None),
@@ -235,25 +238,37 @@ pub fn predict_from(
         flops: (0.0, 0.0),
     };
     let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], loss_s: 0.0 };
-    let mut rank = SimRank::new(
-        &layout,
-        &calls,
-        engine,
-        costs.as_ref().unwrap_or(&zero),
-        comm.as_ref().unwrap_or(&free),
-    );
+    let comm_or_free = comm.as_ref().unwrap_or(&free);
     // The first step starts without a carried gather (ENG-6); the third is steady.
-    let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
-    let t2 = rank.now();
-    steps.push(rank.step());
-    let timeline = rank.timeline_since(t2);
+    let run = |costs: &CallCosts| {
+        let mut rank = SimRank::new(&layout, &calls, engine, costs, comm_or_free);
+        let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
+        let t2 = rank.now();
+        steps.push(rank.step());
+        (steps, rank.timeline_since(t2), rank.memory().clone())
+    };
+    let (mut steps, mut timeline, mut floor) = run(costs.as_ref().unwrap_or(&zero));
+    // PLAN-14: a CPU profile's lanes copy and reduce on the cores the ranks compute on; the
+    // steady step's lanes' time, less what idle cores absorb, is charged to the compute and
+    // the step simulated again (the lanes' time does not depend on the compute).
+    let cpu_lanes = profile.filter(|p| p.published.is_none());
+    if let (Some(p), Some(c)) = (cpu_lanes, costs.as_mut()) {
+        let s = steps[2];
+        let share = Share { ranks_per_node: at.ranks_per_node, threads: cfg.threads };
+        let calls_s = s.compute_s - s.update_s;
+        let extra = cost::lanes_extra_s(p.cores, share, s.compute_s, s.gather_s + s.reduce_s);
+        if extra > 0.0 && calls_s > 0.0 {
+            *c = c.stretched(1.0 + extra / calls_s);
+            (steps, timeline, floor) = run(c);
+        }
+    }
     // Memory: the same steps with every reduction late (PLAN-6).
     let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
     for _ in 0..3 {
         late.step();
     }
     let (act, scratch) = (once.activations, once.scratch);
-    let (mem, floor) = (late.memory(), rank.memory());
+    let mem = late.memory();
     let mut memory: Vec<MemoryRow> = [
         Category::FullParams,
         Category::ShardParams,
@@ -439,6 +454,7 @@ impl Prediction {
                 v.push(format!("      {:<14} {:>12}{probed}", "products", ms(p.products_s)));
                 v.push(format!("      {:<14} {:>12}", "elementwise", ms(p.elementwise_s)));
                 v.push(format!("      {:<14} {:>12}", "allocations", ms(p.alloc_s)));
+                v.push(format!("      {:<14} {:>12}", "lanes' CPU", ms(p.lanes_s)));
                 v.push(format!("      {:<14} {:>12}", "updates", ms(s.update_s)));
                 v.push(format!("    {:<16} {:>12}", "gather lane", ms(s.gather_s)));
                 v.push(format!("    {:<16} {:>12}", "reduce lane", ms(s.reduce_s)));

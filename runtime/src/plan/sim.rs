@@ -450,6 +450,7 @@ impl<'a> SimRank<'a> {
                 products_s: self.parts.products_s - parts.products_s,
                 elementwise_s: self.parts.elementwise_s - parts.elementwise_s,
                 alloc_s: self.parts.alloc_s - parts.alloc_s,
+                lanes_s: self.parts.lanes_s - parts.lanes_s,
             },
             update_s: self.updates - updates,
         }
