@@ -25,7 +25,10 @@
 //! quantized gathers, the lanes' own slowdown while the ranks compute (a collective costs
 //! its time measured alone), and ranks that differ.
 //!
-//! Invariant:
+//! Invariants:
+//! - PLAN-15: a prediction with a one-microbatch run reused from [`Probes`] equals the one
+//!   that makes its own run; configurations of one world, microbatch and recompute choice
+//!   share one run.
 //! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
 //!   and the gradients at stages 0 and 1, are the peaks the engine's tracker measures for
 //!   the same job (the pool's buffers by its own rules, POOL-1..3); the gradients in flight
@@ -197,6 +200,32 @@ pub fn predict_from(
     profile: Option<&Profile>,
     source: ActivationSource,
 ) -> Result<Prediction> {
+    predict_probed(cfg, job, at, profile, source, &mut Probes::default())
+}
+
+/// One-microbatch runs already made (ACTEST-1), by what decides them: the world (the model
+/// a world builds), the microbatch and the recompute choice. A search predicts many
+/// configurations that differ only in what the run does not see (stage, prefetch), and
+/// runs each once (PLAN-15).
+#[derive(Default)]
+pub struct Probes {
+    runs: std::collections::HashMap<
+        (usize, usize, &'static str),
+        crate::activations::MicrobatchMemory,
+    >,
+    /// Runs made, the rest were reused.
+    pub made: usize,
+}
+
+/// [`predict_from`] reusing the one-microbatch runs in `probes`, and keeping those it makes.
+pub fn predict_probed(
+    cfg: &TrainConfig,
+    job: &JobPlan,
+    at: &Placement,
+    profile: Option<&Profile>,
+    source: ActivationSource,
+    probes: &mut Probes,
+) -> Result<Prediction> {
     let spec = job.model.spec();
     let layout = ShardedModelLayout::new(&spec, cfg.world)?;
     let calls = job.model.calls();
@@ -222,7 +251,18 @@ pub fn predict_from(
         {
             (counted(g), "counted")
         }
-        _ => (crate::activations::activation_peaks(&*job.model, &job.train, cfg)?, "probe"),
+        _ => {
+            let key = (cfg.world, microbatch, engine.recompute.name());
+            let once = match probes.runs.get(&key) {
+                Some(once) => once.clone(),
+                None => {
+                    let once = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
+                    probes.made += 1;
+                    probes.runs.entry(key).or_insert(once).clone()
+                }
+            };
+            (once, "probe")
+        }
     };
     // Compute and communication costs, when the profile and the model allow.
     let (mut costs, comm, no_step) = match profile {
@@ -474,4 +514,65 @@ impl Prediction {
 /// A usage error naming its flag.
 pub fn flag_error(flag: &str, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::config(format!("{flag}: {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::Recompute;
+    use crate::shard::Stage;
+    use crate::train::StageChoice;
+    use profile::GemmRow;
+
+    /// PLAN-15: a reused run predicts what a fresh one does; stages of one world share a
+    /// run, another recompute choice makes its own.
+    #[test]
+    fn reused_runs_predict_what_fresh_ones_do_plan_15() {
+        let p = Profile {
+            note: String::new(),
+            cores: 1,
+            memory_gbps: 10.0,
+            gemm: vec![GemmRow { m: 64, n: 64, k: 64, gflops: 1.0, source: None }],
+            gemm_shared: vec![],
+            gelu_ns: 1.0,
+            products: vec![],
+            alloc: vec![],
+            collectives: vec![],
+            published: None,
+            transports_default: None,
+            device_memory: None,
+            gemm_by: Default::default(),
+            sources: vec![],
+        };
+        let at = Placement { nodes: 1, ranks_per_node: 1, transport: "local".into() };
+        let cfg = |stage, recompute| TrainConfig {
+            model: "gpt".into(),
+            dataset: "text".into(),
+            world: 1,
+            batch_size: 2,
+            n_layer: Some(2),
+            n_head: Some(2),
+            n_embd: Some(16),
+            block_size: Some(8),
+            stage: StageChoice::Fixed(stage),
+            recompute,
+            ..TrainConfig::default()
+        };
+        let mut probes = Probes::default();
+        let source = ActivationSource::Probe;
+        for (stage, recompute) in [
+            (Stage::Zero0, Recompute::None),
+            (Stage::Zero1, Recompute::None),
+            (Stage::Zero0, Recompute::Units),
+        ] {
+            let c = cfg(stage, recompute);
+            let job = crate::train::plan(&c).unwrap();
+            let reused = predict_probed(&c, &job, &at, Some(&p), source, &mut probes).unwrap();
+            let fresh = predict_from(&c, &job, &at, Some(&p), source).unwrap();
+            let json = |p: &Prediction| serde_json::to_value(p).unwrap();
+            assert_eq!(json(&reused), json(&fresh), "{stage:?} {recompute:?}");
+            assert!(reused.step.is_some());
+        }
+        assert_eq!(probes.made, 2, "stages 0 and 1 share a run; units makes its own");
+    }
 }
