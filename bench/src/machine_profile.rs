@@ -99,6 +99,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }));
     }
     anyhow::ensure!(!collectives.is_empty(), "no usable collectives rows in --collectives");
+    let mut wanted: Vec<Product> = Vec::new();
+    for path in &a.products {
+        let usage =
+            |what: String| crate::report::Usage(format!("--products {}: {what}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| usage(e.to_string()))?;
+        let plan: PlanProducts = serde_json::from_str(&text)
+            .map_err(|e| usage(format!("not a `shardline plan --json` file: {e}")))?;
+        wanted.extend(plan.products);
+    }
+    wanted.sort();
+    wanted.dedup();
+    for &bytes in &a.alloc {
+        let ok = bytes >= 4;
+        crate::report::check_flags(ok, || format!("--alloc {bytes}: sizes are bytes, at least 4"))?;
+    }
     let be = Cpu::new();
     let mut gemm = Vec::new();
     for &s in &a.gemm {
@@ -114,17 +129,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("gemm {0}x{0}x{0} on {t} threads at once: {g:.2} GFLOP/s each", a.shared_size);
         gemm_shared.push(SharedGemm { threads: t, size: a.shared_size, gflops_per_thread: g });
     }
-    let mut wanted: Vec<Product> = Vec::new();
-    for path in &a.products {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let plan: PlanProducts = serde_json::from_str(&text).with_context(|| {
-            format!("--products {}: not a `shardline plan --json` file", path.display())
-        })?;
-        wanted.extend(plan.products);
-    }
-    wanted.sort();
-    wanted.dedup();
     let mut products = Vec::new();
     for p in wanted {
         let gflops = product_best_gflops(p, a.reps, a.products_cold_bytes);
@@ -133,7 +137,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut alloc = Vec::new();
     for &bytes in &a.alloc {
-        anyhow::ensure!(bytes >= 4, "--alloc: sizes are bytes, at least 4");
         let ns_per_byte = alloc_best_ns_per_byte(bytes, a.reps.max(5));
         println!("fresh allocation of {bytes} B: {ns_per_byte:.4} ns per byte beyond its write");
         alloc.push(AllocRow { bytes, ns_per_byte });
@@ -173,6 +176,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// The part of a `shardline plan --json` file the product probe reads.
 #[derive(Deserialize)]
 struct PlanProducts {
+    /// Required, so that another JSON file is refused rather than read as no products.
+    #[serde(rename = "model")]
+    _model: String,
     #[serde(default)]
     products: Vec<Product>,
 }
