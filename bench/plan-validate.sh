@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `shardline plan` against `shardline train` on this machine (bench/RESULTS.md, "shardline
 # plan: predicted against measured"). First the machine profile, from microbenchmarks only
-# (collectives on the local transport at worlds 2-4, then machine-profile's GEMM probe and
-# memory bandwidth); then per job: the prediction (plan --json), then the run with the same
+# (collectives on the local transport at worlds 2-4, then machine-profile's GEMM probes, the
+# jobs' own matrix products from `plan --json`'s `products` and fresh allocations, memory
+# bandwidth); then per job: the prediction (plan --json), then the run with the same
 # flags (train --log-json), ROUNDS times, the jobs alternating within a round. Step time: the
 # prediction's steady step against the median over rounds of each round's median step from
 # step 3 on (rank 0's log: the slowest rank of the process), and the fastest such step. Memory: rank 0's peak and its state categories against the
@@ -11,6 +12,7 @@
 #   cargo build --release -p shardline-runtime -p shardline-bench --bins
 #   ROUNDS=2 STEPS=12 bench/plan-validate.sh          # table on stdout, JSON in $OUT
 #   PROFILE=profile.json bench/plan-validate.sh   # an existing profile instead
+#   ONLY=gpt-w1-s0,mlp-w2-s3 bench/plan-validate.sh  # a subset of the jobs below
 set -euo pipefail
 BIN=${BIN:-target/release/shardline}
 BENCH=${BENCH:-target/release/shardline-bench}
@@ -18,14 +20,6 @@ STEPS=${STEPS:-12}
 ROUNDS=${ROUNDS:-2}
 OUT=${OUT:-out/plan-validate}
 mkdir -p "$OUT"
-if [ -z "${PROFILE:-}" ]; then
-    PROFILE=$OUT/profile.json
-    "$BENCH" collectives --transport local --world 2,3,4 --op all-reduce,reduce-scatter \
-        --min-bytes 4K --max-bytes 8M --iters 40 --no-limits --json "$OUT/coll.json" > /dev/null
-    "$BENCH" collectives --transport local --world 2,3,4 --op all-gather --in-place \
-        --min-bytes 4K --max-bytes 8M --iters 40 --no-limits --json "$OUT/ag.json" > /dev/null
-    "$BENCH" machine-profile --collectives "$OUT/coll.json,$OUT/ag.json" --out "$PROFILE"
-fi
 GPT="--model gpt --n-layer 4 --n-head 4 --n-embd 128 --block-size 64 --batch-size 16 --optimizer adamw"
 MLP="--model mlp-bn --dataset synthetic --hidden 1024 --depth 4 --input-dim 784 --batch-size 256 --sync-bn off"
 # name | model flags | job flags (the same for plan and train)
@@ -43,6 +37,32 @@ JOBS=(
     "mlp-w2-s3|$MLP|--world 2 --stage 3"
     "mlp-w4-s3|$MLP|--world 4 --stage 3"
 )
+if [ -n "${ONLY:-}" ]; then
+    picked=()
+    for job in "${JOBS[@]}"; do
+        case ",$ONLY," in *",${job%%|*},"*) picked+=("$job") ;; esac
+    done
+    [ ${#picked[@]} -gt 0 ] || { echo "ONLY=$ONLY names no job" >&2; exit 2; }
+    JOBS=("${picked[@]}")
+fi
+if [ -z "${PROFILE:-}" ]; then
+    PROFILE=$OUT/profile.json
+    "$BENCH" collectives --transport local --world 2,3,4 --op all-reduce,reduce-scatter \
+        --min-bytes 4K --max-bytes 8M --iters 40 --no-limits --json "$OUT/coll.json" > /dev/null
+    "$BENCH" collectives --transport local --world 2,3,4 --op all-gather --in-place \
+        --min-bytes 4K --max-bytes 8M --iters 40 --no-limits --json "$OUT/ag.json" > /dev/null
+    # The jobs' products, from a plan without a profile (shapes only).
+    shapes=()
+    for job in "${JOBS[@]}"; do
+        IFS='|' read -r name model flags <<< "$job"
+        # shellcheck disable=SC2086
+        "$BIN" plan $model $flags --json > "$OUT/$name.shapes.json"
+        shapes+=("$OUT/$name.shapes.json")
+    done
+    "$BENCH" machine-profile --collectives "$OUT/coll.json,$OUT/ag.json" \
+        --products "$(IFS=,; echo "${shapes[*]}")" --out "$PROFILE"
+fi
+uptime > "$OUT/load.txt"
 rm -f "$OUT/commands.txt"
 for job in "${JOBS[@]}"; do
     IFS='|' read -r name model flags <<< "$job"
@@ -59,6 +79,8 @@ for r in $(seq 1 "$ROUNDS"); do
             --log-json "$OUT/$name.$r.jsonl" --summary-json "$OUT/$name.$r.summary.json" > /dev/null
     done
 done
+uptime >> "$OUT/load.txt"
+echo "load (after the profile, then after the runs):"; cat "$OUT/load.txt"
 python3 - "$OUT" "$ROUNDS" "${JOBS[@]}" <<'PY'
 import json, statistics, sys
 out, rounds, jobs = sys.argv[1], int(sys.argv[2]), [j.split("|")[0] for j in sys.argv[3:]]

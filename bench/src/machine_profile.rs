@@ -1,14 +1,19 @@
 //! `shardline-bench machine-profile`: the machine profile `shardline plan --profile` reads,
 //! from microbenchmarks only: the rows of one or more `shardline-bench collectives --json`
-//! files, a GEMM probe of the CPU backend on one thread at a few square sizes, the
-//! single-thread memory bandwidth and the exact GELU's kernel per element. Each probe keeps
-//! its best pass: on a machine others share, the best is the machine's, the rest its
-//! neighbours'. Nothing here runs a training step.
+//! files, a GEMM probe of the CPU backend on one thread at a few square sizes, the products
+//! a model makes (their shapes and forms from `shardline plan --json`'s `products`, timed
+//! alone through the layers' entry point `nn::Gemm`), fresh allocations by size (allocate,
+//! touch, free), the single-thread memory bandwidth and the exact GELU's kernel per element.
+//! Each probe keeps its best pass: on a machine others share, the best is the machine's,
+//! the rest its neighbours'. Nothing here runs a training step.
 
 use anyhow::Context;
 use serde::Deserialize;
+use shardline_models::nn::products::{Form, Product};
 use shardline_models::{gemm_gflops, Cpu};
-use shardline_runtime::plan::profile::{CollectiveRow, GemmRow, Profile, SharedGemm};
+use shardline_runtime::plan::profile::{
+    AllocRow, CollectiveRow, GemmRow, ProductRow, Profile, SharedGemm,
+};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -33,6 +38,23 @@ pub struct Args {
     /// Square size of the shared probe's products.
     #[arg(long, default_value_t = 256)]
     pub shared_size: usize,
+    /// `shardline plan --json` files whose `products` (the shapes and forms of one
+    /// microbatch's matrix products) to time, each at its own shape; none: only the square
+    /// probes.
+    #[arg(long, value_delimiter = ',')]
+    pub products: Vec<PathBuf>,
+    /// Bytes of operand copies each probed product rotates over (at least the last-level
+    /// cache's size: operands come from memory, as in a step); 0: one copy, hot in cache.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub products_cold_bytes: u64,
+    /// Sizes of fresh allocations to probe, bytes (each allocated, touched and freed, up to
+    /// 32 MiB of them held at once).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4096,65536,262144,1048576,4194304,16777216"
+    )]
+    pub alloc: Vec<u64>,
     /// Where to write the profile.
     #[arg(long)]
     pub out: PathBuf,
@@ -77,6 +99,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }));
     }
     anyhow::ensure!(!collectives.is_empty(), "no usable collectives rows in --collectives");
+    let mut wanted: Vec<Product> = Vec::new();
+    for path in &a.products {
+        let usage =
+            |what: String| crate::report::Usage(format!("--products {}: {what}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| usage(e.to_string()))?;
+        let plan: PlanProducts = serde_json::from_str(&text)
+            .map_err(|e| usage(format!("not a `shardline plan --json` file: {e}")))?;
+        wanted.extend(plan.products);
+    }
+    wanted.sort();
+    wanted.dedup();
+    for &bytes in &a.alloc {
+        let ok = bytes >= 4;
+        crate::report::check_flags(ok, || format!("--alloc {bytes}: sizes are bytes, at least 4"))?;
+    }
     let be = Cpu::new();
     let mut gemm = Vec::new();
     for &s in &a.gemm {
@@ -86,9 +123,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut gemm_shared = Vec::new();
     for t in 1..=a.shared_threads {
-        let g = shared_gemm(t, a.shared_size);
+        // The best of a few windows, as every probe keeps its best pass: one window can
+        // meet a burst of the machine's other work.
+        let g = (0..a.reps.clamp(1, 3)).map(|_| shared_gemm(t, a.shared_size)).fold(0.0, f64::max);
         println!("gemm {0}x{0}x{0} on {t} threads at once: {g:.2} GFLOP/s each", a.shared_size);
         gemm_shared.push(SharedGemm { threads: t, size: a.shared_size, gflops_per_thread: g });
+    }
+    let mut products = Vec::new();
+    for p in wanted {
+        let gflops = product_best_gflops(p, a.reps, a.products_cold_bytes);
+        println!("product {}x{}x{} {:?}: {gflops:.2} GFLOP/s", p.m, p.n, p.k, p.form);
+        products.push(ProductRow { product: p, gflops });
+    }
+    let mut alloc = Vec::new();
+    for &bytes in &a.alloc {
+        let ns_per_byte = alloc_best_ns_per_byte(bytes, a.reps.max(5));
+        println!("fresh allocation of {bytes} B: {ns_per_byte:.4} ns per byte beyond its write");
+        alloc.push(AllocRow { bytes, ns_per_byte });
     }
     let memory_gbps = memcpy_best_gbps(a.reps.max(5));
     println!("memory: {memory_gbps:.2} GB/s (one thread, read + write, best pass)");
@@ -111,13 +162,108 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         published: None,
         transports_default: None,
         device_memory: None,
-            gemm_by: Default::default(),
+        gemm_by: Default::default(),
         sources: vec![],
+        products,
+        alloc,
     };
     std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)
         .with_context(|| format!("writing {}", a.out.display()))?;
     println!("wrote {}", a.out.display());
     Ok(())
+}
+
+/// The part of a `shardline plan --json` file the product probe reads.
+#[derive(Deserialize)]
+struct PlanProducts {
+    /// Required, so that another JSON file is refused rather than read as no products.
+    #[serde(rename = "model")]
+    _model: String,
+    #[serde(default)]
+    products: Vec<Product>,
+}
+
+/// Best rate of `p` on this thread through `nn::Gemm` (the layers' entry point), on operands
+/// laid out as its form says, GFLOP/s. The operands rotate over copies of `cold_bytes` in
+/// all, so that each product finds its operands outside the caches, as a step's products
+/// find the activations that other kernels wrote since (0: one copy, kept hot). Each pass
+/// runs at least every copy once and a millisecond.
+fn product_best_gflops(p: Product, reps: usize, cold_bytes: u64) -> f64 {
+    use shardline_models::nn::gemm::{Gemm, View};
+    use shardline_models::GemmShape;
+    let Product { m, n, k, form, accumulate } = p;
+    if m * n * k == 0 {
+        return 0.0;
+    }
+    let set_bytes = ((m * k + k * n + m * n) * 4) as u64;
+    let copies = (cold_bytes / set_bytes).clamp(1, 4096) as usize;
+    let mut sets: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..copies)
+        .map(|s| {
+            let a = (0..m * k).map(|i| ((i % 13 + s) as f32 - 6.0) * 0.01).collect();
+            let b = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+            (a, b, vec![0.0f32; m * n])
+        })
+        .collect();
+    let once = |(a, b, c): &mut (Vec<f32>, Vec<f32>, Vec<f32>)| match form {
+        Form::View => {
+            let rows = View::rows;
+            f32::gemm_view((m, n, k), (a, rows(0, k)), (b, rows(0, n)), (c, rows(0, n)), accumulate)
+        }
+        Form::ViewT => {
+            // `b` stored as the rows of its transpose, `n x k` (attention's keys).
+            let (rows, bt) = (View::rows, View::rows(0, k).t());
+            f32::gemm_view((m, n, k), (a, rows(0, k)), (b, bt), (c, rows(0, n)), accumulate)
+        }
+        _ => {
+            let (trans_a, trans_b) = match form {
+                Form::Nt => (false, true),
+                Form::Tn => (true, false),
+                Form::Tt => (true, true),
+                _ => (false, false),
+            };
+            f32::gemm(GemmShape { m, n, k, trans_a, trans_b }, a, b, c, accumulate)
+        }
+    };
+    sets.iter_mut().for_each(once);
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let (t0, mut calls) = (Instant::now(), 0usize);
+        while calls < copies || t0.elapsed().as_secs_f64() < 1e-3 {
+            once(&mut sets[calls % copies]);
+            calls += 1;
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / calls as f64);
+    }
+    std::hint::black_box(&sets);
+    p.flops() / best.max(1e-12) / 1e9
+}
+
+/// Best extra time per byte of making `bytes`-byte tensors fresh, nanoseconds: up to
+/// 32 MiB of them allocated zeroed (`vec!`, as tensors are), written once and freed
+/// together, less writing as many bytes into buffers already in use.
+fn alloc_best_ns_per_byte(bytes: u64, passes: usize) -> f64 {
+    let n = (bytes / 4) as usize;
+    let count = ((32u64 << 20) / bytes).clamp(1, 256) as usize;
+    let mut kept: Vec<Vec<f32>> = (0..count).map(|_| vec![0.0f32; n]).collect();
+    let (mut fresh, mut reuse) = (f64::INFINITY, f64::INFINITY);
+    for pass in 0..passes {
+        let t = Instant::now();
+        let made: Vec<Vec<f32>> = (0..count)
+            .map(|_| {
+                let mut v = vec![0.0f32; n];
+                v.fill(pass as f32);
+                v
+            })
+            .collect();
+        std::hint::black_box(&made);
+        drop(made);
+        fresh = fresh.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        kept.iter_mut().for_each(|v| v.fill(pass as f32));
+        std::hint::black_box(&kept);
+        reuse = reuse.min(t.elapsed().as_secs_f64());
+    }
+    ((fresh - reuse) / (bytes as f64 * count as f64) * 1e9).max(0.0)
 }
 
 /// Best single-thread memcpy over 32 MiB buffers, GB/s counting bytes read + written.

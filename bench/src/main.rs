@@ -102,7 +102,9 @@ enum Cmd {
     #[command(hide = true)]
     FaultsTrial(faults::TrialArgs),
     /// The machine profile of `shardline plan --profile`: collectives rows from
-    /// `collectives --json` files, a GEMM probe and the memory bandwidth (no training step).
+    /// `collectives --json` files, square GEMM probes, the products of `shardline plan
+    /// --json` files each at its own shape (--products), fresh allocations by size, the
+    /// memory bandwidth and the GELU (no training step).
     ///
     /// Example: shardline-bench machine-profile --collectives c.json,ag.json --out profile.json
     MachineProfile(machine_profile::Args),

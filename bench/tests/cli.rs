@@ -66,6 +66,34 @@ fn bad_flags_exit_2_with_a_clear_message() {
     }
 }
 
+/// machine-profile refuses a --products file that is not `plan --json`'s, and allocation
+/// sizes below one float, before any probe runs.
+#[test]
+fn machine_profile_bad_products_and_alloc_exit_2() {
+    let dir = std::env::temp_dir().join(format!("shardline-mp-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let coll = dir.join("coll.json");
+    let row = r#"{"op":"all-reduce","world":2,"transport":"local","bytes":4096,"time_us":10.0}"#;
+    std::fs::write(&coll, format!(r#"{{"rows":[{row}]}}"#)).unwrap();
+    let (coll, out) = (coll.to_str().unwrap(), dir.join("p.json"));
+    let missing = dir.join("missing.json");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--products", missing.to_str().unwrap()], "--products"),
+        (&["--products", coll], "not a `shardline plan --json` file"),
+        (&["--alloc", "4096,2"], "--alloc 2"),
+    ];
+    for (args, needle) in cases {
+        let mut all =
+            vec!["machine-profile", "--collectives", coll, "--out", out.to_str().unwrap()];
+        all.extend_from_slice(args);
+        let o = bench(&all);
+        assert_eq!(o.code, Some(2), "{args:?}: exit code; stderr: {}", o.stderr);
+        assert!(o.stderr.contains(needle), "{args:?}: stderr lacks '{needle}': {}", o.stderr);
+    }
+    assert!(!out.exists(), "no profile written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_small_local_run_prints_its_table_and_checks_results() {
     let o = bench(&[

@@ -181,6 +181,21 @@ fn each_calls_traffic_grows_with_the_rows_actest_2() {
             assert!((3.0..=4.0).contains(&r), "call {c}: {x} -> {y} bytes ({r:.2}x)");
         }
     }
+    // A checkpointed call's backward counts neither the tensors nor the products of its
+    // forward run again: the same work as without recomputation.
+    let work = |cfg: &TrainConfig| {
+        let p = train::plan(cfg).expect("plan");
+        activation_peaks(&*p.model, &p.train, cfg).expect("dry run").work
+    };
+    let mut units = narrow_gpt(4);
+    units.recompute = shardline_runtime::engine::Recompute::Units;
+    let (plain, again) = (work(&narrow_gpt(4)), work(&units));
+    assert_eq!(plain.len(), again.len());
+    for (c, (p, a)) in plain.iter().zip(&again).enumerate() {
+        assert_eq!(p.backward.tensors, a.backward.tensors, "call {c}");
+        assert_eq!(p.backward.products, a.backward.products, "call {c}");
+        assert!(!p.forward.products.is_empty() || c == 0, "call {c} recorded no product");
+    }
 }
 
 /// `--stage auto` adds one microbatch's activations to each stage's model state: a cap that

@@ -26,6 +26,7 @@ use std::cell::RefCell;
 
 use num_traits::Float;
 
+use super::products::Form;
 use crate::backend::GemmShape;
 use crate::meter::{self, Scratch, Use};
 
@@ -147,6 +148,9 @@ fn product_view<T: Float + Default + 'static>(
     assert!(va.end(m, k) <= a.len(), "gemm_view: a {va:?} ({m} x {k}) past {} values", a.len());
     assert!(vb.end(k, n) <= b.len(), "gemm_view: b {vb:?} ({k} x {n}) past {} values", b.len());
     assert!(vc.end(m, n) <= c.len(), "gemm_view: c {vc:?} ({m} x {n}) past {} values", c.len());
+    let transposed_b = vb.rs == 1 && vb.cs > 1 && vc.cs == 1;
+    let form = if transposed_b { Form::ViewT } else { Form::View };
+    super::products::note(m, n, k, form, accumulate);
     if m == 0 || n == 0 {
         return;
     }
@@ -163,7 +167,7 @@ fn product_view<T: Float + Default + 'static>(
     // `b` stored as the rows of its transpose (`a b^T`, attention's scores) into a row-major
     // `c` is `gemm`'s slow case (see `product`): multiply a row-major copy of `b` instead,
     // `k x n` values, one key or value block.
-    let (b, vb) = if vb.rs == 1 && vb.cs > 1 && vc.cs == 1 {
+    let (b, vb) = if transposed_b {
         let copy = scratch.get(k * n);
         // Row `p` of the copy is column `p` of the stored rows: written contiguously, read
         // with a stride (the block stays in L1), without per-element bounds checks.
@@ -255,6 +259,7 @@ fn product<T: Float + Default + 'static>(
     assert!(a.len() >= m * k, "gemm: a has {} values, needs {}", a.len(), m * k);
     assert!(b.len() >= k * n, "gemm: b has {} values, needs {}", b.len(), k * n);
     assert!(c.len() >= m * n, "gemm: c has {} values, needs {}", c.len(), m * n);
+    super::products::note(m, n, k, Form::of(trans_a, trans_b), accumulate);
     if m == 0 || n == 0 {
         return;
     }

@@ -52,6 +52,7 @@ pub mod gpt;
 pub(crate) mod gradcheck;
 pub mod linear;
 pub mod norm;
+pub mod products;
 
 pub use activation::{Activation, Erf};
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward, CrossEntropySaved};

@@ -88,27 +88,36 @@ enum Cmd {
     /// (model, stage, prefetch and reduce budgets) is `train`'s, a step is the engine's walk
     /// with its prefetch plan and reductions, and the costs come from a machine profile made
     /// by microbenchmarks only (shardline-bench collectives --json, then shardline-bench
-    /// machine-profile: collectives per op, transport, world and size; a GEMM probe; memory
-    /// bandwidth). Without --profile only memory is predicted.
+    /// machine-profile: collectives per op, transport, world and size; square GEMM probes and,
+    /// with --products, the products a job makes, each at its own shape; fresh allocations;
+    /// memory bandwidth). Without --profile only memory is predicted; --json then lists the
+    /// job's products (`products`) for machine-profile --products.
     ///
     /// Modelled: parameters (full or shard), gradients (kept, and full ones in flight until
     /// their reduction: the most the reduce budget allows, and "at least" what the clock
     /// gives), optimizer state, gathered units (prefetch depth, its byte budget, the gather
     /// carried into the next step), the buffer pool's cached buffers (communication
     /// buffers), activations and kernel scratch (one microbatch run once on this host:
-    /// shapes, not timings); compute as matrix products at the profiled GEMM rate, gpt's
-    /// GELU at its profiled time per element, updates at the memory bandwidth, ranks of a
-    /// node sharing its cores; every gather and reduction at its profiled time on its lane,
-    /// overlapped with compute as the engine orders them.
+    /// shapes, not timings); compute as the matrix products that run recorded (each at its
+    /// own probed shape and form where the profile has it, else at the square probes'
+    /// rate), gpt's GELU at its profiled time per element, each tensor made at the profiled
+    /// allocation cost, updates at the memory bandwidth, ranks of a node sharing its cores,
+    /// and (a measured profile) the lanes' busy time as CPU time taken from the ranks'
+    /// compute where no idle core absorbs it; every gather and reduction at its profiled
+    /// time on its lane, overlapped with compute as the engine orders them. The table and
+    /// --json split the compute into products, elementwise work, allocations, the lanes'
+    /// CPU and updates.
     ///
     /// Elementwise work other than gpt's GELU (norms, softmaxes, the loss, copies) is
     /// charged as the memory traffic of the tensors each call makes, not as arithmetic.
     ///
     /// Not modelled: convolutions (no step time for convnet-bn and resnet-bn);
     /// SyncBatchNorm's statistics messages; the lanes' staging buffers; bf16 and quantized
-    /// gathers; lanes competing with compute for the same cores; ranks that differ; products
-    /// of other shapes than the profile's square probes. On this project's 2-core host the
-    /// step time came out 13-57% low (bench/RESULTS.md); memory within 5%.
+    /// gathers; the lanes slowing while the ranks compute (a collective costs its time
+    /// measured alone); ranks that differ. On this project's 2-core host, shared with other
+    /// builds, gpt's world-1 step came within 15% and worlds 2-4 40-65% low against the
+    /// median step, within 15% of the fastest step in 7 of 12 jobs (bench/RESULTS.md);
+    /// memory within 5%.
     ///
     /// --trace and --svg write rank 0's simulated steady step as a Chrome trace in the
     /// format of `train --trace`, and as an SVG timeline (`shardline timeline` draws a

@@ -12,17 +12,23 @@
 //!
 //! What is modelled: parameters, gradients (kept and transient), optimizer state, gathered
 //! units (the prefetch plan and its budget, the gather carried into the next step),
-//! activations and scratch; compute as matrix products at the profiled GEMM rate, `gpt`'s
-//! GELU at its profiled time per element and updates at the memory bandwidth, ranks of a
-//! node sharing its cores; each collective at its
+//! activations and scratch; compute as matrix products (each at its own probed shape and
+//! form where the profile has it, PLAN-12, else the square probes' rate), elementwise work
+//! as memory traffic (PLAN-7), fresh tensors at the profiled allocation cost, `gpt`'s GELU
+//! at its profiled time per element and updates at the memory bandwidth, ranks of a node
+//! sharing its cores; each collective at its
 //! profiled time on its lane, one op at a time, overlapped with compute as the walk orders
-//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`). What is not:
-//! elementwise compute other than gpt's GELU (norms, softmaxes, the loss), convolutions (no
-//! step time for conv models), SyncBatchNorm's statistics messages, the lanes' staging
-//! buffers, bf16 and quantized gathers, contention between a rank's lanes and its compute
-//! for the same cores, and ranks that differ.
+//! it; the buffer pool's kept buffers by its own rules (`pool::Shelves`); on a measured
+//! (CPU) profile, the lanes' busy time as CPU time taken from the ranks' compute where no
+//! idle core absorbs it (PLAN-14). What is not: convolutions (no step time for conv
+//! models), SyncBatchNorm's statistics messages, the lanes' staging buffers, bf16 and
+//! quantized gathers, the lanes' own slowdown while the ranks compute (a collective costs
+//! its time measured alone), and ranks that differ.
 //!
-//! Invariant:
+//! Invariants:
+//! - PLAN-15: a prediction with a one-microbatch run reused from [`Probes`] equals the one
+//!   that makes its own run; configurations of one world, microbatch and recompute choice
+//!   share one run.
 //! - PLAN-5: the predicted parameters (full or shard), optimizer state and gathered units,
 //!   and the gradients at stages 0 and 1, are the peaks the engine's tracker measures for
 //!   the same job (the pool's buffers by its own rules, POOL-1..3); the gradients in flight
@@ -98,6 +104,13 @@ pub struct StepRow {
     pub reduce_s: f64,
     /// Time the rank waited for communication.
     pub exposed_s: f64,
+    /// The compute of the calls by what it is (products, elementwise, allocations).
+    pub compute_parts: cost::Parts,
+    /// The optimizer updates' compute.
+    pub update_s: f64,
+    /// The fraction of the products' flops priced at their own shape and form (PLAN-12);
+    /// the rest at the square probes' rate.
+    pub products_probed: f64,
     /// Samples per second of the whole job.
     pub samples_per_s: f64,
     /// Tokens per second (`gpt`).
@@ -144,6 +157,10 @@ pub struct Prediction {
     pub timeline: Vec<crate::telemetry::Event>,
     /// Why there is no step prediction.
     pub no_step: Option<String>,
+    /// The distinct matrix products of one microbatch (PROD-1), for
+    /// `shardline-bench machine-profile --products` to probe; empty when counted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub products: Vec<shardline_models::nn::products::Product>,
 }
 
 impl Prediction {
@@ -183,6 +200,32 @@ pub fn predict_from(
     profile: Option<&Profile>,
     source: ActivationSource,
 ) -> Result<Prediction> {
+    predict_probed(cfg, job, at, profile, source, &mut Probes::default())
+}
+
+/// One-microbatch runs already made (ACTEST-1), by what decides them: the world (the model
+/// a world builds), the microbatch and the recompute choice. A search predicts many
+/// configurations that differ only in what the run does not see (stage, prefetch), and
+/// runs each once (PLAN-15).
+#[derive(Default)]
+pub struct Probes {
+    runs: std::collections::HashMap<
+        (usize, usize, &'static str),
+        crate::activations::MicrobatchMemory,
+    >,
+    /// Runs made, the rest were reused.
+    pub made: usize,
+}
+
+/// [`predict_from`] reusing the one-microbatch runs in `probes`, and keeping those it makes.
+pub fn predict_probed(
+    cfg: &TrainConfig,
+    job: &JobPlan,
+    at: &Placement,
+    profile: Option<&Profile>,
+    source: ActivationSource,
+    probes: &mut Probes,
+) -> Result<Prediction> {
     let spec = job.model.spec();
     let layout = ShardedModelLayout::new(&spec, cfg.world)?;
     let calls = job.model.calls();
@@ -195,6 +238,7 @@ pub fn predict_from(
         activations: act_model::gpt_activations(g, microbatch, engine.recompute),
         scratch: 0,
         traffic: act_model::gpt_traffic(g, microbatch),
+        work: vec![],
     };
     let (once, activations_from) = match (source, &job.gpt) {
         (ActivationSource::Counted, None) => {
@@ -207,38 +251,64 @@ pub fn predict_from(
         {
             (counted(g), "counted")
         }
-        _ => (crate::activations::activation_peaks(&*job.model, &job.train, cfg)?, "probe"),
+        _ => {
+            let key = (cfg.world, microbatch, engine.recompute.name());
+            let once = match probes.runs.get(&key) {
+                Some(once) => once.clone(),
+                None => {
+                    let once = crate::activations::activation_peaks(&*job.model, &job.train, cfg)?;
+                    probes.made += 1;
+                    probes.runs.entry(key).or_insert(once).clone()
+                }
+            };
+            (once, "probe")
+        }
     };
     // Compute and communication costs, when the profile and the model allow.
-    let (costs, comm, no_step) = match profile {
+    let (mut costs, comm, no_step) = match profile {
         None => (None, None, Some("no --profile given".to_string())),
-        Some(p) => match costs_of(cfg, job, (&layout, &calls, &once.traffic), at, p)? {
+        Some(p) => match costs_of(cfg, job, (&layout, &calls, &once), at, p)? {
             Ok((c, m)) => (Some(c), Some(m), None),
             Err(why) => (None, None, Some(why)),
         },
     };
-    let zero =
-        CallCosts { calls: vec![cost::CallCost::default(); calls.len()], update_s: vec![0.0; n] };
+    let zero = CallCosts {
+        calls: vec![cost::CallCost::default(); calls.len()],
+        update_s: vec![0.0; n],
+        flops: (0.0, 0.0),
+    };
     let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], loss_s: 0.0 };
-    let mut rank = SimRank::new(
-        &layout,
-        &calls,
-        engine,
-        costs.as_ref().unwrap_or(&zero),
-        comm.as_ref().unwrap_or(&free),
-    );
+    let comm_or_free = comm.as_ref().unwrap_or(&free);
     // The first step starts without a carried gather (ENG-6); the third is steady.
-    let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
-    let t2 = rank.now();
-    steps.push(rank.step());
-    let timeline = rank.timeline_since(t2);
+    let run = |costs: &CallCosts| {
+        let mut rank = SimRank::new(&layout, &calls, engine, costs, comm_or_free);
+        let mut steps: Vec<SimStep> = (0..2).map(|_| rank.step()).collect();
+        let t2 = rank.now();
+        steps.push(rank.step());
+        (steps, rank.timeline_since(t2), rank.memory().clone())
+    };
+    let (mut steps, mut timeline, mut floor) = run(costs.as_ref().unwrap_or(&zero));
+    // PLAN-14: a CPU profile's lanes copy and reduce on the cores the ranks compute on; the
+    // steady step's lanes' time, less what idle cores absorb, is charged to the compute and
+    // the step simulated again (the lanes' time does not depend on the compute).
+    let cpu_lanes = profile.filter(|p| p.published.is_none());
+    if let (Some(p), Some(c)) = (cpu_lanes, costs.as_mut()) {
+        let s = steps[2];
+        let share = Share { ranks_per_node: at.ranks_per_node, threads: cfg.threads };
+        let calls_s = s.compute_s - s.update_s;
+        let extra = cost::lanes_extra_s(p.cores, share, s.compute_s, s.gather_s + s.reduce_s);
+        if extra > 0.0 && calls_s > 0.0 {
+            *c = c.stretched(1.0 + extra / calls_s);
+            (steps, timeline, floor) = run(c);
+        }
+    }
     // Memory: the same steps with every reduction late (PLAN-6).
     let mut late = SimRank::new(&layout, &calls, engine, &zero, &free).late_reductions();
     for _ in 0..3 {
         late.step();
     }
     let (act, scratch) = (once.activations, once.scratch);
-    let (mem, floor) = (late.memory(), rank.memory());
+    let mem = late.memory();
     let mut memory: Vec<MemoryRow> = [
         Category::FullParams,
         Category::ShardParams,
@@ -262,6 +332,15 @@ pub fn predict_from(
             gather_s: s.gather_s,
             reduce_s: s.reduce_s,
             exposed_s: s.exposed_s,
+            compute_parts: s.parts,
+            update_s: s.update_s,
+            products_probed: costs.as_ref().map_or(0.0, |c| {
+                if c.flops.0 > 0.0 {
+                    c.flops.1 / c.flops.0
+                } else {
+                    0.0
+                }
+            }),
             samples_per_s: samples,
             tokens_per_s: job.gpt.as_ref().map(|g| samples * g.block_size as f64),
         }
@@ -284,7 +363,23 @@ pub fn predict_from(
         step,
         no_step,
         timeline,
+        products: distinct_products(&once),
     })
+}
+
+/// The distinct products of every call's forward, backward and input gradient.
+fn distinct_products(
+    once: &crate::activations::MicrobatchMemory,
+) -> Vec<shardline_models::nn::products::Product> {
+    let mut v: Vec<_> = once
+        .work
+        .iter()
+        .flat_map(|w| [&w.forward, &w.backward, &w.input_grad])
+        .flat_map(|m| m.products.iter().copied())
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// The step's compute and collective costs on `p`; the reason when the job has what is not
@@ -292,7 +387,7 @@ pub fn predict_from(
 fn costs_of(
     cfg: &TrainConfig,
     job: &JobPlan,
-    (layout, calls, traffic): (&ShardedModelLayout, &[usize], &[(u64, u64)]),
+    (layout, calls, once): (&ShardedModelLayout, &[usize], &crate::activations::MicrobatchMemory),
     at: &Placement,
     p: &Profile,
 ) -> Result<std::result::Result<(CallCosts, CommCosts), String>> {
@@ -320,7 +415,7 @@ fn costs_of(
         gpt,
         rows,
         (&stepped, &engine.optimizer),
-        Some(traffic),
+        Some(once),
         p,
         share,
     ) {
@@ -393,6 +488,14 @@ impl Prediction {
                 v.push("  step (simulated, steady state):".into());
                 v.push(format!("    {:<16} {:>12}", "step", ms(s.step_s)));
                 v.push(format!("    {:<16} {:>12}", "compute", ms(s.compute_s)));
+                let p = &s.compute_parts;
+                let probed =
+                    format!("  ({:.0}% of flops at their own shape)", s.products_probed * 1e2);
+                v.push(format!("      {:<14} {:>12}{probed}", "products", ms(p.products_s)));
+                v.push(format!("      {:<14} {:>12}", "elementwise", ms(p.elementwise_s)));
+                v.push(format!("      {:<14} {:>12}", "allocations", ms(p.alloc_s)));
+                v.push(format!("      {:<14} {:>12}", "lanes' CPU", ms(p.lanes_s)));
+                v.push(format!("      {:<14} {:>12}", "updates", ms(s.update_s)));
                 v.push(format!("    {:<16} {:>12}", "gather lane", ms(s.gather_s)));
                 v.push(format!("    {:<16} {:>12}", "reduce lane", ms(s.reduce_s)));
                 v.push(format!("    {:<16} {:>12}", "exposed comm", ms(s.exposed_s)));
@@ -411,4 +514,65 @@ impl Prediction {
 /// A usage error naming its flag.
 pub fn flag_error(flag: &str, what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::config(format!("{flag}: {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::Recompute;
+    use crate::shard::Stage;
+    use crate::train::StageChoice;
+    use profile::GemmRow;
+
+    /// PLAN-15: a reused run predicts what a fresh one does; stages of one world share a
+    /// run, another recompute choice makes its own.
+    #[test]
+    fn reused_runs_predict_what_fresh_ones_do_plan_15() {
+        let p = Profile {
+            note: String::new(),
+            cores: 1,
+            memory_gbps: 10.0,
+            gemm: vec![GemmRow { m: 64, n: 64, k: 64, gflops: 1.0, source: None }],
+            gemm_shared: vec![],
+            gelu_ns: 1.0,
+            products: vec![],
+            alloc: vec![],
+            collectives: vec![],
+            published: None,
+            transports_default: None,
+            device_memory: None,
+            gemm_by: Default::default(),
+            sources: vec![],
+        };
+        let at = Placement { nodes: 1, ranks_per_node: 1, transport: "local".into() };
+        let cfg = |stage, recompute| TrainConfig {
+            model: "gpt".into(),
+            dataset: "text".into(),
+            world: 1,
+            batch_size: 2,
+            n_layer: Some(2),
+            n_head: Some(2),
+            n_embd: Some(16),
+            block_size: Some(8),
+            stage: StageChoice::Fixed(stage),
+            recompute,
+            ..TrainConfig::default()
+        };
+        let mut probes = Probes::default();
+        let source = ActivationSource::Probe;
+        for (stage, recompute) in [
+            (Stage::Zero0, Recompute::None),
+            (Stage::Zero1, Recompute::None),
+            (Stage::Zero0, Recompute::Units),
+        ] {
+            let c = cfg(stage, recompute);
+            let job = crate::train::plan(&c).unwrap();
+            let reused = predict_probed(&c, &job, &at, Some(&p), source, &mut probes).unwrap();
+            let fresh = predict_from(&c, &job, &at, Some(&p), source).unwrap();
+            let json = |p: &Prediction| serde_json::to_value(p).unwrap();
+            assert_eq!(json(&reused), json(&fresh), "{stage:?} {recompute:?}");
+            assert!(reused.step.is_some());
+        }
+        assert_eq!(probes.made, 2, "stages 0 and 1 share a run; units makes its own");
+    }
 }

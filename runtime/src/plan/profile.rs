@@ -7,8 +7,13 @@
 //! A collective of `bytes` costs, per (op, transport, world), the measured time at the
 //! nearest measured sizes with a straight line between them: on each segment a latency plus
 //! bytes over a bandwidth (below the smallest size its time, above the largest the last
-//! segment's bandwidth). The GEMM rate is interpolated in the logarithm of the product's
-//! smallest dimension.
+//! segment's bandwidth). A matrix product probed at its own shape and form (`products`: the
+//! shapes a model makes, timed through the layers' entry points) costs the probe's rate;
+//! any other product the square GEMM probes' rate, interpolated in the logarithm of its size
+//! ([`GemmBy`]): a published profile, which has no such probes, prices every product at its
+//! published GEMM efficiency that way. Fresh tensors cost a time per byte by their size
+//! (`alloc`: allocate, first touch and free, over writing the same bytes into a buffer in
+//! use), interpolated in the logarithm of the size; none without the probe.
 //!
 //! A profile may instead come from published figures (`published` says so, and every figure
 //! carries its `source`): a collective row is then a formula, not a measurement. It holds
@@ -24,6 +29,10 @@
 //! - PLAN-1: a collective's cost is the measured time at every measured size, grows with the
 //!   bytes, and is never below the smallest size's (the latency); a GEMM's rate at a probed
 //!   size is the probe's.
+//! - PLAN-12: a product whose shape and form were probed costs its flops at the probe's rate,
+//!   whatever the square probes say; an allocation's extra time per byte is the probe's at a
+//!   probed size, between its neighbours' otherwise, the end rows' beyond, and zero without
+//!   an allocation probe.
 //! - PLAN-8: a formula row's all-reduce costs twice its reduce-scatter's bandwidth term, a
 //!   ring's; the hierarchical cost is the sum of its phases on their transports, and equals
 //!   the one-node cost when there is one node.
@@ -31,6 +40,7 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use shardline_models::nn::products::Product;
 
 use crate::error::{Result, RuntimeError};
 
@@ -94,6 +104,27 @@ pub struct GemmRow {
     pub source: Option<String>,
 }
 
+/// A product of a model's, timed at its own shape and form through the entry point the
+/// layers call (`nn::Gemm`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ProductRow {
+    /// The product.
+    #[serde(flatten)]
+    pub product: Product,
+    /// Best rate, GFLOP/s, one thread.
+    pub gflops: f64,
+}
+
+/// Fresh allocations of one size: what making a tensor costs beyond its bytes' traffic.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct AllocRow {
+    /// Bytes of each allocation.
+    pub bytes: u64,
+    /// Allocating, touching every page and freeing, less writing as many bytes into a buffer
+    /// already in use, nanoseconds per byte (best pass).
+    pub ns_per_byte: f64,
+}
+
 /// The GEMM probe run on several threads at once.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct SharedGemm {
@@ -124,6 +155,13 @@ pub struct Profile {
     /// probed).
     #[serde(default)]
     pub gelu_ns: f64,
+    /// Products probed at their own shape and form (PLAN-12); empty: every product at the
+    /// square probes' rate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub products: Vec<ProductRow>,
+    /// Fresh allocations by size (PLAN-12); empty: not charged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alloc: Vec<AllocRow>,
     /// Collectives measured, or formula rows.
     pub collectives: Vec<CollectiveRow>,
     /// Set when the figures are published ones, not measured here: the words
@@ -335,6 +373,41 @@ impl Profile {
         v.join(", ")
     }
 
+    /// Seconds of one product on one thread, and whether its shape and form were probed
+    /// (PLAN-12); else at [`Profile::gemm_gflops`].
+    pub fn product_s(&self, p: &Product) -> (f64, bool) {
+        if p.m * p.n * p.k == 0 {
+            return (0.0, true);
+        }
+        match self.products.iter().find(|r| r.product == *p && r.gflops > 0.0) {
+            Some(r) => (p.flops() / (r.gflops * 1e9), true),
+            None => (p.flops() / (self.gemm_gflops(p.m, p.n, p.k) * 1e9), false),
+        }
+    }
+
+    /// Extra seconds of making a fresh tensor of `bytes` (PLAN-12): the probe's time per byte
+    /// interpolated in the log of the size; 0 without the probe.
+    pub fn alloc_s(&self, bytes: u64) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        let mut pts: Vec<(f64, f64)> =
+            self.alloc.iter().map(|r| ((r.bytes.max(1) as f64).ln(), r.ns_per_byte)).collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let x = (bytes as f64).ln();
+        let ns = match (pts.first(), pts.last()) {
+            (None, _) | (_, None) => 0.0,
+            (Some(&(x0, r0)), _) if x <= x0 => r0,
+            (_, Some(&(x1, r1))) if x >= x1 => r1,
+            _ => {
+                let j = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
+                let ((xa, ra), (xb, rb)) = (pts[j - 1], pts[j]);
+                ra + (rb - ra) * (x - xa) / (xb - xa)
+            }
+        };
+        ns.max(0.0) * bytes as f64 * 1e-9
+    }
+
     /// GFLOP/s of an `m x n x k` product on one thread (PLAN-1), interpolated in the log of
     /// its size ([`GemmBy`]) between the probes'.
     pub fn gemm_gflops(&self, m: usize, n: usize, k: usize) -> f64 {
@@ -402,6 +475,8 @@ mod tests {
             device_memory: None,
             gemm_by: GemmBy::Smallest,
             sources: vec![],
+            products: vec![],
+            alloc: vec![],
         }
     }
 
@@ -451,6 +526,38 @@ mod tests {
         assert_eq!(p.gemm_gflops(32, 4096, 4096), 10.0);
         assert_eq!(v.gemm_gflops(32, 4096, 4096), 40.0);
         assert_eq!(v.gemm_gflops(256, 256, 256), 40.0);
+    }
+
+    /// PLAN-12: a probed product costs its flops at its own rate, another form or shape the
+    /// square probes'; allocations interpolate by size, are flat beyond the probes and free
+    /// without them; a profile without either still loads.
+    #[test]
+    fn products_and_allocations_at_their_probes_plan_12() {
+        use shardline_models::nn::products::Form;
+        let mut p = profile();
+        let thin = Product { m: 1024, n: 128, k: 512, form: Form::Nt, accumulate: false };
+        p.products.push(ProductRow { product: thin, gflops: 5.0 });
+        let (t, probed) = p.product_s(&thin);
+        assert!(probed && (t - thin.flops() / 5e9).abs() < 1e-15, "{t}");
+        let nn = Product { form: Form::Nn, ..thin };
+        let (t, probed) = p.product_s(&nn);
+        let square = p.gemm_gflops(1024, 128, 512) * 1e9;
+        assert!(!probed && (t - nn.flops() / square).abs() < 1e-15, "the square probes' rate");
+        assert_eq!(p.alloc_s(1 << 20), 0.0, "no allocation probe: free");
+        p.alloc = vec![
+            AllocRow { bytes: 4096, ns_per_byte: 0.5 },
+            AllocRow { bytes: 1 << 20, ns_per_byte: 0.1 },
+        ];
+        assert!((p.alloc_s(4096) - 4096.0 * 0.5e-9).abs() < 1e-15);
+        assert!((p.alloc_s(1 << 24) - (1u64 << 24) as f64 * 0.1e-9).abs() < 1e-12);
+        assert!((p.alloc_s(16) - 16.0 * 0.5e-9).abs() < 1e-15);
+        let mid = p.alloc_s(1 << 16) / (1u64 << 16) as f64 * 1e9;
+        assert!(mid > 0.1 && mid < 0.5, "{mid}");
+        let text = serde_json::to_string(&p).unwrap();
+        assert_eq!(Profile::parse(&text, Path::new("x")).unwrap(), p);
+        let old = serde_json::to_string(&profile()).unwrap();
+        assert!(!old.contains("products") && !old.contains("alloc"));
+        assert!(Profile::parse(&old, Path::new("x")).unwrap().products.is_empty());
     }
 
     fn formula(op: &str, transport: &str, worlds: (usize, usize), gbps: f64) -> CollectiveRow {

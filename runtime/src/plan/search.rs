@@ -152,6 +152,7 @@ pub fn search(
     let choices = enumerate(worlds, base.batch_size);
     let mut all = Vec::with_capacity(choices.len());
     let (mut refused, mut first_refusal) = (0, None);
+    let mut probes = super::Probes::default();
     for c in &choices {
         let cfg = config_of(base, c)?;
         let at = Placement {
@@ -161,8 +162,9 @@ pub fn search(
         };
         // A configuration train's own checks refuse (a microbatch too small for BatchNorm,
         // say) is not a candidate; it is counted, and the first reason kept.
-        let predicted = crate::train::plan(&cfg)
-            .and_then(|job| super::predict_from(&cfg, &job, &at, Some(profile), source));
+        let predicted = crate::train::plan(&cfg).and_then(|job| {
+            super::predict_probed(&cfg, &job, &at, Some(profile), source, &mut probes)
+        });
         let p: Prediction = match predicted {
             Ok(p) => p,
             Err(e) => {

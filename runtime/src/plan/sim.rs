@@ -40,7 +40,7 @@ use crate::memory::Category;
 use crate::shard::ShardedModelLayout;
 use crate::telemetry::{Event, Row};
 
-use super::cost::CallCosts;
+use super::cost::{CallCosts, Parts};
 
 /// Seconds each collective of a step costs on the profiled machine.
 #[derive(Clone, Debug, Default)]
@@ -297,6 +297,10 @@ pub struct SimStep {
     pub reduce_s: f64,
     /// Time the rank waited for communication.
     pub exposed_s: f64,
+    /// The calls' compute by what it is.
+    pub parts: Parts,
+    /// The updates' compute.
+    pub update_s: f64,
 }
 
 /// One rank, stepping on the simulated clock.
@@ -321,6 +325,9 @@ pub struct SimRank<'a> {
     /// Reductions are done only when waited for.
     late: bool,
     walk: WalkConfig,
+    /// The calls' compute so far by what it is, and the updates'.
+    parts: Parts,
+    updates: f64,
 }
 
 /// The walk's settings, kept apart from the calls it borrows.
@@ -382,6 +389,8 @@ impl<'a> SimRank<'a> {
                 reduce_budget: engine.reduce_budget_bytes,
                 clip: engine.clip_grad_norm.is_some(),
             },
+            parts: Parts::default(),
+            updates: 0.0,
         }
     }
 
@@ -415,6 +424,7 @@ impl<'a> SimRank<'a> {
     pub fn step(&mut self) -> SimStep {
         let t0 = self.clock.now();
         let before = (self.clock.compute, self.clock.exposed);
+        let (parts, updates) = (self.parts, self.updates);
         let busy = (self.clock.gather_busy, self.clock.reduce_busy);
         self.plan.begin_step(self.calls, self.walk.micro);
         let calls = self.calls;
@@ -436,6 +446,13 @@ impl<'a> SimRank<'a> {
             gather_s: self.clock.gather_busy - busy.0,
             reduce_s: self.clock.reduce_busy - busy.1,
             exposed_s: self.clock.exposed - before.1,
+            parts: Parts {
+                products_s: self.parts.products_s - parts.products_s,
+                elementwise_s: self.parts.elementwise_s - parts.elementwise_s,
+                alloc_s: self.parts.alloc_s - parts.alloc_s,
+                lanes_s: self.parts.lanes_s - parts.lanes_s,
+            },
+            update_s: self.updates - updates,
         }
     }
 
@@ -486,6 +503,7 @@ impl ReduceIo<SimOp> for SimRank<'_> {
 
     fn update(&mut self, unit: usize) -> Result<(), Infallible> {
         let name = &self.names[unit];
+        self.updates += self.costs.update_s[unit];
         self.clock.compute(self.costs.update_s[unit], || format!("update {name}"));
         // ENG-6: unit 0's gather for the next pass leaves right after its update.
         if carries_next_gather(self.rules.before_use, self.prefetch, unit) {
@@ -503,7 +521,9 @@ impl StepWork for SimRank<'_> {
     fn forward(&mut self, i: usize, call: usize, _mb: Micro, _cp: bool) -> Result<(), Infallible> {
         let full = self.acquire(i);
         let name = &self.names[self.calls[call]];
-        self.clock.compute(self.costs.calls[call].forward_s, || format!("forward {name}"));
+        let c = self.costs.calls[call];
+        self.parts.add(&c.forward);
+        self.clock.compute(c.forward_s(), || format!("forward {name}"));
         self.done_with(i, full);
         Ok(())
     }
@@ -525,7 +545,9 @@ impl StepWork for SimRank<'_> {
         let name = self.names[u].clone();
         if self.recompute.checkpoints(call, self.calls.len()) {
             // RECOMP-1
-            self.clock.compute(self.costs.calls[call].forward_s, || format!("recompute {name}"));
+            let c = self.costs.calls[call];
+            self.parts.add(&c.forward);
+            self.clock.compute(c.forward_s(), || format!("recompute {name}"));
         }
         // A transient full gradient exists from the unit's first backward call until its
         // reduction is finished (ENG-7), in a pooled buffer.
@@ -536,7 +558,8 @@ impl StepWork for SimRank<'_> {
             None => None,
         };
         let c = self.costs.calls[call];
-        self.clock.compute(c.grads_s, || format!("backward {name}"));
+        self.parts.add(&c.grads);
+        self.clock.compute(c.grads_s(), || format!("backward {name}"));
         if hand.reduce {
             // ACC-3: a result added to an earlier microbatch's arrives in a pooled buffer.
             let out = (transient && hand.add)
@@ -551,7 +574,8 @@ impl StepWork for SimRank<'_> {
             self.partial[u] = grad.or(Some(SimBuf { len: 0, cap: 0 }));
         }
         // ENG-9: after the hand-off
-        self.clock.compute(c.input_grad_s, || format!("input grad {name}"));
+        self.parts.add(&c.input_grad);
+        self.clock.compute(c.input_grad_s(), || format!("input grad {name}"));
         self.done_with(i, full);
         Ok(())
     }
@@ -636,8 +660,9 @@ mod tests {
     }
 
     fn costs(n: usize, compute: f64) -> CallCosts {
-        let c = CallCost { forward_s: compute, grads_s: compute, input_grad_s: compute };
-        CallCosts { calls: vec![c; n], update_s: vec![compute / 10.0; n] }
+        let p = Parts { products_s: compute, ..Parts::default() };
+        let c = CallCost { forward: p, grads: p, input_grad: p };
+        CallCosts { calls: vec![c; n], update_s: vec![compute / 10.0; n], flops: (0.0, 0.0) }
     }
 
     /// PLAN-6: late reductions hold at least the gradients of any clock, and at stage 3
