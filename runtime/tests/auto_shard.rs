@@ -224,7 +224,15 @@ fn two_nodes_on_a_slow_link_choose_the_node_group_when_it_fits_auto_3() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let (inside, across) = (v["intra_node_bytes"].as_u64(), v["inter_node_bytes"].as_u64());
         assert!(inside > Some(0) && across > Some(0), "{line}");
+        // ... and no gather crossed a node (HSDP-3).
+        assert_eq!(v["inter_node_gather_bytes"].as_u64(), Some(0), "{line}");
     }
-    let out = two_nodes(node - 1, &dir.path().join("log2.jsonl"));
+    let log2 = dir.path().join("log2.jsonl");
+    let out = two_nodes(node - 1, &log2);
     assert!(chose(&out).contains("stage 3, group world (4 ranks)"), "{out}");
+    // Full shard: the gathers cross the nodes every step (HYB-4).
+    for line in std::fs::read_to_string(&log2).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert!(v["inter_node_gather_bytes"].as_u64() > Some(0), "{line}");
+    }
 }

@@ -16,7 +16,9 @@
 //!   staging buffers are 4-byte aligned).
 //! - HYB-4: every send adds its payload bytes to this process's count of the part it travels
 //!   over ([`sent_bytes`]: inside the node, across nodes) as the exchange hands it over, so
-//!   the traffic of each kind of link is measured where it is routed, not derived.
+//!   the traffic of each kind of link is measured where it is routed, not derived. Sends
+//!   across nodes on a lane named `gather` or `KIND:gather` (the parameter gathers, in a
+//!   sub-group or not) are also counted apart ([`sent_gather_bytes_across`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,11 +36,23 @@ const CANCEL_POLL: Duration = Duration::from_millis(1);
 /// Payload bytes this process's hybrid transports handed to their parts (HYB-4).
 static SENT_INTRA: AtomicU64 = AtomicU64::new(0);
 static SENT_INTER: AtomicU64 = AtomicU64::new(0);
+static SENT_INTER_GATHER: AtomicU64 = AtomicU64::new(0);
 
 /// Payload bytes every hybrid transport of this process has sent so far: (inside the node,
 /// across nodes) (HYB-4). A launched worker runs one rank: its own.
 pub fn sent_bytes() -> (u64, u64) {
     (SENT_INTRA.load(Ordering::Relaxed), SENT_INTER.load(Ordering::Relaxed))
+}
+
+/// Payload bytes every hybrid transport of this process has sent across nodes on gather
+/// lanes (`gather`, `KIND:gather`) so far: a part of [`sent_bytes`]'s second figure (HYB-4).
+pub fn sent_gather_bytes_across() -> u64 {
+    SENT_INTER_GATHER.load(Ordering::Relaxed)
+}
+
+/// Whether a lane carries parameter gathers: `gather`, or a sub-group's `KIND:gather`.
+fn is_gather_lane(lane: &str) -> bool {
+    lane.rsplit(':').next() == Some("gather")
 }
 
 /// Which part carries the traffic with a peer.
@@ -186,7 +200,13 @@ impl Transport for HybridTransport {
             Some(t) => Some(t.open_lane(lane, deadline)?),
             None => None,
         };
-        Ok(Box::new(HybridLinks { routes: Arc::clone(&self.routes), node_ranks, intra, inter }))
+        Ok(Box::new(HybridLinks {
+            routes: Arc::clone(&self.routes),
+            node_ranks,
+            intra,
+            inter,
+            gather: is_gather_lane(lane),
+        }))
     }
 }
 
@@ -229,6 +249,8 @@ struct HybridLinks {
     node_ranks: Arc<Vec<usize>>,
     intra: Option<Box<dyn LaneLinks>>,
     inter: Option<Box<dyn LaneLinks>>,
+    /// A gather lane: its sends across nodes are also counted apart (HYB-4).
+    gather: bool,
 }
 
 fn no_part(peer: usize) -> TransportError {
@@ -282,6 +304,9 @@ impl LaneLinks for HybridLinks {
         let bytes = |v: &[SendOp<'_>]| v.iter().map(|s| s.data.len() as u64).sum::<u64>();
         SENT_INTRA.fetch_add(bytes(&intra_sends), Ordering::Relaxed);
         SENT_INTER.fetch_add(bytes(&inter_sends), Ordering::Relaxed);
+        if self.gather {
+            SENT_INTER_GATHER.fetch_add(bytes(&inter_sends), Ordering::Relaxed);
+        }
         let uses_intra = !intra_sends.is_empty() || !intra_recvs.is_empty();
         let uses_inter = !inter_sends.is_empty() || !inter_recvs.is_empty();
         let node_ranks = Arc::clone(&self.node_ranks);

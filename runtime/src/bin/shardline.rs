@@ -1175,7 +1175,8 @@ struct TrainArgs {
     /// cast_s (its f32/bf16 conversion time); intra_node_bytes and inter_node_bytes (payload
     /// bytes this process's hybrid transport sent inside its node and to other nodes since
     /// the previous line, every lane; 0 for ranks that are threads of one process, which use
-    /// none).
+    /// none), and inter_node_gather_bytes (the part of inter_node_bytes sent on the
+    /// parameter gather lanes).
     /// Launched (`shardline launch`, torchrun, Slurm), rank 0 writes it with its own timings.
     #[arg(long)]
     log_json: Option<PathBuf>,

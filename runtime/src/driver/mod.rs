@@ -362,11 +362,19 @@ impl Progress {
 /// `--log-json`: one JSON object per step, appended.
 /// The `--log-json` file, and this process's hybrid transport counts (HYB-4) at the last
 /// line, so that each line carries what was sent inside and across nodes since.
-struct StepLog(Option<std::io::BufWriter<std::fs::File>>, (u64, u64));
+struct StepLog(Option<std::io::BufWriter<std::fs::File>>, (u64, u64, u64));
+
+/// This process's hybrid transport counts (HYB-4): inside the node, across nodes, and the
+/// part of the latter on gather lanes.
+fn hybrid_sent() -> (u64, u64, u64) {
+    use shardline_collectives::transport::hybrid::{sent_bytes, sent_gather_bytes_across};
+    let (intra, inter) = sent_bytes();
+    (intra, inter, sent_gather_bytes_across())
+}
 
 impl StepLog {
     fn open(path: Option<&Path>) -> Result<Self> {
-        let sent = shardline_collectives::transport::hybrid::sent_bytes();
+        let sent = hybrid_sent();
         let Some(p) = path else { return Ok(StepLog(None, sent)) };
         let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
             RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
@@ -375,10 +383,11 @@ impl StepLog {
     }
 
     fn write(&mut self, mut line: serde_json::Value) -> Result<()> {
-        let now = shardline_collectives::transport::hybrid::sent_bytes();
+        let now = hybrid_sent();
         if let Some(o) = line.as_object_mut() {
             o.insert("intra_node_bytes".into(), (now.0 - self.1 .0).into());
             o.insert("inter_node_bytes".into(), (now.1 - self.1 .1).into());
+            o.insert("inter_node_gather_bytes".into(), (now.2 - self.1 .2).into());
         }
         self.1 = now;
         match self.0.as_mut() {
