@@ -524,3 +524,68 @@ fn resumed_step(log: &str) -> u64 {
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("no resume step:\n{log}"))
 }
+
+/// LAUNCH-15..LAUNCH-18: `--nnodes 1:2 --max-restarts 0` on this host; node 0's agent starts
+/// alone (`--join-wait-s 0.2`) and trains; node 1's agent starts once a few steps are logged.
+/// Without any failure the job grows: generation 0 stops after a step and checkpoints it (the
+/// only checkpoint before the end), generation 1 on nodes [0, 1] resumes from that step and
+/// finishes, both agents exit 0, no restart is counted, and the step log holds every step
+/// exactly once (none lost, none run twice).
+#[test]
+fn an_arriving_node_joins_at_a_step_boundary_launch_16() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 400;
+    let args = train_args(steps, steps, dir, "grow");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let agent = |node: usize| {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "1:2", "--max-restarts", "0"])
+            .args(["--heartbeat-timeout-s", "1", "--grace-s", "0.5", "--join-wait-s", "0.2"])
+            .args(["--node-rank", &node.to_string(), "--rdzv", &format!("127.0.0.1:{port}")])
+            .args(["--token", "elastic-growth-test", "--"])
+            .args(&args);
+        spawn(cmd)
+    };
+    let t0 = Instant::now();
+    let deadline = t0 + DEADLINE;
+    let node0 = agent(0);
+    while logged_step(&dir.join("grow.jsonl")) < 5 {
+        assert!(Instant::now() < deadline, "node 0 alone never reached step 5");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let node1 = agent(1);
+    let out0 = wait_output(node0, deadline, "node 0");
+    let out1 = wait_output(node1, deadline, "node 1");
+    let (log0, log1) = (text(&out0), text(&out1));
+    println!("grown job ran {:.1} s", t0.elapsed().as_secs_f64());
+    for l in log0.lines().filter(|l| l.contains("join") || l.contains("training again")) {
+        println!("{l}");
+    }
+    assert!(out0.status.success(), "node 0 failed:\n{log0}");
+    assert!(out1.status.success(), "node 1 failed:\n{log1}\nnode 0:\n{log0}");
+    let joined = "node 1 joins at step ";
+    let step_after = |log: &str, needle: &str| -> u64 {
+        let t = log.split(needle).nth(1).unwrap_or_else(|| panic!("no '{needle}':\n{log}"));
+        t.split(|c: char| !c.is_ascii_digit()).next().and_then(|d| d.parse().ok()).expect("step")
+    };
+    let s = step_after(&log0, joined);
+    assert!(s >= 5 && s < steps, "joined at step {s}:\n{log0}");
+    let line = format!("{joined}{s}: generation 1 on nodes [0, 1] (world 2)");
+    assert!(log0.contains(&line) && log1.contains(&line), "{line}:\n{log0}\nnode 1:\n{log1}");
+    // Generation 0 stopped after step S and checkpointed it; generation 1 resumed from it.
+    assert_eq!(step_after(&log0, "stopped by SIGTERM after step "), s, "{log0}");
+    assert_eq!(resumed_step(&log0), s, "{log0}");
+    assert!(log0.contains("node 1 in generation 1: training again"), "{log0}");
+    for log in [&log0, &log1] {
+        assert!(!log.contains("fault:") && !log.contains("restart 1/"), "{log}");
+    }
+    let ck = latest(&dir.join("ck-grow"));
+    assert_eq!((ck.manifest().step, ck.manifest().world), (steps, 2));
+    let logged: Vec<u64> = std::fs::read_to_string(dir.join("grow.jsonl"))
+        .expect("step log")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .collect();
+    assert_eq!(logged, (1..=steps).collect::<Vec<_>>(), "every step logged exactly once");
+}

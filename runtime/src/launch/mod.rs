@@ -96,6 +96,7 @@ macro_rules! say {
 
 mod agent;
 mod env;
+mod grow;
 mod options;
 mod rendezvous;
 mod slurm;

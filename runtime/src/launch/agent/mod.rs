@@ -1,9 +1,12 @@
 //! The per-node agent of `shardline launch`: starts and watches the workers of each
-//! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10).
+//! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10),
+//! and grows an elastic job when a node arrives (LAUNCH-15..LAUNCH-18, `launch/grow.rs`, `growing.rs`).
+
+mod growing;
 
 use super::options::LaunchOptions;
 use super::rendezvous::RENDEZVOUS_TIMEOUT;
-use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, StoreLink};
+use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, Joined, StoreLink};
 use super::worker::{progress_key, unix_ms};
 use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
@@ -71,8 +74,6 @@ pub(super) const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 const STORE_LOST: Duration = Duration::from_secs(60);
 /// After this long without reaching the store, a node's agent says what it waits for.
 const WAITING_NOTE_AFTER: Duration = Duration::from_secs(3);
-/// How long an elastic job's node 0 waits at start-up for the most nodes to join.
-const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
 /// How long node 0's agent keeps the store up after success for the other nodes' reports.
 const END_WAIT: Duration = Duration::from_secs(10);
 /// LAUNCH-14: an agent whose store replica heard from no majority this long (three of its
@@ -100,6 +101,13 @@ enum Next {
 enum Outcome {
     Done,
     Failed(String),
+    /// Nodes join (LAUNCH-15..LAUNCH-18): the next generation runs on `nodes`; `seen` is
+    /// when the deciding agent first saw a node waiting outside the running generation.
+    Grow {
+        nodes: Vec<usize>,
+        joining: Vec<usize>,
+        seen: Instant,
+    },
 }
 
 /// One node's agent.
@@ -121,6 +129,25 @@ struct Agent<'a> {
     /// The generation record as this agent last read or wrote it: what its next write
     /// expects to replace (LAUNCH-14).
     gen_seen: Option<Vec<u8>>,
+    /// The workers' `--checkpoint-dir`, as the agent reads it from their arguments.
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Whether this agent said that a node waits for want of a checkpoint directory.
+    told_no_checkpoint: bool,
+}
+
+/// The value of `--checkpoint-dir` in a worker's arguments (`--checkpoint-dir D` or
+/// `--checkpoint-dir=D`).
+fn checkpoint_dir_of(args: &[String]) -> Option<std::path::PathBuf> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--checkpoint-dir" {
+            return it.next().map(std::path::PathBuf::from);
+        }
+        if let Some(d) = a.strip_prefix("--checkpoint-dir=") {
+            return Some(d.into());
+        }
+    }
+    None
 }
 
 impl Agent<'_> {
@@ -229,14 +256,17 @@ impl Agent<'_> {
         Ok(workers)
     }
 
-    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5).
-    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64) -> Vec<String> {
+    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
+    /// generation stops to grow, a worker that stopped on SIGTERM (exit 128 + SIGTERM, INT-1)
+    /// did as asked.
+    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64, to_grow: bool) -> Vec<String> {
         let mut bad: Vec<(usize, String)> = Vec::new();
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
             match w.child.try_wait() {
                 Ok(Some(st)) => {
                     w.status = Some(st);
-                    if !st.success() {
+                    let as_asked = to_grow && growing::stopped_as_asked(st);
+                    if !st.success() && !as_asked {
                         bad.push((w.rank, format!("exited with {}", describe(st))));
                     }
                 }
@@ -273,7 +303,7 @@ impl Agent<'_> {
             && !(asked && crate::interrupt::count() >= 2)
         {
             self.heartbeat();
-            self.poll_workers(workers, gen);
+            self.poll_workers(workers, gen, false);
             std::thread::sleep(Duration::from_millis(20));
         }
         let left: Vec<usize> =
@@ -354,7 +384,7 @@ impl Agent<'_> {
     /// is not in it, or its workers here failed.
     fn takeover_failure(&self, g: &Generation, workers: &[Worker]) -> Option<String> {
         let me = self.o.node_rank;
-        if g.state == GenState::Stop {
+        if matches!(g.state, GenState::Stop | GenState::Grow) {
             return Some(format!(
                 "generation {} was stopping when node {}'s agent stopped leading",
                 g.gen, g.by
@@ -387,9 +417,7 @@ impl Agent<'_> {
             let up: Vec<usize> = (0..o.nnodes)
                 .filter(|&n| n == o.node_rank || beats.fresh(n, o.heartbeat_timeout))
                 .collect();
-            if up.len() == o.nnodes
-                || (start.elapsed() >= ELASTIC_JOIN_WAIT && up.len() >= o.min_nodes)
-            {
+            if up.len() == o.nnodes || (start.elapsed() >= o.join_wait && up.len() >= o.min_nodes) {
                 return Ok(up);
             }
             if start.elapsed() >= RENDEZVOUS_TIMEOUT {
@@ -412,12 +440,13 @@ impl Agent<'_> {
         let mut restarts = 0u32;
         // (step to pass, when the failure was detected)
         let mut recovering: Option<(u64, Instant)> = None;
+        // (nodes that joined, when their arrival was seen) until the grown generation steps.
+        let mut training_again: Option<(Vec<usize>, Instant)> = None;
         // A generation taken over, with this node's workers and why it fails at once.
         let mut adopted: Option<(Vec<Worker>, Option<String>)> = None;
         let mut g = match adopt {
             Some((g, workers)) => {
-                // Every generation after the first was a restart.
-                restarts = u32::try_from(g.gen).unwrap_or(u32::MAX);
+                restarts = g.restarts;
                 let why = self.takeover_failure(&g, &workers);
                 self.log(format_args!(
                     "this node's store replica leads: its agent takes over generation {} from node {}",
@@ -428,7 +457,7 @@ impl Agent<'_> {
             }
             None => {
                 let nodes = self.initial_nodes(&mut beats)?;
-                Generation { gen: 0, nodes, state: GenState::Run, by: me }
+                Generation { gen: 0, nodes, state: GenState::Run, by: me, restarts: 0, grew: None }
             }
         };
         loop {
@@ -452,13 +481,17 @@ impl Agent<'_> {
             let started = Instant::now();
             let mut last_poll: Option<Instant> = None;
             let mut interrupted = false;
+            // LAUNCH-18: the first step rank 0 published in this generation.
+            let mut first_step: Option<u64> = None;
+            // When a node was first seen waiting outside this generation.
+            let mut waiting_since: Option<Instant> = None;
             let outcome = loop {
                 if let Some(why) = fail_now.take() {
                     break Outcome::Failed(why);
                 }
                 self.heartbeat();
                 interrupted |= self.forward_signals(&workers);
-                let failed = self.poll_workers(&mut workers, g.gen);
+                let failed = self.poll_workers(&mut workers, g.gen, false);
                 if let Some(f) = failed.into_iter().next() {
                     break Outcome::Failed(f);
                 }
@@ -468,6 +501,18 @@ impl Agent<'_> {
                 if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
                     last_poll = Some(Instant::now());
                     self.poll_progress(g.gen);
+                    if let Some((joining, at)) = &training_again {
+                        if self.progress > 0 {
+                            self.log(format_args!(
+                                "{} in generation {}: training again (step {} done), {:.3} s after the arrival was seen",
+                                growing::who_joined(joining),
+                                g.gen,
+                                self.progress,
+                                at.elapsed().as_secs_f64()
+                            ));
+                            training_again = None;
+                        }
+                    }
                     if let Some((target, at)) = recovering {
                         if self.progress >= target {
                             self.log(format_args!(
@@ -517,30 +562,65 @@ impl Agent<'_> {
                         self.log(format_args!("fault: {why}"));
                         break Outcome::Failed(why);
                     }
+                    if self.progress > 0 {
+                        first_step.get_or_insert(self.progress);
+                    }
+                    let steps_done = first_step.map_or(0, |f| self.progress - f + 1);
+                    if let Some(grow) =
+                        self.consider_growth(&g, &beats, steps_done, &mut waiting_since)
+                    {
+                        break grow;
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(20));
             };
+            // A failure's reason; none once training finished.
             let why = match outcome {
-                Outcome::Done => {
-                    if let Some((target, at)) = recovering {
-                        // Finished before the next poll: the group passed the step all the same.
-                        self.log(format_args!(
-                            "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
-                            g.gen,
-                            at.elapsed().as_secs_f64()
-                        ));
+                Outcome::Grow { nodes, joining, seen } => {
+                    match self.stop_to_grow(&mut g, &mut workers, &mut beats, started)? {
+                        growing::Stopped::AtStep(step) => {
+                            let next = Generation {
+                                gen: g.gen + 1,
+                                nodes,
+                                state: GenState::Run,
+                                by: me,
+                                restarts,
+                                grew: Some(Joined { nodes: joining.clone(), step }),
+                            };
+                            self.log_join(&next);
+                            training_again = Some((joining, seen));
+                            g = next;
+                            continue;
+                        }
+                        growing::Stopped::Finished => None,
+                        growing::Stopped::Failed(why) => {
+                            self.log(format_args!("fault: {why}"));
+                            Some(why)
+                        }
+                        growing::Stopped::Follow => return Ok(Next::Follow(Some(g), workers)),
                     }
-                    g.state = GenState::Done;
-                    if !self.publish(&g)? {
-                        return Ok(Next::Follow(Some(g), workers));
-                    }
-                    self.wait_for_ends(&g, &mut beats);
-                    if restarts > 0 {
-                        self.log(format_args!("finished after {restarts} restart(s)"));
-                    }
-                    return Ok(Next::Exit(0));
                 }
-                Outcome::Failed(why) => why,
+                Outcome::Done => None,
+                Outcome::Failed(why) => Some(why),
+            };
+            let Some(why) = why else {
+                if let Some((target, at)) = recovering {
+                    // Finished before the next poll: the group passed the step all the same.
+                    self.log(format_args!(
+                        "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
+                        g.gen,
+                        at.elapsed().as_secs_f64()
+                    ));
+                }
+                g.state = GenState::Done;
+                if !self.publish(&g)? {
+                    return Ok(Next::Follow(Some(g), workers));
+                }
+                self.wait_for_ends(&g, &mut beats);
+                if restarts > 0 {
+                    self.log(format_args!("finished after {restarts} restart(s)"));
+                }
+                return Ok(Next::Exit(0));
             };
             let detected = Instant::now();
             let failed_step = self.progress + 1;
@@ -638,7 +718,14 @@ impl Agent<'_> {
                 g.gen + 1,
                 next.len() * o.nproc_per_node
             ));
-            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run, by: me };
+            g = Generation {
+                gen: g.gen + 1,
+                nodes: next,
+                state: GenState::Run,
+                by: me,
+                restarts,
+                grew: None,
+            };
         }
     }
 
@@ -712,6 +799,9 @@ impl Agent<'_> {
         let mut last_poll: Option<Instant> = None;
         let start = Instant::now();
         let mut told_waiting = false;
+        // The deciding agent stops this generation to grow it: this node said it is ready,
+        // and its workers stopping on SIGTERM do as asked (LAUNCH-15..LAUNCH-18).
+        let mut growing = false;
         loop {
             self.heartbeat();
             if self.forward_signals(&workers) {
@@ -720,7 +810,7 @@ impl Agent<'_> {
                 return Ok(Next::Exit(128 + self.forwarded));
             }
             let gen = cur.as_ref().map_or(0, |g| g.gen);
-            let failed = self.poll_workers(&mut workers, gen);
+            let failed = self.poll_workers(&mut workers, gen, growing);
             if !failed.is_empty() && !reported {
                 let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
                 reported = self.link.set(&key, failed.join("; ").as_bytes());
@@ -732,7 +822,7 @@ impl Agent<'_> {
                     self.link.set(&key, b"ok");
                     return Ok(Next::Exit(0));
                 }
-                if !reported {
+                if !reported && !growing {
                     let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
                     reported = self.link.set(&key, b"workers stopped");
                 }
@@ -793,7 +883,8 @@ impl Agent<'_> {
                         self.gen_seen = Some(v);
                         // LAUNCH-14: the agent that decided this generation no longer leads
                         // the store and this node's replica does: this agent takes over.
-                        let running = matches!(g.state, GenState::Run | GenState::Stop);
+                        let running =
+                            matches!(g.state, GenState::Run | GenState::Stop | GenState::Grow);
                         let same = cur.as_ref().is_some_and(|c| c.gen == g.gen);
                         if running && g.by != me && same && self.leads() {
                             return Ok(Next::Lead(Some((g, workers))));
@@ -823,9 +914,13 @@ impl Agent<'_> {
                                 workers.clear();
                                 reported = false;
                                 stopped_sent = false;
+                                growing = false;
                                 self.progress = 0;
+                                if g.grew.is_some() {
+                                    self.log_join(&g);
+                                }
                                 if g.nodes.contains(&me) {
-                                    if g.gen > 0 {
+                                    if g.gen > 0 && g.grew.is_none() {
                                         self.log(format_args!(
                                             "restarting with generation {} on node(s) {:?}",
                                             g.gen, g.nodes
@@ -834,11 +929,19 @@ impl Agent<'_> {
                                     workers = self.spawn(&g)?;
                                 } else {
                                     self.log(format_args!(
-                                        "not in generation {} (node(s) {:?}): waiting to rejoin",
+                                        "not in generation {} (node(s) {:?}): waiting to join, once it completed a step",
                                         g.gen, g.nodes
                                     ));
                                 }
                                 cur = Some(g);
+                            }
+                            GenState::Grow
+                                if !growing && cur.as_ref().is_some_and(|c| c.gen == g.gen) =>
+                            {
+                                // Ready only once the deciding agent can read it: it sends the
+                                // stop after every node's agent said so.
+                                let key = agent_key(&self.job, &format!("ready/{gen}/{me}"));
+                                growing = self.link.set(&key, b"ready");
                             }
                             GenState::Stop if cur.as_ref().is_some_and(|c| c.gen == g.gen) => {
                                 if workers.iter().any(|w| w.status.is_none()) {
@@ -879,14 +982,11 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
     if o.worker_args.first().map(String::as_str) != Some("train") {
         return Err(RuntimeError::config("launch runs `train ...` after `--`"));
     }
-    if (o.max_restarts > 0 || o.min_nodes < o.nnodes)
-        && !o
-            .worker_args
-            .iter()
-            .any(|a| a == "--checkpoint-dir" || a.starts_with("--checkpoint-dir="))
-    {
+    let checkpoint_dir = checkpoint_dir_of(&o.worker_args);
+    // LAUNCH-17: an elastic job grows, and any job restarts, through a checkpoint.
+    if (o.max_restarts > 0 || o.min_nodes < o.nnodes) && checkpoint_dir.is_none() {
         return Err(RuntimeError::config(
-            "--max-restarts and elastic --nnodes restart from checkpoints: give --checkpoint-dir to train",
+            "--max-restarts and elastic --nnodes restart and grow from checkpoints: give --checkpoint-dir to train",
         ));
     }
     let token = match o.token.clone().or_else(|| std::env::var("SHARDLINE_TOKEN").ok()) {
@@ -996,6 +1096,8 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         progress: 0,
         replica,
         gen_seen: None,
+        checkpoint_dir,
+        told_no_checkpoint: false,
     };
     // With a single store node 0's agent decides; with replicas every agent starts as a
     // follower and the one whose replica leads decides (LAUNCH-14).
