@@ -54,7 +54,11 @@
 //! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
 //!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
 //!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
-//!   nodes; a node whose agent is back (fresh heartbeat) rejoins at the next restart. A
+//!   nodes. A node whose agent starts later or is back (a heartbeat seen moving) joins
+//!   without waiting for a failure, once the running generation completed a step, up to
+//!   MAX nodes (LAUNCH-15..LAUNCH-18 in `grow.rs`): the generation stops after a step and
+//!   checkpoints it, and the next one resumes from that checkpoint resharded on load; a
+//!   growth is no restart. An agent still waiting to join when the job ends exits 0. A
 //!   fixed-size job instead waits for the missing node to come back before restarting.
 //! - LAUNCH-11: under torchrun, the job's store keys and shm segments are named after
 //!   `TORCHELASTIC_RUN_ID` (unless `SHARDLINE_JOB` is set) and the restart count

@@ -1,16 +1,21 @@
 //! The per-node agent of `shardline launch`: starts and watches the workers of each
 //! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10),
-//! and grows an elastic job when a node arrives (LAUNCH-15..LAUNCH-18, `launch/grow.rs`, `growing.rs`).
+//! and grows an elastic job when a node arrives (LAUNCH-15..LAUNCH-18). The deciding agent's
+//! loop is here; `start.rs` starts an agent, `follow.rs` is the loop of the others, and
+//! `growing.rs` stops a generation for the growth that `launch/grow.rs` decides.
 
+mod follow;
 mod growing;
+mod start;
+
+pub use start::run_agent;
 
 use super::options::LaunchOptions;
 use super::rendezvous::RENDEZVOUS_TIMEOUT;
 use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, Joined, StoreLink};
 use super::worker::{progress_key, unix_ms};
-use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
-use shardline_collectives::{ReplicaServer, ReplicatedStore, TcpStoreServer};
+use shardline_collectives::ReplicaServer;
 use std::time::{Duration, Instant};
 
 /// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
@@ -768,11 +773,15 @@ impl Agent<'_> {
         alive
     }
 
-    /// Node 0 after success: keeps the store up until the other nodes' workers are done.
+    /// Node 0 after success: keeps the store up until the other nodes' workers are done, and
+    /// until the agents waiting to join learned that the job ended.
     fn wait_for_ends(&mut self, g: &Generation, beats: &mut Heartbeats) {
-        let me = self.o.node_rank;
+        let o = self.o;
+        let me = o.node_rank;
         let since = Instant::now();
-        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        let mut pending: Vec<usize> = (0..o.nnodes)
+            .filter(|&n| n != me && (g.nodes.contains(&n) || beats.moving(n, o.heartbeat_timeout)))
+            .collect();
         while !pending.is_empty() && since.elapsed() < END_WAIT {
             beats.poll(&mut self.link, &self.job);
             let job = self.job.clone();
@@ -786,342 +795,4 @@ impl Agent<'_> {
             }
         }
     }
-
-    /// Any other node's agent: runs the generations the deciding agent decides (LAUNCH-6),
-    /// from `cur` with `workers`; with replicas it decides once its replica leads, and stops
-    /// once its replica lost the quorum (LAUNCH-14).
-    fn follow(&mut self, cur: Option<Generation>, workers: Vec<Worker>) -> Result<Next> {
-        let me = self.o.node_rank;
-        let mut cur = cur;
-        let mut workers = workers;
-        let mut reported = false;
-        let mut stopped_sent = false;
-        let mut last_poll: Option<Instant> = None;
-        let start = Instant::now();
-        let mut told_waiting = false;
-        // The deciding agent stops this generation to grow it: this node said it is ready,
-        // and its workers stopping on SIGTERM do as asked (LAUNCH-15..LAUNCH-18).
-        let mut growing = false;
-        loop {
-            self.heartbeat();
-            if self.forward_signals(&workers) {
-                let gen = cur.as_ref().map_or(0, |g| g.gen);
-                self.stop(&mut workers, gen);
-                return Ok(Next::Exit(128 + self.forwarded));
-            }
-            let gen = cur.as_ref().map_or(0, |g| g.gen);
-            let failed = self.poll_workers(&mut workers, gen, growing);
-            if !failed.is_empty() && !reported {
-                let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
-                reported = self.link.set(&key, failed.join("; ").as_bytes());
-            }
-            let all_exited = !workers.is_empty() && workers.iter().all(|w| w.status.is_some());
-            if all_exited {
-                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
-                    let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
-                    self.link.set(&key, b"ok");
-                    return Ok(Next::Exit(0));
-                }
-                if !reported && !growing {
-                    let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
-                    reported = self.link.set(&key, b"workers stopped");
-                }
-                if !stopped_sent {
-                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
-                    stopped_sent = self.link.set(&key, b"stopped");
-                }
-            }
-            // Once this node's workers failed or stopped, node 0's next decision is awaited
-            // closely.
-            let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
-            if last_poll.is_none_or(|t| t.elapsed() >= every) {
-                last_poll = Some(Instant::now());
-                if let Some(code) = self.stop_without_quorum(&mut workers, gen) {
-                    return Ok(Next::Exit(code));
-                }
-                let got = self.link.get(&agent_key(&self.job, "gen"));
-                if matches!(got, Got::Unreachable)
-                    && !told_waiting
-                    && self.link.last_ok.elapsed() >= WAITING_NOTE_AFTER
-                {
-                    // Node 0 may simply start later; say what is awaited instead of silence.
-                    told_waiting = true;
-                    let whose = if self.replica.is_some() {
-                        "a majority of the store's replicas"
-                    } else {
-                        "node 0's store"
-                    };
-                    self.log(format_args!(
-                        "waiting for {whose} at {} ({}); giving up after {:?}",
-                        self.rdzv,
-                        self.link.last_err.as_deref().unwrap_or("no answer"),
-                        STORE_LOST
-                    ));
-                }
-                match got {
-                    Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
-                        self.log(format_args!(
-                            "the store at {} is unreachable for {:?}: giving up",
-                            self.rdzv, STORE_LOST
-                        ));
-                        self.stop(&mut workers, gen);
-                        return Ok(Next::Exit(1));
-                    }
-                    // LAUNCH-14: no generation yet and this node's replica leads: it decides.
-                    Got::Unset if self.leads() => return Ok(Next::Lead(None)),
-                    Got::Unset if start.elapsed() >= RENDEZVOUS_TIMEOUT => {
-                        return Err(RuntimeError::config(format!(
-                            "node 0's agent published no generation within {RENDEZVOUS_TIMEOUT:?}"
-                        )));
-                    }
-                    Got::Value(v) => {
-                        let g: Generation = serde_json::from_slice(&v).map_err(|e| {
-                            RuntimeError::config(format!(
-                                "the store holds a bad generation record: {e}"
-                            ))
-                        })?;
-                        self.gen_seen = Some(v);
-                        // LAUNCH-14: the agent that decided this generation no longer leads
-                        // the store and this node's replica does: this agent takes over.
-                        let running =
-                            matches!(g.state, GenState::Run | GenState::Stop | GenState::Grow);
-                        let same = cur.as_ref().is_some_and(|c| c.gen == g.gen);
-                        if running && g.by != me && same && self.leads() {
-                            return Ok(Next::Lead(Some((g, workers))));
-                        }
-                        if !workers.is_empty() {
-                            self.poll_progress(gen);
-                        }
-                        let newer = cur.as_ref().is_none_or(|c| g.gen > c.gen);
-                        match g.state {
-                            GenState::Abort => {
-                                self.log(format_args!(
-                                    "node {} ended the job after a failure",
-                                    g.by
-                                ));
-                                self.stop(&mut workers, gen);
-                                let key = agent_key(&self.job, &format!("end/{}/{me}", g.gen));
-                                self.link.set(&key, b"aborted");
-                                return Ok(Next::Exit(1));
-                            }
-                            GenState::Done if workers.is_empty() || all_exited => {
-                                return Ok(Next::Exit(0))
-                            }
-                            GenState::Run if newer => {
-                                if workers.iter().any(|w| w.status.is_none()) {
-                                    self.stop(&mut workers, gen);
-                                }
-                                workers.clear();
-                                reported = false;
-                                stopped_sent = false;
-                                growing = false;
-                                self.progress = 0;
-                                if g.grew.is_some() {
-                                    self.log_join(&g);
-                                }
-                                if g.nodes.contains(&me) {
-                                    if g.gen > 0 && g.grew.is_none() {
-                                        self.log(format_args!(
-                                            "restarting with generation {} on node(s) {:?}",
-                                            g.gen, g.nodes
-                                        ));
-                                    }
-                                    workers = self.spawn(&g)?;
-                                } else {
-                                    self.log(format_args!(
-                                        "not in generation {} (node(s) {:?}): waiting to join, once it completed a step",
-                                        g.gen, g.nodes
-                                    ));
-                                }
-                                cur = Some(g);
-                            }
-                            GenState::Grow
-                                if !growing && cur.as_ref().is_some_and(|c| c.gen == g.gen) =>
-                            {
-                                // Ready only once the deciding agent can read it: it sends the
-                                // stop after every node's agent said so.
-                                let key = agent_key(&self.job, &format!("ready/{gen}/{me}"));
-                                growing = self.link.set(&key, b"ready");
-                            }
-                            GenState::Stop if cur.as_ref().is_some_and(|c| c.gen == g.gen) => {
-                                if workers.iter().any(|w| w.status.is_none()) {
-                                    self.stop(&mut workers, gen);
-                                }
-                                if !stopped_sent {
-                                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
-                                    stopped_sent = self.link.set(&key, b"stopped");
-                                }
-                            }
-                            _ => {}
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-/// Runs the agent of one node (LAUNCH-5, LAUNCH-6): hosts the store on node 0, starts the
-/// workers of each generation, watches them and the other agents. Returns the process exit
-/// code: 0 when training finished.
-pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
-    if o.nproc_per_node == 0 || o.nnodes == 0 || o.node_rank >= o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--nproc-per-node {} --nnodes {} --node-rank {}: need at least one process and node, and node rank < nodes",
-            o.nproc_per_node, o.nnodes, o.node_rank
-        )));
-    }
-    if o.min_nodes == 0 || o.min_nodes > o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--nnodes {}:{}: need 1 <= MIN <= MAX",
-            o.min_nodes, o.nnodes
-        )));
-    }
-    if o.worker_args.first().map(String::as_str) != Some("train") {
-        return Err(RuntimeError::config("launch runs `train ...` after `--`"));
-    }
-    let checkpoint_dir = checkpoint_dir_of(&o.worker_args);
-    // LAUNCH-17: an elastic job grows, and any job restarts, through a checkpoint.
-    if (o.max_restarts > 0 || o.min_nodes < o.nnodes) && checkpoint_dir.is_none() {
-        return Err(RuntimeError::config(
-            "--max-restarts and elastic --nnodes restart and grow from checkpoints: give --checkpoint-dir to train",
-        ));
-    }
-    let token = match o.token.clone().or_else(|| std::env::var("SHARDLINE_TOKEN").ok()) {
-        Some(t) if !t.is_empty() => t,
-        _ if o.nnodes > 1 => return Err(RuntimeError::config(
-            "several nodes need a job token: --token or SHARDLINE_TOKEN (the same on every node)",
-        )),
-        _ => random_token(),
-    };
-    let rdzv = match (&o.rdzv, o.nnodes) {
-        (Some(r), _) => r.clone(),
-        (None, 1) => "127.0.0.1:0".into(),
-        (None, _) => {
-            return Err(RuntimeError::config(
-                "several nodes need --rdzv HOST:PORT (node 0's address)",
-            ))
-        }
-    };
-    // LAUNCH-14: one address per node replicates the store across the agents.
-    let replicas: Vec<String> = rdzv.split(',').map(|a| a.trim().to_owned()).collect();
-    if replicas.len() > 1 && replicas.len() != o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--rdzv {rdzv}: {} addresses for --nnodes {}; give one HOST:PORT (node 0's store) or one per node (a replicated store)",
-            replicas.len(),
-            o.nnodes
-        )));
-    }
-    let port_of = |a: &str| {
-        a.rsplit_once(':')
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-            .ok_or_else(|| RuntimeError::config(format!("--rdzv {a}: expected HOST:PORT")))
-    };
-    let mut replica = None;
-    let (server, rdzv) = if replicas.len() > 1 {
-        for a in &replicas {
-            port_of(a)?;
-        }
-        let port = port_of(&replicas[o.node_rank])?;
-        let seed = std::process::id() as u64 ^ (o.node_rank as u64) << 32;
-        // RSTORE-6: a store that already answers is a running job this agent rejoins (it was
-        // restarted): its empty replica votes only once it caught up.
-        let probe = ReplicatedStore::new(replicas.clone(), &token, JOIN_PROBE)
-            .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?;
-        let joining = matches!(
-            shardline_collectives::Store::get(&probe, "agent/probe", Duration::ZERO),
-            Ok(_) | Err(shardline_collectives::StoreError::Timeout { .. })
-        );
-        if joining {
-            say!(
-                "shardline launch: node {}: the store already runs: this node's replica joins it and votes once it caught up",
-                o.node_rank
-            );
-        }
-        let r =
-            ReplicaServer::start(o.node_rank, &replicas, ("0.0.0.0", port), &token, seed, joining)
-                .map_err(|e| {
-                    RuntimeError::config(format!(
-                        "hosting this node's store replica on port {port}: {e}"
-                    ))
-                })?;
-        replica = Some(r);
-        (None, replicas.join(","))
-    } else if o.node_rank == 0 {
-        let port = port_of(&rdzv)?;
-        // An address given by the user is reached through whatever interface it names.
-        let bind = if o.rdzv.is_some() { "0.0.0.0" } else { "127.0.0.1" };
-        let server = TcpStoreServer::bind((bind, port), &token)
-            .map_err(|e| RuntimeError::config(format!("hosting the store on port {port}: {e}")))?;
-        let host = rdzv.rsplit_once(':').map(|(h, _)| h.to_owned()).unwrap_or_default();
-        let actual = format!("{host}:{}", server.addr().port());
-        (Some(server), actual)
-    } else {
-        (None, rdzv)
-    };
-    // One job name for every node: derived from what every node was given.
-    let job = format!("l{}", &checkpoint::config_hash(&(rdzv.as_str(), token.as_str()))?[..10]);
-    // The agent forwards signals itself; its workers' own handlers stop them (INT-1).
-    crate::interrupt::install(false)?;
-    let exe = std::env::current_exe()
-        .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
-    let replicated = match replica {
-        Some(_) => Some(
-            ReplicatedStore::new(replicas.clone(), &token, REPLICATED_REQUEST_TIMEOUT)
-                .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?,
-        ),
-        None => None,
-    };
-    let link = StoreLink {
-        addr: rdzv.clone(),
-        token: token.clone(),
-        client: None,
-        replicated,
-        last_ok: Instant::now(),
-        last_err: None,
-    };
-    let mut agent = Agent {
-        o,
-        exe,
-        rdzv,
-        token,
-        job,
-        link,
-        t0: Instant::now(),
-        beats: 0,
-        last_beat: None,
-        forwarded: 0,
-        progress: 0,
-        replica,
-        gen_seen: None,
-        checkpoint_dir,
-        told_no_checkpoint: false,
-    };
-    // With a single store node 0's agent decides; with replicas every agent starts as a
-    // follower and the one whose replica leads decides (LAUNCH-14).
-    let mut next = if o.node_rank == 0 && agent.replica.is_none() {
-        Next::Lead(None)
-    } else {
-        Next::Follow(None, Vec::new())
-    };
-    let code = loop {
-        next = match next {
-            Next::Lead(adopt) => agent.coordinate(adopt)?,
-            Next::Follow(cur, workers) => agent.follow(cur, workers)?,
-            Next::Exit(code) => break code,
-        };
-    };
-    drop(server);
-    if code > 128 {
-        say!(
-            "shardline launch: node {} stopped by {}",
-            o.node_rank,
-            crate::interrupt::signal_name(code - 128)
-        );
-    } else if code != 0 {
-        say!("shardline launch: node {} failed", o.node_rank);
-    }
-    Ok(code)
 }
