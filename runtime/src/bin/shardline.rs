@@ -187,7 +187,7 @@ enum Cmd {
     /// An elastic job (--nnodes MIN:MAX, which needs --checkpoint-dir) starts once MIN
     /// nodes' agents are up (after waiting --join-wait-s for MAX), shrinks when a node is
     /// lost, and grows when a node's agent starts later or comes back: once the running
-    /// generation has completed a step, the deciding agent stops its workers with SIGTERM
+    /// generation has completed a step, the deciding agent stops its workers with SIGUSR1
     /// after the step in progress, they checkpoint that step, and a generation with the new
     /// node (ranks renumbered) resumes from it, resharded on load. No completed step is
     /// lost, and a growth uses none of --max-restarts.
@@ -1723,6 +1723,11 @@ fn worker_mode(
     // LAUNCH-13: a wait that outlasts its grace after the signal ends the worker.
     let installed = shardline_runtime::interrupt::install(false).and_then(|_| {
         shardline_runtime::interrupt::watch_waits(format!("shardline: rank {}", env.rank))
+    });
+    // INT-3: `shardline launch`'s agent stops its workers with SIGUSR1 to grow the job.
+    let installed = installed.and_then(|_| match env.source {
+        "shardline" => shardline_runtime::interrupt::install_planned_stop(),
+        _ => Ok(()),
     });
     if let Err(e) = installed {
         eprintln!("error: rank {}: {e}", env.rank);

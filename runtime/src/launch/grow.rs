@@ -2,8 +2,8 @@
 //! a failure: a pure decision over what that agent sees (the running generation, the nodes
 //! whose agents heartbeat, MAX, the checkpoint directory, the steps the generation did).
 //!
-//! A growth stops the running workers at a step boundary (SIGTERM, INT-1: the group stops
-//! together after a step and checkpoints it), and the next generation, with the joining
+//! A growth stops the running workers at a step boundary (SIGUSR1, a planned stop: the group
+//! stops together after a step and checkpoints it, INT-1, INT-3), and the next generation, with the joining
 //! nodes and its ranks renumbered, resumes from that checkpoint resharded on load (CKPT-3),
 //! as a restart does. Growth reshards through the checkpoint on disk, never from the peers'
 //! memory. It is not a failure: it uses none of `--max-restarts`.

@@ -71,7 +71,8 @@
 //!   (INT-1), but no wait holds it past its grace (BLOCK-2): a rendezvous wait (the store,
 //!   the other ranks' hellos, the links) ends the process at once, a collective of a step
 //!   after 0.5 s, a checkpoint's barrier after 20 s; the process then exits with 128 + the
-//!   signal, naming what it waited for.
+//!   signal, naming what it waited for. The agent's planned stop for a growth (SIGUSR1,
+//!   INT-3) cuts no wait short.
 //! - LAUNCH-14: with one `--rdzv` address per node the store survives the loss of any
 //!   minority of the nodes, node 0 included: every agent serves a replica of it (a Raft log,
 //!   `shardline_collectives::store::raft`, RSTORE-n), workers and agents talk to the leader

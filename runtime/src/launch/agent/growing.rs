@@ -1,8 +1,10 @@
 //! The agents' side of a growth (LAUNCH-15..LAUNCH-18, decided in `launch/grow.rs`): the
 //! deciding agent writes the running generation's record as growing, waits until every other
-//! agent of it said it is ready (from then on a worker that stops on SIGTERM does as asked),
-//! sends SIGTERM to its own workers (the group stops together after a step and checkpoints
-//! it, INT-1), waits until every agent's workers stopped, and starts the next generation,
+//! agent of it said it is ready (from then on a worker that stops on SIGUSR1 does as asked),
+//! sends SIGUSR1 to its own workers (a planned stop: the group stops together after a step
+//! and checkpoints it, INT-1, and no wait is cut short, INT-3, as SIGTERM's watchdog would
+//! after 0.5 s in a collective, losing that step's checkpoint), waits until every agent's
+//! workers stopped, and starts the next generation,
 //! which resumes from that checkpoint resharded on load. Growth reshards through the
 //! checkpoint, never from the peers' memory, and counts no restart.
 
@@ -25,11 +27,11 @@ pub(super) enum Stopped {
     Follow,
 }
 
-/// A worker that exited as a SIGTERM asks (INT-1: 128 + SIGTERM after its step, or the signal
-/// itself before its handler was installed).
+/// A worker that exited as a planned stop asks (INT-3: 128 + SIGUSR1 after its step, or the
+/// signal itself before its handler was installed).
 pub(super) fn stopped_as_asked(st: std::process::ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
-    st.code() == Some(128 + libc::SIGTERM) || st.signal() == Some(libc::SIGTERM)
+    st.code() == Some(128 + libc::SIGUSR1) || st.signal() == Some(libc::SIGUSR1)
 }
 
 /// `node 1`, or `nodes [1, 2]`.
@@ -137,10 +139,10 @@ impl Agent<'_> {
             std::thread::sleep(super::FAST_POLL);
         }
         self.log(format_args!(
-            "stopping generation {} after its step in progress to grow (SIGTERM to its workers, which checkpoint that step)",
+            "stopping generation {} after its step in progress to grow (SIGUSR1 to its workers, which checkpoint that step)",
             g.gen
         ));
-        signal_all(workers, nix::sys::signal::Signal::SIGTERM);
+        signal_all(workers, nix::sys::signal::Signal::SIGUSR1);
         let until = Instant::now() + SIGNAL_STOP_WAIT;
         let mut failed = None;
         while workers.iter().any(|w| w.status.is_none()) && Instant::now() < until {
@@ -159,7 +161,7 @@ impl Agent<'_> {
                 w.status = w.child.wait().ok();
             }
             return Ok(Stopped::Failed(format!(
-                "rank(s) {left:?} did not stop within {SIGNAL_STOP_WAIT:?} of the SIGTERM for a growth"
+                "rank(s) {left:?} did not stop within {SIGNAL_STOP_WAIT:?} of the SIGUSR1 for a growth"
             )));
         }
         if let Some(f) = failed {
@@ -192,6 +194,17 @@ impl Agent<'_> {
             .as_ref()
             .and_then(|d| checkpoint::committed(d).ok())
             .and_then(|c| c.first().map(|(s, _)| *s));
+        // A stop that wrote no checkpoint of the last step rank 0 published (a worker ended
+        // by another cause meanwhile) loses steps: say so rather than grow as if none were.
+        self.poll_progress(g.gen);
+        if step.unwrap_or(0) < self.progress {
+            self.log(format_args!(
+                "generation {} stopped without a checkpoint of step {} (newest: {}): the steps after it run again",
+                g.gen,
+                self.progress,
+                step.map_or("none".to_string(), |s| format!("step {s}"))
+            ));
+        }
         Ok(Stopped::AtStep(step))
     }
 

@@ -262,7 +262,7 @@ impl Agent<'_> {
     }
 
     /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
-    /// generation stops to grow, a worker that stopped on SIGTERM (exit 128 + SIGTERM, INT-1)
+    /// generation stops to grow, a worker that stopped on SIGUSR1 (exit 128 + SIGUSR1, INT-3)
     /// did as asked.
     fn poll_workers(&mut self, workers: &mut [Worker], gen: u64, to_grow: bool) -> Vec<String> {
         let mut bad: Vec<(usize, String)> = Vec::new();
