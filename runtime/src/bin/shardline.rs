@@ -187,10 +187,10 @@ enum Cmd {
     /// An elastic job (--nnodes MIN:MAX, which needs --checkpoint-dir) starts once MIN
     /// nodes' agents are up (after waiting --join-wait-s for MAX), shrinks when a node is
     /// lost, and grows when a node's agent starts later or comes back: once the running
-    /// generation has completed a step, the deciding agent stops its workers with SIGUSR1
-    /// after the step in progress, they checkpoint that step, and a generation with the new
-    /// node (ranks renumbered) resumes from it, resharded on load. No completed step is
-    /// lost, and a growth uses none of --max-restarts.
+    /// generation has completed a step, the deciding agent sends its workers SIGUSR1: they
+    /// stop together after the next step they start and checkpoint it, and a generation
+    /// with the new node (ranks renumbered) resumes from it, resharded on load. No
+    /// completed step is lost, and a growth uses none of --max-restarts.
     #[command(verbatim_doc_comment)]
     Launch(LaunchArgs),
 }

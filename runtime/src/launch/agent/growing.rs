@@ -139,7 +139,7 @@ impl Agent<'_> {
             std::thread::sleep(super::FAST_POLL);
         }
         self.log(format_args!(
-            "stopping generation {} after its step in progress to grow (SIGUSR1 to its workers, which checkpoint that step)",
+            "stopping generation {} at a step boundary to grow (SIGUSR1 to its workers, which checkpoint that step)",
             g.gen
         ));
         signal_all(workers, nix::sys::signal::Signal::SIGUSR1);

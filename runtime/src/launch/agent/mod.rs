@@ -796,3 +796,35 @@ impl Agent<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_checkpoint_dir_is_read_in_both_spellings() {
+        let got = |a: &[&str]| checkpoint_dir_of(&args(a));
+        assert_eq!(got(&["train", "--checkpoint-dir", "ck", "--steps", "5"]), Some("ck".into()));
+        assert_eq!(got(&["train", "--checkpoint-dir=d/e"]), Some("d/e".into()));
+        assert_eq!(got(&["train", "--checkpoint-every", "3"]), None);
+        assert_eq!(got(&["train", "--checkpoint-dir"]), None);
+    }
+
+    #[test]
+    fn only_a_planned_stop_reads_as_asked_during_a_growth() {
+        use std::os::unix::process::ExitStatusExt;
+        let exited = |code: i32| std::process::ExitStatus::from_raw(code << 8);
+        let killed = |sig: i32| std::process::ExitStatus::from_raw(sig);
+        assert!(growing::stopped_as_asked(exited(128 + libc::SIGUSR1)));
+        assert!(growing::stopped_as_asked(killed(libc::SIGUSR1)));
+        assert!(!growing::stopped_as_asked(exited(128 + libc::SIGTERM)));
+        assert!(!growing::stopped_as_asked(killed(libc::SIGKILL)));
+        assert!(!growing::stopped_as_asked(exited(1)));
+        assert_eq!(growing::who_joined(&[1]), "node 1");
+        assert_eq!(growing::who_joined(&[1, 2]), "nodes [1, 2]");
+    }
+}
