@@ -660,3 +660,75 @@ fn a_planned_stop_waits_for_a_slow_peer_int_3() {
     let s = assert_grown(&out0, &out1, steps, 2, dir, "slow");
     assert!(s >= 3, "joined at step {s}");
 }
+
+/// LAUNCH-14, LAUNCH-15: with one `--rdzv` address per node (`--nnodes 2:3`, a replicated
+/// store) the agent whose replica leads grows the job: nodes 0 and 1 start, node 2's agent
+/// (whose replica joins the running store) once rank 0 published a step; generation 1 runs
+/// on all three from the step generation 0 stopped at, with no restart counted.
+#[test]
+fn the_leading_agent_grows_a_replicated_job_launch_15() {
+    use shardline_collectives::Store as _;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 300;
+    let args = train_args(steps, steps, dir, "rgrow");
+    let ls: Vec<std::net::TcpListener> =
+        (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+    drop(ls);
+    let rdzv = addrs.join(",");
+    let agent = |k: usize| {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3", "--max-restarts", "0"])
+            .args(["--heartbeat-timeout-s", "1", "--grace-s", "0.5", "--join-wait-s", "0.2"])
+            .args(["--node-rank", &k.to_string(), "--rdzv", &rdzv])
+            .args(["--token", REPLICATED_TOKEN, "--"])
+            .args(&args);
+        spawn(cmd)
+    };
+    let deadline = Instant::now() + DEADLINE;
+    let (node0, node1) = (agent(0), agent(1));
+    let hash = shardline_runtime::checkpoint::config_hash(&(rdzv.as_str(), REPLICATED_TOKEN))
+        .expect("hash");
+    let key = shardline_runtime::launch::progress_key(&format!("l{}g0", &hash[..10]));
+    let store =
+        shardline_collectives::ReplicatedStore::new(addrs.clone(), REPLICATED_TOKEN, DEADLINE)
+            .expect("client");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "generation 0 never published a step");
+        let step =
+            store.get(&key, left).ok().and_then(|v| String::from_utf8_lossy(&v).parse().ok());
+        if step.is_some_and(|s: u64| s >= 5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let node2 = agent(2);
+    let outs = [
+        wait_output(node0, deadline, "node 0"),
+        wait_output(node1, deadline, "node 1"),
+        wait_output(node2, deadline, "node 2"),
+    ];
+    let logs: Vec<String> = outs.iter().map(text).collect();
+    for (k, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "node {k} failed:\n{}", logs[k]);
+    }
+    let s = step_after(&logs[0], "node 2 joins at step ");
+    let line = format!("node 2 joins at step {s}: generation 1 on nodes [0, 1, 2] (world 3)");
+    println!("{line}");
+    for log in &logs {
+        assert!(log.contains(&line), "{line}:\n{log}");
+        assert!(!log.contains("fault:") && !log.contains("restart 1/"), "{log}");
+    }
+    assert_eq!(step_after(&logs[0], "stopped by SIGUSR1 after step "), s, "{}", logs[0]);
+    assert_eq!(resumed_step(&logs[0]), s, "{}", logs[0]);
+    let ck = latest(&dir.join("ck-rgrow"));
+    assert_eq!((ck.manifest().step, ck.manifest().world), (steps, 3));
+    let logged: Vec<u64> = std::fs::read_to_string(dir.join("rgrow.jsonl"))
+        .expect("step log")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .collect();
+    assert_eq!(logged, (1..=steps).collect::<Vec<_>>(), "every step logged exactly once");
+}

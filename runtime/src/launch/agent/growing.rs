@@ -27,11 +27,15 @@ pub(super) enum Stopped {
     Follow,
 }
 
-/// A worker that exited as a planned stop asks (INT-3: 128 + SIGUSR1 after its step, or the
-/// signal itself before its handler was installed).
+/// A worker that exited as a planned stop asks (INT-3): 128 + SIGUSR1 after its step, or the
+/// signal itself before its handler was installed; a worker that was sent no signal and
+/// learned the stop from its group (INT-1) exits as for SIGTERM, 128 + SIGTERM.
 pub(super) fn stopped_as_asked(st: std::process::ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
-    st.code() == Some(128 + libc::SIGUSR1) || st.signal() == Some(libc::SIGUSR1)
+    let code = st.code();
+    code == Some(128 + libc::SIGUSR1)
+        || code == Some(128 + libc::SIGTERM)
+        || st.signal() == Some(libc::SIGUSR1)
 }
 
 /// `node 1`, or `nodes [1, 2]`.

@@ -262,8 +262,8 @@ impl Agent<'_> {
     }
 
     /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
-    /// generation stops to grow, a worker that stopped on SIGUSR1 (exit 128 + SIGUSR1, INT-3)
-    /// did as asked.
+    /// generation stops to grow, a worker that stopped after a step as the planned stop asks
+    /// (INT-3, `growing::stopped_as_asked`) did as asked.
     fn poll_workers(&mut self, workers: &mut [Worker], gen: u64, to_grow: bool) -> Vec<String> {
         let mut bad: Vec<(usize, String)> = Vec::new();
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
@@ -821,7 +821,9 @@ mod tests {
         let killed = |sig: i32| std::process::ExitStatus::from_raw(sig);
         assert!(growing::stopped_as_asked(exited(128 + libc::SIGUSR1)));
         assert!(growing::stopped_as_asked(killed(libc::SIGUSR1)));
-        assert!(!growing::stopped_as_asked(exited(128 + libc::SIGTERM)));
+        // A rank that learned the stop from its group (INT-1).
+        assert!(growing::stopped_as_asked(exited(128 + libc::SIGTERM)));
+        assert!(!growing::stopped_as_asked(killed(libc::SIGTERM)));
         assert!(!growing::stopped_as_asked(killed(libc::SIGKILL)));
         assert!(!growing::stopped_as_asked(exited(1)));
         assert_eq!(growing::who_joined(&[1]), "node 1");
