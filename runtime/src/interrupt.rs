@@ -9,6 +9,10 @@
 //!   step's loss all-reduce, in one process as across processes, so every rank learns it from
 //!   the same step and the checkpoint written is one consistent step.
 //! - INT-2: the handler only stores to atomics or calls `_exit` (both async-signal-safe).
+//! - INT-3: a planned stop (SIGUSR1, which `shardline launch`'s agent sends its workers to
+//!   grow an elastic job) stops every rank after the same step as INT-1 and checkpoints it,
+//!   but cuts no wait short: [`watch_waits`] acts on SIGINT and SIGTERM only, which may come
+//!   because a peer is gone; an agent that asks for a planned stop knows its peers are not.
 //!
 //! `shardline launch`'s agent uses the same handler (without the second-signal exit): it
 //! forwards the signal to its workers and kills them on a second one.
@@ -26,6 +30,8 @@ use std::time::{Duration, Instant};
 static STOP: AtomicI32 = AtomicI32::new(0);
 /// Signals received so far.
 static COUNT: AtomicU32 = AtomicU32::new(0);
+/// A planned stop was asked (SIGUSR1, INT-3).
+static PLANNED: AtomicBool = AtomicBool::new(false);
 /// Whether a second signal ends the process at once (not for a launched worker: Ctrl-C
 /// reaches it and its agent, which forwards it again, and the agent kills what overstays).
 static HARD_SECOND: AtomicBool = AtomicBool::new(true);
@@ -37,6 +43,21 @@ extern "C" fn on_stop(sig: i32) {
         // destructors (INT-2).
         unsafe { libc::_exit(128 + sig) };
     }
+}
+
+extern "C" fn on_planned(_sig: i32) {
+    PLANNED.store(true, Ordering::SeqCst);
+}
+
+/// Installs the SIGUSR1 handler of a worker started by `shardline launch`: its agent's
+/// planned stop (INT-3).
+pub fn install_planned_stop() -> Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let act = SigAction::new(SigHandler::Handler(on_planned), SaFlags::SA_RESTART, SigSet::empty());
+    // SAFETY: the handler keeps to INT-2.
+    unsafe { sigaction(Signal::SIGUSR1, &act) }
+        .map(|_| ())
+        .map_err(|e| RuntimeError::config(format!("installing a SIGUSR1 handler: {e}")))
 }
 
 /// Installs the SIGINT and SIGTERM handlers for this process; `hard_second`: a second signal
@@ -53,8 +74,18 @@ pub fn install(hard_second: bool) -> Result<()> {
     Ok(())
 }
 
-/// The signal last received since [`install`], if any.
+/// The signal last received since [`install`], if any; SIGUSR1 for a planned stop alone
+/// (INT-3).
 pub fn requested() -> Option<i32> {
+    match STOP.load(Ordering::SeqCst) {
+        0 if PLANNED.load(Ordering::SeqCst) => Some(libc::SIGUSR1),
+        0 => None,
+        s => Some(s),
+    }
+}
+
+/// SIGINT or SIGTERM, if one was received: what the watchdog acts on (INT-3).
+fn signalled() -> Option<i32> {
     match STOP.load(Ordering::SeqCst) {
         0 => None,
         s => Some(s),
@@ -86,7 +117,7 @@ pub fn watch_waits(label: String) -> Result<()> {
             let mut stop_at = None;
             loop {
                 std::thread::sleep(WATCH_TICK);
-                let Some(sig) = requested() else { continue };
+                let Some(sig) = signalled() else { continue };
                 let since = *stop_at.get_or_insert_with(Instant::now);
                 if let Some((what, waited)) = blocked::overdue(since, Instant::now()) {
                     let line = format!(

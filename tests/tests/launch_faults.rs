@@ -7,7 +7,7 @@
 
 use shardline_runtime::checkpoint::Checkpoint;
 use shardline_runtime::fault::FaultSpec;
-use shardline_tests::launch::{kill_group, shardline, spawn, wait_output, LaunchNet};
+use shardline_tests::launch::{kill_group, shardline, spawn, wait_output, Child, LaunchNet};
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -523,4 +523,212 @@ fn resumed_step(log: &str) -> u64 {
         .and_then(|t| t.split(')').next())
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("no resume step:\n{log}"))
+}
+
+const ELASTIC_TOKEN: &str = "elastic-growth-test";
+
+/// The last step rank 0 of generation 0 published in the store of node 0's agent at `port`
+/// (0 while there is none): unlike the step log, which rank 0 buffers, it is published as
+/// each step ends.
+fn published_step(port: u16) -> u64 {
+    use shardline_collectives::Store as _;
+    let rdzv = format!("127.0.0.1:{port}");
+    let hash =
+        shardline_runtime::checkpoint::config_hash(&(rdzv.as_str(), ELASTIC_TOKEN)).expect("hash");
+    let key = shardline_runtime::launch::progress_key(&format!("l{}g0", &hash[..10]));
+    shardline_collectives::TcpStoreClient::connect(
+        rdzv.as_str(),
+        ELASTIC_TOKEN,
+        Duration::from_secs(1),
+    )
+    .ok()
+    .and_then(|c| c.get(&key, Duration::from_millis(1)).ok())
+    .and_then(|v| String::from_utf8_lossy(&v).parse().ok())
+    .unwrap_or(0)
+}
+
+/// An agent of `--nnodes 1:2 --max-restarts 0` on this host, with `nproc` workers, node 0
+/// alone at start-up (`--join-wait-s 0.2`).
+fn elastic_agent(node: usize, nproc: usize, port: u16, args: &[String]) -> Child {
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", &nproc.to_string(), "--nnodes", "1:2"])
+        .args(["--max-restarts", "0", "--heartbeat-timeout-s", "1", "--grace-s", "0.5"])
+        .args(["--join-wait-s", "0.2", "--node-rank", &node.to_string()])
+        .args(["--rdzv", &format!("127.0.0.1:{port}"), "--token", ELASTIC_TOKEN, "--"])
+        .args(args);
+    spawn(cmd)
+}
+
+/// Node 0's agent alone, then node 1's once rank 0 published `step`; both outputs.
+fn grow_at(nproc: usize, step: u64, args: &[String]) -> (Output, Output) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let t0 = Instant::now();
+    let deadline = t0 + DEADLINE;
+    let node0 = elastic_agent(0, nproc, port, args);
+    while published_step(port) < step {
+        assert!(Instant::now() < deadline, "node 0 alone never reached step {step}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let node1 = elastic_agent(1, nproc, port, args);
+    let out0 = wait_output(node0, deadline, "node 0");
+    let out1 = wait_output(node1, deadline, "node 1");
+    println!("grown job ran {:.1} s", t0.elapsed().as_secs_f64());
+    (out0, out1)
+}
+
+/// The number after the first `needle` in `log`.
+fn step_after(log: &str, needle: &str) -> u64 {
+    let t = log.split(needle).nth(1).unwrap_or_else(|| panic!("no '{needle}':\n{log}"));
+    t.split(|c: char| !c.is_ascii_digit()).next().and_then(|d| d.parse().ok()).expect("step")
+}
+
+/// What every growth of one node into a job of `steps` steps shows: both agents exit 0 and
+/// log node 1's join at step S; generation 0 stopped after step S and checkpointed it;
+/// generation 1 on nodes [0, 1] resumed from it and finished; no restart was counted; the
+/// step log holds every step exactly once (none lost, none run twice). Returns S.
+fn assert_grown(
+    out0: &Output,
+    out1: &Output,
+    steps: u64,
+    nproc: usize,
+    dir: &Path,
+    tag: &str,
+) -> u64 {
+    let (log0, log1) = (text(out0), text(out1));
+    for l in log0.lines().filter(|l| l.contains("join") || l.contains("training again")) {
+        println!("{l}");
+    }
+    assert!(out0.status.success(), "node 0 failed:\n{log0}");
+    assert!(out1.status.success(), "node 1 failed:\n{log1}\nnode 0:\n{log0}");
+    let joined = "node 1 joins at step ";
+    let s = step_after(&log0, joined);
+    assert!(s < steps, "joined at step {s}:\n{log0}");
+    let line = format!("{joined}{s}: generation 1 on nodes [0, 1] (world {})", 2 * nproc);
+    assert!(log0.contains(&line) && log1.contains(&line), "{line}:\n{log0}\nnode 1:\n{log1}");
+    // Generation 0 stopped after step S and checkpointed it; generation 1 resumed from it.
+    assert_eq!(step_after(&log0, "stopped by SIGUSR1 after step "), s, "{log0}");
+    assert_eq!(resumed_step(&log0), s, "{log0}");
+    assert!(log0.contains("node 1 in generation 1: training again"), "{log0}");
+    for log in [&log0, &log1] {
+        assert!(!log.contains("fault:") && !log.contains("restart 1/"), "{log}");
+    }
+    let ck = latest(&dir.join(format!("ck-{tag}")));
+    assert_eq!((ck.manifest().step, ck.manifest().world), (steps, 2 * nproc));
+    let logged: Vec<u64> = std::fs::read_to_string(dir.join(format!("{tag}.jsonl")))
+        .expect("step log")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .collect();
+    assert_eq!(logged, (1..=steps).collect::<Vec<_>>(), "every step logged exactly once");
+    s
+}
+
+/// LAUNCH-15..LAUNCH-18: `--nnodes 1:2 --max-restarts 0` on this host; node 0's agent starts
+/// alone and trains; node 1's agent starts once a few steps are logged. Without any failure
+/// the job grows at a step boundary (generation 0's stop writes the only checkpoint before
+/// the end) and finishes on both nodes (`assert_grown`).
+#[test]
+fn an_arriving_node_joins_at_a_step_boundary_launch_16() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 400;
+    let args = train_args(steps, steps, dir, "grow");
+    let (out0, out1) = grow_at(1, 5, &args);
+    let s = assert_grown(&out0, &out1, steps, 1, dir, "grow");
+    assert!(s >= 5, "joined at step {s}");
+}
+
+/// INT-3: the growth's stop reaches generation 0 (two ranks on node 0) while rank 1 stalls
+/// 3 s at the start of step 3 and rank 0 waits for it in the step's collectives (node 1's
+/// agent starts once step 1 is done, and LAUNCH-18 allows the growth from then). The planned
+/// stop cuts no such wait short (SIGTERM's watchdog would end rank 0 after 0.5 s, before the
+/// step's checkpoint): the group finishes step 3, stops and checkpoints, and the job grows
+/// as without the stall. Whether the stop came during the stall depends on how fast node 1's
+/// agent starts; the test prints both moments.
+#[test]
+fn a_planned_stop_waits_for_a_slow_peer_int_3() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 200;
+    let mut args = train_args(steps, steps, dir, "slow");
+    args.extend(["--fault".to_string(), "stall:rank=1:step=3:secs=3".to_string()]);
+    let (out0, out1) = grow_at(2, 1, &args);
+    let log0 = text(&out0);
+    let stall = unix_ms_of(&log0, "fault injected: stall");
+    let stop = unix_ms_of(&log0, "to grow (SIGUSR1");
+    println!("stall began at unix_ms {stall:?}, the growth's stop at {stop:?} (stall 3000 ms)");
+    let s = assert_grown(&out0, &out1, steps, 2, dir, "slow");
+    assert!(s >= 3, "joined at step {s}");
+}
+
+/// LAUNCH-14, LAUNCH-15: with one `--rdzv` address per node (`--nnodes 2:3`, a replicated
+/// store) the agent whose replica leads grows the job: nodes 0 and 1 start, node 2's agent
+/// (whose replica joins the running store) once rank 0 published a step; generation 1 runs
+/// on all three from the step generation 0 stopped at, with no restart counted.
+#[test]
+fn the_leading_agent_grows_a_replicated_job_launch_15() {
+    use shardline_collectives::Store as _;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 300;
+    let args = train_args(steps, steps, dir, "rgrow");
+    let ls: Vec<std::net::TcpListener> =
+        (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
+    drop(ls);
+    let rdzv = addrs.join(",");
+    let agent = |k: usize| {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nproc-per-node", "1", "--nnodes", "2:3", "--max-restarts", "0"])
+            .args(["--heartbeat-timeout-s", "1", "--grace-s", "0.5", "--join-wait-s", "0.2"])
+            .args(["--node-rank", &k.to_string(), "--rdzv", &rdzv])
+            .args(["--token", REPLICATED_TOKEN, "--"])
+            .args(&args);
+        spawn(cmd)
+    };
+    let deadline = Instant::now() + DEADLINE;
+    let (node0, node1) = (agent(0), agent(1));
+    let hash = shardline_runtime::checkpoint::config_hash(&(rdzv.as_str(), REPLICATED_TOKEN))
+        .expect("hash");
+    let key = shardline_runtime::launch::progress_key(&format!("l{}g0", &hash[..10]));
+    let store =
+        shardline_collectives::ReplicatedStore::new(addrs.clone(), REPLICATED_TOKEN, DEADLINE)
+            .expect("client");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "generation 0 never published a step");
+        let step =
+            store.get(&key, left).ok().and_then(|v| String::from_utf8_lossy(&v).parse().ok());
+        if step.is_some_and(|s: u64| s >= 5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let node2 = agent(2);
+    let outs = [
+        wait_output(node0, deadline, "node 0"),
+        wait_output(node1, deadline, "node 1"),
+        wait_output(node2, deadline, "node 2"),
+    ];
+    let logs: Vec<String> = outs.iter().map(text).collect();
+    for (k, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "node {k} failed:\n{}", logs[k]);
+    }
+    let s = step_after(&logs[0], "node 2 joins at step ");
+    let line = format!("node 2 joins at step {s}: generation 1 on nodes [0, 1, 2] (world 3)");
+    println!("{line}");
+    for log in &logs {
+        assert!(log.contains(&line), "{line}:\n{log}");
+        assert!(!log.contains("fault:") && !log.contains("restart 1/"), "{log}");
+    }
+    assert_eq!(step_after(&logs[0], "stopped by SIGUSR1 after step "), s, "{}", logs[0]);
+    assert_eq!(resumed_step(&logs[0]), s, "{}", logs[0]);
+    let ck = latest(&dir.join("ck-rgrow"));
+    assert_eq!((ck.manifest().step, ck.manifest().world), (steps, 3));
+    let logged: Vec<u64> = std::fs::read_to_string(dir.join("rgrow.jsonl"))
+        .expect("step log")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .collect();
+    assert_eq!(logged, (1..=steps).collect::<Vec<_>>(), "every step logged exactly once");
 }

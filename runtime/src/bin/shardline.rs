@@ -192,6 +192,14 @@ enum Cmd {
     /// checkpoint it with --checkpoint-dir). A rank still waiting after the signal ends
     /// instead, naming what it waited for: in rendezvous at once, on a step's collective
     /// after 0.5 s, on a checkpoint's barrier after 20 s.
+    ///
+    /// An elastic job (--nnodes MIN:MAX, which needs --checkpoint-dir) starts once MIN
+    /// nodes' agents are up (after waiting --join-wait-s for MAX), shrinks when a node is
+    /// lost, and grows when a node's agent starts later or comes back: once the running
+    /// generation has completed a step, the deciding agent sends its workers SIGUSR1: they
+    /// stop together after the next step they start and checkpoint it, and a generation
+    /// with the new node (ranks renumbered) resumes from it, resharded on load. No
+    /// completed step is lost, and a growth uses none of --max-restarts.
     #[command(verbatim_doc_comment)]
     Launch(LaunchArgs),
 }
@@ -203,7 +211,9 @@ struct LaunchArgs {
     #[arg(long)]
     nproc_per_node: usize,
     /// Nodes in the job: N, or MIN:MAX for an elastic job (a lost node shrinks the world
-    /// down to MIN nodes; the checkpoint reshards on load).
+    /// down to MIN nodes; a node whose agent starts later, or comes back, joins after the
+    /// running generation's next step, up to MAX; the checkpoint reshards on load). MIN < MAX
+    /// needs --checkpoint-dir in the train arguments: shrinking and growing go through it.
     #[arg(long, default_value = "1", value_parser = shardline_runtime::launch::parse_nnodes)]
     nnodes: (usize, usize),
     /// This node's index (with one --rdzv address, 0 hosts the rendezvous store).
@@ -232,6 +242,10 @@ struct LaunchArgs {
     /// replicas the leading one) counts a node as lost.
     #[arg(long, default_value_t = 3.0)]
     heartbeat_timeout_s: f64,
+    /// Elastic jobs: seconds the deciding agent waits at start-up for MAX nodes before it
+    /// starts with those whose agents are up (at least MIN); the rest join later.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_join_wait)]
+    join_wait_s: f64,
     /// Transport between the workers: auto (shm inside a node; rdma across nodes when every
     /// rank opens an RDMA device, else tcp), or tcp, rdma, shm for every pair of ranks.
     #[arg(long, default_value = "auto")]
@@ -1271,6 +1285,13 @@ fn parse_straggler_factor(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_join_wait(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("--join-wait-s '{s}': expected seconds from 0 to 3600")),
+    }
+}
+
 fn parse_count(s: &str) -> Result<usize, String> {
     parse_scaled(s, 1000).map(|v| v as usize).map_err(|e| format!("{e} (try 50M or 1500000)"))
 }
@@ -1749,6 +1770,11 @@ fn worker_mode(
     let installed = shardline_runtime::interrupt::install(false).and_then(|_| {
         shardline_runtime::interrupt::watch_waits(format!("shardline: rank {}", env.rank))
     });
+    // INT-3: `shardline launch`'s agent stops its workers with SIGUSR1 to grow the job.
+    let installed = installed.and_then(|_| match env.source {
+        "shardline" => shardline_runtime::interrupt::install_planned_stop(),
+        _ => Ok(()),
+    });
     if let Err(e) = installed {
         eprintln!("error: rank {}: {e}", env.rank);
         return 1;
@@ -1804,6 +1830,7 @@ fn launch_cmd(l: LaunchArgs) -> i32 {
             l.heartbeat_timeout_s.clamp(0.2, 3600.0),
         ),
         transport: l.transport,
+        join_wait: std::time::Duration::from_secs_f64(l.join_wait_s),
     };
     match shardline_runtime::launch::run_agent(&o) {
         Ok(code) => code,

@@ -54,7 +54,11 @@
 //! - LAUNCH-10: `--nnodes MIN:MAX` is elastic: an agent heartbeats into the store; a node
 //!   whose agent stays silent past `--heartbeat-timeout-s`, or does not answer a stop, leaves
 //!   the next generation (ranks renumbered, the checkpoint resharded on load), down to MIN
-//!   nodes; a node whose agent is back (fresh heartbeat) rejoins at the next restart. A
+//!   nodes. A node whose agent starts later or is back (a heartbeat seen moving) joins
+//!   without waiting for a failure, once the running generation completed a step, up to
+//!   MAX nodes (LAUNCH-15..LAUNCH-18 in `grow.rs`): the generation stops after a step and
+//!   checkpoints it, and the next one resumes from that checkpoint resharded on load; a
+//!   growth is no restart. An agent still waiting to join when the job ends exits 0. A
 //!   fixed-size job instead waits for the missing node to come back before restarting.
 //! - LAUNCH-11: under torchrun, the job's store keys and shm segments are named after
 //!   `TORCHELASTIC_RUN_ID` (unless `SHARDLINE_JOB` is set) and the restart count
@@ -67,7 +71,8 @@
 //!   (INT-1), but no wait holds it past its grace (BLOCK-2): a rendezvous wait (the store,
 //!   the other ranks' hellos, the links) ends the process at once, a collective of a step
 //!   after 0.5 s, a checkpoint's barrier after 20 s; the process then exits with 128 + the
-//!   signal, naming what it waited for.
+//!   signal, naming what it waited for. The agent's planned stop for a growth (SIGUSR1,
+//!   INT-3) cuts no wait short.
 //! - LAUNCH-14: with one `--rdzv` address per node the store survives the loss of any
 //!   minority of the nodes, node 0 included: every agent serves a replica of it (a Raft log,
 //!   `shardline_collectives::store::raft`, RSTORE-n), workers and agents talk to the leader
@@ -96,6 +101,7 @@ macro_rules! say {
 
 mod agent;
 mod env;
+mod grow;
 mod options;
 mod rendezvous;
 mod slurm;

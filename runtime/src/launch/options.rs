@@ -29,6 +29,9 @@ pub struct LaunchOptions {
     pub heartbeat_timeout: Duration,
     /// Transport of the workers (`--transport`, passed as `SHARDLINE_TRANSPORT`).
     pub transport: TransportChoice,
+    /// How long an elastic job's deciding agent waits at start-up for the most nodes before
+    /// it starts with those there (at least MIN); the others join later (LAUNCH-15).
+    pub join_wait: Duration,
 }
 
 impl LaunchOptions {
@@ -46,6 +49,7 @@ impl LaunchOptions {
             max_restarts: 0,
             heartbeat_timeout: Duration::from_secs(3),
             transport: TransportChoice::Auto,
+            join_wait: Duration::from_secs(10),
         }
     }
 }

@@ -16,6 +16,21 @@ pub(super) struct Generation {
     /// The node whose agent decided it (LAUNCH-14).
     #[serde(default)]
     pub(super) by: usize,
+    /// Restarts after failures used up to this generation (`--max-restarts`): an agent that
+    /// takes the record over goes on counting from here (LAUNCH-14).
+    #[serde(default)]
+    pub(super) restarts: u32,
+    /// Nodes that joined without a failure in this generation, and the step it resumes
+    /// from, when it grew (LAUNCH-15..LAUNCH-18).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) grew: Option<Joined>,
+}
+
+/// The nodes a generation grew by, and the step of the checkpoint it resumes from.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Joined {
+    pub(super) nodes: Vec<usize>,
+    pub(super) step: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -25,6 +40,10 @@ pub(super) enum GenState {
     Run,
     /// A failure was seen: every agent stops its workers and says so.
     Stop,
+    /// A node joins (LAUNCH-15..LAUNCH-18): every agent of the generation says it is ready,
+    /// the deciding one then sends SIGTERM to its workers, the group stops after a step and
+    /// checkpoints it (INT-1), and every agent says its workers stopped.
+    Grow,
     /// Training finished.
     Done,
     /// The job failed for good.
@@ -129,9 +148,10 @@ impl StoreLink {
     }
 }
 
-/// When each node's heartbeat last moved, as node 0's agent sees it.
+/// When each node's heartbeat last moved, as node 0's agent sees it, and how often this
+/// agent saw it move.
 pub(super) struct Heartbeats {
-    pub(super) last: Vec<Option<(Vec<u8>, Instant)>>,
+    pub(super) last: Vec<Option<(Vec<u8>, Instant, u32)>>,
 }
 
 impl Heartbeats {
@@ -142,8 +162,14 @@ impl Heartbeats {
     pub(super) fn poll(&mut self, link: &mut StoreLink, job: &str) {
         for n in 0..self.last.len() {
             if let Got::Value(v) = link.get(&agent_key(job, &format!("hb/{n}"))) {
-                if self.last[n].as_ref().is_none_or(|(old, _)| *old != v) {
-                    self.last[n] = Some((v, Instant::now()));
+                match &mut self.last[n] {
+                    Some((old, at, moves)) if *old != v => {
+                        *old = v;
+                        *at = Instant::now();
+                        *moves = moves.saturating_add(1);
+                    }
+                    Some(_) => {}
+                    None => self.last[n] = Some((v, Instant::now(), 0)),
                 }
             }
         }
@@ -152,12 +178,19 @@ impl Heartbeats {
     /// How long node `n`'s heartbeat has been still, counting from `since` at most.
     pub(super) fn silent(&self, n: usize, since: Instant) -> Duration {
         match self.last.get(n).and_then(|x| x.as_ref()) {
-            Some((_, t)) if *t > since => t.elapsed(),
+            Some((_, t, _)) if *t > since => t.elapsed(),
             _ => since.elapsed(),
         }
     }
 
     pub(super) fn fresh(&self, n: usize, timeout: Duration) -> bool {
-        self.last.get(n).and_then(|x| x.as_ref()).is_some_and(|(_, t)| t.elapsed() < timeout)
+        self.last.get(n).and_then(|x| x.as_ref()).is_some_and(|(_, t, _)| t.elapsed() < timeout)
+    }
+
+    /// Fresh, and seen to move by this agent: a key left behind by an agent that is gone is
+    /// read fresh once, but never moves.
+    pub(super) fn moving(&self, n: usize, timeout: Duration) -> bool {
+        self.fresh(n, timeout)
+            && self.last.get(n).and_then(|x| x.as_ref()).is_some_and(|(_, _, m)| *m > 0)
     }
 }

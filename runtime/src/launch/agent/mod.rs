@@ -1,13 +1,21 @@
 //! The per-node agent of `shardline launch`: starts and watches the workers of each
-//! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10).
+//! generation, forwards signals, restarts or ends the job (LAUNCH-5, LAUNCH-6, LAUNCH-10),
+//! and grows an elastic job when a node arrives (LAUNCH-15..LAUNCH-18). The deciding agent's
+//! loop is here; `start.rs` starts an agent, `follow.rs` is the loop of the others, and
+//! `growing.rs` stops a generation for the growth that `launch/grow.rs` decides.
+
+mod follow;
+mod growing;
+mod start;
+
+pub use start::run_agent;
 
 use super::options::LaunchOptions;
 use super::rendezvous::RENDEZVOUS_TIMEOUT;
-use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, StoreLink};
+use super::store_link::{agent_key, GenState, Generation, Got, Heartbeats, Joined, StoreLink};
 use super::worker::{progress_key, unix_ms};
-use crate::checkpoint;
 use crate::error::{Result, RuntimeError};
-use shardline_collectives::{ReplicaServer, ReplicatedStore, TcpStoreServer};
+use shardline_collectives::ReplicaServer;
 use std::time::{Duration, Instant};
 
 /// How long workers get to finish their step and checkpoint it after a forwarded SIGINT or
@@ -71,8 +79,6 @@ pub(super) const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 const STORE_LOST: Duration = Duration::from_secs(60);
 /// After this long without reaching the store, a node's agent says what it waits for.
 const WAITING_NOTE_AFTER: Duration = Duration::from_secs(3);
-/// How long an elastic job's node 0 waits at start-up for the most nodes to join.
-const ELASTIC_JOIN_WAIT: Duration = Duration::from_secs(10);
 /// How long node 0's agent keeps the store up after success for the other nodes' reports.
 const END_WAIT: Duration = Duration::from_secs(10);
 /// LAUNCH-14: an agent whose store replica heard from no majority this long (three of its
@@ -100,6 +106,13 @@ enum Next {
 enum Outcome {
     Done,
     Failed(String),
+    /// Nodes join (LAUNCH-15..LAUNCH-18): the next generation runs on `nodes`; `seen` is
+    /// when the deciding agent first saw a node waiting outside the running generation.
+    Grow {
+        nodes: Vec<usize>,
+        joining: Vec<usize>,
+        seen: Instant,
+    },
 }
 
 /// One node's agent.
@@ -121,6 +134,25 @@ struct Agent<'a> {
     /// The generation record as this agent last read or wrote it: what its next write
     /// expects to replace (LAUNCH-14).
     gen_seen: Option<Vec<u8>>,
+    /// The workers' `--checkpoint-dir`, as the agent reads it from their arguments.
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Whether this agent said that a node waits for want of a checkpoint directory.
+    told_no_checkpoint: bool,
+}
+
+/// The value of `--checkpoint-dir` in a worker's arguments (`--checkpoint-dir D` or
+/// `--checkpoint-dir=D`).
+fn checkpoint_dir_of(args: &[String]) -> Option<std::path::PathBuf> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--checkpoint-dir" {
+            return it.next().map(std::path::PathBuf::from);
+        }
+        if let Some(d) = a.strip_prefix("--checkpoint-dir=") {
+            return Some(d.into());
+        }
+    }
+    None
 }
 
 impl Agent<'_> {
@@ -229,14 +261,17 @@ impl Agent<'_> {
         Ok(workers)
     }
 
-    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5).
-    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64) -> Vec<String> {
+    /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
+    /// generation stops to grow, a worker that stopped after a step as the planned stop asks
+    /// (INT-3, `growing::stopped_as_asked`) did as asked.
+    fn poll_workers(&mut self, workers: &mut [Worker], gen: u64, to_grow: bool) -> Vec<String> {
         let mut bad: Vec<(usize, String)> = Vec::new();
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
             match w.child.try_wait() {
                 Ok(Some(st)) => {
                     w.status = Some(st);
-                    if !st.success() {
+                    let as_asked = to_grow && growing::stopped_as_asked(st);
+                    if !st.success() && !as_asked {
                         bad.push((w.rank, format!("exited with {}", describe(st))));
                     }
                 }
@@ -273,7 +308,7 @@ impl Agent<'_> {
             && !(asked && crate::interrupt::count() >= 2)
         {
             self.heartbeat();
-            self.poll_workers(workers, gen);
+            self.poll_workers(workers, gen, false);
             std::thread::sleep(Duration::from_millis(20));
         }
         let left: Vec<usize> =
@@ -354,7 +389,7 @@ impl Agent<'_> {
     /// is not in it, or its workers here failed.
     fn takeover_failure(&self, g: &Generation, workers: &[Worker]) -> Option<String> {
         let me = self.o.node_rank;
-        if g.state == GenState::Stop {
+        if matches!(g.state, GenState::Stop | GenState::Grow) {
             return Some(format!(
                 "generation {} was stopping when node {}'s agent stopped leading",
                 g.gen, g.by
@@ -387,9 +422,7 @@ impl Agent<'_> {
             let up: Vec<usize> = (0..o.nnodes)
                 .filter(|&n| n == o.node_rank || beats.fresh(n, o.heartbeat_timeout))
                 .collect();
-            if up.len() == o.nnodes
-                || (start.elapsed() >= ELASTIC_JOIN_WAIT && up.len() >= o.min_nodes)
-            {
+            if up.len() == o.nnodes || (start.elapsed() >= o.join_wait && up.len() >= o.min_nodes) {
                 return Ok(up);
             }
             if start.elapsed() >= RENDEZVOUS_TIMEOUT {
@@ -412,12 +445,13 @@ impl Agent<'_> {
         let mut restarts = 0u32;
         // (step to pass, when the failure was detected)
         let mut recovering: Option<(u64, Instant)> = None;
+        // (nodes that joined, when their arrival was seen) until the grown generation steps.
+        let mut training_again: Option<(Vec<usize>, Instant)> = None;
         // A generation taken over, with this node's workers and why it fails at once.
         let mut adopted: Option<(Vec<Worker>, Option<String>)> = None;
         let mut g = match adopt {
             Some((g, workers)) => {
-                // Every generation after the first was a restart.
-                restarts = u32::try_from(g.gen).unwrap_or(u32::MAX);
+                restarts = g.restarts;
                 let why = self.takeover_failure(&g, &workers);
                 self.log(format_args!(
                     "this node's store replica leads: its agent takes over generation {} from node {}",
@@ -428,7 +462,7 @@ impl Agent<'_> {
             }
             None => {
                 let nodes = self.initial_nodes(&mut beats)?;
-                Generation { gen: 0, nodes, state: GenState::Run, by: me }
+                Generation { gen: 0, nodes, state: GenState::Run, by: me, restarts: 0, grew: None }
             }
         };
         loop {
@@ -452,13 +486,17 @@ impl Agent<'_> {
             let started = Instant::now();
             let mut last_poll: Option<Instant> = None;
             let mut interrupted = false;
+            // LAUNCH-18: the first step rank 0 published in this generation.
+            let mut first_step: Option<u64> = None;
+            // When a node was first seen waiting outside this generation.
+            let mut waiting_since: Option<Instant> = None;
             let outcome = loop {
                 if let Some(why) = fail_now.take() {
                     break Outcome::Failed(why);
                 }
                 self.heartbeat();
                 interrupted |= self.forward_signals(&workers);
-                let failed = self.poll_workers(&mut workers, g.gen);
+                let failed = self.poll_workers(&mut workers, g.gen, false);
                 if let Some(f) = failed.into_iter().next() {
                     break Outcome::Failed(f);
                 }
@@ -468,6 +506,18 @@ impl Agent<'_> {
                 if last_poll.is_none_or(|t| t.elapsed() >= POLL_EVERY) {
                     last_poll = Some(Instant::now());
                     self.poll_progress(g.gen);
+                    if let Some((joining, at)) = &training_again {
+                        if self.progress > 0 {
+                            self.log(format_args!(
+                                "{} in generation {}: training again (step {} done), {:.3} s after the arrival was seen",
+                                growing::who_joined(joining),
+                                g.gen,
+                                self.progress,
+                                at.elapsed().as_secs_f64()
+                            ));
+                            training_again = None;
+                        }
+                    }
                     if let Some((target, at)) = recovering {
                         if self.progress >= target {
                             self.log(format_args!(
@@ -517,30 +567,65 @@ impl Agent<'_> {
                         self.log(format_args!("fault: {why}"));
                         break Outcome::Failed(why);
                     }
+                    if self.progress > 0 {
+                        first_step.get_or_insert(self.progress);
+                    }
+                    let steps_done = first_step.map_or(0, |f| self.progress - f + 1);
+                    if let Some(grow) =
+                        self.consider_growth(&g, &beats, steps_done, &mut waiting_since)
+                    {
+                        break grow;
+                    }
                 }
                 std::thread::sleep(Duration::from_millis(20));
             };
+            // A failure's reason; none once training finished.
             let why = match outcome {
-                Outcome::Done => {
-                    if let Some((target, at)) = recovering {
-                        // Finished before the next poll: the group passed the step all the same.
-                        self.log(format_args!(
-                            "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
-                            g.gen,
-                            at.elapsed().as_secs_f64()
-                        ));
+                Outcome::Grow { nodes, joining, seen } => {
+                    match self.stop_to_grow(&mut g, &mut workers, &mut beats, started)? {
+                        growing::Stopped::AtStep(step) => {
+                            let next = Generation {
+                                gen: g.gen + 1,
+                                nodes,
+                                state: GenState::Run,
+                                by: me,
+                                restarts,
+                                grew: Some(Joined { nodes: joining.clone(), step }),
+                            };
+                            self.log_join(&next);
+                            training_again = Some((joining, seen));
+                            g = next;
+                            continue;
+                        }
+                        growing::Stopped::Finished => None,
+                        growing::Stopped::Failed(why) => {
+                            self.log(format_args!("fault: {why}"));
+                            Some(why)
+                        }
+                        growing::Stopped::Follow => return Ok(Next::Follow(Some(g), workers)),
                     }
-                    g.state = GenState::Done;
-                    if !self.publish(&g)? {
-                        return Ok(Next::Follow(Some(g), workers));
-                    }
-                    self.wait_for_ends(&g, &mut beats);
-                    if restarts > 0 {
-                        self.log(format_args!("finished after {restarts} restart(s)"));
-                    }
-                    return Ok(Next::Exit(0));
                 }
-                Outcome::Failed(why) => why,
+                Outcome::Done => None,
+                Outcome::Failed(why) => Some(why),
+            };
+            let Some(why) = why else {
+                if let Some((target, at)) = recovering {
+                    // Finished before the next poll: the group passed the step all the same.
+                    self.log(format_args!(
+                        "recovered: generation {} passed step {target} again and finished, {:.3} s after the failure was detected",
+                        g.gen,
+                        at.elapsed().as_secs_f64()
+                    ));
+                }
+                g.state = GenState::Done;
+                if !self.publish(&g)? {
+                    return Ok(Next::Follow(Some(g), workers));
+                }
+                self.wait_for_ends(&g, &mut beats);
+                if restarts > 0 {
+                    self.log(format_args!("finished after {restarts} restart(s)"));
+                }
+                return Ok(Next::Exit(0));
             };
             let detected = Instant::now();
             let failed_step = self.progress + 1;
@@ -638,7 +723,14 @@ impl Agent<'_> {
                 g.gen + 1,
                 next.len() * o.nproc_per_node
             ));
-            g = Generation { gen: g.gen + 1, nodes: next, state: GenState::Run, by: me };
+            g = Generation {
+                gen: g.gen + 1,
+                nodes: next,
+                state: GenState::Run,
+                by: me,
+                restarts,
+                grew: None,
+            };
         }
     }
 
@@ -681,11 +773,15 @@ impl Agent<'_> {
         alive
     }
 
-    /// Node 0 after success: keeps the store up until the other nodes' workers are done.
+    /// Node 0 after success: keeps the store up until the other nodes' workers are done, and
+    /// until the agents waiting to join learned that the job ended.
     fn wait_for_ends(&mut self, g: &Generation, beats: &mut Heartbeats) {
-        let me = self.o.node_rank;
+        let o = self.o;
+        let me = o.node_rank;
         let since = Instant::now();
-        let mut pending: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+        let mut pending: Vec<usize> = (0..o.nnodes)
+            .filter(|&n| n != me && (g.nodes.contains(&n) || beats.moving(n, o.heartbeat_timeout)))
+            .collect();
         while !pending.is_empty() && since.elapsed() < END_WAIT {
             beats.poll(&mut self.link, &self.job);
             let job = self.job.clone();
@@ -699,327 +795,38 @@ impl Agent<'_> {
             }
         }
     }
-
-    /// Any other node's agent: runs the generations the deciding agent decides (LAUNCH-6),
-    /// from `cur` with `workers`; with replicas it decides once its replica leads, and stops
-    /// once its replica lost the quorum (LAUNCH-14).
-    fn follow(&mut self, cur: Option<Generation>, workers: Vec<Worker>) -> Result<Next> {
-        let me = self.o.node_rank;
-        let mut cur = cur;
-        let mut workers = workers;
-        let mut reported = false;
-        let mut stopped_sent = false;
-        let mut last_poll: Option<Instant> = None;
-        let start = Instant::now();
-        let mut told_waiting = false;
-        loop {
-            self.heartbeat();
-            if self.forward_signals(&workers) {
-                let gen = cur.as_ref().map_or(0, |g| g.gen);
-                self.stop(&mut workers, gen);
-                return Ok(Next::Exit(128 + self.forwarded));
-            }
-            let gen = cur.as_ref().map_or(0, |g| g.gen);
-            let failed = self.poll_workers(&mut workers, gen);
-            if !failed.is_empty() && !reported {
-                let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
-                reported = self.link.set(&key, failed.join("; ").as_bytes());
-            }
-            let all_exited = !workers.is_empty() && workers.iter().all(|w| w.status.is_some());
-            if all_exited {
-                if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
-                    let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
-                    self.link.set(&key, b"ok");
-                    return Ok(Next::Exit(0));
-                }
-                if !reported {
-                    let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));
-                    reported = self.link.set(&key, b"workers stopped");
-                }
-                if !stopped_sent {
-                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
-                    stopped_sent = self.link.set(&key, b"stopped");
-                }
-            }
-            // Once this node's workers failed or stopped, node 0's next decision is awaited
-            // closely.
-            let every = if reported || all_exited { FAST_POLL } else { POLL_EVERY };
-            if last_poll.is_none_or(|t| t.elapsed() >= every) {
-                last_poll = Some(Instant::now());
-                if let Some(code) = self.stop_without_quorum(&mut workers, gen) {
-                    return Ok(Next::Exit(code));
-                }
-                let got = self.link.get(&agent_key(&self.job, "gen"));
-                if matches!(got, Got::Unreachable)
-                    && !told_waiting
-                    && self.link.last_ok.elapsed() >= WAITING_NOTE_AFTER
-                {
-                    // Node 0 may simply start later; say what is awaited instead of silence.
-                    told_waiting = true;
-                    let whose = if self.replica.is_some() {
-                        "a majority of the store's replicas"
-                    } else {
-                        "node 0's store"
-                    };
-                    self.log(format_args!(
-                        "waiting for {whose} at {} ({}); giving up after {:?}",
-                        self.rdzv,
-                        self.link.last_err.as_deref().unwrap_or("no answer"),
-                        STORE_LOST
-                    ));
-                }
-                match got {
-                    Got::Unreachable if self.link.last_ok.elapsed() >= STORE_LOST => {
-                        self.log(format_args!(
-                            "the store at {} is unreachable for {:?}: giving up",
-                            self.rdzv, STORE_LOST
-                        ));
-                        self.stop(&mut workers, gen);
-                        return Ok(Next::Exit(1));
-                    }
-                    // LAUNCH-14: no generation yet and this node's replica leads: it decides.
-                    Got::Unset if self.leads() => return Ok(Next::Lead(None)),
-                    Got::Unset if start.elapsed() >= RENDEZVOUS_TIMEOUT => {
-                        return Err(RuntimeError::config(format!(
-                            "node 0's agent published no generation within {RENDEZVOUS_TIMEOUT:?}"
-                        )));
-                    }
-                    Got::Value(v) => {
-                        let g: Generation = serde_json::from_slice(&v).map_err(|e| {
-                            RuntimeError::config(format!(
-                                "the store holds a bad generation record: {e}"
-                            ))
-                        })?;
-                        self.gen_seen = Some(v);
-                        // LAUNCH-14: the agent that decided this generation no longer leads
-                        // the store and this node's replica does: this agent takes over.
-                        let running = matches!(g.state, GenState::Run | GenState::Stop);
-                        let same = cur.as_ref().is_some_and(|c| c.gen == g.gen);
-                        if running && g.by != me && same && self.leads() {
-                            return Ok(Next::Lead(Some((g, workers))));
-                        }
-                        if !workers.is_empty() {
-                            self.poll_progress(gen);
-                        }
-                        let newer = cur.as_ref().is_none_or(|c| g.gen > c.gen);
-                        match g.state {
-                            GenState::Abort => {
-                                self.log(format_args!(
-                                    "node {} ended the job after a failure",
-                                    g.by
-                                ));
-                                self.stop(&mut workers, gen);
-                                let key = agent_key(&self.job, &format!("end/{}/{me}", g.gen));
-                                self.link.set(&key, b"aborted");
-                                return Ok(Next::Exit(1));
-                            }
-                            GenState::Done if workers.is_empty() || all_exited => {
-                                return Ok(Next::Exit(0))
-                            }
-                            GenState::Run if newer => {
-                                if workers.iter().any(|w| w.status.is_none()) {
-                                    self.stop(&mut workers, gen);
-                                }
-                                workers.clear();
-                                reported = false;
-                                stopped_sent = false;
-                                self.progress = 0;
-                                if g.nodes.contains(&me) {
-                                    if g.gen > 0 {
-                                        self.log(format_args!(
-                                            "restarting with generation {} on node(s) {:?}",
-                                            g.gen, g.nodes
-                                        ));
-                                    }
-                                    workers = self.spawn(&g)?;
-                                } else {
-                                    self.log(format_args!(
-                                        "not in generation {} (node(s) {:?}): waiting to rejoin",
-                                        g.gen, g.nodes
-                                    ));
-                                }
-                                cur = Some(g);
-                            }
-                            GenState::Stop if cur.as_ref().is_some_and(|c| c.gen == g.gen) => {
-                                if workers.iter().any(|w| w.status.is_none()) {
-                                    self.stop(&mut workers, gen);
-                                }
-                                if !stopped_sent {
-                                    let key = agent_key(&self.job, &format!("stopped/{gen}/{me}"));
-                                    stopped_sent = self.link.set(&key, b"stopped");
-                                }
-                            }
-                            _ => {}
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
 }
 
-/// Runs the agent of one node (LAUNCH-5, LAUNCH-6): hosts the store on node 0, starts the
-/// workers of each generation, watches them and the other agents. Returns the process exit
-/// code: 0 when training finished.
-pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
-    if o.nproc_per_node == 0 || o.nnodes == 0 || o.node_rank >= o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--nproc-per-node {} --nnodes {} --node-rank {}: need at least one process and node, and node rank < nodes",
-            o.nproc_per_node, o.nnodes, o.node_rank
-        )));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
     }
-    if o.min_nodes == 0 || o.min_nodes > o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--nnodes {}:{}: need 1 <= MIN <= MAX",
-            o.min_nodes, o.nnodes
-        )));
+
+    #[test]
+    fn the_checkpoint_dir_is_read_in_both_spellings() {
+        let got = |a: &[&str]| checkpoint_dir_of(&args(a));
+        assert_eq!(got(&["train", "--checkpoint-dir", "ck", "--steps", "5"]), Some("ck".into()));
+        assert_eq!(got(&["train", "--checkpoint-dir=d/e"]), Some("d/e".into()));
+        assert_eq!(got(&["train", "--checkpoint-every", "3"]), None);
+        assert_eq!(got(&["train", "--checkpoint-dir"]), None);
     }
-    if o.worker_args.first().map(String::as_str) != Some("train") {
-        return Err(RuntimeError::config("launch runs `train ...` after `--`"));
+
+    #[test]
+    fn only_a_planned_stop_reads_as_asked_during_a_growth() {
+        use std::os::unix::process::ExitStatusExt;
+        let exited = |code: i32| std::process::ExitStatus::from_raw(code << 8);
+        let killed = |sig: i32| std::process::ExitStatus::from_raw(sig);
+        assert!(growing::stopped_as_asked(exited(128 + libc::SIGUSR1)));
+        assert!(growing::stopped_as_asked(killed(libc::SIGUSR1)));
+        // A rank that learned the stop from its group (INT-1).
+        assert!(growing::stopped_as_asked(exited(128 + libc::SIGTERM)));
+        assert!(!growing::stopped_as_asked(killed(libc::SIGTERM)));
+        assert!(!growing::stopped_as_asked(killed(libc::SIGKILL)));
+        assert!(!growing::stopped_as_asked(exited(1)));
+        assert_eq!(growing::who_joined(&[1]), "node 1");
+        assert_eq!(growing::who_joined(&[1, 2]), "nodes [1, 2]");
     }
-    if (o.max_restarts > 0 || o.min_nodes < o.nnodes)
-        && !o
-            .worker_args
-            .iter()
-            .any(|a| a == "--checkpoint-dir" || a.starts_with("--checkpoint-dir="))
-    {
-        return Err(RuntimeError::config(
-            "--max-restarts and elastic --nnodes restart from checkpoints: give --checkpoint-dir to train",
-        ));
-    }
-    let token = match o.token.clone().or_else(|| std::env::var("SHARDLINE_TOKEN").ok()) {
-        Some(t) if !t.is_empty() => t,
-        _ if o.nnodes > 1 => return Err(RuntimeError::config(
-            "several nodes need a job token: --token or SHARDLINE_TOKEN (the same on every node)",
-        )),
-        _ => random_token(),
-    };
-    let rdzv = match (&o.rdzv, o.nnodes) {
-        (Some(r), _) => r.clone(),
-        (None, 1) => "127.0.0.1:0".into(),
-        (None, _) => {
-            return Err(RuntimeError::config(
-                "several nodes need --rdzv HOST:PORT (node 0's address)",
-            ))
-        }
-    };
-    // LAUNCH-14: one address per node replicates the store across the agents.
-    let replicas: Vec<String> = rdzv.split(',').map(|a| a.trim().to_owned()).collect();
-    if replicas.len() > 1 && replicas.len() != o.nnodes {
-        return Err(RuntimeError::config(format!(
-            "--rdzv {rdzv}: {} addresses for --nnodes {}; give one HOST:PORT (node 0's store) or one per node (a replicated store)",
-            replicas.len(),
-            o.nnodes
-        )));
-    }
-    let port_of = |a: &str| {
-        a.rsplit_once(':')
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-            .ok_or_else(|| RuntimeError::config(format!("--rdzv {a}: expected HOST:PORT")))
-    };
-    let mut replica = None;
-    let (server, rdzv) = if replicas.len() > 1 {
-        for a in &replicas {
-            port_of(a)?;
-        }
-        let port = port_of(&replicas[o.node_rank])?;
-        let seed = std::process::id() as u64 ^ (o.node_rank as u64) << 32;
-        // RSTORE-6: a store that already answers is a running job this agent rejoins (it was
-        // restarted): its empty replica votes only once it caught up.
-        let probe = ReplicatedStore::new(replicas.clone(), &token, JOIN_PROBE)
-            .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?;
-        let joining = matches!(
-            shardline_collectives::Store::get(&probe, "agent/probe", Duration::ZERO),
-            Ok(_) | Err(shardline_collectives::StoreError::Timeout { .. })
-        );
-        if joining {
-            say!(
-                "shardline launch: node {}: the store already runs: this node's replica joins it and votes once it caught up",
-                o.node_rank
-            );
-        }
-        let r =
-            ReplicaServer::start(o.node_rank, &replicas, ("0.0.0.0", port), &token, seed, joining)
-                .map_err(|e| {
-                    RuntimeError::config(format!(
-                        "hosting this node's store replica on port {port}: {e}"
-                    ))
-                })?;
-        replica = Some(r);
-        (None, replicas.join(","))
-    } else if o.node_rank == 0 {
-        let port = port_of(&rdzv)?;
-        // An address given by the user is reached through whatever interface it names.
-        let bind = if o.rdzv.is_some() { "0.0.0.0" } else { "127.0.0.1" };
-        let server = TcpStoreServer::bind((bind, port), &token)
-            .map_err(|e| RuntimeError::config(format!("hosting the store on port {port}: {e}")))?;
-        let host = rdzv.rsplit_once(':').map(|(h, _)| h.to_owned()).unwrap_or_default();
-        let actual = format!("{host}:{}", server.addr().port());
-        (Some(server), actual)
-    } else {
-        (None, rdzv)
-    };
-    // One job name for every node: derived from what every node was given.
-    let job = format!("l{}", &checkpoint::config_hash(&(rdzv.as_str(), token.as_str()))?[..10]);
-    // The agent forwards signals itself; its workers' own handlers stop them (INT-1).
-    crate::interrupt::install(false)?;
-    let exe = std::env::current_exe()
-        .map_err(|e| RuntimeError::config(format!("cannot find the shardline binary: {e}")))?;
-    let replicated = match replica {
-        Some(_) => Some(
-            ReplicatedStore::new(replicas.clone(), &token, REPLICATED_REQUEST_TIMEOUT)
-                .map_err(|e| RuntimeError::config(format!("--rdzv {rdzv}: {e}")))?,
-        ),
-        None => None,
-    };
-    let link = StoreLink {
-        addr: rdzv.clone(),
-        token: token.clone(),
-        client: None,
-        replicated,
-        last_ok: Instant::now(),
-        last_err: None,
-    };
-    let mut agent = Agent {
-        o,
-        exe,
-        rdzv,
-        token,
-        job,
-        link,
-        t0: Instant::now(),
-        beats: 0,
-        last_beat: None,
-        forwarded: 0,
-        progress: 0,
-        replica,
-        gen_seen: None,
-    };
-    // With a single store node 0's agent decides; with replicas every agent starts as a
-    // follower and the one whose replica leads decides (LAUNCH-14).
-    let mut next = if o.node_rank == 0 && agent.replica.is_none() {
-        Next::Lead(None)
-    } else {
-        Next::Follow(None, Vec::new())
-    };
-    let code = loop {
-        next = match next {
-            Next::Lead(adopt) => agent.coordinate(adopt)?,
-            Next::Follow(cur, workers) => agent.follow(cur, workers)?,
-            Next::Exit(code) => break code,
-        };
-    };
-    drop(server);
-    if code > 128 {
-        say!(
-            "shardline launch: node {} stopped by {}",
-            o.node_rank,
-            crate::interrupt::signal_name(code - 128)
-        );
-    } else if code != 0 {
-        say!("shardline launch: node {} failed", o.node_rank);
-    }
-    Ok(code)
 }
