@@ -52,8 +52,9 @@ modes=(
 )
 hpz="--train-arg=--reshard-after-forward --train-arg=node"
 if "$SHARDLINE_BIN" train --help | grep -q -- '--reshard-after-forward'; then
-    # Secondary shards are kept in f32: packed gathers are refused with them.
-    modes+=("hpz/f32|$hpz")
+    # Secondary shards are f32 copies of the decoded unit: only the first gather is packed.
+    modes+=("hpz/f32|$hpz" "hpz/bf16|$hpz --param-dtype bf16 --reduce-dtype f32"
+        "hpz/int8|$hpz --gather-dtype int8")
 else
     echo "hpz: skipped (shardline train --help lists no --reshard-after-forward)"
 fi

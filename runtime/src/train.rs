@@ -636,8 +636,8 @@ fn validate_shard_group(cfg: &TrainConfig) -> Result<()> {
 }
 
 /// `--reshard-after-forward` (HPZ-1, HPZ-4): at stage 3, an N that divides the shard group
-/// and is smaller than it (`node` is checked against the topology where a rank learns it),
-/// and f32 gathers; the other stages ignore it.
+/// and is smaller than it (`node` is checked against the topology where a rank learns it);
+/// the other stages ignore it.
 fn validate_reshard(cfg: &TrainConfig) -> Result<()> {
     // The profile's choice prices no secondary shards and may pick 8-bit gathers.
     if !cfg.reshard_after_forward.is_world() && cfg.profile.is_some() {
@@ -651,13 +651,6 @@ fn validate_reshard(cfg: &TrainConfig) -> Result<()> {
         || !matches!(cfg.stage, StageChoice::Fixed(Stage::Zero3))
     {
         return Ok(());
-    }
-    if cfg.gather_dtype.is_some() || cfg.param_dtype != PrecisionDtype::F32 {
-        return Err(RuntimeError::config(format!(
-            "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype bf16 \
-             or --gather-dtype int8|fp8",
-            cfg.reshard_after_forward
-        )));
     }
     if let ReshardAfterForward::Ranks(_) = cfg.reshard_after_forward {
         let single = shardline_collectives::Topology::single_node(cfg.world);

@@ -1136,9 +1136,11 @@ struct TrainArgs {
     /// unchanged. At stage 3 the group (node or N) must divide the shard group and be
     /// smaller than it, so node is refused on one node, with --shard-group node, or with a
     /// --shard-group inside one node (its gathers already stay in the node); with
-    /// --shard-group N the secondary groups cut each shard group. Needs f32 gathers (not
-    /// --param-dtype bf16 or --gather-dtype). Stages 0-2 keep full parameters: there it
-    /// changes nothing and no group size is checked. Not with --device sim.
+    /// --shard-group N the secondary groups cut each shard group. With packed gathers
+    /// (--param-dtype bf16, --gather-dtype int8|fp8) only the first gather is packed: the
+    /// pieces are f32 copies of the decoded unit, gathered in f32 inside the node. Stages
+    /// 0-2 keep full parameters: there it changes nothing and no group size is checked.
+    /// Not with --device sim.
     #[arg(long, default_value = "world", value_parser = parse_reshard, value_name = "N|node|world")]
     reshard_after_forward: ReshardAfterForward,
     /// Synthetic data: training samples.

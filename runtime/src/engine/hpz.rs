@@ -28,6 +28,10 @@
 //!   without computing, so every use computes with the same parameters.
 //! - HPZ-4: stages 0-2 keep the full parameters and gather nothing before use: the flag
 //!   changes nothing there.
+//! - HPZ-5: under packed gathers (bf16, int8, fp8) the pieces are f32 copies of the unit as
+//!   decoded for its first use, and the gathers from them carry f32: every use computes
+//!   with the values the packed gather of the master shard gives (decoding is a pure
+//!   function of the shard), so HPZ-3 holds; only the first gather of a step is packed.
 
 use std::fmt;
 use std::ops::Range;

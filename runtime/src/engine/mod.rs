@@ -624,7 +624,7 @@ impl RankEngine {
 
     /// Stage 3 under `--reshard-after-forward node|N`: the rank's secondary group inside its
     /// shard group of `shard` ranks and its gather lane (HPZ-1); `None` otherwise (HPZ-4).
-    /// The pieces are kept in f32: packed gathers are refused.
+    /// The pieces are kept in f32, also under packed gathers (HPZ-5).
     fn open_secondary(
         cfg: &EngineConfig,
         shard: usize,
@@ -636,13 +636,6 @@ impl RankEngine {
         let Some(size) = cfg.reshard_after_forward.size(shard, world.topology())? else {
             return Ok(None);
         };
-        if cfg.precision.param_wire().is_some() {
-            return Err(RuntimeError::config(format!(
-                "--reshard-after-forward {} keeps f32 secondary shards: not with --param-dtype \
-                 bf16 or --gather-dtype int8|fp8",
-                cfg.reshard_after_forward
-            )));
-        }
         let sec = Secondary::new(shard, size, world.rank());
         let lane = world.subgroup("hpz", &sec.members())?.lane(GATHER_LANE)?;
         Ok(Some((sec, lane)))

@@ -355,6 +355,17 @@ impl GatherIo for LaneGathers<'_> {
 
     fn issue(&mut self, unit: usize) -> Result<PendingGather> {
         let l = self.layout.unit(unit);
+        // HPZ-2: a unit used earlier in the step is gathered from the secondary pieces, over
+        // the secondary group alone; the pieces are f32 copies of the unit as it was used
+        // (decoded, where the gathers are packed: HPZ-5), so this gather is never packed.
+        if let (Some((sec, lane)), Some(piece)) = (self.hpz, self.pieces.get(unit)) {
+            let mut full = self.comm.pool().take(l.padded_numel());
+            let cap = full.capacity();
+            let alloc = self.mem.alloc_f32(Category::GatheredUnits, cap, &self.labels[unit])?;
+            full[sec.own_piece(l.padded_numel())].copy_from_slice(piece);
+            let work = lane.all_gather_in_place(full);
+            return Ok(PendingGather { work, alloc, packed: false });
+        }
         if let Some(wire) = self.wire {
             // PREC-3, QGATHER-1: the own shard rounded or quantized into its packed slot; the
             // packed buffer is a communication buffer until the unit is decoded on arrival.
@@ -383,13 +394,6 @@ impl GatherIo for LaneGathers<'_> {
         // Its capacity: a kept buffer may be longer than asked for.
         let alloc =
             self.mem.alloc_f32(Category::GatheredUnits, full.capacity(), &self.labels[unit])?;
-        // HPZ-2: a unit used earlier in the step is gathered from the secondary pieces, over
-        // the secondary group alone.
-        if let (Some((sec, lane)), Some(piece)) = (self.hpz, self.pieces.get(unit)) {
-            full[sec.own_piece(l.padded_numel())].copy_from_slice(piece);
-            let work = lane.all_gather_in_place(full);
-            return Ok(PendingGather { work, alloc, packed: false });
-        }
         full[l.shard_range(self.shard_rank)].copy_from_slice(&self.shards[unit]);
         let work = self.lane.all_gather_in_place(full);
         Ok(PendingGather { work, alloc, packed: false })
