@@ -4,10 +4,10 @@
 
 mod common;
 
-use common::shardline;
+use common::{finish, free_port, shardline};
 use shardline_runtime::shard::Stage;
 use shardline_runtime::train::{self, StageChoice, TrainConfig};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn fixture() -> String {
@@ -156,28 +156,6 @@ fn agent(node: usize, port: u16, train: &[&str]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting shardline launch")
-}
-
-/// Waits for a child up to the deadline; kills it past that, so the test fails, not hangs.
-fn finish(mut c: Child, deadline: Instant) -> Output {
-    loop {
-        if c.try_wait().expect("waiting").is_some() {
-            return c.wait_with_output().expect("output");
-        }
-        if Instant::now() >= deadline {
-            let _ = c.kill();
-            let out = c.wait_with_output().expect("output");
-            panic!("agent hung:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// Two nodes of two ranks, `--stage auto --profile` with 1 Gbit/s across and `cap`: node 0's

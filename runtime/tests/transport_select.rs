@@ -2,6 +2,8 @@
 //! RDMA device (or the `rdma` feature) `auto` falls back to tcp across nodes and rank 0 says
 //! so once (SEL-2). The refusals of explicit choices are unit tests of the selection.
 
+mod common;
+use common::{finish, free_port};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,28 +19,6 @@ fn agent(node: usize, port: u16, transport: &str) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting shardline launch")
-}
-
-/// Waits for a child up to the deadline; kills it past that, so the test fails, not hangs.
-fn finish(mut c: Child, deadline: Instant) -> Output {
-    loop {
-        if c.try_wait().expect("waiting").is_some() {
-            return c.wait_with_output().expect("output");
-        }
-        if Instant::now() >= deadline {
-            let _ = c.kill();
-            let out = c.wait_with_output().expect("output");
-            panic!("agent hung:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 fn two_nodes(transport: &str) -> (Output, Output) {

@@ -162,3 +162,26 @@ pub fn gpt_cfg(world: usize, stage: u8, batch: usize) -> TrainConfig {
         ..small_cfg(world, stage, 5, batch)
     }
 }
+
+/// Waits for a child up to the deadline; kills it past that, so the test fails, not hangs.
+pub fn finish(mut c: std::process::Child, deadline: Instant) -> std::process::Output {
+    loop {
+        if c.try_wait().expect("waiting").is_some() {
+            return c.wait_with_output().expect("output");
+        }
+        if Instant::now() >= deadline {
+            let _ = c.kill();
+            let out = c.wait_with_output().expect("output");
+            panic!("agent hung:\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A port free on loopback now (for a test's rendezvous store).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
