@@ -559,6 +559,12 @@ fn elastic_agent(node: usize, nproc: usize, port: u16, args: &[String]) -> Child
     spawn(cmd)
 }
 
+/// Keeps generation 0 running long enough for an arriving agent to be seen: on an idle host
+/// the small job's steps take under a millisecond, so it could end before the agent starts.
+/// Rank 0 stalls 4 s at step 20 (generation 0 only, LAUNCH-8) unless the growth came first;
+/// a growth's planned stop waits for it (INT-3).
+const HOLD: [&str; 2] = ["--fault", "stall:rank=0:step=20:secs=4"];
+
 /// Node 0's agent alone, then node 1's once rank 0 published `step`; both outputs.
 fn grow_at(nproc: usize, step: u64, args: &[String]) -> (Output, Output) {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -632,7 +638,8 @@ fn an_arriving_node_joins_at_a_step_boundary_launch_16() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let steps = 400;
-    let args = train_args(steps, steps, dir, "grow");
+    let mut args = train_args(steps, steps, dir, "grow");
+    args.extend(HOLD.iter().map(|a| a.to_string()));
     let (out0, out1) = grow_at(1, 5, &args);
     let s = assert_grown(&out0, &out1, steps, 1, dir, "grow");
     assert!(s >= 5, "joined at step {s}");
@@ -671,7 +678,8 @@ fn the_leading_agent_grows_a_replicated_job_launch_15() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let steps = 300;
-    let args = train_args(steps, steps, dir, "rgrow");
+    let mut args = train_args(steps, steps, dir, "rgrow");
+    args.extend(HOLD.iter().map(|a| a.to_string()));
     let ls: Vec<std::net::TcpListener> =
         (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     let addrs: Vec<String> = ls.iter().map(|l| l.local_addr().unwrap().to_string()).collect();
