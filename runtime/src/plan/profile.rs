@@ -391,20 +391,8 @@ impl Profile {
         if bytes == 0 {
             return 0.0;
         }
-        let mut pts: Vec<(f64, f64)> =
-            self.alloc.iter().map(|r| ((r.bytes.max(1) as f64).ln(), r.ns_per_byte)).collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let x = (bytes as f64).ln();
-        let ns = match (pts.first(), pts.last()) {
-            (None, _) | (_, None) => 0.0,
-            (Some(&(x0, r0)), _) if x <= x0 => r0,
-            (_, Some(&(x1, r1))) if x >= x1 => r1,
-            _ => {
-                let j = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
-                let ((xa, ra), (xb, rb)) = (pts[j - 1], pts[j]);
-                ra + (rb - ra) * (x - xa) / (xb - xa)
-            }
-        };
+        let pts = self.alloc.iter().map(|r| ((r.bytes.max(1) as f64).ln(), r.ns_per_byte));
+        let ns = interpolate(pts.collect(), (bytes as f64).ln()).unwrap_or(0.0);
         ns.max(0.0) * bytes as f64 * 1e-9
     }
 
@@ -412,19 +400,8 @@ impl Profile {
     /// its size ([`GemmBy`]) between the probes'.
     pub fn gemm_gflops(&self, m: usize, n: usize, k: usize) -> f64 {
         let by = self.gemm_by;
-        let mut pts: Vec<(f64, f64)> =
-            self.gemm.iter().map(|r| (by.size(r.m, r.n, r.k).ln(), r.gflops)).collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let x = by.size(m, n, k).ln();
-        match (pts.first(), pts.last()) {
-            (Some(&(x0, r0)), _) if x <= x0 => r0,
-            (_, Some(&(x1, r1))) if x >= x1 => r1,
-            _ => {
-                let j = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
-                let ((xa, ra), (xb, rb)) = (pts[j - 1], pts[j]);
-                ra + (rb - ra) * (x - xa) / (xb - xa)
-            }
-        }
+        let pts = self.gemm.iter().map(|r| (by.size(r.m, r.n, r.k).ln(), r.gflops)).collect();
+        interpolate(pts, by.size(m, n, k).ln()).expect("a profile has at least one GEMM probe")
     }
 }
 
@@ -441,6 +418,22 @@ fn piecewise(pts: &[(f64, f64)], x: f64) -> f64 {
     // A slower small size than a larger one (noise) never makes a cost fall with bytes.
     let slope = ((tb - ta) / (xb - xa)).max(0.0);
     (ta + slope * (x - xa)).max(t0)
+}
+
+/// The value at `x` of the piecewise-linear curve through `pts` (x, value), held flat past
+/// its ends; `None` without points.
+fn interpolate(mut pts: Vec<(f64, f64)>, x: f64) -> Option<f64> {
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (&(x0, r0), &(x1, r1)) = (pts.first()?, pts.last()?);
+    if x <= x0 {
+        return Some(r0);
+    }
+    if x >= x1 {
+        return Some(r1);
+    }
+    let j = pts.iter().position(|p| p.0 >= x).unwrap_or(pts.len() - 1);
+    let ((xa, ra), (xb, rb)) = (pts[j - 1], pts[j]);
+    Some(ra + (rb - ra) * (x - xa) / (xb - xa))
 }
 
 #[cfg(test)]
