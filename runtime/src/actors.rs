@@ -71,6 +71,12 @@ pub struct Save(pub Arc<PendingCheckpoint>, pub usize);
 #[rtype(result = "std::result::Result<RankSnapshot, String>")]
 pub struct Snapshot;
 
+/// Copy what the rank keeps between steps, after a failure, for live recovery (LIVE-1); no
+/// collective.
+#[derive(Message)]
+#[rtype(result = "std::result::Result<crate::engine::live::LiveState, String>")]
+pub struct TakeLive;
+
 /// A rank's checkpointed state as it was at a step boundary.
 #[derive(Debug)]
 pub struct RankSnapshot {
@@ -260,6 +266,14 @@ impl Handler<Snapshot> for RankActor {
             }),
             Err(e) => self.fail(e),
         }
+    }
+}
+
+impl Handler<TakeLive> for RankActor {
+    type Result = std::result::Result<crate::engine::live::LiveState, String>;
+    fn handle(&mut self, _: TakeLive, _: &mut Self::Context) -> Self::Result {
+        // Not reported as the rank's failure: the run has already failed.
+        self.engine.live_state().map_err(|e| e.to_string())
     }
 }
 

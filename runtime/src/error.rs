@@ -58,6 +58,10 @@ pub enum RuntimeError {
     /// failed on some rank (named), a rendezvous that did not complete.
     #[error("{0}")]
     Failed(String),
+    /// Live recovery found no peer holding a state every rank can resume from (LIVE-2): the
+    /// job falls back to its checkpoint restart.
+    #[error("live recovery impossible: {0}")]
+    LiveRecoveryImpossible(String),
     /// A collective operation failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),

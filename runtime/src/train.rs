@@ -867,6 +867,7 @@ pub fn median(v: &mut [f64]) -> f64 {
 
 /// What a job derives from its configuration before any rank starts: the same on every
 /// rank of a job, whether ranks are threads of one process or separate processes.
+#[derive(Clone)]
 pub struct JobPlan {
     /// Training split.
     pub train: Dataset,

@@ -250,6 +250,18 @@ struct LaunchArgs {
     /// rank opens an RDMA device, else tcp), or tcp, rdma, shm for every pair of ranks.
     #[arg(long, default_value = "auto")]
     transport: shardline_collectives::transport::select::TransportChoice,
+    /// Replace a failed worker in place instead of restarting the group: its agent starts a
+    /// new process for its rank; the other workers stay in their processes, meet it in a new
+    /// communicator epoch, and every rank that lacks the newest state receives it over the
+    /// transport from a peer holding the same shard (any rank at stage 0, the same shard in
+    /// another shard group under --shard-group). The step in flight at the failure is run
+    /// again on the same data. Where no peer holds a shard (stages 1-3 with one shard group)
+    /// the group restarts from the checkpoint as without this flag. Each node's agent
+    /// replaces at most --max-restarts workers. A lost node is not replaced in place: its
+    /// loss restarts the group. Updates then begin after each step's loss all-reduce (the
+    /// same updates, started later).
+    #[arg(long)]
+    live_recovery: bool,
     /// The worker command: `train ...`.
     #[arg(last = true, required = true)]
     worker: Vec<String>,
@@ -1488,6 +1500,8 @@ fn exit_for(e: &RuntimeError) -> i32 {
         // As a shell reports a process ended by the signal.
         RuntimeError::Interrupted { signal, .. } => 128 + signal,
         RuntimeError::OutOfMemory { .. } => 1,
+        // LIVE-5: the agent restarts the group from the checkpoint instead of replacing.
+        RuntimeError::LiveRecoveryImpossible(_) => shardline_runtime::launch::EXIT_LIVE_FALLBACK,
         _ => 1,
     }
 }
@@ -1833,6 +1847,7 @@ fn launch_cmd(l: LaunchArgs) -> i32 {
         ),
         transport: l.transport,
         join_wait: std::time::Duration::from_secs_f64(l.join_wait_s),
+        live_recovery: l.live_recovery,
     };
     match shardline_runtime::launch::run_agent(&o) {
         Ok(code) => code,

@@ -145,6 +145,8 @@ pub fn run_built(
         checkpoint_hook: opts.faults.as_ref().map(|f| f.hook()),
         dump_on_failure: opts.dump_on_failure.clone(),
         abort: b.abort,
+        keep_on_failure: None,
+        start_step: 0,
     };
     let result = super::run(job, ranks, InProcess);
     super::finish(result, &b.trace, opts.trace.as_deref(), &b.trackers, !opts.quiet)

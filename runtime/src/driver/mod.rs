@@ -273,7 +273,14 @@ pub struct Engines {
     /// Called with the reason at the first failure, after the communicators are aborted:
     /// what else must stop waiting (a device engine's collectives).
     pub abort: Option<AbortHook>,
+    /// Live recovery (LIVE-1): where a failed run leaves what each rank kept between steps.
+    pub keep_on_failure: Option<KeptStates>,
+    /// The steps the ranks' state already holds (live recovery installed it); 0 otherwise.
+    pub start_step: u64,
 }
+
+/// Where a failed run leaves each of this process's ranks' state for live recovery.
+pub type KeptStates = Arc<Mutex<Vec<crate::engine::live::LiveState>>>;
 
 /// Aborts collectives the coordinator does not hold as communicators.
 pub type AbortHook = Arc<dyn Fn(&str) + Send + Sync>;
@@ -527,11 +534,21 @@ async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result
     let speak = placement.lead() && !job.opts.quiet;
     let timeout = Duration::from_secs(job.cfg.timeout_s.max(1));
     let watch = StallWatch::start(timeout, engines.comms.clone(), speak);
+    let (keep, start_step) = (engines.keep_on_failure.clone(), engines.start_step);
     let ranks = start_actors(engines);
     let mut saves = Saves::default();
-    let result = steps(&job, &ranks, &placement, started, (&hooks, &watch), &mut saves).await;
+    let result =
+        steps(&job, &ranks, &placement, started, (&hooks, &watch), &mut saves, start_step).await;
     if result.is_err() {
         saves.abandon();
+        if let Some(slot) = keep {
+            // LIVE-1: each engine says itself whether its state is clean.
+            if let Ok(states) = ranks.ask(|_| crate::actors::TakeLive, "keeping state").await {
+                if let Ok(mut s) = slot.lock() {
+                    *s = states;
+                }
+            }
+        }
     }
     ranks.shutdown().await;
     System::current().stop();
@@ -545,11 +562,12 @@ async fn steps<P: Placement>(
     started: Instant,
     (hooks, watch): (&WriteHooks, &StallWatch),
     saves: &mut Saves,
+    start_step: u64,
 ) -> Result<Summary> {
     let (cfg, opts) = (&job.cfg, &job.opts);
     let lead = placement.lead();
     let speak = lead && !opts.quiet;
-    let mut done = if opts.resume { resume(job, ranks, lead, speak).await? } else { 0 };
+    let mut done = if opts.resume { resume(job, ranks, lead, speak).await? } else { start_step };
     let mut log = StepLog::open(opts.log_json.as_deref().filter(|_| lead))?;
     let remaining = job.total_steps.saturating_sub(done);
     let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));

@@ -41,6 +41,10 @@ pub trait Driven: Send {
     fn abort(&self, why: &str);
     /// Frees what the engine holds at the end of the job.
     fn shutdown(&mut self);
+    /// A copy of what the rank keeps between steps, for live recovery (LIVE-1).
+    fn live_state(&self) -> Result<super::live::LiveState> {
+        Err(crate::error::RuntimeError::config("live recovery needs the host engine"))
+    }
 }
 
 impl Driven for RankEngine {
@@ -82,6 +86,9 @@ impl Driven for RankEngine {
     }
     fn shutdown(&mut self) {
         RankEngine::shutdown(self)
+    }
+    fn live_state(&self) -> Result<super::live::LiveState> {
+        Ok(RankEngine::live_state(self))
     }
 }
 

@@ -70,6 +70,7 @@ mod driven;
 mod gpu_choice;
 mod hpz;
 mod hybrid;
+pub mod live;
 pub mod on_device;
 mod pass;
 mod precision;
@@ -309,6 +310,13 @@ pub struct RankEngine {
     no_decay: Vec<Vec<std::ops::Range<usize>>>,
     /// Time spent in bf16 conversions since the step began (PREC-2..4).
     cast: Cell<Duration>,
+    /// Live recovery: updates wait for the loss all-reduce (LIVE-1).
+    commit_after_sums: bool,
+    /// The step's updates began and the step has not completed (LIVE-1).
+    updating: bool,
+    /// Under live recovery, the BatchNorm buffers as the last step began (a forward moves
+    /// them before the step can commit), and whether that step is still running (LIVE-1).
+    buffers_at_step: (Vec<Vec<f32>>, bool),
 }
 
 /// The tracker's reclaim holds the communicator: removed here, so that neither keeps the
@@ -425,6 +433,9 @@ impl RankEngine {
             plan,
             no_decay,
             cast: Cell::new(Duration::ZERO),
+            commit_after_sums: false,
+            updating: false,
+            buffers_at_step: (Vec::new(), false),
         })
     }
 
@@ -512,12 +523,16 @@ impl RankEngine {
     pub fn train_step(&mut self, x: Tensor, y: &Tensor, global_batch: usize) -> Result<StepStats> {
         let _meter = self.install_meter();
         let t_step = Instant::now();
+        if self.commit_after_sums {
+            self.buffers_at_step.0.clone_from(&self.state.buffers);
+            self.buffers_at_step.1 = true;
+        }
         let sent0 = (self.gather.bytes_sent(), self.reduce_bytes(), self.replica_bytes());
         let hpz0 = self.hpz_bytes();
         self.cast.set(Duration::ZERO);
         let n = self.layout.units().len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
-        let early = self.cfg.clip_grad_norm.is_none();
+        let early = self.cfg.clip_grad_norm.is_none() && !self.commit_after_sums;
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
         // count is 1-based (OPT-3).
         let st = StepState {
@@ -535,7 +550,9 @@ impl RankEngine {
         let micro = accum::microbatches(x.batch(), self.cfg.grad_accum);
         self.plan.begin_step(&self.calls, micro.len());
         let calls = self.calls.clone();
-        let walk = Walk::of(&calls, n, micro.len(), self.rules, &self.cfg);
+        let mut walk = Walk::of(&calls, n, micro.len(), self.rules, &self.cfg);
+        // LIVE-1: the updates wait for the loss all-reduce, as clipping's do.
+        walk.clip |= self.commit_after_sums;
         let pass = PassCtx {
             training: true,
             sync_bn: self.cfg.sync_bn,
@@ -564,6 +581,8 @@ impl RankEngine {
         walk_step(&walk, &mut work)?;
         let EngineStep { mut st, stats_messages, sums: (loss, total_sq, stop, rank_busy), .. } =
             work;
+        self.updating = false;
+        self.buffers_at_step.1 = false;
         self.meter.check()?;
         Ok(StepStats {
             loss,
@@ -850,6 +869,7 @@ impl StepWork for EngineStep<'_, '_> {
 
     fn begin_updates(&mut self) -> Result<()> {
         self.eng.step += 1;
+        self.eng.updating = true;
         if let Some(max) = self.eng.cfg.clip_grad_norm {
             self.st.coef = optim::clip_coef(self.sums.1, max);
         }

@@ -29,6 +29,23 @@ pub struct WorkerEnv {
     /// Restart generation of the worker group (`SHARDLINE_GENERATION`, 0 for the first
     /// start; LAUNCH-7).
     pub generation: u64,
+    /// `shardline launch --live-recovery` (`SHARDLINE_LIVE=1`): a failed peer is replaced in
+    /// place and the survivors go on without restarting (LIVE-4).
+    pub live: bool,
+    /// A replacement's communicator generation to join (`SHARDLINE_LIVE_EPOCH`, set by the
+    /// agent that started it in place of a failed worker); `None` for a worker started with
+    /// its group.
+    pub live_epoch: Option<u64>,
+    /// The communicator epoch this worker is in (LIVE-4): 0 unless live recovery moved on.
+    pub epoch: u64,
+}
+
+impl WorkerEnv {
+    /// The name the ranks meet under in this epoch: store keys of the rendezvous and the
+    /// checkpoints, links and shm segments (LIVE-4).
+    pub fn meeting(&self) -> String {
+        super::live::epoch_job(&self.job, self.epoch)
+    }
 }
 
 /// Where a job's rendezvous store is, as seen from one worker.
@@ -142,7 +159,15 @@ impl WorkerEnv {
             Some(g) => g,
             None => parse_var(get, "SHARDLINE_GENERATION")?.unwrap_or(0) as u64,
         };
+        let live = source == "shardline" && get("SHARDLINE_LIVE").is_some_and(|v| v == "1");
+        let live_epoch = match live {
+            true => parse_var(get, "SHARDLINE_LIVE_EPOCH")?.map(|e| e as u64),
+            false => None,
+        };
         Ok(Some(WorkerEnv {
+            live,
+            live_epoch,
+            epoch: 0,
             generation,
             rank,
             world,

@@ -102,6 +102,7 @@ macro_rules! say {
 mod agent;
 mod env;
 mod grow;
+mod live;
 mod options;
 mod rendezvous;
 mod slurm;
@@ -111,6 +112,7 @@ mod worker;
 
 pub use agent::run_agent;
 pub use env::{StoreAt, WorkerEnv};
+pub use live::{epoch_job, epoch_key, EXIT_LIVE_FALLBACK, MAX_EPOCHS};
 pub use options::{parse_nnodes, LaunchOptions};
 pub use rendezvous::RENDEZVOUS_TIMEOUT;
 pub use torchrun::record_error as record_torchrun_error;

@@ -32,6 +32,9 @@ pub struct LaunchOptions {
     /// How long an elastic job's deciding agent waits at start-up for the most nodes before
     /// it starts with those there (at least MIN); the others join later (LAUNCH-15).
     pub join_wait: Duration,
+    /// `--live-recovery`: a failed worker is replaced in place and its peers go on from the
+    /// state they hold (LIVE-4..6); `--max-restarts` bounds the replacements per node.
+    pub live_recovery: bool,
 }
 
 impl LaunchOptions {
@@ -50,6 +53,7 @@ impl LaunchOptions {
             heartbeat_timeout: Duration::from_secs(3),
             transport: TransportChoice::Auto,
             join_wait: Duration::from_secs(10),
+            live_recovery: false,
         }
     }
 }

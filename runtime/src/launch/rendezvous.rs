@@ -147,7 +147,8 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
             }
         }
     };
-    let key = |r: usize| format!("launch/{}/hello/{r}", env.job);
+    let meeting = env.meeting();
+    let key = |r: usize| format!("launch/{meeting}/hello/{r}");
     let mine = Hello {
         node: env.node.clone(),
         config_hash: checkpoint::config_hash(cfg)?,
@@ -207,7 +208,7 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
         env.rank,
         &topology,
         Arc::clone(&store),
-        &env.job,
+        &meeting,
         tcp,
         RENDEZVOUS_TIMEOUT,
     )

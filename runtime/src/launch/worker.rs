@@ -48,10 +48,34 @@ pub fn run_worker_planned(
         )));
     }
     crate::driver::check_options(&opts)?;
-    let lead = env.rank == 0 && !opts.quiet;
+    if env.live {
+        // LIVE-4: epoch after epoch, the survivors in this process.
+        return super::live::run_live(cfg, opts, env, plan, |cfg, opts, env, plan, joined, live| {
+            announce(&cfg, &opts, env, &plan, &joined);
+            run_rank(cfg, opts, env, plan, joined, Some(live))
+        });
+    }
     let joined = join_job(&cfg, env)?;
-    if lead {
-        train::print_header(&cfg, &plan);
+    announce(&cfg, &opts, env, &plan, &joined);
+    let comm = joined.comm.clone();
+    let result = run_rank(cfg, opts, env, plan, joined, None);
+    if let Err(e) = &result {
+        // Peers waiting on this rank fail at once instead of at their timeout.
+        comm.abort(&format!("rank {} failed: {e}", env.rank));
+    }
+    result
+}
+
+/// Rank 0 prints the run's header once it met the others.
+fn announce(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    env: &WorkerEnv,
+    plan: &train::JobPlan,
+    joined: &Joined,
+) {
+    if env.rank == 0 && !opts.quiet {
+        train::print_header(cfg, plan);
         println!(
             "  processes: {} on {} node(s) ({}), transport: {}",
             env.world,
@@ -60,13 +84,6 @@ pub fn run_worker_planned(
             joined.selection.describe()
         );
     }
-    let comm = joined.comm.clone();
-    let result = run_rank(cfg, opts, env, plan, joined);
-    if let Err(e) = &result {
-        // Peers waiting on this rank fail at once instead of at their timeout.
-        comm.abort(&format!("rank {} failed: {e}", env.rank));
-    }
-    result
 }
 
 fn run_rank(
@@ -75,6 +92,7 @@ fn run_rank(
     env: &WorkerEnv,
     plan: train::JobPlan,
     joined: Joined,
+    live: Option<&mut super::live::LiveRun>,
 ) -> Result<Summary> {
     let rank = env.rank;
     let trace = if opts.trace.is_some() { Trace::new() } else { Trace::disabled() };
@@ -97,6 +115,16 @@ fn run_rank(
     if let Some(o) = &opts.backend {
         engine.set_backend((o.0)(rank));
     }
+    let mut start_step = 0;
+    let mut keep = None;
+    if let Some(live) = live {
+        engine.set_commit_after_sums(true);
+        if live.recover {
+            let kept = live.kept.take();
+            start_step = super::live::recover(&mut engine, &joined.comm, kept.as_ref(), live.failed_at)?;
+        }
+        keep = Some(Arc::clone(&live.slot));
+    }
     let tracker = engine.memory().clone();
     let (mut job, data) = Job::from_plan(cfg, opts.clone(), plan)?;
     // HSDP-2: `--shard-group node` follows the nodes the job runs on.
@@ -105,7 +133,7 @@ fn run_rank(
     let placement = Launched {
         commit: StoreCommit {
             rank,
-            job: env.job.clone(),
+            job: env.meeting(),
             wait: Duration::from_secs(job.cfg.timeout_s),
             store: Arc::clone(&joined.store),
             control,
@@ -120,6 +148,8 @@ fn run_rank(
         checkpoint_hook: hook,
         dump_on_failure: opts.dump_on_failure.clone(),
         abort: None,
+        keep_on_failure: keep,
+        start_step,
     };
     let result = driver::run(job, engines, placement);
     let path = opts.trace.as_ref().map(|p| p.with_extension(format!("rank{rank}.json")));
@@ -320,7 +350,9 @@ pub fn unix_ms() -> u128 {
 /// them again (FAULT-2). A kill ends the process with SIGKILL: no error report, no unwinding,
 /// exactly what a crashed or OOM-killed worker looks like to its peers and agent.
 fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
-    if env.generation > 0 {
+    // A replacement started in place of a failed worker (LIVE-4) replays the step without
+    // meeting its predecessor's fault again.
+    if env.generation > 0 || env.live_epoch.is_some() {
         return None;
     }
     let rank = env.rank;

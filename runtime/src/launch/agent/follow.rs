@@ -33,6 +33,11 @@ impl Agent<'_> {
                 return Ok(Next::Exit(128 + self.forwarded));
             }
             let gen = cur.as_ref().map_or(0, |g| g.gen);
+            if let (Some(g), false) = (cur.as_ref(), growing) {
+                if g.state == GenState::Run {
+                    self.replace_failed(&mut workers, g);
+                }
+            }
             let failed = self.poll_workers(&mut workers, gen, growing);
             if !failed.is_empty() && !reported {
                 let key = agent_key(&self.job, &format!("fail/{gen}/{me}"));

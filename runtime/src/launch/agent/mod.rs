@@ -138,6 +138,8 @@ struct Agent<'a> {
     checkpoint_dir: Option<std::path::PathBuf>,
     /// Whether this agent said that a node waits for want of a checkpoint directory.
     told_no_checkpoint: bool,
+    /// Workers this agent replaced in place (LIVE-4), at most `--max-restarts`.
+    replaced: u32,
 }
 
 /// The value of `--checkpoint-dir` in a worker's arguments (`--checkpoint-dir D` or
@@ -205,40 +207,13 @@ impl Agent<'_> {
 
     fn spawn(&mut self, g: &Generation) -> Result<Vec<Worker>> {
         use nix::sys::signal::Signal;
-        use std::os::unix::process::CommandExt;
         let o = self.o;
-        let pos = g.nodes.iter().position(|&n| n == o.node_rank).ok_or_else(|| {
-            RuntimeError::config(format!("node {} is not in generation {}", o.node_rank, g.gen))
-        })?;
+        let pos = self.position(g)?;
         let world = g.nodes.len() * o.nproc_per_node;
-        let mut args = o.worker_args.clone();
-        // LAUNCH-6: a restarted group goes on from the newest checkpoint that verifies.
-        if g.gen > 0 && !args.iter().any(|a| a == "--resume") {
-            args.push("--resume".into());
-        }
-        let job = self.gen_job(g.gen);
         let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
         for local in 0..o.nproc_per_node {
             let rank = pos * o.nproc_per_node + local;
-            let mut cmd = std::process::Command::new(&self.exe);
-            cmd.args(&args)
-                .env("SHARDLINE_RANK", rank.to_string())
-                .env("SHARDLINE_WORLD_SIZE", world.to_string())
-                .env("SHARDLINE_LOCAL_RANK", local.to_string())
-                .env("SHARDLINE_LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
-                .env("SHARDLINE_NODE_RANK", o.node_rank.to_string())
-                .env("SHARDLINE_RDZV", &self.rdzv)
-                .env("SHARDLINE_TOKEN", &self.token)
-                .env("SHARDLINE_JOB", &job)
-                .env("SHARDLINE_GENERATION", g.gen.to_string())
-                .env("SHARDLINE_TRANSPORT", o.transport.to_string());
-            // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
-            unsafe {
-                cmd.pre_exec(|| {
-                    nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
-                });
-            }
-            match cmd.spawn() {
+            match self.spawn_rank(g, local, None) {
                 Ok(child) => workers.push(Worker { rank, child, status: None }),
                 Err(e) => {
                     signal_all(&workers, Signal::SIGKILL);
@@ -259,6 +234,115 @@ impl Agent<'_> {
             g.gen
         );
         Ok(workers)
+    }
+
+    /// This node's place among the nodes of `g`.
+    fn position(&self, g: &Generation) -> Result<usize> {
+        let me = self.o.node_rank;
+        g.nodes.iter().position(|&n| n == me).ok_or_else(|| {
+            RuntimeError::config(format!("node {me} is not in generation {}", g.gen))
+        })
+    }
+
+    /// Starts local worker `local` of generation `g`; a replacement (LIVE-4) joins
+    /// communicator epoch `epoch`.
+    fn spawn_rank(
+        &self,
+        g: &Generation,
+        local: usize,
+        epoch: Option<u64>,
+    ) -> Result<std::process::Child> {
+        use nix::sys::signal::Signal;
+        use std::os::unix::process::CommandExt;
+        let o = self.o;
+        let pos = self.position(g)?;
+        let world = g.nodes.len() * o.nproc_per_node;
+        let mut args = o.worker_args.clone();
+        // LAUNCH-6: a restarted group goes on from the newest checkpoint that verifies.
+        if g.gen > 0 && !args.iter().any(|a| a == "--resume") {
+            args.push("--resume".into());
+        }
+        let rank = pos * o.nproc_per_node + local;
+        let mut cmd = std::process::Command::new(&self.exe);
+        cmd.args(&args)
+            .env("SHARDLINE_RANK", rank.to_string())
+            .env("SHARDLINE_WORLD_SIZE", world.to_string())
+            .env("SHARDLINE_LOCAL_RANK", local.to_string())
+            .env("SHARDLINE_LOCAL_WORLD_SIZE", o.nproc_per_node.to_string())
+            .env("SHARDLINE_NODE_RANK", o.node_rank.to_string())
+            .env("SHARDLINE_RDZV", &self.rdzv)
+            .env("SHARDLINE_TOKEN", &self.token)
+            .env("SHARDLINE_JOB", self.gen_job(g.gen))
+            .env("SHARDLINE_GENERATION", g.gen.to_string())
+            .env("SHARDLINE_TRANSPORT", o.transport.to_string());
+        if o.live_recovery {
+            cmd.env("SHARDLINE_LIVE", "1");
+        }
+        if let Some(e) = epoch {
+            cmd.env("SHARDLINE_LIVE_EPOCH", e.to_string());
+        }
+        // SAFETY: prctl is async-signal-safe; a worker must not outlive a killed agent.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+            });
+        }
+        cmd.spawn().map_err(|e| RuntimeError::config(format!("starting rank {rank}: {e}")))
+    }
+
+    /// LIVE-4: under `--live-recovery`, starts a replacement for each worker of `g` that
+    /// failed (not one that exited 0, 2 or [`EXIT_LIVE_FALLBACK`]) while replacements are
+    /// left, into the epoch after the one its predecessor published. The failures it does
+    /// not replace are left for [`Agent::poll_workers`].
+    fn replace_failed(&mut self, workers: &mut [Worker], g: &Generation) {
+        if !self.o.live_recovery {
+            return;
+        }
+        let pos = match self.position(g) {
+            Ok(p) => p,
+            Err(_) => return,
+        };
+        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
+            let st = match w.child.try_wait() {
+                Ok(Some(st)) => st,
+                _ => continue,
+            };
+            let code = st.code();
+            if st.success()
+                || code == Some(2)
+                || code == Some(super::live::EXIT_LIVE_FALLBACK)
+                || self.replaced >= self.o.max_restarts
+            {
+                // The child keeps its reaped status: `poll_workers` reports it.
+                continue;
+            }
+            let key = super::live::epoch_key(&self.gen_job(g.gen), w.rank);
+            let last = match self.link.get(&key) {
+                Got::Value(v) => {
+                    std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0)
+                }
+                _ => 0,
+            };
+            let local = w.rank - pos * self.o.nproc_per_node;
+            self.poll_progress(g.gen);
+            match self.spawn_rank(g, local, Some(last + 1)) {
+                Ok(child) => {
+                    self.replaced += 1;
+                    self.log(format_args!(
+                        "fault: rank {} exited with {} during step {} (generation {}): replaced in place, epoch {} (live recovery, {}/{})",
+                        w.rank,
+                        describe(st),
+                        self.progress + 1,
+                        g.gen,
+                        last + 1,
+                        self.replaced,
+                        self.o.max_restarts
+                    ));
+                    w.child = child;
+                }
+                Err(e) => self.log(format_args!("cannot replace rank {}: {e}", w.rank)),
+            }
+        }
     }
 
     /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
@@ -496,6 +580,7 @@ impl Agent<'_> {
                 }
                 self.heartbeat();
                 interrupted |= self.forward_signals(&workers);
+                self.replace_failed(&mut workers, &g);
                 let failed = self.poll_workers(&mut workers, g.gen, false);
                 if let Some(f) = failed.into_iter().next() {
                     break Outcome::Failed(f);

@@ -144,6 +144,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         gen_seen: None,
         checkpoint_dir,
         told_no_checkpoint: false,
+        replaced: 0,
     };
     // With a single store node 0's agent decides; with replicas every agent starts as a
     // follower and the one whose replica leads decides (LAUNCH-14).

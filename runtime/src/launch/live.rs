@@ -1,0 +1,191 @@
+//! Live recovery in a launched worker (`shardline launch --live-recovery`): a failed peer is
+//! replaced in place, and the survivors go on in their processes from the state they hold.
+//!
+//! Invariants:
+//! - LIVE-4: a worker's communicators live in numbered *epochs* of its generation; epoch `e`
+//!   of job `J` meets under the job name `J` (e = 0) or `JeN` (fresh store keys, links and
+//!   segments). A survivor whose step failed keeps its engine's state (LIVE-1), drops the
+//!   failed communicator and joins epoch `e + 1`; the agent starts a failed worker's
+//!   replacement into the epoch after the one its predecessor last published. So every rank
+//!   of the world meets again, the survivors without leaving their processes.
+//! - LIVE-5: in the new epoch every rank tells every other its standing (replica set, step,
+//!   clean or not, or none for a replacement) in one all-gather, and all derive the same
+//!   plan (LIVE-2); each replica set's sender broadcasts its state over the set's lane
+//!   `live:state`, so that state moves over the data transport and never through a file or
+//!   the store. The run goes on after the plan's step, on the data of the step after it:
+//!   the step in flight at the failure is run again with the same data. Without a plan the
+//!   worker exits with [`EXIT_LIVE_FALLBACK`] and its agent restarts the group from the
+//!   checkpoint, as without live recovery.
+//! - LIVE-6: a worker recovers at most [`MAX_EPOCHS`] times, and only from a failure of
+//!   its run, never from its configuration, an interruption or its own memory cap.
+
+use super::env::WorkerEnv;
+use super::rendezvous::{join_job, store_err};
+use crate::driver::KeptStates;
+use crate::engine::live::{recovery_plan, LiveState, Standing};
+use crate::engine::RankEngine;
+use crate::error::{Result, RuntimeError};
+use crate::train::{self, RunOptions, Summary, TrainConfig};
+use shardline_collectives::Communicator;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The exit code of a worker whose live recovery found no plan (LIVE-5): its agent restarts
+/// the group from the checkpoint instead of replacing the worker again.
+pub const EXIT_LIVE_FALLBACK: i32 = 3;
+
+/// Most epochs a worker goes through (LIVE-6).
+pub const MAX_EPOCHS: u64 = 64;
+
+/// The job name of epoch `epoch` of job `job` (LIVE-4).
+pub fn epoch_job(job: &str, epoch: u64) -> String {
+    match epoch {
+        0 => job.to_string(),
+        e => format!("{job}e{e}"),
+    }
+}
+
+/// The store key where rank `rank` of job `job` publishes the epoch it joins (LIVE-4).
+pub fn epoch_key(job: &str, rank: usize) -> String {
+    format!("launch/{job}/live/{rank}")
+}
+
+/// What a worker carries from one epoch into the next.
+pub(super) struct LiveRun {
+    /// This rank's state from the failed epoch; `None` for a replacement.
+    pub(super) kept: Option<LiveState>,
+    /// Whether this epoch begins with a recovery (LIVE-5).
+    pub(super) recover: bool,
+    /// Where the failed run leaves the state.
+    pub(super) slot: KeptStates,
+    /// When the failure was seen, for the report.
+    pub(super) failed_at: Option<Instant>,
+}
+
+/// Runs `env.rank` under live recovery: epoch after epoch until the run ends (LIVE-4,
+/// LIVE-6). `run_epoch` runs one epoch on a joined communicator.
+pub(super) fn run_live(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    env: &WorkerEnv,
+    plan: train::JobPlan,
+    run_epoch: impl Fn(
+        TrainConfig,
+        RunOptions,
+        &WorkerEnv,
+        train::JobPlan,
+        super::rendezvous::Joined,
+        &mut LiveRun,
+    ) -> Result<Summary>,
+) -> Result<Summary> {
+    let replacement = env.live_epoch.is_some();
+    let mut epoch = env.live_epoch.unwrap_or(0);
+    let mut live =
+        LiveRun { kept: None, recover: replacement, slot: Arc::default(), failed_at: None };
+    loop {
+        let mut here = env.clone();
+        here.epoch = epoch;
+        let joined = join_job(&cfg, &here)?;
+        joined
+            .store
+            .set(&epoch_key(&env.job, env.rank), epoch.to_string().as_bytes())
+            .map_err(store_err("publishing the epoch"))?;
+        let mut o = opts.clone();
+        if live.recover {
+            // The state comes from the peers, not from a checkpoint (LIVE-5).
+            o.resume = false;
+        }
+        let comm = joined.comm.clone();
+        let result = run_epoch(cfg.clone(), o, &here, plan.clone(), joined, &mut live);
+        let e = match result {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        comm.abort(&format!("rank {} failed: {e}", env.rank));
+        drop(comm);
+        let kept = live.slot.lock().ok().and_then(|mut s| s.pop());
+        let recoverable = !matches!(
+            e,
+            RuntimeError::Config(_)
+                | RuntimeError::Interrupted { .. }
+                | RuntimeError::NoVerifiedCheckpoint { .. }
+                | RuntimeError::DeviceUnavailable(_)
+                | RuntimeError::OutOfMemory { .. }
+                | RuntimeError::LiveRecoveryImpossible(_)
+        ) && crate::interrupt::requested().is_none();
+        let Some(kept) = kept.filter(|_| recoverable && epoch + 1 < MAX_EPOCHS) else {
+            return Err(e);
+        };
+        say!(
+            "shardline worker: rank {}: live recovery: {e}; joining epoch {} with the state of step {} ({}) unix_ms={}",
+            env.rank,
+            epoch + 1,
+            kept.step,
+            if kept.clean { "clean" } else { "caught mid-update" },
+            super::worker::unix_ms()
+        );
+        live = LiveRun {
+            kept: Some(kept),
+            recover: true,
+            slot: Arc::default(),
+            failed_at: Some(Instant::now()),
+        };
+        epoch += 1;
+    }
+}
+
+/// LIVE-5 on a fresh `engine` of the new epoch: installs this rank's kept state, agrees on
+/// the plan, and takes the newest state from its replica set's sender. Returns the step the
+/// run goes on after.
+pub(super) fn recover(
+    engine: &mut RankEngine,
+    comm: &Communicator,
+    kept: Option<&LiveState>,
+    failed_at: Option<Instant>,
+) -> Result<u64> {
+    let (rank, world) = (comm.rank(), comm.world());
+    let t0 = Instant::now();
+    // Every rank's standing, exact in f32: the set, whether it holds state, the step in
+    // 2^20 parts, and whether it is clean.
+    let held = kept.map(|k| (k.step, k.clean));
+    let step = held.map_or(0, |h| h.0);
+    let mine = vec![
+        engine.replica_set() as f32,
+        held.is_some() as u8 as f32,
+        (step >> 20) as f32,
+        (step & 0xF_FFFF) as f32,
+        held.is_some_and(|h| h.1) as u8 as f32,
+    ];
+    let lane = comm.lane("live")?;
+    let (_, all) = lane.all_gather(mine, vec![0.0; 5 * world]).wait()?;
+    let standings: Vec<Standing> = all
+        .chunks(5)
+        .map(|c| Standing {
+            set: c[0] as usize,
+            held: (c[1] > 0.0).then(|| (((c[2] as u64) << 20) | c[3] as u64, c[4] > 0.0)),
+        })
+        .collect();
+    let plan = recovery_plan(&standings).map_err(RuntimeError::LiveRecoveryImpossible)?;
+    if let Some(k) = kept {
+        engine.install_live_state(k)?;
+    }
+    let (sender, members) =
+        plan.set_of(rank).ok_or_else(|| RuntimeError::config("live recovery: rank in no set"))?;
+    let root = members.iter().position(|&r| r == *sender).unwrap_or(0);
+    let set_comm = match members.len() == world {
+        true => comm.clone(),
+        false => comm.subgroup("live", members)?,
+    };
+    let bytes = engine.adopt_from(&set_comm.lane("state")?, root, plan.step)?;
+    let since = failed_at.map_or(String::new(), |t| {
+        format!(", {:.3} s after the failure was seen", t.elapsed().as_secs_f64())
+    });
+    say!(
+        "shardline worker: rank {rank}: live recovery: resuming after step {} with rank {sender}'s state ({:.1} MiB over the transport in {:.3} s{since}) unix_ms={}",
+        plan.step,
+        bytes as f64 / (1u64 << 20) as f64,
+        t0.elapsed().as_secs_f64(),
+        super::worker::unix_ms()
+    );
+    Ok(plan.step)
+}
