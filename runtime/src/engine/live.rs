@@ -79,7 +79,8 @@ pub fn recovery_plan(standings: &[Standing]) -> std::result::Result<RecoveryPlan
     keys.dedup();
     let mut sets = Vec::with_capacity(keys.len());
     for key in keys {
-        let members: Vec<usize> = (0..standings.len()).filter(|&r| standings[r].set == key).collect();
+        let members: Vec<usize> =
+            (0..standings.len()).filter(|&r| standings[r].set == key).collect();
         let donor = members.iter().copied().find(|&r| standings[r].held == Some((step, true)));
         let Some(donor) = donor else {
             return Err(format!(
@@ -204,8 +205,7 @@ mod tests {
     #[test]
     fn the_newest_clean_step_wins_and_each_set_sends_from_its_lowest_holder_live_2() {
         // Stage 0, world 3: rank 1 replaced, rank 2 finished the step rank 0 did not.
-        let p = recovery_plan(&[s(0, Some((4, true))), s(0, None), s(0, Some((5, true)))])
-            .unwrap();
+        let p = recovery_plan(&[s(0, Some((4, true))), s(0, None), s(0, Some((5, true)))]).unwrap();
         assert_eq!(p.step, 5);
         assert_eq!(p.sets, vec![(2, vec![0, 1, 2])]);
         // Hybrid 2x2: sets {0, 2} and {1, 3}; rank 2 replaced.
@@ -224,8 +224,8 @@ mod tests {
     #[test]
     fn a_state_caught_mid_update_never_sends_live_1() {
         // Rank 0 failed after its updates began: it holds neither step 3 nor step 4.
-        let p = recovery_plan(&[s(0, Some((4, false))), s(0, Some((3, true))), s(0, None)])
-            .unwrap();
+        let p =
+            recovery_plan(&[s(0, Some((4, false))), s(0, Some((3, true))), s(0, None)]).unwrap();
         assert_eq!((p.step, p.sets[0].0), (3, 1));
         // Nobody clean at all.
         assert!(recovery_plan(&[s(0, Some((4, false))), s(0, None)]).is_err());

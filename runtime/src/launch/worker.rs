@@ -50,10 +50,16 @@ pub fn run_worker_planned(
     crate::driver::check_options(&opts)?;
     if env.live {
         // LIVE-4: epoch after epoch, the survivors in this process.
-        return super::live::run_live(cfg, opts, env, plan, |cfg, opts, env, plan, joined, live| {
-            announce(&cfg, &opts, env, &plan, &joined);
-            run_rank(cfg, opts, env, plan, joined, Some(live))
-        });
+        return super::live::run_live(
+            cfg,
+            opts,
+            env,
+            plan,
+            |cfg, opts, env, plan, joined, live| {
+                announce(&cfg, &opts, env, &plan, &joined);
+                run_rank(cfg, opts, env, plan, joined, Some(live))
+            },
+        );
     }
     let joined = join_job(&cfg, env)?;
     announce(&cfg, &opts, env, &plan, &joined);
@@ -121,7 +127,8 @@ fn run_rank(
         engine.set_commit_after_sums(true);
         if live.recover {
             let kept = live.kept.take();
-            start_step = super::live::recover(&mut engine, &joined.comm, kept.as_ref(), live.failed_at)?;
+            start_step =
+                super::live::recover(&mut engine, &joined.comm, kept.as_ref(), live.failed_at)?;
         }
         keep = Some(Arc::clone(&live.slot));
     }
