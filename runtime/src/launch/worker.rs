@@ -378,9 +378,12 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
         return None;
     }
     Some(Arc::new(move |r, step, phase| {
-        for f in &specs {
+        for (i, f) in specs.iter().enumerate() {
+            // LIVE-4: a survivor runs the failed step again in its next epoch; a fault of the
+            // plan fires once per process, so the rerun does not meet it again.
+            let fires = |at: u64, p: Phase| at == step && p == phase && first_firing(i);
             match *f {
-                FaultSpec::Kill { step: s, phase: p, .. } if s == step && p == phase => {
+                FaultSpec::Kill { step: s, phase: p, .. } if fires(s, p) => {
                     say!(
                         "shardline worker: fault injected: kill rank {r} at step {step} ({}) unix_ms={}",
                         phase.name(),
@@ -389,7 +392,7 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
                     let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
                     std::process::abort();
                 }
-                FaultSpec::Stall { step: s, secs, .. } if s == step && phase == Phase::Forward => {
+                FaultSpec::Stall { step: s, secs, .. } if fires(s, Phase::Forward) => {
                     say!(
                         "shardline worker: fault injected: stall rank {r} at step {step} for {secs} s unix_ms={}",
                         unix_ms()
@@ -400,4 +403,15 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
             }
         }
     }))
+}
+
+/// Whether the plan's fault `index` fires now for the first time in this process.
+fn first_firing(index: usize) -> bool {
+    static FIRED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+    let Ok(mut fired) = FIRED.lock() else { return false };
+    if fired.contains(&index) {
+        return false;
+    }
+    fired.push(index);
+    true
 }

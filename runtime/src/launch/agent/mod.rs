@@ -295,7 +295,8 @@ impl Agent<'_> {
     /// left, into the epoch after the one its predecessor published. The failures it does
     /// not replace are left for [`Agent::poll_workers`].
     fn replace_failed(&mut self, workers: &mut [Worker], g: &Generation) {
-        if !self.o.live_recovery {
+        // A stop that was asked for is not a failure to recover from.
+        if !self.o.live_recovery || self.forwarded != 0 || received() != 0 {
             return;
         }
         let pos = match self.position(g) {
