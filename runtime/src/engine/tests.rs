@@ -524,3 +524,61 @@ fn qgather_2_each_shard_is_packed_once_per_step() {
         }
     }
 }
+
+/// LIVE-3: a state taken out of an engine mid-run and installed into a fresh one steps on
+/// bitwise like the engine it came from (AdamW, so that the optimizer state matters; a
+/// BatchNorm model, so that the buffers do); a state of other shapes is refused.
+#[test]
+fn an_installed_live_state_steps_on_like_its_source_live_3() {
+    let comm = shardline_collectives::local_group(1).unwrap().pop().unwrap();
+    let mut m = shardline_models::zoo::MlpBn::digits();
+    (m.input_dim, m.hidden, m.depth, m.classes) = (8, 8, 2, 3);
+    let model: Arc<dyn Network> = Arc::new(m.build());
+    let mut cfg = stage3_sgd(1, 5);
+    cfg.optimizer = Optimizer::AdamW(crate::optim::AdamWConfig::default());
+    let engine = |cfg: &EngineConfig| {
+        let mem = MemoryTracker::new(0, None);
+        let mut e =
+            RankEngine::new(comm.clone(), Arc::clone(&model), cfg.clone(), mem, Trace::disabled())
+                .unwrap();
+        e.set_commit_after_sums(true);
+        e
+    };
+    let batch = |k: usize| {
+        let x = (0..32).map(|i| ((i * 7 + k * 3) % 11) as f32 / 11.0).collect();
+        (Tensor::new(vec![4, 8], x).unwrap(), lab(&[0, 1, 2, (k % 3) as u32]))
+    };
+    let mut a = engine(&cfg);
+    for k in 0..3 {
+        let (x, y) = batch(k);
+        a.train_step(x, &y, 4).unwrap();
+    }
+    let kept = a.live_state();
+    assert!(kept.clean && kept.step == 3);
+    assert!(kept.optim_state.iter().any(|s| s.iter().any(|v| *v != 0.0)));
+    let mut b = engine(&cfg);
+    b.install_live_state(&kept).unwrap();
+    assert_eq!(b.live_state(), kept);
+    for k in 3..5 {
+        let (x, y) = batch(k);
+        let sa = a.train_step(x.clone(), &y, 4).unwrap();
+        let sb = b.train_step(x, &y, 4).unwrap();
+        assert_eq!(sa.loss.to_bits(), sb.loss.to_bits(), "step {}", k + 1);
+    }
+    let (ka, kb) = (a.live_state(), b.live_state());
+    let bits = |s: &crate::engine::live::LiveState| -> Vec<u32> {
+        s.params
+            .iter()
+            .chain(&s.optim_state)
+            .chain(&s.buffers)
+            .flatten()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&ka), bits(&kb));
+    assert_eq!(ka.step, 5);
+    // Another model's state does not fit.
+    let mut wrong = kept.clone();
+    wrong.params[0].push(0.0);
+    assert!(engine(&cfg).install_live_state(&wrong).is_err());
+}

@@ -189,3 +189,44 @@ pub(super) fn recover(
     );
     Ok(plan.step)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(extra: &[(&str, &str)]) -> Result<WorkerEnv> {
+        let mut m: HashMap<String, String> = [
+            ("SHARDLINE_RANK", "1"),
+            ("SHARDLINE_WORLD_SIZE", "2"),
+            ("SHARDLINE_LOCAL_RANK", "1"),
+            ("SHARDLINE_LOCAL_WORLD_SIZE", "2"),
+            ("SHARDLINE_NODE_RANK", "0"),
+            ("SHARDLINE_RDZV", "127.0.0.1:1"),
+            ("SHARDLINE_TOKEN", "t"),
+            ("SHARDLINE_JOB", "jg0"),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        m.retain(|_, v| !v.is_empty());
+        WorkerEnv::from_vars(&|k| m.get(k).cloned()).map(|e| e.expect("a launch environment"))
+    }
+
+    #[test]
+    fn each_epoch_meets_under_a_name_of_its_own_and_a_replacement_joins_the_named_one_live_4() {
+        let e = env(&[]).unwrap();
+        assert!(!e.live && e.live_epoch.is_none());
+        assert_eq!(e.meeting(), "jg0");
+        let mut e = env(&[("SHARDLINE_LIVE", "1"), ("SHARDLINE_LIVE_EPOCH", "3")]).unwrap();
+        assert!(e.live);
+        assert_eq!((e.live_epoch, e.epoch), (Some(3), 0));
+        e.epoch = 3;
+        assert_eq!(e.meeting(), "jg0e3");
+        assert_ne!(epoch_job("j", 1), epoch_job("j", 2));
+        assert_eq!(epoch_key("jg0", 1), "launch/jg0/live/1");
+        let bad = env(&[("SHARDLINE_LIVE", "1"), ("SHARDLINE_LIVE_EPOCH", "x")]).unwrap_err();
+        assert!(bad.to_string().contains("SHARDLINE_LIVE_EPOCH"), "{bad}");
+    }
+}

@@ -1,0 +1,247 @@
+//! Live recovery under `shardline launch --live-recovery` (LIVE-1 to LIVE-6 in the runtime's
+//! `engine::live` and `launch::live` modules): a killed worker is replaced in place, its
+//! peers stay in their processes, and the run ends bitwise like a clean one; a stalled
+//! worker rejoins without a replacement; without a peer holding a shard the group restarts
+//! from the checkpoint. Every launch runs under a deadline: a bug fails the test instead of
+//! hanging it.
+
+use shardline_tests::launch::{shardline, spawn, wait_output};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(90);
+
+/// One launch on this host: `nproc` workers training mlp-bn (SyncBN on, so that every
+/// forward talks to the peers) for `steps` steps with `train` added, under `launch` flags.
+/// Returns the output and the checkpoint directory.
+fn launch(
+    dir: &Path,
+    tag: &str,
+    nproc: usize,
+    steps: u64,
+    launch: &[&str],
+    train: &[&str],
+) -> (Output, PathBuf) {
+    let ck = dir.join(format!("ck-{tag}"));
+    let log = dir.join(format!("{tag}.jsonl"));
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", &nproc.to_string()])
+        .args(launch)
+        .args(["--", "train", "--model", "mlp-bn", "--dataset", "digits", "--batch-size", "48"])
+        .args(["--steps", &steps.to_string(), "--sync-bn", "on", "--no-progress"])
+        .args(["--checkpoint-every", "4", "--checkpoint-dir"])
+        .arg(&ck)
+        .arg("--log-json")
+        .arg(&log)
+        .args(train);
+    let out = wait_output(spawn(cmd), Instant::now() + DEADLINE, tag);
+    (out, ck)
+}
+
+fn text(o: &Output) -> String {
+    format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn ok(o: &Output, what: &str) -> String {
+    let t = text(o);
+    assert!(o.status.success(), "{what} failed ({:?}):\n{t}", o.status);
+    t
+}
+
+/// Every file of the newest checkpoint under `root`, by name: shards, buffers and the
+/// manifest (which records every file's digest).
+fn final_files(root: &Path) -> BTreeMap<String, Vec<u8>> {
+    let dir = shardline_runtime::checkpoint::latest(root)
+        .expect("list checkpoints")
+        .unwrap_or_else(|| panic!("no checkpoint in {}", root.display()));
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(&dir).expect("read checkpoint") {
+        let e = e.expect("entry");
+        let bytes = std::fs::read(e.path()).expect("read file");
+        out.insert(e.file_name().to_string_lossy().into_owned(), bytes);
+    }
+    out
+}
+
+/// The final checkpoints under `a` and `b` hold the same bytes, file for file.
+fn assert_bitwise(a: &Path, b: &Path, what: &str) {
+    let (x, y) = (final_files(a), final_files(b));
+    assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>(), "{what}: files");
+    for (name, bytes) in &x {
+        assert!(bytes == &y[name], "{what}: {name} differs from the clean run's");
+    }
+}
+
+/// The senders named in the workers' `resuming after step N with rank D's state` lines, per
+/// resuming rank, and the step N they name.
+fn resumed(log: &str) -> Vec<(usize, u64, usize)> {
+    log.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("shardline worker: rank ")?;
+            let (rank, rest) = rest.split_once(": live recovery: resuming after step ")?;
+            let (step, rest) = rest.split_once(" with rank ")?;
+            let (sender, _) = rest.split_once("'s state")?;
+            Some((rank.parse().ok()?, step.parse().ok()?, sender.parse().ok()?))
+        })
+        .collect()
+}
+
+const LIVE: &[&str] = &["--live-recovery", "--max-restarts", "2"];
+
+/// LIVE-1, LIVE-2, LIVE-4: at stage 0 a rank killed in any phase of a step, with 2 to 4
+/// workers, is replaced in place; the survivors never restart, every rank resumes after the
+/// step before the failure from one sender, and the run ends bitwise like a clean one
+/// (parameters, optimizer state, BatchNorm buffers and the manifest).
+#[test]
+fn a_killed_rank_at_stage_0_is_replaced_and_the_run_ends_like_a_clean_one_live_4() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let steps = 12;
+    // (world, killed rank, step, phase)
+    let cases = [
+        (2, 1, 5, "forward"),
+        (2, 0, 6, "reduce"),
+        (3, 2, 5, "backward"),
+        (4, 0, 3, "backward"),
+        (4, 3, 7, "reduce"),
+    ];
+    let mut clean = BTreeMap::new();
+    for (world, rank, step, phase) in cases {
+        let stage0 = ["--stage", "0"];
+        let base = clean.entry(world).or_insert_with(|| {
+            let tag = format!("clean-w{world}");
+            let (o, ck) = launch(dir, &tag, world, steps, LIVE, &stage0);
+            ok(&o, &tag);
+            ck
+        });
+        let tag = format!("kill-w{world}-r{rank}-s{step}-{phase}");
+        let fault = format!("kill:rank={rank}:step={step}:phase={phase}");
+        let (o, ck) = launch(dir, &tag, world, steps, LIVE, &["--stage", "0", "--fault", &fault]);
+        let t = ok(&o, &tag);
+        assert!(t.contains(&format!("rank {rank} exited with signal 9")), "{tag}:\n{t}");
+        assert!(t.contains("replaced in place, epoch 1"), "{tag}: no replacement:\n{t}");
+        assert!(!t.contains("restart 1/"), "{tag}: the group restarted:\n{t}");
+        let r = resumed(&t);
+        assert_eq!(r.len(), world, "{tag}: every rank resumes once:\n{t}");
+        let sender = r[0].2;
+        for (who, after, from) in &r {
+            assert_eq!(*after, step - 1, "{tag}: rank {who} resumed after another step");
+            assert_eq!(*from, sender, "{tag}: one sender for the one replica set");
+        }
+        assert_ne!(sender, rank, "{tag}: the replaced rank cannot send");
+        assert_bitwise(base, &ck, &tag);
+    }
+}
+
+/// LIVE-2, LIVE-5: under hybrid sharding (2 shard groups of 2) a killed rank's shard comes
+/// from its replica in the other group, at stages 1, 2 and 3, and the run ends bitwise like
+/// a clean one.
+#[test]
+fn a_killed_rank_under_hybrid_sharding_takes_its_shard_from_the_other_group_live_5() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    for (stage, rank, step) in [(3, 2, 5), (2, 1, 4), (1, 3, 6)] {
+        let s = stage.to_string();
+        let args = ["--stage", s.as_str(), "--shard-group", "2"];
+        let tag = format!("clean-s{stage}");
+        let (o, base) = launch(dir, &tag, 4, 10, LIVE, &args);
+        ok(&o, &tag);
+        let tag = format!("kill-s{stage}-r{rank}");
+        let fault = format!("kill:rank={rank}:step={step}:phase=backward");
+        let mut faulty = args.to_vec();
+        faulty.extend(["--fault", fault.as_str()]);
+        let (o, ck) = launch(dir, &tag, 4, 10, LIVE, &faulty);
+        let t = ok(&o, &tag);
+        assert!(t.contains("replaced in place"), "{tag}:\n{t}");
+        let r = resumed(&t);
+        assert_eq!(r.len(), 4, "{tag}: every rank resumes once:\n{t}");
+        for (who, after, from) in r {
+            assert_eq!(after, step - 1, "{tag}: rank {who}");
+            // Rank r holds shard r % 2: its sender holds the same one and is no replacement.
+            assert_eq!(from % 2, who % 2, "{tag}: rank {who} took another shard's state");
+            assert_ne!(from, rank, "{tag}: the replaced rank cannot send");
+        }
+        assert_bitwise(&base, &ck, &tag);
+    }
+}
+
+/// LIVE-5: at stage 3 with one shard group nobody else holds the killed rank's shard: the
+/// workers exit 3 and the group restarts from the checkpoint, ending like a clean run.
+#[test]
+fn without_a_peer_holding_the_shard_the_group_restarts_from_the_checkpoint_live_5() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let (o, base) = launch(dir, "clean", 2, 10, LIVE, &["--stage", "3"]);
+    ok(&o, "clean");
+    let fault = ["--stage", "3", "--fault", "kill:rank=1:step=6:phase=backward"];
+    let (o, ck) = launch(dir, "fallback", 2, 10, LIVE, &fault);
+    let t = ok(&o, "fallback");
+    assert!(t.contains("live recovery impossible: no surviving rank of [1]"), "{t}");
+    assert!(t.contains("exited with exit code 3"), "{t}");
+    assert!(t.contains("restart 1/2: generation 1"), "{t}");
+    assert_bitwise(&base, &ck, "fallback");
+}
+
+/// LIVE-4, LIVE-1: a rank that stalls past the collective timeout is not replaced: its peers
+/// time out, it times out itself once it wakes, and all three meet in the next epoch with
+/// the state they hold; its fault fires once (the rerun step does not stall again), and the
+/// run ends bitwise like a clean one.
+#[test]
+fn a_stalled_rank_rejoins_without_a_replacement_live_4() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let args = ["--stage", "0", "--timeout", "1"];
+    let (o, base) = launch(dir, "clean", 3, 10, LIVE, &args);
+    ok(&o, "clean");
+    let mut stalled = args.to_vec();
+    stalled.extend(["--fault", "stall:rank=1:step=4:secs=2.5"]);
+    let (o, ck) = launch(dir, "stall", 3, 10, LIVE, &stalled);
+    let t = ok(&o, "stall");
+    assert!(!t.contains("replaced in place"), "a stalled rank was replaced:\n{t}");
+    assert_eq!(t.matches("joining epoch 1 ").count(), 3, "every rank moves on once:\n{t}");
+    assert_eq!(t.matches("fault injected: stall").count(), 1, "{t}");
+    let r = resumed(&t);
+    assert_eq!(r.len(), 3, "{t}");
+    assert!(r.iter().all(|x| x.1 == 3), "{r:?}");
+    assert_bitwise(&base, &ck, "stall");
+}
+
+/// LIVE-6 and the agent's bound: without replacements left the kill fails the launch, and
+/// an interrupted live run stops with its group (exit 130) instead of recovering.
+#[test]
+fn replacements_are_bounded_and_a_stop_is_not_recovered_live_6() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let none_left = ["--live-recovery", "--max-restarts", "0"];
+    let fault = ["--stage", "0", "--fault", "kill:rank=1:step=3:phase=forward"];
+    let (o, _) = launch(dir, "bounded", 2, 8, &none_left, &fault);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{t}");
+    assert!(!t.contains("replaced in place"), "{t}");
+    assert!(t.contains("rank 1 exited with signal 9"), "{t}");
+
+    // SIGINT to the agent mid-run: the workers stop after a step, checkpoint it and exit.
+    let (ck, log) = (dir.join("ck-int"), dir.join("int.jsonl"));
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nproc-per-node", "2", "--live-recovery", "--max-restarts", "2"])
+        .args(["--", "train", "--model", "mlp-bn", "--dataset", "digits", "--steps", "100000"])
+        .args(["--stage", "0", "--no-progress", "--checkpoint-dir"])
+        .arg(&ck)
+        .arg("--log-json")
+        .arg(&log);
+    let child = spawn(cmd);
+    let until = Instant::now() + DEADLINE;
+    let steps = || std::fs::read_to_string(&log).map(|t| t.lines().count()).unwrap_or(0);
+    while steps() < 3 && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id().expect("agent pid") as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT");
+    let o = wait_output(child, until, "interrupted");
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{t}");
+    assert!(!t.contains("live recovery:"), "an interrupted run recovered:\n{t}");
+    assert!(!t.contains("replaced in place"), "{t}");
+}
