@@ -20,6 +20,10 @@
 //!   impossible and the job falls back to its checkpoint restart.
 //! - LIVE-3: a state is installed only into an engine of the same shapes, and what it
 //!   installs is bitwise what was taken: a resumed rank steps exactly as the donor would.
+//! - LIVE-8: when the membership changed the world (LIVE-7), a stage-0 state is re-padded
+//!   to the new world's multiple (the values themselves unchanged); a sharded state keeps
+//!   its shapes only where the shard group's size did not change, and is refused otherwise
+//!   (the job then falls back to its checkpoint, which reshards on load).
 
 use super::RankEngine;
 use crate::error::{Result, RuntimeError};
@@ -126,25 +130,35 @@ impl RankEngine {
         }
     }
 
-    /// Installs `s` (LIVE-3): every buffer must have this engine's shape.
+    /// Installs `s` (LIVE-3): every buffer must have this engine's shape, except that at
+    /// stage 0 a state taken in a world of another size is re-padded (LIVE-8): its full
+    /// buffers differ only in their zero padding to a multiple of the world.
     pub fn install_live_state(&mut self, s: &LiveState) -> Result<()> {
+        let full = self.cfg.stage == Stage::Zero0;
         let st = &mut self.state;
-        let same = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.len() == y.len())
+        let fits = |a: &[Vec<f32>], b: &[Vec<f32>], exact: bool| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| !exact || x.len() == y.len())
         };
-        if !same(&st.params, &s.params)
-            || !same(&st.optim_state, &s.optim_state)
-            || !same(&st.buffers, &s.buffers)
+        if !fits(&st.params, &s.params, !full)
+            || !fits(&st.optim_state, &s.optim_state, !full)
+            || !fits(&st.buffers, &s.buffers, true)
         {
-            return Err(RuntimeError::config(
-                "live recovery: the kept state does not have this engine's shapes",
+            return Err(RuntimeError::LiveRecoveryImpossible(
+                "the kept state's shards do not fit this world's (only stage 0, or shard groups \
+                 of an unchanged size, keep their shapes when the world changes)"
+                    .into(),
             ));
         }
+        let copy = |d: &mut Vec<f32>, v: &Vec<f32>| {
+            let n = d.len().min(v.len());
+            d[..n].copy_from_slice(&v[..n]);
+            d[n..].fill(0.0);
+        };
         for (d, v) in st.params.iter_mut().zip(&s.params) {
-            d.copy_from_slice(v);
+            copy(d, v);
         }
         for (d, v) in st.optim_state.iter_mut().zip(&s.optim_state) {
-            d.copy_from_slice(v);
+            copy(d, v);
         }
         for (d, v) in st.buffers.iter_mut().zip(&s.buffers) {
             d.copy_from_slice(v);

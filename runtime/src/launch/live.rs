@@ -18,17 +18,23 @@
 //!   checkpoint, as without live recovery.
 //! - LIVE-6: a worker recovers at most [`MAX_EPOCHS`] times, and only from a failure of
 //!   its run, never from its configuration, an interruption or its own memory cap.
+//! - LIVE-7: membership: an elastic job's deciding agent that loses a node writes a
+//!   [`Membership`] (the nodes left, from an epoch after every epoch a worker published).
+//!   Before each epoch a worker reads it: it moves on to that epoch and takes its rank and
+//!   world from its node's place among those nodes ([`place`]); a worker still meeting an
+//!   older epoch gives that meeting up. So the survivors of a lost node go on in their
+//!   processes, renumbered, with the state they hold (LIVE-8), and no restart is spent.
 
 use super::env::WorkerEnv;
-use super::rendezvous::{join_job, store_err};
+use super::rendezvous::{connect, meet, store_err};
 use crate::driver::KeptStates;
 use crate::engine::live::{recovery_plan, LiveState, Standing};
 use crate::engine::RankEngine;
 use crate::error::{Result, RuntimeError};
 use crate::train::{self, RunOptions, Summary, TrainConfig};
-use shardline_collectives::Communicator;
+use shardline_collectives::{Communicator, Store};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The exit code of a worker whose live recovery found no plan (LIVE-5): its agent restarts
 /// the group from the checkpoint instead of replacing the worker again.
@@ -45,9 +51,10 @@ pub fn epoch_job(job: &str, epoch: u64) -> String {
     }
 }
 
-/// The store key where rank `rank` of job `job` publishes the epoch it joins (LIVE-4).
-pub fn epoch_key(job: &str, rank: usize) -> String {
-    format!("launch/{job}/live/{rank}")
+/// The store key where worker `local` of node `node` of job `job` publishes the epoch it
+/// joins (LIVE-4): named by its place, which no renumbering changes (LIVE-7).
+pub fn epoch_key(job: &str, node: usize, local: usize) -> String {
+    format!("launch/{job}/live/epoch/{node}/{local}")
 }
 
 /// What a worker carries from one epoch into the next.
@@ -62,8 +69,41 @@ pub(super) struct LiveRun {
     pub(super) failed_at: Option<Instant>,
 }
 
-/// Runs `env.rank` under live recovery: epoch after epoch until the run ends (LIVE-4,
-/// LIVE-6). `run_epoch` runs one epoch on a joined communicator.
+/// LIVE-7: the deciding agent's membership record: from epoch `epoch` on, the job runs on
+/// `nodes` (in rank order), each with the same number of workers.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Membership {
+    /// The first epoch of this membership.
+    pub epoch: u64,
+    /// The nodes, in the order their ranks are numbered.
+    pub nodes: Vec<usize>,
+}
+
+/// The store key of job `job`'s membership record (LIVE-7).
+pub fn membership_key(job: &str) -> String {
+    format!("launch/{job}/live/members")
+}
+
+/// The membership in the store now, if the deciding agent wrote one.
+pub fn read_membership(store: &dyn Store, job: &str) -> Option<Membership> {
+    let v = store.get(&membership_key(job), Duration::ZERO).ok()?;
+    serde_json::from_slice(&v).ok()
+}
+
+/// LIVE-7: the rank and world of worker `local` of node `node` when the job runs on `nodes`
+/// with `per_node` workers each; `None` when the node is not among them.
+pub fn place(
+    nodes: &[usize],
+    node: usize,
+    local: usize,
+    per_node: usize,
+) -> Option<(usize, usize)> {
+    let pos = nodes.iter().position(|&n| n == node)?;
+    Some((pos * per_node + local, nodes.len() * per_node))
+}
+
+/// Runs this worker under live recovery: epoch after epoch until the run ends (LIVE-4,
+/// LIVE-6, LIVE-7). `run_epoch` runs one epoch on a joined communicator.
 pub(super) fn run_live(
     cfg: TrainConfig,
     opts: RunOptions,
@@ -82,26 +122,56 @@ pub(super) fn run_live(
     let mut epoch = env.live_epoch.unwrap_or(0);
     let mut live =
         LiveRun { kept: None, recover: replacement, slot: Arc::default(), failed_at: None };
+    let node: usize = env.node.parse().map_err(|_| {
+        RuntimeError::config(format!("live recovery needs a numbered node, not '{}'", env.node))
+    })?;
+    let (_server, store) = connect(&cfg, env)?;
+    let mut planned = (cfg.world, plan);
     loop {
+        // LIVE-7: a newer membership moves this worker on to its first epoch.
+        let members = read_membership(&*store, &env.job);
+        if let Some(m) = &members {
+            epoch = epoch.max(m.epoch);
+        }
         let mut here = env.clone();
         here.epoch = epoch;
-        let joined = join_job(&cfg, &here)?;
-        joined
-            .store
-            .set(&epoch_key(&env.job, env.rank), epoch.to_string().as_bytes())
+        let mut cfg = cfg.clone();
+        if let Some(m) = &members {
+            let (rank, world) =
+                place(&m.nodes, node, env.local_rank, env.local_world).ok_or_else(|| {
+                    RuntimeError::Failed(format!(
+                        "node {node} is no longer in the job (its nodes are now {:?})",
+                        m.nodes
+                    ))
+                })?;
+            (here.rank, here.world, cfg.world) = (rank, world, world);
+        }
+        if planned.0 != cfg.world {
+            planned = (cfg.world, train::plan(&cfg)?);
+        }
+        store
+            .set(&epoch_key(&env.job, node, env.local_rank), epoch.to_string().as_bytes())
             .map_err(store_err("publishing the epoch"))?;
+        let newer = || read_membership(&*store, &env.job).is_some_and(|m| m.epoch > epoch);
+        let Some(joined) = meet(&cfg, &here, None, Arc::clone(&store), &newer)? else {
+            say!(
+                "shardline worker: node {node} worker {}: the job's membership moved on while epoch {epoch} met",
+                env.local_rank
+            );
+            continue;
+        };
         let mut o = opts.clone();
         if live.recover {
             // The state comes from the peers, not from a checkpoint (LIVE-5).
             o.resume = false;
         }
         let comm = joined.comm.clone();
-        let result = run_epoch(cfg.clone(), o, &here, plan.clone(), joined, &mut live);
+        let result = run_epoch(cfg, o, &here, planned.1.clone(), joined, &mut live);
         let e = match result {
             Ok(s) => return Ok(s),
             Err(e) => e,
         };
-        comm.abort(&format!("rank {} failed: {e}", env.rank));
+        comm.abort(&format!("rank {} failed: {e}", here.rank));
         drop(comm);
         let kept = live.slot.lock().ok().and_then(|mut s| s.pop());
         let recoverable = !matches!(
@@ -118,7 +188,7 @@ pub(super) fn run_live(
         };
         say!(
             "shardline worker: rank {}: live recovery: {e}; joining epoch {} with the state of step {} ({}) unix_ms={}",
-            env.rank,
+            here.rank,
             epoch + 1,
             kept.step,
             if kept.clean { "clean" } else { "caught mid-update" },
@@ -225,7 +295,7 @@ mod tests {
         e.epoch = 3;
         assert_eq!(e.meeting(), "jg0e3");
         assert_ne!(epoch_job("j", 1), epoch_job("j", 2));
-        assert_eq!(epoch_key("jg0", 1), "launch/jg0/live/1");
+        assert_eq!(epoch_key("jg0", 1, 0), "launch/jg0/live/epoch/1/0");
         let bad = env(&[("SHARDLINE_LIVE", "1"), ("SHARDLINE_LIVE_EPOCH", "x")]).unwrap_err();
         assert!(bad.to_string().contains("SHARDLINE_LIVE_EPOCH"), "{bad}");
     }

@@ -97,6 +97,16 @@ fn check_resolves(env: &WorkerEnv) -> Result<()> {
 }
 
 pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
+    let (server, store) = connect(cfg, env)?;
+    meet(cfg, env, server, store, &|| false)?
+        .ok_or_else(|| RuntimeError::Failed("rendezvous cancelled".into()))
+}
+
+/// The job's store: served here when this process hosts it (and the server), else a client.
+pub(super) fn connect(
+    cfg: &TrainConfig,
+    env: &WorkerEnv,
+) -> Result<(Option<TcpStoreServer>, Arc<dyn Store>)> {
     // LAUNCH-13: nothing is kept by waiting out a stop here, so a signal ends these waits
     // at once.
     let _grace = blocked::with_grace(Duration::ZERO);
@@ -147,6 +157,23 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
             }
         }
     };
+    Ok((server, store))
+}
+
+/// How often a rendezvous that can be cancelled looks whether it is.
+const CANCEL_POLL: Duration = Duration::from_millis(100);
+
+/// Meets the other ranks of `env.world` in `store` under `env.meeting()` and opens the
+/// transports; `None` as soon as `cancel` says so while waiting for them (live recovery's
+/// membership moved on, LIVE-7).
+pub(super) fn meet(
+    cfg: &TrainConfig,
+    env: &WorkerEnv,
+    server: Option<TcpStoreServer>,
+    store: Arc<dyn Store>,
+    cancel: &dyn Fn() -> bool,
+) -> Result<Option<Joined>> {
+    let _grace = blocked::with_grace(Duration::ZERO);
     let meeting = env.meeting();
     let key = |r: usize| format!("launch/{meeting}/hello/{r}");
     let mine = Hello {
@@ -163,7 +190,26 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
             "rank {r} of {} to join in the store at {} (rendezvous)",
             env.world, env.rdzv
         ));
-        let v = store.get(&key(r), RENDEZVOUS_TIMEOUT).map_err(store_err("waiting for ranks"))?;
+        let until = std::time::Instant::now() + RENDEZVOUS_TIMEOUT;
+        let v = loop {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match store.get(&key(r), left.min(CANCEL_POLL)) {
+                Ok(v) => break v,
+                Err(shardline_collectives::StoreError::Timeout { .. }) => {
+                    if left.is_zero() {
+                        return Err(RuntimeError::Failed(format!(
+                            "rendezvous failed (waiting for ranks): store: key '{}' not set \
+                             within {RENDEZVOUS_TIMEOUT:?}",
+                            key(r)
+                        )));
+                    }
+                    if cancel() {
+                        return Ok(None);
+                    }
+                }
+                Err(e) => return Err(store_err("waiting for ranks")(e)),
+            }
+        };
         let h: Hello = serde_json::from_slice(&v)
             .map_err(|e| RuntimeError::config(format!("rank {r} published a bad hello: {e}")))?;
         hellos.push(h);
@@ -222,5 +268,5 @@ pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     let mut copts = CommOptions::new();
     copts.timeout(Duration::from_secs(cfg.timeout_s));
     let comm = Communicator::new(transport as Arc<dyn Transport>, topology.clone(), copts)?;
-    Ok(Joined { _server: server, store, topology, comm, selection })
+    Ok(Some(Joined { _server: server, store, topology, comm, selection }))
 }

@@ -171,6 +171,22 @@ impl Agent<'_> {
                                 }
                                 cur = Some(g);
                             }
+                            // LIVE-7: the deciding agent went on live without a lost node.
+                            GenState::Run
+                                if cur
+                                    .as_ref()
+                                    .is_some_and(|c| c.gen == g.gen && c.nodes != g.nodes) =>
+                            {
+                                if !g.nodes.contains(&me) {
+                                    self.log(format_args!(
+                                        "counted as lost: generation {} goes on live on node(s) {:?}",
+                                        g.gen, g.nodes
+                                    ));
+                                    self.stop(&mut workers, gen);
+                                    workers.clear();
+                                }
+                                cur = Some(g);
+                            }
                             GenState::Grow
                                 if !growing && cur.as_ref().is_some_and(|c| c.gen == g.gen) =>
                             {

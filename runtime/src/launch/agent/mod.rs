@@ -55,7 +55,10 @@ fn describe(status: std::process::ExitStatus) -> String {
 }
 
 struct Worker {
+    /// The rank it was started as (a live membership may renumber it since, LIVE-7).
     rank: usize,
+    /// Its index on this node.
+    local: usize,
     child: std::process::Child,
     status: Option<std::process::ExitStatus>,
 }
@@ -214,7 +217,7 @@ impl Agent<'_> {
         for local in 0..o.nproc_per_node {
             let rank = pos * o.nproc_per_node + local;
             match self.spawn_rank(g, local, None) {
-                Ok(child) => workers.push(Worker { rank, child, status: None }),
+                Ok(child) => workers.push(Worker { rank, local, child, status: None }),
                 Err(e) => {
                     signal_all(&workers, Signal::SIGKILL);
                     for w in &mut workers {
@@ -290,6 +293,54 @@ impl Agent<'_> {
         cmd.spawn().map_err(|e| RuntimeError::config(format!("starting rank {rank}: {e}")))
     }
 
+    /// LIVE-7: under `--live-recovery` an elastic job that lost node `lost` goes on without
+    /// it while at least MIN nodes are left: the membership of the nodes left is written from
+    /// the epoch after every epoch a worker of `g` published, and so is the generation's node
+    /// list; the workers left move on in their processes. False when it does not (not live,
+    /// not elastic, too few nodes left, or the record was lost to another agent): the caller
+    /// restarts the generation as without live recovery.
+    fn shrink_live(&mut self, g: &mut Generation, lost: usize, quiet: Duration) -> Result<bool> {
+        let o = self.o;
+        if !o.live_recovery || o.min_nodes >= o.nnodes {
+            return Ok(false);
+        }
+        let nodes: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != lost).collect();
+        if nodes.len() < o.min_nodes {
+            return Ok(false);
+        }
+        let job = self.gen_job(g.gen);
+        let mut last = 0u64;
+        for &n in &g.nodes {
+            for l in 0..o.nproc_per_node {
+                if let Got::Value(v) = self.link.get(&super::live::epoch_key(&job, n, l)) {
+                    let e = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok());
+                    last = last.max(e.unwrap_or(0));
+                }
+            }
+        }
+        let m = super::live::Membership { epoch: last + 1, nodes: nodes.clone() };
+        let text = serde_json::to_vec(&m)
+            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
+        if !self.link.set(&super::live::membership_key(&job), &text) {
+            return Ok(false);
+        }
+        let before = std::mem::replace(&mut g.nodes, nodes);
+        if !self.publish(g)? {
+            g.nodes = before;
+            return Ok(false);
+        }
+        self.log(format_args!(
+            "fault: node {lost} lost: no heartbeat for {:.1} s during step {} (generation {}): the job goes on live on node(s) {:?} (epoch {}, world {})",
+            quiet.as_secs_f64(),
+            self.progress + 1,
+            g.gen,
+            g.nodes,
+            m.epoch,
+            g.nodes.len() * o.nproc_per_node
+        ));
+        Ok(true)
+    }
+
     /// LIVE-4: under `--live-recovery`, starts a replacement for each worker of `g` that
     /// failed (not one that exited 0, 2 or [`EXIT_LIVE_FALLBACK`]) while replacements are
     /// left, into the epoch after the one its predecessor published. The failures it does
@@ -299,10 +350,6 @@ impl Agent<'_> {
         if !self.o.live_recovery || self.forwarded != 0 || received() != 0 {
             return;
         }
-        let pos = match self.position(g) {
-            Ok(p) => p,
-            Err(_) => return,
-        };
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
             let st = match w.child.try_wait() {
                 Ok(Some(st)) => st,
@@ -317,16 +364,15 @@ impl Agent<'_> {
                 // The child keeps its reaped status: `poll_workers` reports it.
                 continue;
             }
-            let key = super::live::epoch_key(&self.gen_job(g.gen), w.rank);
+            let key = super::live::epoch_key(&self.gen_job(g.gen), self.o.node_rank, w.local);
             let last = match self.link.get(&key) {
                 Got::Value(v) => {
                     std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0)
                 }
                 _ => 0,
             };
-            let local = w.rank - pos * self.o.nproc_per_node;
             self.poll_progress(g.gen);
-            match self.spawn_rank(g, local, Some(last + 1)) {
+            match self.spawn_rank(g, w.local, Some(last + 1)) {
                 Ok(child) => {
                     self.replaced += 1;
                     self.log(format_args!(
@@ -631,7 +677,8 @@ impl Agent<'_> {
                     }
                     beats.poll(&mut self.link, &self.job);
                     let mut lost = None;
-                    for &n in g.nodes.iter().filter(|&&n| n != me) {
+                    let others: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != me).collect();
+                    for n in others {
                         let key = agent_key(&self.job, &format!("fail/{}/{n}", g.gen));
                         if let Got::Value(v) = self.link.get(&key) {
                             lost =
@@ -639,6 +686,9 @@ impl Agent<'_> {
                             break;
                         }
                         let quiet = beats.silent(n, started);
+                        if quiet >= o.heartbeat_timeout && self.shrink_live(&mut g, n, quiet)? {
+                            continue;
+                        }
                         if quiet >= o.heartbeat_timeout {
                             lost = Some(format!(
                                 "node {n} lost: no heartbeat for {:.1} s during step {} (generation {})",
