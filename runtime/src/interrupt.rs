@@ -60,6 +60,12 @@ pub fn install_planned_stop() -> Result<()> {
         .map_err(|e| RuntimeError::config(format!("installing a SIGUSR1 handler: {e}")))
 }
 
+/// Forgets a planned stop once it was carried out without ending the process (live
+/// recovery's growth moves the worker to its next epoch, LIVE-9).
+pub fn clear_planned() {
+    PLANNED.store(false, Ordering::SeqCst);
+}
+
 /// Installs the SIGINT and SIGTERM handlers for this process; `hard_second`: a second signal
 /// ends the process at once.
 pub fn install(hard_second: bool) -> Result<()> {

@@ -245,3 +245,113 @@ fn replacements_are_bounded_and_a_stop_is_not_recovered_live_6() {
     assert!(!t.contains("live recovery:"), "an interrupted run recovered:\n{t}");
     assert!(!t.contains("replaced in place"), "{t}");
 }
+
+/// One agent of a 2-node elastic job on this host (loopback), 2 workers, stage 0, SyncBN,
+/// long enough that it cannot end before the test acts.
+fn elastic_agent(
+    dir: &Path,
+    node: usize,
+    port: u16,
+    tag: &str,
+    extra: &[&str],
+) -> shardline_tests::launch::Child {
+    let mut cmd = Command::new(shardline());
+    cmd.args(["launch", "--nnodes", "1:2", "--node-rank", &node.to_string()])
+        .args(["--rdzv", &format!("127.0.0.1:{port}"), "--token", "live-elastic"])
+        .args(["--nproc-per-node", "2", "--join-wait-s", "0.5"])
+        .args(LIVE)
+        .args(["--", "train", "--model", "mlp-bn", "--dataset", "digits", "--batch-size", "48"])
+        .args(["--stage", "0", "--sync-bn", "on", "--no-progress", "--steps", "400"])
+        .args(["--checkpoint-every", "100", "--checkpoint-dir"])
+        .arg(dir.join("ck"))
+        .arg("--log-json")
+        .arg(dir.join(format!("{tag}.jsonl")))
+        .args(extra);
+    spawn(cmd)
+}
+
+/// The steps of a `--log-json` file, in order.
+fn logged_steps(path: &Path) -> Vec<u64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step"].as_u64())
+        .collect()
+}
+
+/// Waits until `log` holds at least `n` steps (the job runs), within the deadline.
+fn wait_steps(log: &Path, n: usize, until: Instant) {
+    while logged_steps(log).len() < n {
+        assert!(Instant::now() < until, "{} did not reach {n} steps", log.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// LIVE-7, LIVE-8: an elastic job that loses a node (its agent SIGKILLed, its workers with
+/// it) goes on live on the node left: no restart, the survivors renumbered into a world of
+/// 2 with their stage-0 state re-padded, every step logged once and the run finished.
+#[test]
+fn a_lost_node_leaves_the_job_running_live_on_the_others_live_7_8() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let port = free_port();
+    // A stall keeps the job from ending before the loss is seen, on a fast host.
+    let hold = ["--fault", "stall:rank=0:step=60:secs=4"];
+    let a0 = elastic_agent(dir, 0, port, "n0", &hold);
+    let a1 = elastic_agent(dir, 1, port, "n1", &hold);
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    shardline_tests::launch::kill_group(&a1);
+    let _ = wait_output(a1, until, "node 1");
+    let o = wait_output(a0, until, "node 0");
+    let t = ok(&o, "node 0");
+    assert!(t.contains("the job goes on live on node(s) [0]"), "{t}");
+    assert!(t.contains("world 2"), "{t}");
+    assert!(!t.contains("restart 1/"), "the group restarted:\n{t}");
+    let r = resumed(&t);
+    assert_eq!(r.len(), 2, "both survivors resume:\n{t}");
+    let steps = logged_steps(&dir.join("n0.jsonl"));
+    assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "every step logged once");
+    let last = shardline_runtime::checkpoint::latest(&dir.join("ck")).unwrap().unwrap();
+    let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
+    ck.verify().unwrap();
+    assert_eq!((ck.manifest().step, ck.manifest().world), (400, 2));
+}
+
+/// LIVE-9: a node that arrives joins the running job in memory: the group stops after a
+/// step, the arriving workers receive the state from a peer over the transport, and the job
+/// goes on at world 4 from that step, with no restart and every step logged once.
+#[test]
+fn an_arriving_node_joins_in_memory_at_a_step_boundary_live_9() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let port = free_port();
+    // Rank 0 stalls at step 60 (4 s) so that the arrival is seen before the job ends.
+    let hold = ["--fault", "stall:rank=0:step=60:secs=4"];
+    let a0 = elastic_agent(dir, 0, port, "n0", &hold);
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    let a1 = elastic_agent(dir, 1, port, "n1", &hold);
+    let o1 = wait_output(a1, until, "node 1");
+    let o0 = wait_output(a0, until, "node 0");
+    let (t0, t1) = (ok(&o0, "node 0"), ok(&o1, "node 1"));
+    assert!(t0.contains("the job grows live to node(s) [0, 1]"), "{t0}");
+    assert!(t1.contains("joining generation 0 live at epoch"), "{t1}");
+    assert!(!t0.contains("restart 1/") && !t0.contains("generation 1"), "{t0}");
+    let all = format!("{t0}\n{t1}");
+    let r = resumed(&all);
+    assert_eq!(r.len(), 4, "four ranks resume:\n{all}");
+    let at = r[0].1;
+    assert!(r.iter().all(|x| x.1 == at && x.2 < 2), "one step, a sender of node 0: {r:?}");
+    let steps = logged_steps(&dir.join("n0.jsonl"));
+    assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "every step logged once");
+    let last = shardline_runtime::checkpoint::latest(&dir.join("ck")).unwrap().unwrap();
+    let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
+    ck.verify().unwrap();
+    assert_eq!((ck.manifest().step, ck.manifest().world), (400, 4));
+}

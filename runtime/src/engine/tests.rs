@@ -527,9 +527,10 @@ fn qgather_2_each_shard_is_packed_once_per_step() {
 
 /// LIVE-3: a state taken out of an engine mid-run and installed into a fresh one steps on
 /// bitwise like the engine it came from (AdamW, so that the optimizer state matters; a
-/// BatchNorm model, so that the buffers do); a state of other shapes is refused.
+/// BatchNorm model, so that the buffers do). LIVE-8: a sharded state of other shapes is
+/// refused; a stage-0 state padded for another world is re-padded.
 #[test]
-fn an_installed_live_state_steps_on_like_its_source_live_3() {
+fn an_installed_live_state_steps_on_like_its_source_live_3_8() {
     let comm = shardline_collectives::local_group(1).unwrap().pop().unwrap();
     let mut m = shardline_models::zoo::MlpBn::digits();
     (m.input_dim, m.hidden, m.depth, m.classes) = (8, 8, 2, 3);
@@ -577,8 +578,23 @@ fn an_installed_live_state_steps_on_like_its_source_live_3() {
     };
     assert_eq!(bits(&ka), bits(&kb));
     assert_eq!(ka.step, 5);
-    // Another model's state does not fit.
+    // LIVE-8: a sharded state of other shapes is refused as a recovery that cannot be made
+    // live (the job then falls back to its checkpoint) ...
     let mut wrong = kept.clone();
     wrong.params[0].push(0.0);
-    assert!(engine(&cfg).install_live_state(&wrong).is_err());
+    let e = engine(&cfg).install_live_state(&wrong).unwrap_err();
+    assert!(matches!(e, RuntimeError::LiveRecoveryImpossible(_)), "{e}");
+    // ... while a stage-0 state padded for another world is re-padded, values unchanged.
+    cfg.stage = Stage::Zero0;
+    let mut a = engine(&cfg);
+    let (x, y) = batch(7);
+    a.train_step(x, &y, 4).unwrap();
+    let kept = a.live_state();
+    let mut wider = kept.clone();
+    for v in wider.params.iter_mut().chain(wider.optim_state.iter_mut()) {
+        v.extend([0.0; 5]);
+    }
+    let mut b = engine(&cfg);
+    b.install_live_state(&wider).unwrap();
+    assert_eq!(b.live_state(), kept);
 }

@@ -24,6 +24,12 @@
 //!   world from its node's place among those nodes ([`place`]); a worker still meeting an
 //!   older epoch gives that meeting up. So the survivors of a lost node go on in their
 //!   processes, renumbered, with the state they hold (LIVE-8), and no restart is spent.
+//! - LIVE-9: growth in memory: an elastic job's deciding agent that grows writes the grown
+//!   [`Membership`] and then sends its workers the planned stop (SIGUSR1): the group stops
+//!   together after a step (INT-1; its checkpoint is written as for any stop, the fallback)
+//!   and, instead of exiting, every worker moves on to the membership's epoch with its state.
+//!   The arriving node's agent starts its workers into that epoch with no state; they
+//!   receive it from the peers holding it (LIVE-5), and the job goes on from that step.
 
 use super::env::WorkerEnv;
 use super::rendezvous::{connect, meet, store_err};
@@ -65,8 +71,8 @@ pub(super) struct LiveRun {
     pub(super) recover: bool,
     /// Where the failed run leaves the state.
     pub(super) slot: KeptStates,
-    /// When the failure was seen, for the report.
-    pub(super) failed_at: Option<Instant>,
+    /// When the failure (or the stop for a growth) was seen, and which, for the report.
+    pub(super) failed_at: Option<(Instant, &'static str)>,
 }
 
 /// LIVE-7: the deciding agent's membership record: from epoch `epoch` on, the job runs on
@@ -174,20 +180,32 @@ pub(super) fn run_live(
         comm.abort(&format!("rank {} failed: {e}", here.rank));
         drop(comm);
         let kept = live.slot.lock().ok().and_then(|mut s| s.pop());
-        let recoverable = !matches!(
-            e,
-            RuntimeError::Config(_)
-                | RuntimeError::Interrupted { .. }
-                | RuntimeError::NoVerifiedCheckpoint { .. }
-                | RuntimeError::DeviceUnavailable(_)
-                | RuntimeError::OutOfMemory { .. }
-                | RuntimeError::LiveRecoveryImpossible(_)
-        ) && crate::interrupt::requested().is_none();
+        // LIVE-9: the agent's planned stop (SIGUSR1) under live recovery is a growth: the
+        // group stopped together after a step and moves on to the grown membership.
+        let planned = matches!(e, RuntimeError::Interrupted { signal, .. } if signal == libc::SIGUSR1)
+            && crate::interrupt::requested() == Some(libc::SIGUSR1);
+        if planned {
+            crate::interrupt::clear_planned();
+        }
+        let recoverable = planned
+            || !matches!(
+                e,
+                RuntimeError::Config(_)
+                    | RuntimeError::Interrupted { .. }
+                    | RuntimeError::NoVerifiedCheckpoint { .. }
+                    | RuntimeError::DeviceUnavailable(_)
+                    | RuntimeError::OutOfMemory { .. }
+                    | RuntimeError::LiveRecoveryImpossible(_)
+            ) && crate::interrupt::requested().is_none();
         let Some(kept) = kept.filter(|_| recoverable && epoch + 1 < MAX_EPOCHS) else {
             return Err(e);
         };
+        let why = match planned {
+            true => "stopped after a step for the job to grow".to_string(),
+            false => e.to_string(),
+        };
         say!(
-            "shardline worker: rank {}: live recovery: {e}; joining epoch {} with the state of step {} ({}) unix_ms={}",
+            "shardline worker: rank {}: live recovery: {why}; joining epoch {} with the state of step {} ({}) unix_ms={}",
             here.rank,
             epoch + 1,
             kept.step,
@@ -198,7 +216,7 @@ pub(super) fn run_live(
             kept: Some(kept),
             recover: true,
             slot: Arc::default(),
-            failed_at: Some(Instant::now()),
+            failed_at: Some((Instant::now(), if planned { "the stop" } else { "the failure" })),
         };
         epoch += 1;
     }
@@ -211,7 +229,7 @@ pub(super) fn recover(
     engine: &mut RankEngine,
     comm: &Communicator,
     kept: Option<&LiveState>,
-    failed_at: Option<Instant>,
+    failed_at: Option<(Instant, &'static str)>,
 ) -> Result<u64> {
     let (rank, world) = (comm.rank(), comm.world());
     let t0 = Instant::now();
@@ -247,8 +265,8 @@ pub(super) fn recover(
         false => comm.subgroup("live", members)?,
     };
     let bytes = engine.adopt_from(&set_comm.lane("state")?, root, plan.step)?;
-    let since = failed_at.map_or(String::new(), |t| {
-        format!(", {:.3} s after the failure was seen", t.elapsed().as_secs_f64())
+    let since = failed_at.map_or(String::new(), |(t, what)| {
+        format!(", {:.3} s after {what} was seen", t.elapsed().as_secs_f64())
     });
     say!(
         "shardline worker: rank {rank}: live recovery: resuming after step {} with rank {sender}'s state ({:.1} MiB over the transport in {:.3} s{since}) unix_ms={}",

@@ -184,6 +184,9 @@ impl Agent<'_> {
                                     ));
                                     self.stop(&mut workers, gen);
                                     workers.clear();
+                                } else if workers.is_empty() {
+                                    // LIVE-9: the job grew in memory to this node.
+                                    workers = self.spawn_into_live(&g)?;
                                 }
                                 cur = Some(g);
                             }

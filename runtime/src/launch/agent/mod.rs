@@ -209,6 +209,27 @@ impl Agent<'_> {
     }
 
     fn spawn(&mut self, g: &Generation) -> Result<Vec<Worker>> {
+        self.spawn_with(g, None)
+    }
+
+    /// LIVE-9: starts this node's workers into the live membership's epoch of a running
+    /// generation that grew to this node.
+    fn spawn_into_live(&mut self, g: &Generation) -> Result<Vec<Worker>> {
+        let key = super::live::membership_key(&self.gen_job(g.gen));
+        let m: super::live::Membership = match self.link.get(&key) {
+            Got::Value(v) => serde_json::from_slice(&v)
+                .map_err(|e| RuntimeError::config(format!("a bad membership record: {e}")))?,
+            _ => return Err(RuntimeError::config("a live growth without a membership record")),
+        };
+        self.log(format_args!(
+            "joining generation {} live at epoch {} (node(s) {:?})",
+            g.gen, m.epoch, m.nodes
+        ));
+        self.spawn_with(g, Some(m.epoch))
+    }
+
+    /// This node's workers of `g`; into live epoch `epoch` when given (LIVE-9).
+    fn spawn_with(&mut self, g: &Generation, epoch: Option<u64>) -> Result<Vec<Worker>> {
         use nix::sys::signal::Signal;
         let o = self.o;
         let pos = self.position(g)?;
@@ -216,7 +237,7 @@ impl Agent<'_> {
         let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
         for local in 0..o.nproc_per_node {
             let rank = pos * o.nproc_per_node + local;
-            match self.spawn_rank(g, local, None) {
+            match self.spawn_rank(g, local, epoch) {
                 Ok(child) => workers.push(Worker { rank, local, child, status: None }),
                 Err(e) => {
                     signal_all(&workers, Signal::SIGKILL);
@@ -309,16 +330,7 @@ impl Agent<'_> {
             return Ok(false);
         }
         let job = self.gen_job(g.gen);
-        let mut last = 0u64;
-        for &n in &g.nodes {
-            for l in 0..o.nproc_per_node {
-                if let Got::Value(v) = self.link.get(&super::live::epoch_key(&job, n, l)) {
-                    let e = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok());
-                    last = last.max(e.unwrap_or(0));
-                }
-            }
-        }
-        let m = super::live::Membership { epoch: last + 1, nodes: nodes.clone() };
+        let m = super::live::Membership { epoch: self.last_epoch(g) + 1, nodes: nodes.clone() };
         let text = serde_json::to_vec(&m)
             .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
         if !self.link.set(&super::live::membership_key(&job), &text) {
@@ -339,6 +351,56 @@ impl Agent<'_> {
             g.nodes.len() * o.nproc_per_node
         ));
         Ok(true)
+    }
+
+    /// LIVE-9: grows generation `g` to `nodes` in memory: writes the membership from the
+    /// epoch after every epoch a worker published, the generation's node list (the arriving
+    /// agents start their workers into that epoch), then the planned stop to this node's
+    /// workers. False when another agent wrote the record first: the caller follows.
+    fn grow_live(
+        &mut self,
+        g: &mut Generation,
+        nodes: Vec<usize>,
+        joining: &[usize],
+        workers: &[Worker],
+    ) -> Result<bool> {
+        let epoch = self.last_epoch(g) + 1;
+        let m = super::live::Membership { epoch, nodes: nodes.clone() };
+        let text = serde_json::to_vec(&m)
+            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
+        let job = self.gen_job(g.gen);
+        if !self.link.set(&super::live::membership_key(&job), &text) {
+            return Ok(true);
+        }
+        let before = std::mem::replace(&mut g.nodes, nodes);
+        if !self.publish(g)? {
+            g.nodes = before;
+            return Ok(false);
+        }
+        self.log(format_args!(
+            "{} in generation {}: the job grows live to node(s) {:?} (epoch {epoch}, world {}); SIGUSR1 to this node's workers: the group stops after a step and goes on with the new node(s)",
+            growing::who_joined(joining),
+            g.gen,
+            g.nodes,
+            g.nodes.len() * self.o.nproc_per_node
+        ));
+        signal_all(workers, nix::sys::signal::Signal::SIGUSR1);
+        Ok(true)
+    }
+
+    /// The newest epoch any worker of `g` published (LIVE-4).
+    fn last_epoch(&mut self, g: &Generation) -> u64 {
+        let job = self.gen_job(g.gen);
+        let mut last = 0u64;
+        for &n in &g.nodes {
+            for l in 0..self.o.nproc_per_node {
+                if let Got::Value(v) = self.link.get(&super::live::epoch_key(&job, n, l)) {
+                    let e = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok());
+                    last = last.max(e.unwrap_or(0));
+                }
+            }
+        }
+        last
     }
 
     /// LIVE-4: under `--live-recovery`, starts a replacement for each worker of `g` that
@@ -710,7 +772,16 @@ impl Agent<'_> {
                     if let Some(grow) =
                         self.consider_growth(&g, &beats, steps_done, &mut waiting_since)
                     {
-                        break grow;
+                        // LIVE-9: under live recovery the job grows in memory.
+                        match grow {
+                            Outcome::Grow { nodes, joining, .. } if o.live_recovery => {
+                                if !self.grow_live(&mut g, nodes, &joining, &workers)? {
+                                    return Ok(Next::Follow(Some(g), workers));
+                                }
+                                first_step = None;
+                            }
+                            grow => break grow,
+                        }
                     }
                 }
                 std::thread::sleep(Duration::from_millis(20));
