@@ -317,7 +317,7 @@ fn a_lost_node_leaves_the_job_running_live_on_the_others_live_7_8() {
     assert_eq!(r.len(), 2, "both survivors resume:\n{t}");
     let steps = logged_steps(&dir.join("n0.jsonl"));
     assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "every step logged once");
-    let last = shardline_runtime::checkpoint::latest(&dir.join("ck")).unwrap().unwrap();
+    let last = shardline_runtime::checkpoint::latest(dir.join("ck")).unwrap().unwrap();
     let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
     ck.verify().unwrap();
     assert_eq!((ck.manifest().step, ck.manifest().world), (400, 2));
@@ -350,7 +350,7 @@ fn an_arriving_node_joins_in_memory_at_a_step_boundary_live_9() {
     assert!(r.iter().all(|x| x.1 == at && x.2 < 2), "one step, a sender of node 0: {r:?}");
     let steps = logged_steps(&dir.join("n0.jsonl"));
     assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "every step logged once");
-    let last = shardline_runtime::checkpoint::latest(&dir.join("ck")).unwrap().unwrap();
+    let last = shardline_runtime::checkpoint::latest(dir.join("ck")).unwrap().unwrap();
     let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
     ck.verify().unwrap();
     assert_eq!((ck.manifest().step, ck.manifest().world), (400, 4));
