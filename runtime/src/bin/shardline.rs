@@ -250,16 +250,22 @@ struct LaunchArgs {
     /// rank opens an RDMA device, else tcp), or tcp, rdma, shm for every pair of ranks.
     #[arg(long, default_value = "auto")]
     transport: shardline_collectives::transport::select::TransportChoice,
-    /// Replace a failed worker in place instead of restarting the group: its agent starts a
-    /// new process for its rank; the other workers stay in their processes, meet it in a new
+    /// Recover without restarting the group. A failed worker: its agent starts a new process
+    /// for its rank; the other workers stay in their processes, meet it in a new
     /// communicator epoch, and every rank that lacks the newest state receives it over the
     /// transport from a peer holding the same shard (any rank at stage 0, the same shard in
     /// another shard group under --shard-group). The step in flight at the failure is run
-    /// again on the same data. Where no peer holds a shard (stages 1-3 with one shard group)
-    /// the group restarts from the checkpoint as without this flag. Each node's agent
-    /// replaces at most --max-restarts workers. A lost node is not replaced in place: its
-    /// loss restarts the group. Updates then begin after each step's loss all-reduce (the
-    /// same updates, started later).
+    /// again on the same data, so the run ends bitwise like a clean one. Where no peer holds
+    /// a shard (stages 1-3 with one shard group) the workers exit 3 and the group restarts
+    /// from the checkpoint as without this flag. Each node's agent replaces at most
+    /// --max-restarts workers. An elastic job (--nnodes MIN:MAX) that loses a node goes on
+    /// live on the nodes left, ranks renumbered (stage 0, or shard groups whose size does not
+    /// change; otherwise from the checkpoint), and a node that arrives joins in memory: the
+    /// group stops after a step and the new workers receive the state from their peers. A
+    /// fixed-size job that loses a node restarts the group. Updates begin after each step's
+    /// loss all-reduce (the same updates, started later). Under torchrun or Slurm the
+    /// launcher's own policy decides what happens to the processes; this flag is this
+    /// launcher's.
     #[arg(long)]
     live_recovery: bool,
     /// The worker command: `train ...`.

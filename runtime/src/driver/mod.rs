@@ -524,6 +524,25 @@ async fn resume(job: &Job, ranks: &Ranks, lead: bool, speak: bool) -> Result<u64
     Ok(step)
 }
 
+/// LIVE-5: a run recovered live after step `step` writes that step's checkpoint now when it
+/// was due (DRIVE-2) and is not committed: the failure hit its write. Nothing is lost, not
+/// even the last step's.
+async fn save_missed<P: Placement>(
+    job: &Job,
+    ranks: &Ranks,
+    placement: &P,
+    step: u64,
+) -> Result<()> {
+    let Some(dir) = &job.opts.checkpoint_dir else { return Ok(()) };
+    let every = job.opts.checkpoint_every;
+    let due = (every > 0 && step.is_multiple_of(every)) || step == job.total_steps;
+    if !due || checkpoint::committed(dir)?.iter().any(|(s, _)| *s == step) {
+        return Ok(());
+    }
+    let (epoch, index) = ((step - 1) / job.steps_per_epoch, (step - 1) % job.steps_per_epoch);
+    placement.save(ranks, dir, step, job.checkpoint_meta(epoch, index + 1)).await
+}
+
 async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result<Summary> {
     let started = Instant::now();
     let hooks = WriteHooks {
@@ -537,11 +556,22 @@ async fn drive<P: Placement>(job: Job, engines: Engines, placement: P) -> Result
     let (keep, start_step) = (engines.keep_on_failure.clone(), engines.start_step);
     let ranks = start_actors(engines);
     let mut saves = Saves::default();
-    let result =
-        steps(&job, &ranks, &placement, started, (&hooks, &watch), &mut saves, start_step).await;
+    let begun = std::cell::Cell::new(false);
+    let result = steps(
+        &job,
+        &ranks,
+        &placement,
+        started,
+        (&hooks, &watch),
+        &mut saves,
+        (start_step, &begun),
+    )
+    .await;
     if result.is_err() {
         saves.abandon();
-        if let Some(slot) = keep {
+        // LIVE-1: a state is kept only from a run that stood at its start step (resumed or
+        // recovered): an engine that failed before holds its initial state, no step's.
+        if let Some(slot) = keep.filter(|_| begun.get()) {
             // LIVE-1: each engine says itself whether its state is clean.
             if let Ok(states) = ranks.ask(|_| crate::actors::TakeLive, "keeping state").await {
                 if let Ok(mut s) = slot.lock() {
@@ -562,12 +592,16 @@ async fn steps<P: Placement>(
     started: Instant,
     (hooks, watch): (&WriteHooks, &StallWatch),
     saves: &mut Saves,
-    start_step: u64,
+    (start_step, begun): (u64, &std::cell::Cell<bool>),
 ) -> Result<Summary> {
     let (cfg, opts) = (&job.cfg, &job.opts);
     let lead = placement.lead();
     let speak = lead && !opts.quiet;
     let mut done = if opts.resume { resume(job, ranks, lead, speak).await? } else { start_step };
+    begun.set(true);
+    if !opts.resume && start_step > 0 {
+        save_missed(job, ranks, placement, start_step).await?;
+    }
     let mut log = StepLog::open(opts.log_json.as_deref().filter(|_| lead))?;
     let remaining = job.total_steps.saturating_sub(done);
     let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));

@@ -17,7 +17,8 @@
 //!   worker exits with [`EXIT_LIVE_FALLBACK`] and its agent restarts the group from the
 //!   checkpoint, as without live recovery.
 //! - LIVE-6: a worker recovers at most [`MAX_EPOCHS`] times, and only from a failure of
-//!   its run, never from its configuration, an interruption or its own memory cap.
+//!   its run after it stood at its start step, never from its configuration, a checkpoint,
+//!   an interruption or its own memory cap.
 //! - LIVE-7: membership: an elastic job's deciding agent that loses a node writes a
 //!   [`Membership`] (the nodes left, from an epoch after every epoch a worker published).
 //!   Before each epoch a worker reads it: it moves on to that epoch and takes its rank and
