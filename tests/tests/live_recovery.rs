@@ -365,3 +365,26 @@ fn an_arriving_node_joins_in_memory_at_a_step_boundary_live_9() {
     ck.verify().unwrap();
     assert_eq!((ck.manifest().step, ck.manifest().world), (400, 4));
 }
+
+/// LIVE-10: a rank that hangs for good is out: its peers time out, report it late to the
+/// next epoch's meeting, its agent stops and replaces it, and the run ends bitwise like a
+/// clean one.
+#[test]
+fn a_hung_rank_is_stopped_and_replaced_live_10() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let args = ["--stage", "0", "--timeout", "1"];
+    let (o, base) = launch(dir, "clean", 3, 10, LIVE, &args);
+    ok(&o, "clean");
+    let mut hung = args.to_vec();
+    hung.extend(["--fault", "stall:rank=1:step=4:secs=1000"]);
+    let (o, ck) = launch(dir, "hung", 3, 10, LIVE, &hung);
+    let t = ok(&o, "hung");
+    assert!(t.contains("did not come to its peers' next epoch in time"), "{t}");
+    assert!(t.contains("rank 1 exited with signal 9"), "{t}");
+    assert!(t.contains("replaced in place, epoch 1"), "{t}");
+    let r = resumed(&t);
+    assert_eq!(r.len(), 3, "{t}");
+    assert!(r.iter().all(|x| x.1 == 3), "{r:?}");
+    assert_bitwise(&base, &ck, "hung");
+}

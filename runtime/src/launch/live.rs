@@ -31,6 +31,10 @@
 //!   and, instead of exiting, every worker moves on to the membership's epoch with its state.
 //!   The arriving node's agent starts its workers into that epoch with no state; they
 //!   receive it from the peers holding it (LIVE-5), and the job goes on from that step.
+//! - LIVE-10: a worker that hangs is out: its peers time out, move to the next epoch and
+//!   report it to its node's agent once it has not come to that epoch's meeting within the
+//!   collective timeout; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
+//!   and replaces it as any failed worker (LIVE-4).
 
 use super::env::WorkerEnv;
 use super::rendezvous::{connect, meet, store_err};
@@ -74,6 +78,19 @@ pub(super) struct LiveRun {
     pub(super) slot: KeptStates,
     /// When the failure (or the stop for a growth) was seen, and which, for the report.
     pub(super) failed_at: Option<(Instant, &'static str)>,
+}
+
+/// The store key where the workers report to node `node`'s agent a worker of its that did
+/// not come to an epoch's meeting in time: `LOCAL EPOCH` (LIVE-10).
+pub fn lag_key(job: &str, node: usize) -> String {
+    format!("launch/{job}/live/late/{node}")
+}
+
+/// LIVE-10: whether a worker that published epoch `published` is behind a report `text`
+/// (`LOCAL EPOCH`) about worker `local`: it is still in an older epoch than the meeting.
+pub fn is_late(text: &str, local: usize, published: u64) -> bool {
+    let mut it = text.split_whitespace().map(|t| t.parse::<u64>().ok());
+    matches!((it.next(), it.next()), (Some(Some(l)), Some(Some(e))) if l == local as u64 && published < e)
 }
 
 /// LIVE-7: the deciding agent's membership record: from epoch `epoch` on, the job runs on
@@ -159,7 +176,22 @@ pub(super) fn run_live(
         store
             .set(&epoch_key(&env.job, node, env.local_rank), epoch.to_string().as_bytes())
             .map_err(store_err("publishing the epoch"))?;
-        let newer = || read_membership(&*store, &env.job).is_some_and(|m| m.epoch > epoch);
+        // LIVE-10: a rank that does not come to the meeting within the collective timeout is
+        // reported to its node's agent, which stops it if it is still in an older epoch.
+        let nodes = members.as_ref().map(|m| m.nodes.clone());
+        let late = Duration::from_secs(cfg.timeout_s.max(1));
+        let reported = std::cell::Cell::new(None::<usize>);
+        let newer = |r: usize, waited: Duration| {
+            if waited >= late && reported.get() != Some(r) {
+                reported.set(Some(r));
+                let node = nodes.as_ref().map_or(r / env.local_world, |n| {
+                    n.get(r / env.local_world).copied().unwrap_or(usize::MAX)
+                });
+                let text = format!("{} {epoch}", r % env.local_world);
+                let _ = store.set(&lag_key(&env.job, node), text.as_bytes());
+            }
+            read_membership(&*store, &env.job).is_some_and(|m| m.epoch > epoch)
+        };
         let Some(joined) = meet(&cfg, &here, None, Arc::clone(&store), &newer)? else {
             say!(
                 "shardline worker: node {node} worker {}: the job's membership moved on while epoch {epoch} met",
@@ -315,7 +347,16 @@ mod tests {
         assert_eq!(e.meeting(), "jg0e3");
         assert_ne!(epoch_job("j", 1), epoch_job("j", 2));
         assert_eq!(epoch_key("jg0", 1, 0), "launch/jg0/live/epoch/1/0");
+        assert_eq!(lag_key("jg0", 1), "launch/jg0/live/late/1");
         let bad = env(&[("SHARDLINE_LIVE", "1"), ("SHARDLINE_LIVE_EPOCH", "x")]).unwrap_err();
         assert!(bad.to_string().contains("SHARDLINE_LIVE_EPOCH"), "{bad}");
+    }
+
+    #[test]
+    fn a_worker_is_late_only_while_it_published_an_older_epoch_live_10() {
+        assert!(is_late("1 3", 1, 2));
+        assert!(!is_late("1 3", 1, 3), "it reached the meeting's epoch");
+        assert!(!is_late("1 3", 0, 0), "another worker");
+        assert!(!is_late("garbage", 1, 0));
     }
 }

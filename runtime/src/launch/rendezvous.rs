@@ -98,7 +98,7 @@ fn check_resolves(env: &WorkerEnv) -> Result<()> {
 
 pub(super) fn join_job(cfg: &TrainConfig, env: &WorkerEnv) -> Result<Joined> {
     let (server, store) = connect(cfg, env)?;
-    meet(cfg, env, server, store, &|| false)?
+    meet(cfg, env, server, store, &|_, _| false)?
         .ok_or_else(|| RuntimeError::Failed("rendezvous cancelled".into()))
 }
 
@@ -164,14 +164,15 @@ pub(super) fn connect(
 const CANCEL_POLL: Duration = Duration::from_millis(100);
 
 /// Meets the other ranks of `env.world` in `store` under `env.meeting()` and opens the
-/// transports; `None` as soon as `cancel` says so while waiting for them (live recovery's
-/// membership moved on, LIVE-7).
+/// transports; `None` as soon as `cancel(rank, waited)` says so while waiting for `rank`
+/// (live recovery's membership moved on, LIVE-7; it may also report a rank that is late,
+/// LIVE-10).
 pub(super) fn meet(
     cfg: &TrainConfig,
     env: &WorkerEnv,
     server: Option<TcpStoreServer>,
     store: Arc<dyn Store>,
-    cancel: &dyn Fn() -> bool,
+    cancel: &dyn Fn(usize, Duration) -> bool,
 ) -> Result<Option<Joined>> {
     let _grace = blocked::with_grace(Duration::ZERO);
     let meeting = env.meeting();
@@ -190,7 +191,8 @@ pub(super) fn meet(
             "rank {r} of {} to join in the store at {} (rendezvous)",
             env.world, env.rdzv
         ));
-        let until = std::time::Instant::now() + RENDEZVOUS_TIMEOUT;
+        let since = std::time::Instant::now();
+        let until = since + RENDEZVOUS_TIMEOUT;
         let v = loop {
             let left = until.saturating_duration_since(std::time::Instant::now());
             match store.get(&key(r), left.min(CANCEL_POLL)) {
@@ -203,7 +205,7 @@ pub(super) fn meet(
                             key(r)
                         )));
                     }
-                    if cancel() {
+                    if cancel(r, since.elapsed()) {
                         return Ok(None);
                     }
                 }

@@ -59,6 +59,10 @@ struct Worker {
     rank: usize,
     /// Its index on this node.
     local: usize,
+    /// The live epoch it was started into (LIVE-4; 0 for a worker started with its group),
+    /// and whether it was stopped for being late to a later one (LIVE-10).
+    epoch: u64,
+    stopped_late: bool,
     child: std::process::Child,
     status: Option<std::process::ExitStatus>,
 }
@@ -238,7 +242,14 @@ impl Agent<'_> {
         for local in 0..o.nproc_per_node {
             let rank = pos * o.nproc_per_node + local;
             match self.spawn_rank(g, local, epoch) {
-                Ok(child) => workers.push(Worker { rank, local, child, status: None }),
+                Ok(child) => workers.push(Worker {
+                    rank,
+                    local,
+                    epoch: epoch.unwrap_or(0),
+                    stopped_late: false,
+                    child,
+                    status: None,
+                }),
                 Err(e) => {
                     signal_all(&workers, Signal::SIGKILL);
                     for w in &mut workers {
@@ -403,6 +414,35 @@ impl Agent<'_> {
         last
     }
 
+    /// LIVE-10: SIGKILLs a worker of this node that its peers report late to an epoch's
+    /// meeting while the epoch it published is older: it hangs, and is replaced as a failed
+    /// worker.
+    fn stop_late(&mut self, workers: &mut [Worker], g: &Generation) {
+        let job = self.gen_job(g.gen);
+        let me = self.o.node_rank;
+        let Got::Value(v) = self.link.get(&super::live::lag_key(&job, me)) else { return };
+        let text = String::from_utf8_lossy(&v).into_owned();
+        for w in workers.iter_mut().filter(|w| w.status.is_none() && !w.stopped_late) {
+            let published = match self.link.get(&super::live::epoch_key(&job, me, w.local)) {
+                Got::Value(e) => std::str::from_utf8(&e).ok().and_then(|t| t.parse().ok()),
+                _ => Some(0),
+            };
+            // A replacement has not published yet: it stands in the epoch it was started into.
+            let published = published.map(|p: u64| p.max(w.epoch));
+            if published.is_some_and(|p| super::live::is_late(&text, w.local, p)) {
+                w.stopped_late = true;
+                self.log(format_args!(
+                    "fault: rank {} (node {me} worker {}) did not come to its peers' next epoch in time ({text}): stopped, to be replaced",
+                    w.rank, w.local
+                ));
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(w.child.id() as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+
     /// LIVE-4: under `--live-recovery`, starts a replacement for each worker of `g` that
     /// failed (not one that exited 0, 2 or [`EXIT_LIVE_FALLBACK`]) while replacements are
     /// left, into the epoch after the one its predecessor published. The failures it does
@@ -412,6 +452,7 @@ impl Agent<'_> {
         if !self.o.live_recovery || self.forwarded != 0 || received() != 0 {
             return;
         }
+        self.stop_late(workers, g);
         for w in workers.iter_mut().filter(|w| w.status.is_none()) {
             let st = match w.child.try_wait() {
                 Ok(Some(st)) => st,
@@ -448,6 +489,7 @@ impl Agent<'_> {
                         self.o.max_restarts
                     ));
                     w.child = child;
+                    (w.epoch, w.stopped_late) = (last + 1, false);
                 }
                 Err(e) => self.log(format_args!("cannot replace rank {}: {e}", w.rank)),
             }
