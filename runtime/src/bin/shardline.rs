@@ -257,8 +257,10 @@ struct LaunchArgs {
     /// another shard group under --shard-group). The step in flight at the failure is run
     /// again on the same data, so the run ends bitwise like a clean one. Where no peer holds
     /// a shard (stages 1-3 with one shard group) the workers exit 3 and the group restarts
-    /// from the checkpoint as without this flag. Each node's agent replaces at most
-    /// --max-restarts workers. An elastic job (--nnodes MIN:MAX) that loses a node goes on
+    /// from the checkpoint as without this flag. A worker that hangs is out: once its peers
+    /// have waited three collective timeouts (train --timeout) for it in their next epoch,
+    /// its agent stops and replaces it; one that only stalled rejoins with its state. Each
+    /// node's agent replaces at most --max-restarts workers. An elastic job (--nnodes MIN:MAX) that loses a node goes on
     /// live on the nodes left, ranks renumbered (stage 0, or shard groups whose size does not
     /// change; otherwise from the checkpoint), and a node that arrives joins in memory: the
     /// group stops after a step and the new workers receive the state from their peers. A

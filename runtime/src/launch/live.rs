@@ -32,8 +32,8 @@
 //!   The arriving node's agent starts its workers into that epoch with no state; they
 //!   receive it from the peers holding it (LIVE-5), and the job goes on from that step.
 //! - LIVE-10: a worker that hangs is out: its peers time out, move to the next epoch and
-//!   report it to its node's agent once it has not come to that epoch's meeting within the
-//!   collective timeout; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
+//!   report it to its node's agent once it has not come to that epoch's meeting within
+//!   three collective timeouts; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
 //!   and replaces it as any failed worker (LIVE-4).
 
 use super::env::WorkerEnv;
@@ -176,10 +176,11 @@ pub(super) fn run_live(
         store
             .set(&epoch_key(&env.job, node, env.local_rank), epoch.to_string().as_bytes())
             .map_err(store_err("publishing the epoch"))?;
-        // LIVE-10: a rank that does not come to the meeting within the collective timeout is
-        // reported to its node's agent, which stops it if it is still in an older epoch.
+        // LIVE-10: a rank that does not come to the meeting within three collective timeouts
+        // is reported to its node's agent, which stops it if it is still in an older epoch. A
+        // rank that only stalled comes sooner: its own collective fails once it runs again.
         let nodes = members.as_ref().map(|m| m.nodes.clone());
-        let late = Duration::from_secs(cfg.timeout_s.max(1));
+        let late = Duration::from_secs(3 * cfg.timeout_s.max(1));
         let reported = std::cell::Cell::new(None::<usize>);
         let newer = |r: usize, waited: Duration| {
             if waited >= late && reported.get() != Some(r) {

@@ -6,6 +6,7 @@
 
 mod follow;
 mod growing;
+mod live;
 mod start;
 
 pub use start::run_agent;
@@ -216,22 +217,6 @@ impl Agent<'_> {
         self.spawn_with(g, None)
     }
 
-    /// LIVE-9: starts this node's workers into the live membership's epoch of a running
-    /// generation that grew to this node.
-    fn spawn_into_live(&mut self, g: &Generation) -> Result<Vec<Worker>> {
-        let key = super::live::membership_key(&self.gen_job(g.gen));
-        let m: super::live::Membership = match self.link.get(&key) {
-            Got::Value(v) => serde_json::from_slice(&v)
-                .map_err(|e| RuntimeError::config(format!("a bad membership record: {e}")))?,
-            _ => return Err(RuntimeError::config("a live growth without a membership record")),
-        };
-        self.log(format_args!(
-            "joining generation {} live at epoch {} (node(s) {:?})",
-            g.gen, m.epoch, m.nodes
-        ));
-        self.spawn_with(g, Some(m.epoch))
-    }
-
     /// This node's workers of `g`; into live epoch `epoch` when given (LIVE-9).
     fn spawn_with(&mut self, g: &Generation, epoch: Option<u64>) -> Result<Vec<Worker>> {
         use nix::sys::signal::Signal;
@@ -323,177 +308,6 @@ impl Agent<'_> {
             });
         }
         cmd.spawn().map_err(|e| RuntimeError::config(format!("starting rank {rank}: {e}")))
-    }
-
-    /// LIVE-7: under `--live-recovery` an elastic job that lost node `lost` goes on without
-    /// it while at least MIN nodes are left: the membership of the nodes left is written from
-    /// the epoch after every epoch a worker of `g` published, and so is the generation's node
-    /// list; the workers left move on in their processes. False when it does not (not live,
-    /// not elastic, too few nodes left, or the record was lost to another agent): the caller
-    /// restarts the generation as without live recovery.
-    fn shrink_live(&mut self, g: &mut Generation, lost: usize, quiet: Duration) -> Result<bool> {
-        let o = self.o;
-        if !o.live_recovery || o.min_nodes >= o.nnodes {
-            return Ok(false);
-        }
-        let nodes: Vec<usize> = g.nodes.iter().copied().filter(|&n| n != lost).collect();
-        if nodes.len() < o.min_nodes {
-            return Ok(false);
-        }
-        let job = self.gen_job(g.gen);
-        let m = super::live::Membership { epoch: self.last_epoch(g) + 1, nodes: nodes.clone() };
-        let text = serde_json::to_vec(&m)
-            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
-        if !self.link.set(&super::live::membership_key(&job), &text) {
-            return Ok(false);
-        }
-        let before = std::mem::replace(&mut g.nodes, nodes);
-        if !self.publish(g)? {
-            g.nodes = before;
-            return Ok(false);
-        }
-        self.log(format_args!(
-            "fault: node {lost} lost: no heartbeat for {:.1} s during step {} (generation {}): the job goes on live on node(s) {:?} (epoch {}, world {})",
-            quiet.as_secs_f64(),
-            self.progress + 1,
-            g.gen,
-            g.nodes,
-            m.epoch,
-            g.nodes.len() * o.nproc_per_node
-        ));
-        Ok(true)
-    }
-
-    /// LIVE-9: grows generation `g` to `nodes` in memory: writes the membership from the
-    /// epoch after every epoch a worker published, the generation's node list (the arriving
-    /// agents start their workers into that epoch), then the planned stop to this node's
-    /// workers. False when another agent wrote the record first: the caller follows.
-    fn grow_live(
-        &mut self,
-        g: &mut Generation,
-        nodes: Vec<usize>,
-        joining: &[usize],
-        workers: &[Worker],
-    ) -> Result<bool> {
-        let epoch = self.last_epoch(g) + 1;
-        let m = super::live::Membership { epoch, nodes: nodes.clone() };
-        let text = serde_json::to_vec(&m)
-            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
-        let job = self.gen_job(g.gen);
-        if !self.link.set(&super::live::membership_key(&job), &text) {
-            return Ok(true);
-        }
-        let before = std::mem::replace(&mut g.nodes, nodes);
-        if !self.publish(g)? {
-            g.nodes = before;
-            return Ok(false);
-        }
-        self.log(format_args!(
-            "{} in generation {}: the job grows live to node(s) {:?} (epoch {epoch}, world {}); SIGUSR1 to this node's workers: the group stops after a step and goes on with the new node(s)",
-            growing::who_joined(joining),
-            g.gen,
-            g.nodes,
-            g.nodes.len() * self.o.nproc_per_node
-        ));
-        signal_all(workers, nix::sys::signal::Signal::SIGUSR1);
-        Ok(true)
-    }
-
-    /// The newest epoch any worker of `g` published (LIVE-4).
-    fn last_epoch(&mut self, g: &Generation) -> u64 {
-        let job = self.gen_job(g.gen);
-        let mut last = 0u64;
-        for &n in &g.nodes {
-            for l in 0..self.o.nproc_per_node {
-                if let Got::Value(v) = self.link.get(&super::live::epoch_key(&job, n, l)) {
-                    let e = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok());
-                    last = last.max(e.unwrap_or(0));
-                }
-            }
-        }
-        last
-    }
-
-    /// LIVE-10: SIGKILLs a worker of this node that its peers report late to an epoch's
-    /// meeting while the epoch it published is older: it hangs, and is replaced as a failed
-    /// worker.
-    fn stop_late(&mut self, workers: &mut [Worker], g: &Generation) {
-        let job = self.gen_job(g.gen);
-        let me = self.o.node_rank;
-        let Got::Value(v) = self.link.get(&super::live::lag_key(&job, me)) else { return };
-        let text = String::from_utf8_lossy(&v).into_owned();
-        for w in workers.iter_mut().filter(|w| w.status.is_none() && !w.stopped_late) {
-            let published = match self.link.get(&super::live::epoch_key(&job, me, w.local)) {
-                Got::Value(e) => std::str::from_utf8(&e).ok().and_then(|t| t.parse().ok()),
-                _ => Some(0),
-            };
-            // A replacement has not published yet: it stands in the epoch it was started into.
-            let published = published.map(|p: u64| p.max(w.epoch));
-            if published.is_some_and(|p| super::live::is_late(&text, w.local, p)) {
-                w.stopped_late = true;
-                self.log(format_args!(
-                    "fault: rank {} (node {me} worker {}) did not come to its peers' next epoch in time ({text}): stopped, to be replaced",
-                    w.rank, w.local
-                ));
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(w.child.id() as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-    }
-
-    /// LIVE-4: under `--live-recovery`, starts a replacement for each worker of `g` that
-    /// failed (not one that exited 0, 2 or [`EXIT_LIVE_FALLBACK`]) while replacements are
-    /// left, into the epoch after the one its predecessor published. The failures it does
-    /// not replace are left for [`Agent::poll_workers`].
-    fn replace_failed(&mut self, workers: &mut [Worker], g: &Generation) {
-        // A stop that was asked for is not a failure to recover from.
-        if !self.o.live_recovery || self.forwarded != 0 || received() != 0 {
-            return;
-        }
-        self.stop_late(workers, g);
-        for w in workers.iter_mut().filter(|w| w.status.is_none()) {
-            let st = match w.child.try_wait() {
-                Ok(Some(st)) => st,
-                _ => continue,
-            };
-            let code = st.code();
-            if st.success()
-                || code == Some(2)
-                || code == Some(super::live::EXIT_LIVE_FALLBACK)
-                || self.replaced >= self.o.max_restarts
-            {
-                // The child keeps its reaped status: `poll_workers` reports it.
-                continue;
-            }
-            let key = super::live::epoch_key(&self.gen_job(g.gen), self.o.node_rank, w.local);
-            let last = match self.link.get(&key) {
-                Got::Value(v) => {
-                    std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0)
-                }
-                _ => 0,
-            };
-            self.poll_progress(g.gen);
-            match self.spawn_rank(g, w.local, Some(last + 1)) {
-                Ok(child) => {
-                    self.replaced += 1;
-                    self.log(format_args!(
-                        "fault: rank {} exited with {} during step {} (generation {}): replaced in place, epoch {} (live recovery, {}/{})",
-                        w.rank,
-                        describe(st),
-                        self.progress + 1,
-                        g.gen,
-                        last + 1,
-                        self.replaced,
-                        self.o.max_restarts
-                    ));
-                    w.child = child;
-                    (w.epoch, w.stopped_late) = (last + 1, false);
-                }
-                Err(e) => self.log(format_args!("cannot replace rank {}: {e}", w.rank)),
-            }
-        }
     }
 
     /// Reaps exited workers; logs and returns the failures seen now (LAUNCH-5). While the
