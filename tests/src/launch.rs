@@ -166,3 +166,13 @@ pub fn small_train_args(steps: u64) -> Vec<String> {
     a.extend(["--steps".into(), steps.to_string()]);
     a
 }
+
+/// The steps of a `--log-json` file, in order (none while it does not exist).
+pub fn logged_steps(log: &Path) -> Vec<u64> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step"].as_u64())
+        .collect()
+}

@@ -91,13 +91,7 @@ fn unix_ms_of(log: &str, needle: &str) -> Option<u128> {
 
 /// The last step in a `--log-json` file (0 while there is none).
 fn logged_step(path: &Path) -> u64 {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["step"].as_u64())
-        .max()
-        .unwrap_or(0)
+    shardline_tests::launch::logged_steps(path).into_iter().max().unwrap_or(0)
 }
 
 /// LAUNCH-6, LAUNCH-8, LAUNCH-9: a worker SIGKILLed at step 5 (first generation only) is

@@ -5,7 +5,7 @@
 //! from the checkpoint. Every launch runs under a deadline: a bug fails the test instead of
 //! hanging it.
 
-use shardline_tests::launch::{shardline, spawn, wait_output};
+use shardline_tests::launch::{logged_steps, shardline, spawn, wait_output};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -274,16 +274,6 @@ fn elastic_agent(
         .arg(dir.join(format!("{tag}.jsonl")))
         .args(extra);
     spawn(cmd)
-}
-
-/// The steps of a `--log-json` file, in order.
-fn logged_steps(path: &Path) -> Vec<u64> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["step"].as_u64())
-        .collect()
 }
 
 /// Waits until `log` holds at least `n` steps (the job runs), within the deadline.

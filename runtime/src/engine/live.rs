@@ -163,18 +163,24 @@ impl RankEngine {
         for (d, v) in st.buffers.iter_mut().zip(&s.buffers) {
             d.copy_from_slice(v);
         }
-        for g in st.grads.iter_mut() {
+        self.settle(s.step);
+        Ok(())
+    }
+
+    /// After a state was put in place: stands after `step`, with zero gradients and no cache
+    /// or gather left from before (a fresh start of the step's walk).
+    fn settle(&mut self, step: u64) {
+        for g in self.state.grads.iter_mut() {
             g.fill(0.0);
         }
-        self.step = s.step;
+        self.step = step;
         self.updating = false;
         self.buffers_at_step.1 = false;
-        for u in 0..st.params.len() {
+        for u in 0..self.state.params.len() {
             self.own_packed.invalidate(u);
         }
         self.pieces.clear();
         self.plan.discard();
-        Ok(())
     }
 
     /// Receives the state of `root` (an index of `lane`'s group) into this engine, or sends
@@ -193,17 +199,7 @@ impl RankEngine {
             bytes += buf.len() as u64 * 4;
             *v = lane.broadcast(buf, root).wait()?;
         }
-        for g in st.grads.iter_mut() {
-            g.fill(0.0);
-        }
-        self.step = step;
-        self.updating = false;
-        self.buffers_at_step.1 = false;
-        for u in 0..st.params.len() {
-            self.own_packed.invalidate(u);
-        }
-        self.pieces.clear();
-        self.plan.discard();
+        self.settle(step);
         Ok(bytes)
     }
 }

@@ -44,26 +44,14 @@ impl Agent<'_> {
         if nodes.len() < o.min_nodes {
             return Ok(false);
         }
-        let job = self.gen_job(g.gen);
-        let m =
-            crate::launch::live::Membership { epoch: self.last_epoch(g) + 1, nodes: nodes.clone() };
-        let text = serde_json::to_vec(&m)
-            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
-        if !self.link.set(&crate::launch::live::membership_key(&job), &text) {
-            return Ok(false);
-        }
-        let before = std::mem::replace(&mut g.nodes, nodes);
-        if !self.publish(g)? {
-            g.nodes = before;
-            return Ok(false);
-        }
+        let Some(epoch) = self.move_membership(g, nodes)? else { return Ok(false) };
         self.log(format_args!(
             "fault: node {lost} lost: no heartbeat for {:.1} s during step {} (generation {}): the job goes on live on node(s) {:?} (epoch {}, world {})",
             quiet.as_secs_f64(),
             self.progress + 1,
             g.gen,
             g.nodes,
-            m.epoch,
+            epoch,
             g.nodes.len() * o.nproc_per_node
         ));
         Ok(true)
@@ -72,7 +60,8 @@ impl Agent<'_> {
     /// LIVE-9: grows generation `g` to `nodes` in memory: writes the membership from the
     /// epoch after every epoch a worker published, the generation's node list (the arriving
     /// agents start their workers into that epoch), then the planned stop to this node's
-    /// workers. False when another agent wrote the record first: the caller follows.
+    /// workers. False when the records could not be written (another agent wrote first, or
+    /// the store did not answer): the caller follows.
     pub(super) fn grow_live(
         &mut self,
         g: &mut Generation,
@@ -80,19 +69,7 @@ impl Agent<'_> {
         joining: &[usize],
         workers: &[Worker],
     ) -> Result<bool> {
-        let epoch = self.last_epoch(g) + 1;
-        let m = crate::launch::live::Membership { epoch, nodes: nodes.clone() };
-        let text = serde_json::to_vec(&m)
-            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
-        let job = self.gen_job(g.gen);
-        if !self.link.set(&crate::launch::live::membership_key(&job), &text) {
-            return Ok(true);
-        }
-        let before = std::mem::replace(&mut g.nodes, nodes);
-        if !self.publish(g)? {
-            g.nodes = before;
-            return Ok(false);
-        }
+        let Some(epoch) = self.move_membership(g, nodes)? else { return Ok(false) };
         self.log(format_args!(
             "{} in generation {}: the job grows live to node(s) {:?} (epoch {epoch}, world {}); SIGUSR1 to this node's workers: the group stops after a step and goes on with the new node(s)",
             growing::who_joined(joining),
@@ -102,6 +79,26 @@ impl Agent<'_> {
         ));
         signal_all(workers, nix::sys::signal::Signal::SIGUSR1);
         Ok(true)
+    }
+
+    /// Writes the membership of `nodes` from the epoch after every epoch a worker of `g`
+    /// published (LIVE-7), then `g` on those nodes; the membership's epoch, or `None` (`g`
+    /// unchanged) when either write did not happen.
+    fn move_membership(&mut self, g: &mut Generation, nodes: Vec<usize>) -> Result<Option<u64>> {
+        let epoch = self.last_epoch(g) + 1;
+        let m = crate::launch::live::Membership { epoch, nodes: nodes.clone() };
+        let text = serde_json::to_vec(&m)
+            .map_err(|e| RuntimeError::config(format!("encoding membership: {e}")))?;
+        let job = self.gen_job(g.gen);
+        if !self.link.set(&crate::launch::live::membership_key(&job), &text) {
+            return Ok(None);
+        }
+        let before = std::mem::replace(&mut g.nodes, nodes);
+        if !self.publish(g)? {
+            g.nodes = before;
+            return Ok(None);
+        }
+        Ok(Some(epoch))
     }
 
     /// The newest epoch any worker of `g` published (LIVE-4).
