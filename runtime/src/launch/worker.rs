@@ -362,6 +362,12 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
     if env.generation > 0 || env.live_epoch.is_some() {
         return None;
     }
+    // A live membership renumbers the ranks (LIVE-7): a rank's faults stay with the process
+    // started as that rank.
+    static STARTED_AS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if *STARTED_AS.get_or_init(|| env.rank) != env.rank {
+        return None;
+    }
     let rank = env.rank;
     let specs: Vec<FaultSpec> = opts
         .faults
