@@ -378,3 +378,44 @@ fn a_hung_rank_is_stopped_and_replaced_live_10() {
     assert!(r.iter().all(|x| x.1 == 3), "{r:?}");
     assert_bitwise(&base, &ck, "hung");
 }
+
+/// LIVE-7 with the replicated store (LAUNCH-14): node 0's agent, which decided the job and
+/// served a replica, is SIGKILLed with its worker; the agent whose replica leads next takes
+/// the job over and, without a restart, the job goes on live on nodes 1 and 2 to its end.
+#[test]
+fn the_loss_of_node_0_is_survived_live_7() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let rdzv = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect::<Vec<_>>().join(",");
+    let agent = |node: usize| {
+        let mut cmd = Command::new(shardline());
+        cmd.args(["launch", "--nnodes", "2:3", "--node-rank", &node.to_string()])
+            .args(["--rdzv", &rdzv, "--token", "live-node-0", "--nproc-per-node", "1"])
+            .args(LIVE)
+            .args(["--", "train", "--model", "mlp-bn", "--dataset", "digits", "--stage", "0"])
+            .args(["--sync-bn", "on", "--no-progress", "--steps", "300", "--checkpoint-every"])
+            .args(["100", "--fault", "stall:rank=1:step=60:secs=5", "--checkpoint-dir"])
+            .arg(dir.join("ck"))
+            .arg("--log-json")
+            .arg(dir.join(format!("n{node}.jsonl")));
+        spawn(cmd)
+    };
+    let agents: Vec<_> = (0..3).map(agent).collect();
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    let mut agents = agents.into_iter();
+    let a0 = agents.next().expect("node 0");
+    shardline_tests::launch::kill_group(&a0);
+    let _ = wait_output(a0, until, "node 0");
+    let outs: Vec<_> = agents.map(|a| wait_output(a, until, "agent")).collect();
+    let t: String = outs.iter().map(|o| ok(o, "node 1 or 2")).collect();
+    assert!(t.contains("takes over generation 0 from node 0"), "{t}");
+    assert!(t.contains("the job goes on live on node(s) [1, 2]"), "{t}");
+    assert!(!t.contains("restart 1/"), "the group restarted:\n{t}");
+    // Node 0 logged until its loss, node 1 (rank 0 since) from the step it failed in.
+    let (mut a, b) = (logged_steps(&dir.join("n0.jsonl")), logged_steps(&dir.join("n1.jsonl")));
+    let first = *b.first().expect("node 1 logged");
+    a.retain(|&s| s < first);
+    a.extend(b);
+    assert_eq!(a, (1..=300).collect::<Vec<_>>(), "every step logged once");
+}

@@ -397,8 +397,10 @@ impl StepLog {
             o.insert("inter_node_gather_bytes".into(), (now.2 - self.1 .2).into());
         }
         self.1 = now;
+        // Each line reaches the file with its step: a process killed later loses none.
         match self.0.as_mut() {
             Some(w) => writeln!(w, "{line}")
+                .and_then(|_| w.flush())
                 .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}"))),
             None => Ok(()),
         }
