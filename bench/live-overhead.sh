@@ -18,8 +18,6 @@ fi
 # name|processes|train arguments
 JOBS=(
     "gpt-stage0-w2|2|--model gpt --dataset text --n-layer 4 --n-embd 128 --stage 0"
-    "mlp-bn-stage0-w4|4|--model mlp-bn --stage 0"
-    "mlp-bn-hsdp2x2-stage3|4|--model mlp-bn --stage 3 --shard-group 2"
     "mlp-1024x4-stage0-w2|2|--model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --stage 0"
     "mlp-1024x4-hsdp2x2-stage3|4|--model mlp-bn --hidden 1024 --depth 4 --dataset synthetic --input-dim 784 --classes 10 --batch-size 256 --stage 3 --shard-group 2"
 )

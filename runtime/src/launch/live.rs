@@ -360,4 +360,14 @@ mod tests {
         assert!(!is_late("1 3", 0, 0), "another worker");
         assert!(!is_late("garbage", 1, 0));
     }
+
+    #[test]
+    fn a_membership_numbers_ranks_by_the_nodes_place_live_7() {
+        // Node 0 lost from [0, 1, 2]: node 1's workers become ranks 0 and 1.
+        assert_eq!(place(&[1, 2], 1, 1, 2), Some((1, 4)));
+        assert_eq!(place(&[1, 2], 2, 0, 2), Some((2, 4)));
+        assert_eq!(place(&[1, 2], 0, 0, 2), None, "a node left out has no rank");
+        // An arriving node takes its place in the order given.
+        assert_eq!(place(&[0, 2, 1], 1, 0, 1), Some((2, 3)));
+    }
 }
