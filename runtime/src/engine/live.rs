@@ -8,11 +8,14 @@
 //! holding the same shard ([`RankEngine::adopt_from`]), over a lane of the new communicator.
 //!
 //! Invariants:
-//! - LIVE-1: under live recovery a step's updates begin only after the step's loss
-//!   all-reduce, which no rank completes before every rank has finished its gradient
-//!   reductions. So a rank whose step failed before its updates holds the state of the step
-//!   before, unchanged, and a rank that completed the step holds the new one: each is
-//!   *clean* at its step. A rank that failed after its updates began is not clean.
+//! - LIVE-1: under live recovery a step's updates begin only after a commit, a one-value
+//!   all-reduce that no rank completes before every rank has finished its gradient
+//!   reductions (at stages 1 and 2, whose updated parameters are gathered after the
+//!   updates, the loss all-reduce is the commit, as clipping orders it). So a rank whose step
+//!   failed before its updates holds the state of the step before, unchanged (its BatchNorm
+//!   buffers as the step found them), and one whose updates all ran holds the new one (at
+//!   stages 1 and 2, once the updated parameters are gathered): each is *clean* at its step.
+//!   A rank that failed in between is not.
 //! - LIVE-2 ([`recovery_plan`]): the job resumes at the newest step any clean survivor holds.
 //!   Every replica set (the ranks holding the same shard: all ranks at stage 0, the ranks of
 //!   equal shard index under hybrid sharding) needs a clean member at that step: its lowest
@@ -108,8 +111,8 @@ impl RankEngine {
         }
     }
 
-    /// Starts every later step's updates only after its loss all-reduce (LIVE-1). The
-    /// updates are the same; only when they begin moves.
+    /// Starts every later step's updates only after its commit (LIVE-1). The updates are
+    /// the same; only when they begin moves.
     pub fn set_commit_after_sums(&mut self, on: bool) {
         self.commit_after_sums = on;
     }

@@ -532,7 +532,10 @@ impl RankEngine {
         self.cast.set(Duration::ZERO);
         let n = self.layout.units().len();
         // ENG-8: without clipping each unit steps as soon as its reduction is in.
-        let early = self.cfg.clip_grad_norm.is_none() && !self.commit_after_sums;
+        // LIVE-1: stages 1 and 2 gather the updated parameters after the updates, so their
+        // commit is the loss all-reduce before the updates, as clipping orders them.
+        let commit_by_sums = self.commit_after_sums && self.rules.gather_after_update;
+        let early = self.cfg.clip_grad_norm.is_none() && !commit_by_sums;
         // The schedule is 0-based (`lr_at(0)` is the first step's rate); the optimizer's step
         // count is 1-based (OPT-3).
         let st = StepState {
@@ -551,8 +554,8 @@ impl RankEngine {
         self.plan.begin_step(&self.calls, micro.len());
         let calls = self.calls.clone();
         let mut walk = Walk::of(&calls, n, micro.len(), self.rules, &self.cfg);
-        // LIVE-1: the updates wait for the loss all-reduce, as clipping's do.
-        walk.clip |= self.commit_after_sums;
+        walk.clip |= commit_by_sums;
+        walk.commit = self.commit_after_sums && !walk.clip;
         let pass = PassCtx {
             training: true,
             sync_bn: self.cfg.sync_bn,
@@ -890,6 +893,20 @@ impl StepWork for EngineStep<'_, '_> {
 
     fn gather_updated(&mut self) -> Result<()> {
         self.eng.gather_updated(&mut self.st.clock)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        let mut now = CallOptions::new();
+        now.blocking(true);
+        let w = self.eng.loss_lane.all_reduce_opts(vec![0.0], ReduceOp::Sum, &now);
+        self.st.clock.wait(&self.eng.trace, self.eng.rank, w, Row::Reduce, "commit")?;
+        Ok(())
+    }
+
+    fn committed(&mut self) {
+        // LIVE-1: the kept state (own shard, or full at stage 0) is the new step's.
+        self.eng.updating = false;
+        self.eng.buffers_at_step.1 = false;
     }
 }
 

@@ -43,6 +43,8 @@ pub(crate) struct Walk<'a> {
     pub(crate) clip: bool,
     /// The stage all-gathers the updated parameters after the step.
     pub(crate) gather_after_update: bool,
+    /// Live recovery: every reduction, then the commit, then the updates (LIVE-1).
+    pub(crate) commit: bool,
 }
 
 /// What a backward call does with its unit's gradients once they exist.
@@ -96,6 +98,13 @@ pub(crate) trait StepWork: ReduceIo<Self::Op> {
     fn end_updates(&mut self) -> Result<(), Self::Error>;
     /// All-gathers the updated parameters (stages 1 and 2).
     fn gather_updated(&mut self) -> Result<(), Self::Error>;
+    /// Live recovery's commit (LIVE-1): returns once every rank of the group has finished its
+    /// reductions (a one-value all-reduce); no rank updates before.
+    fn commit(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+    /// Every unit is stepped under live recovery's commit: the state is the new step's.
+    fn committed(&mut self) {}
 }
 
 impl<'a> Walk<'a> {
@@ -118,6 +127,7 @@ impl<'a> Walk<'a> {
             reduce_budget: cfg.reduce_budget_bytes,
             clip: cfg.clip_grad_norm.is_some(),
             gather_after_update: rules.gather_after_update,
+            commit: false,
         }
     }
 
@@ -168,6 +178,15 @@ pub(crate) fn walk_step<W: StepWork>(walk: &Walk<'_>, work: &mut W) -> Result<()
         work.loss_and_norm()?;
         work.begin_updates()?;
         (0..walk.units).try_for_each(|u| work.update(u))?;
+    } else if walk.commit {
+        // LIVE-1: no rank updates before every rank has its reduced gradients; the updates
+        // then give the norms as without the commit (ENG-8).
+        reds.finish_all(work)?;
+        work.commit()?;
+        work.begin_updates()?;
+        (0..walk.units).try_for_each(|u| work.update(u))?;
+        work.committed();
+        work.loss_and_norm()?;
     } else {
         // ENG-8, ENG-10: each unit steps as soon as its reduction is in.
         work.begin_updates()?;
@@ -251,6 +270,13 @@ mod tests {
             self.0.push("gather updated".into());
             Ok(())
         }
+        fn commit(&mut self) -> Result<(), ()> {
+            self.0.push("commit".into());
+            Ok(())
+        }
+        fn committed(&mut self) {
+            self.0.push("committed".into());
+        }
     }
 
     fn walk(calls: &[usize], micro: usize, transient: bool, clip: bool) -> Walk<'_> {
@@ -264,6 +290,7 @@ mod tests {
             reduce_budget: u64::MAX,
             clip,
             gather_after_update: !transient,
+            commit: false,
         }
     }
 
@@ -297,6 +324,28 @@ mod tests {
         let at = |e: &str| clipped.0.iter().position(|x| x == e).unwrap();
         assert!(at("loss+norm") < at("update 0"), "{:?}", clipped.0);
         assert_eq!(clipped.0.last().map(String::as_str), Some("gather updated"));
+    }
+
+    /// LIVE-1 in the walk: under live recovery every reduction finishes, then the commit,
+    /// then all updates, marked done before the loss and norm.
+    #[test]
+    fn the_commit_stands_between_the_reductions_and_the_updates_live_1() {
+        let calls = [0, 1, 2];
+        let mut log = Log::default();
+        let mut w = walk(&calls, 1, true, false);
+        w.commit = true;
+        walk_step(&w, &mut log).unwrap();
+        let at = |e: &str| log.0.iter().position(|x| x == e).unwrap();
+        for u in 0..3 {
+            assert!(at(&format!("finish {u}")) < at("commit"), "{:?}", log.0);
+            assert!(at("begin updates") < at(&format!("update {u}")), "{:?}", log.0);
+            assert!(at(&format!("update {u}")) < at("committed"), "{:?}", log.0);
+        }
+        assert!(at("commit") < at("begin updates") && at("committed") < at("loss+norm"));
+        // Without live recovery there is no commit.
+        let mut plain = Log::default();
+        walk_step(&walk(&calls, 1, true, false), &mut plain).unwrap();
+        assert!(!plain.0.iter().any(|e| e.starts_with("commit")), "{:?}", plain.0);
     }
 
     /// ENG-12 with ACC-2 and ACC-3: full gradients reduce after the last microbatch only;

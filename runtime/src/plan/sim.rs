@@ -438,6 +438,8 @@ impl<'a> SimRank<'a> {
             reduce_budget: self.walk.reduce_budget,
             clip: self.walk.clip,
             gather_after_update: self.rules.gather_after_update,
+            // The plan prices a run without live recovery.
+            commit: false,
         };
         let Ok(()) = walk_step(&walk, self);
         SimStep {
