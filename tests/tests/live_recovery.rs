@@ -93,7 +93,8 @@ const LIVE: &[&str] = &["--live-recovery", "--max-restarts", "2"];
 /// LIVE-1, LIVE-2, LIVE-4: at stage 0 a rank killed in any phase of a step, with 2 to 4
 /// workers, is replaced in place; the survivors never restart, every rank resumes after the
 /// step before the failure from one sender, and the run ends bitwise like a clean one
-/// (parameters, optimizer state, BatchNorm buffers and the manifest).
+/// launched without `--live-recovery` (parameters, optimizer state, BatchNorm buffers and
+/// the manifest).
 #[test]
 fn a_killed_rank_at_stage_0_is_replaced_and_the_run_ends_like_a_clean_one_live_4() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -116,7 +117,7 @@ fn a_killed_rank_at_stage_0_is_replaced_and_the_run_ends_like_a_clean_one_live_4
         let stage0 = ["--stage", "0"];
         let base = clean.entry(world).or_insert_with(|| {
             let tag = format!("clean-w{world}");
-            let (o, ck) = launch(dir, &tag, world, steps, LIVE, &stage0);
+            let (o, ck) = launch(dir, &tag, world, steps, &[], &stage0);
             ok(&o, &tag);
             ck
         });
@@ -143,7 +144,7 @@ fn a_killed_rank_at_stage_0_is_replaced_and_the_run_ends_like_a_clean_one_live_4
 
 /// LIVE-2, LIVE-5: under hybrid sharding (2 shard groups of 2) a killed rank's shard comes
 /// from its replica in the other group, at stages 1, 2 and 3, and the run ends bitwise like
-/// a clean one.
+/// a clean one launched without `--live-recovery`.
 #[test]
 fn a_killed_rank_under_hybrid_sharding_takes_its_shard_from_the_other_group_live_5() {
     let tmp = tempfile::tempdir().expect("tempdir");
@@ -152,7 +153,7 @@ fn a_killed_rank_under_hybrid_sharding_takes_its_shard_from_the_other_group_live
         let s = stage.to_string();
         let args = ["--stage", s.as_str(), "--shard-group", "2"];
         let tag = format!("clean-s{stage}");
-        let (o, base) = launch(dir, &tag, 4, 10, LIVE, &args);
+        let (o, base) = launch(dir, &tag, 4, 10, &[], &args);
         ok(&o, &tag);
         let tag = format!("kill-s{stage}-r{rank}");
         let fault = format!("kill:rank={rank}:step={step}:phase=backward");
