@@ -425,3 +425,28 @@ fn the_loss_of_node_0_is_survived_live_7() {
     assert_eq!(a.len() as u64 + gap, 300, "every other step logged once: {a:?}");
     assert_eq!(a.last(), Some(&300));
 }
+
+/// LIVE-4: a node's agent that is killed with its workers and started again within the
+/// heartbeat timeout starts its workers as replacements into the epoch after theirs; the job
+/// goes on in place, neither restarted nor shrunk, every step logged once.
+#[test]
+fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let port = free_port();
+    let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
+    let a0 = elastic_agent(dir, 0, port, "n0", &hold);
+    let a1 = elastic_agent(dir, 1, port, "n1", &hold);
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    shardline_tests::launch::kill_group(&a1);
+    let _ = wait_output(a1, until, "node 1");
+    std::thread::sleep(Duration::from_millis(300));
+    let back = elastic_agent(dir, 1, port, "n1", &hold);
+    let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
+    let t = format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"));
+    assert!(!t.contains("restart 1/") && !t.contains("goes on live on"), "{t}");
+    let r = resumed(&t);
+    assert_eq!(r.len(), 4, "every rank resumes once:\n{t}");
+    assert_eq!(logged_steps(&dir.join("n0.jsonl")), (1..=400).collect::<Vec<_>>());
+}

@@ -101,6 +101,23 @@ impl Agent<'_> {
         Ok(Some(epoch))
     }
 
+    /// LIVE-4: under live recovery, the epoch after the one this node's worker `local` of
+    /// `g` last published, when it published one: the agent lost it (it restarted) while
+    /// the generation runs on.
+    pub(super) fn returning_epoch(&mut self, g: &Generation, local: usize) -> Option<u64> {
+        if !self.o.live_recovery {
+            return None;
+        }
+        let key = crate::launch::live::epoch_key(&self.gen_job(g.gen), self.o.node_rank, local);
+        match self.link.get(&key) {
+            Got::Value(v) => {
+                let e = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok())?;
+                Some(e + 1)
+            }
+            _ => None,
+        }
+    }
+
     /// The newest epoch any worker of `g` published (LIVE-4).
     fn last_epoch(&mut self, g: &Generation) -> u64 {
         let job = self.gen_job(g.gen);

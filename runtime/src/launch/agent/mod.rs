@@ -226,6 +226,9 @@ impl Agent<'_> {
         let mut workers: Vec<Worker> = Vec::with_capacity(o.nproc_per_node);
         for local in 0..o.nproc_per_node {
             let rank = pos * o.nproc_per_node + local;
+            // LIVE-4: an agent that comes back to a running live generation starts its
+            // workers as replacements of those it lost, into the epoch after theirs.
+            let epoch = epoch.or_else(|| self.returning_epoch(g, local));
             match self.spawn_rank(g, local, epoch) {
                 Ok(child) => workers.push(Worker {
                     rank,
