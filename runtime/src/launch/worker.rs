@@ -358,8 +358,9 @@ pub fn unix_ms() -> u128 {
 /// exactly what a crashed or OOM-killed worker looks like to its peers and agent.
 fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
     // A replacement started in place of a failed worker (LIVE-4) replays the step without
-    // meeting its predecessor's fault again.
-    if env.generation > 0 || env.live_epoch.is_some() {
+    // meeting its predecessor's fault again, and a survivor in a later epoch without meeting
+    // its own: a stall that fired in every epoch would stall the rerun of its step forever.
+    if env.generation > 0 || env.live_epoch.is_some() || env.epoch > 0 {
         return None;
     }
     let rank = env.rank;
@@ -400,4 +401,40 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
             }
         }
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::{FaultInjector, FaultPlan};
+
+    fn env(vars: &[(&str, &str)]) -> WorkerEnv {
+        let map: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        WorkerEnv::from_vars(&|k| map.get(k).cloned()).expect("environment").expect("launched")
+    }
+
+    /// LAUNCH-8 under live recovery: a rank's fault fires in its first epoch only; the
+    /// survivor that stalled reruns the step in the next epoch without stalling again.
+    #[test]
+    fn a_rank_fault_fires_in_the_first_epoch_only_launch_8() {
+        let mut e = env(&[
+            ("SHARDLINE_RANK", "0"),
+            ("SHARDLINE_WORLD_SIZE", "2"),
+            ("SHARDLINE_LOCAL_RANK", "0"),
+            ("SHARDLINE_LOCAL_WORLD_SIZE", "2"),
+            ("SHARDLINE_NODE_RANK", "0"),
+            ("SHARDLINE_RDZV", "127.0.0.1:1"),
+            ("SHARDLINE_TOKEN", "t"),
+            ("SHARDLINE_LIVE", "1"),
+        ]);
+        let plan = FaultPlan::parse(&["stall:rank=0:step=3:secs=5".to_string()], 0).expect("plan");
+        let opts = RunOptions { faults: Some(FaultInjector::new(plan)), ..RunOptions::default() };
+        assert!(worker_fault_hook(&opts, &e).is_some(), "epoch 0 meets the fault");
+        e.epoch = 1;
+        assert!(worker_fault_hook(&opts, &e).is_none(), "a later epoch does not");
+        e.epoch = 0;
+        e.generation = 1;
+        assert!(worker_fault_hook(&opts, &e).is_none(), "nor does a restarted generation");
+    }
 }
