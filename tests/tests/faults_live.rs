@@ -55,6 +55,7 @@ fn three_trials_neither_hang_nor_lose_data_and_kills_end_bitwise_liveb_2() {
         assert_eq!(s[mode]["runs"], 3, "{mode}: {log}");
         assert_eq!(s[mode]["hangs"], 0, "{mode}: {log}");
         assert_eq!(s[mode]["lost_data"], 0, "{mode}: {log}");
+        assert_eq!(s[mode]["runs_with_an_agent_failed"], 0, "{mode}: {log}");
         assert_eq!(s[mode]["faults_not_fired"], 0, "{mode}: {log}");
         assert_eq!(s[mode]["failures_seen"], 3, "{mode}: {log}");
     }

@@ -17,11 +17,11 @@ pub enum Kind {
     /// A node's link goes down for longer than `--timeout` and comes back.
     Partition,
     /// Node 0's agent (the store's first leader) is SIGKILLed with its worker and started
-    /// again: a fixed-size job waits for its nodes (LAUNCH-10).
+    /// again 0.5-2 s later: a fixed-size job waits for its nodes (LAUNCH-10).
     #[value(name = "node0-loss")]
     #[serde(rename = "node0-loss")]
     Node0Loss,
-    /// Another node's agent is SIGKILLed with its worker and started again.
+    /// Another node's agent is SIGKILLed with its worker and started again 0.5-2 s later.
     NodeReturn,
 }
 
