@@ -4,9 +4,9 @@
 //! detected it, hang, torn checkpoint (every committed checkpoint is verified afterwards),
 //! whether the final parameters equal the clean run's bitwise, detection and recovery times.
 
+use crate::campaign::{hash_bits, median, torn, Rng};
 use crate::report;
 use serde::{Deserialize, Serialize};
-use shardline_runtime::checkpoint::Checkpoint;
 use shardline_runtime::fault::{FaultInjector, FaultPlan};
 use shardline_runtime::shard::Stage;
 use shardline_runtime::supervise::run_supervised;
@@ -18,33 +18,78 @@ use std::time::{Duration, Instant};
 /// Options of `shardline-bench faults`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
+    /// The live-recovery campaign instead: real jobs under `shardline launch` on 4 network
+    /// namespace nodes of one worker each (needs root), each trial's fault run once with
+    /// `--live-recovery` and once restarting from the checkpoint, both compared with a clean
+    /// run bitwise.
+    #[arg(long)]
+    pub live: bool,
     /// Trials (one fault each).
     #[arg(long, default_value_t = 100)]
     pub trials: usize,
     /// Campaign seed (faults drawn and link decisions).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Ranks.
-    #[arg(long, default_value_t = 3)]
-    pub world: usize,
-    /// Steps per run.
-    #[arg(long, default_value_t = 8)]
-    pub steps: u64,
-    /// Checkpoint interval in steps.
-    #[arg(long, default_value_t = 2)]
-    pub checkpoint_every: u64,
-    /// Collective timeout in seconds.
+    /// Ranks (default 3; with --live only 4).
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// Steps per run (default 8; 50 with --live).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Checkpoint interval in steps (default 2; 20 with --live).
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Collective timeout in seconds (`train --timeout`).
     #[arg(long, default_value_t = 2)]
     pub timeout: u64,
-    /// Restarts allowed per trial.
+    /// Restarts allowed per trial (with --live: `launch --max-restarts`, which also bounds
+    /// each agent's replacements in place).
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
-    /// A trial running longer than this is a hang (killed).
+    /// A trial (with --live: each run) running longer than this many seconds is a hang
+    /// (killed).
     #[arg(long, default_value_t = 90)]
     pub trial_deadline: u64,
+    /// With --live: the fault kinds drawn from (kills twice as often as each other kind).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        requires = "live",
+        default_value = "kill,stall,partition,node0-loss,node-return"
+    )]
+    pub kinds: Vec<crate::faults_live::FaultKind>,
+    /// With --live: the settings drawn from (stage0: --stage 0; hsdp: --shard-group 2
+    /// --stage 3).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        requires = "live",
+        default_value = "stage0,hsdp"
+    )]
+    pub settings: Vec<crate::faults_live::JobSetting>,
+    /// With --live: write every run's agent output (workers' lines included) to
+    /// DIR/clean-SETTING.log and DIR/tN-live.log, DIR/tN-restart.log.
+    #[arg(long, requires = "live")]
+    pub logs: Option<PathBuf>,
     /// JSON output.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+impl Args {
+    fn world(&self) -> usize {
+        self.world.unwrap_or(3)
+    }
+
+    fn steps(&self) -> u64 {
+        self.steps.unwrap_or(8)
+    }
+
+    fn checkpoint_every(&self) -> u64 {
+        self.checkpoint_every.unwrap_or(2)
+    }
 }
 
 /// Options of one trial (a child process).
@@ -109,22 +154,6 @@ fn config(world: usize, steps: u64, timeout: u64) -> TrainConfig {
     }
 }
 
-/// FNV-1a over the bit patterns of every parameter and buffer.
-fn hash_bits(units: &[Vec<f32>], bufs: &[Vec<f32>]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in units.iter().chain(bufs) {
-        for x in v {
-            for b in x.to_bits().to_le_bytes() {
-                h ^= u64::from(b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
 /// Runs one trial in this process and writes its outcome.
 pub fn trial(a: TrialArgs) -> anyhow::Result<()> {
     let cfg = config(a.world, a.steps, a.timeout);
@@ -165,30 +194,12 @@ pub fn trial(a: TrialArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Draws one fault and whether the job must notice it as a failure (`None`: it may or may
 /// not, e.g. a low-probability corruption that never hits a frame).
 fn draw(r: &mut Rng, a: &Args) -> (String, &'static str, Option<bool>) {
-    let w = a.world as u64;
+    let w = a.world() as u64;
     let rank = r.below(w);
-    let step = 1 + r.below(a.steps);
+    let step = 1 + r.below(a.steps());
     let (x, y) = {
         let x = r.below(w);
         (x, (x + 1 + r.below(w - 1)) % w)
@@ -198,7 +209,7 @@ fn draw(r: &mut Rng, a: &Args) -> (String, &'static str, Option<bool>) {
             let phase = ["forward", "backward", "reduce", "checkpoint"][r.below(4) as usize];
             // A checkpoint kill needs a step that writes one.
             let step = if phase == "checkpoint" {
-                a.checkpoint_every * (1 + r.below(a.steps / a.checkpoint_every))
+                a.checkpoint_every() * (1 + r.below(a.steps() / a.checkpoint_every()))
             } else {
                 step
             };
@@ -264,20 +275,6 @@ struct CampaignSummary {
     campaign_s: f64,
 }
 
-/// Verifies every committed checkpoint under `dir`; returns the first that fails.
-fn torn(dir: &Path) -> Option<String> {
-    let rd = std::fs::read_dir(dir).ok()?;
-    for e in rd.flatten() {
-        let p = e.path();
-        if p.join("manifest.json").is_file() {
-            if let Err(e) = Checkpoint::open(&p).and_then(|c| c.verify()) {
-                return Some(format!("{}: {e}", p.display()));
-            }
-        }
-    }
-    None
-}
-
 fn run_child(
     a: &Args,
     faults: &[String],
@@ -291,9 +288,9 @@ fn run_child(
     for f in faults {
         cmd.arg("--fault").arg(f);
     }
-    cmd.args(["--seed", &seed.to_string(), "--world", &a.world.to_string()])
-        .args(["--steps", &a.steps.to_string()])
-        .args(["--checkpoint-every", &a.checkpoint_every.to_string()])
+    cmd.args(["--seed", &seed.to_string(), "--world", &a.world().to_string()])
+        .args(["--steps", &a.steps().to_string()])
+        .args(["--checkpoint-every", &a.checkpoint_every().to_string()])
         .args(["--timeout", &a.timeout.to_string()])
         .args(["--max-restarts", &a.max_restarts.to_string()])
         .arg("--dir")
@@ -322,21 +319,16 @@ fn run_child(
     Ok((outcome, hang, wall))
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    Some(v[v.len() / 2])
-}
-
 /// Runs the campaign.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    report::check_flags(a.world >= 2, || {
+    if a.live {
+        return crate::faults_live::run(&a);
+    }
+    report::check_flags(a.world() >= 2, || {
         "--world must be at least 2 (links need two ranks)".into()
     })?;
     anyhow::ensure!(
-        a.checkpoint_every >= 1 && a.checkpoint_every <= a.steps,
+        a.checkpoint_every() >= 1 && a.checkpoint_every() <= a.steps(),
         "--checkpoint-every must be between 1 and --steps"
     );
     let started = Instant::now();
@@ -350,10 +342,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         _ => anyhow::bail!("the clean run failed; nothing to compare against"),
     };
     // The work a failure can lose: the steps of one checkpoint interval.
-    let interval_s = clean.median_step_s * a.checkpoint_every as f64;
+    let interval_s = clean.median_step_s * a.checkpoint_every() as f64;
     println!(
         "shardline-bench faults: {} trials, world {}, {} steps, checkpoint every {} steps (~{:.2} s), timeout {} s, {} restarts allowed",
-        a.trials, a.world, a.steps, a.checkpoint_every, interval_s, a.timeout, a.max_restarts
+        a.trials, a.world(), a.steps(), a.checkpoint_every(), interval_s, a.timeout, a.max_restarts
     );
     let mut rng = Rng(a.seed ^ 0xFA17);
     let mut rows = Vec::with_capacity(a.trials);
@@ -420,7 +412,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         runs_completed: rows.iter().filter(|r| r.completed).count(),
         median_detection_s: median(rows.iter().filter_map(|r| r.detection_s).collect()),
         median_recovery_s: median(rows.iter().filter_map(|r| r.recovery_s).collect()),
-        checkpoint_interval_steps: a.checkpoint_every,
+        checkpoint_interval_steps: a.checkpoint_every(),
         checkpoint_interval_s: interval_s,
         clean_run_s: clean_s,
         campaign_s: started.elapsed().as_secs_f64(),
@@ -444,7 +436,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "  median detection        {} (checkpoint interval {} steps ~ {:.3} s, timeout {} s)",
         f(summary.median_detection_s),
-        a.checkpoint_every,
+        a.checkpoint_every(),
         interval_s,
         a.timeout
     );

@@ -5,9 +5,11 @@
 use clap::{Parser, Subcommand};
 
 mod alloc;
+mod campaign;
 mod ckpt_stall;
 mod collectives;
 mod faults;
+mod faults_live;
 mod limits;
 mod link_bytes;
 mod machine_profile;
@@ -94,9 +96,14 @@ enum Cmd {
     /// Example: shardline-bench ckpt-stall --model wide-mlp --params 8000000 --rounds 3 --json stall.json
     CkptStall(ckpt_stall::Args),
     /// Randomised, seeded fault campaign over short supervised runs: detection, hangs, torn
-    /// checkpoints, runs equal to the clean run, detection and recovery times.
+    /// checkpoints, runs equal to the clean run, detection and recovery times. With --live,
+    /// over launched jobs on namespace nodes, each fault with and without --live-recovery:
+    /// hangs, lost data, steps run again, recovery times, final checkpoints equal to the
+    /// clean run's.
     ///
     /// Example: shardline-bench faults --trials 100 --json faults.json
+    ///
+    /// Example: shardline-bench faults --live --trials 100 --json live.json --logs live-logs
     Faults(faults::Args),
     /// One trial of the fault campaign (started by `faults`).
     #[command(hide = true)]

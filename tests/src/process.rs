@@ -151,7 +151,9 @@ fn drain(pipe: Option<Box<dyn Read + Send>>) -> std::thread::JoinHandle<Vec<u8>>
     })
 }
 
-fn kill_group(pid: u32) {
+/// SIGKILL to the process group `pid` leads (a [`Child`]'s [`Child::id`]), for a caller
+/// whose `Child` waits on another thread.
+pub fn kill_group(pid: u32) {
     use nix::sys::signal::{killpg, Signal};
     if let Ok(pid) = i32::try_from(pid) {
         let _ = killpg(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);

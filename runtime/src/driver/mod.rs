@@ -15,6 +15,9 @@
 //!   run with [`RuntimeError::Interrupted`] naming that checkpoint.
 //! - DRIVE-3: a rank's failure is reported with the first failing rank as its root cause
 //!   (ACT-2), not the abort it caused elsewhere.
+//! - DRIVE-7: each `--log-json` line reaches the file whole, in one write, as its step ends:
+//!   a rank 0 killed later (SIGKILL, no unwinding) loses no step it logged and leaves no
+//!   torn line, and the replacement or restarted rank 0 appends after it.
 //!
 //! Checkpoints written in the background (`--async-checkpoint`) are `background`'s, with
 //! DRIVE-4..6.
@@ -368,8 +371,9 @@ impl Progress {
 
 /// `--log-json`: one JSON object per step, appended.
 /// The `--log-json` file, and this process's hybrid transport counts (HYB-4) at the last
-/// line, so that each line carries what was sent inside and across nodes since.
-struct StepLog(Option<std::io::BufWriter<std::fs::File>>, (u64, u64, u64));
+/// line, so that each line carries what was sent inside and across nodes since. A
+/// [`std::io::LineWriter`]: every line goes to the file in one write when complete (DRIVE-7).
+struct StepLog(Option<std::io::LineWriter<std::fs::File>>, (u64, u64, u64));
 
 /// This process's hybrid transport counts (HYB-4): inside the node, across nodes, and the
 /// part of the latter on gather lanes.
@@ -386,7 +390,7 @@ impl StepLog {
         let f = std::fs::OpenOptions::new().create(true).append(true).open(p).map_err(|e| {
             RuntimeError::config(format!("cannot open --log-json {}: {e}", p.display()))
         })?;
-        Ok(StepLog(Some(std::io::BufWriter::new(f)), sent))
+        Ok(StepLog(Some(std::io::LineWriter::new(f)), sent))
     }
 
     fn write(&mut self, mut line: serde_json::Value) -> Result<()> {
@@ -397,10 +401,8 @@ impl StepLog {
             o.insert("inter_node_gather_bytes".into(), (now.2 - self.1 .2).into());
         }
         self.1 = now;
-        // Each line reaches the file with its step: a process killed later loses none.
         match self.0.as_mut() {
             Some(w) => writeln!(w, "{line}")
-                .and_then(|_| w.flush())
                 .map_err(|e| RuntimeError::config(format!("writing --log-json: {e}"))),
             None => Ok(()),
         }
@@ -765,4 +767,30 @@ fn add_memory(summary: &mut Summary, trackers: &[MemoryTracker]) {
             crate::memory::Category::ALL.iter().map(|c| (c.key().to_string(), t.peak(*c))).collect()
         })
         .collect();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DRIVE-7: a logged line is in the file, whole, before anything is flushed or dropped
+    /// (what a SIGKILL of rank 0 would leave).
+    #[test]
+    fn a_logged_step_is_in_the_file_at_once_drive_7() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("steps.jsonl");
+        let mut log = StepLog::open(Some(&path)).expect("open");
+        for step in 1..=3u64 {
+            log.write(serde_json::json!({ "step": step })).expect("write");
+            let text = std::fs::read_to_string(&path).expect("read");
+            let steps: Vec<u64> = text
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("whole line"))
+                .filter_map(|v| v["step"].as_u64())
+                .collect();
+            assert_eq!(steps, (1..=step).collect::<Vec<_>>(), "{text}");
+            assert!(text.ends_with('\n'), "{text}");
+        }
+        std::mem::forget(log);
+    }
 }

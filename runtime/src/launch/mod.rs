@@ -46,8 +46,10 @@
 //!   without a restart: the next generation would fail the same way.
 //! - LAUNCH-7: a generation's workers use the job name `JOBgN`: fresh store keys and shm
 //!   segment names, so nothing of a dead generation is read by the next.
-//! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only;
-//!   `kill` is a SIGKILL of the worker itself.
+//! - LAUNCH-8: the plan's rank faults fire inside the worker processes in generation 0 only,
+//!   and under live recovery in communicator epoch 0 only (LIVE-4: neither a replacement
+//!   nor a survivor meets a fault again when it reruns the step); `kill` is a SIGKILL of
+//!   the worker itself.
 //! - LAUNCH-9: every fault, restart and recovery is logged by the agents with the time since
 //!   start, the Unix time, the node, the rank and the step (rank 0 publishes its steps from
 //!   a thread of its own, so the training thread never waits on the store for it).

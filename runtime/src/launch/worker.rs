@@ -358,14 +358,9 @@ pub fn unix_ms() -> u128 {
 /// exactly what a crashed or OOM-killed worker looks like to its peers and agent.
 fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
     // A replacement started in place of a failed worker (LIVE-4) replays the step without
-    // meeting its predecessor's fault again.
-    if env.generation > 0 || env.live_epoch.is_some() {
-        return None;
-    }
-    // A live membership renumbers the ranks (LIVE-7): a rank's faults stay with the process
-    // started as that rank.
-    static STARTED_AS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    if *STARTED_AS.get_or_init(|| env.rank) != env.rank {
+    // meeting its predecessor's fault again, and a survivor in a later epoch without meeting
+    // its own: a stall that fired in every epoch would stall the rerun of its step forever.
+    if env.generation > 0 || env.live_epoch.is_some() || env.epoch > 0 {
         return None;
     }
     let rank = env.rank;
@@ -384,12 +379,9 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
         return None;
     }
     Some(Arc::new(move |r, step, phase| {
-        for (i, f) in specs.iter().enumerate() {
-            // LIVE-4: a survivor runs the failed step again in its next epoch; a fault of the
-            // plan fires once per process, so the rerun does not meet it again.
-            let fires = |at: u64, p: Phase| at == step && p == phase && first_firing(i);
+        for f in &specs {
             match *f {
-                FaultSpec::Kill { step: s, phase: p, .. } if fires(s, p) => {
+                FaultSpec::Kill { step: s, phase: p, .. } if s == step && p == phase => {
                     say!(
                         "shardline worker: fault injected: kill rank {r} at step {step} ({}) unix_ms={}",
                         phase.name(),
@@ -398,7 +390,7 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
                     let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
                     std::process::abort();
                 }
-                FaultSpec::Stall { step: s, secs, .. } if fires(s, Phase::Forward) => {
+                FaultSpec::Stall { step: s, secs, .. } if s == step && phase == Phase::Forward => {
                     say!(
                         "shardline worker: fault injected: stall rank {r} at step {step} for {secs} s unix_ms={}",
                         unix_ms()
@@ -411,13 +403,38 @@ fn worker_fault_hook(opts: &RunOptions, env: &WorkerEnv) -> Option<FaultHook> {
     }))
 }
 
-/// Whether the plan's fault `index` fires now for the first time in this process.
-fn first_firing(index: usize) -> bool {
-    static FIRED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
-    let Ok(mut fired) = FIRED.lock() else { return false };
-    if fired.contains(&index) {
-        return false;
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::{FaultInjector, FaultPlan};
+
+    fn env(vars: &[(&str, &str)]) -> WorkerEnv {
+        let map: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        WorkerEnv::from_vars(&|k| map.get(k).cloned()).expect("environment").expect("launched")
     }
-    fired.push(index);
-    true
+
+    /// LAUNCH-8 under live recovery: a rank's fault fires in its first epoch only; the
+    /// survivor that stalled reruns the step in the next epoch without stalling again.
+    #[test]
+    fn a_rank_fault_fires_in_the_first_epoch_only_launch_8() {
+        let mut e = env(&[
+            ("SHARDLINE_RANK", "0"),
+            ("SHARDLINE_WORLD_SIZE", "2"),
+            ("SHARDLINE_LOCAL_RANK", "0"),
+            ("SHARDLINE_LOCAL_WORLD_SIZE", "2"),
+            ("SHARDLINE_NODE_RANK", "0"),
+            ("SHARDLINE_RDZV", "127.0.0.1:1"),
+            ("SHARDLINE_TOKEN", "t"),
+            ("SHARDLINE_LIVE", "1"),
+        ]);
+        let plan = FaultPlan::parse(&["stall:rank=0:step=3:secs=5".to_string()], 0).expect("plan");
+        let opts = RunOptions { faults: Some(FaultInjector::new(plan)), ..RunOptions::default() };
+        assert!(worker_fault_hook(&opts, &e).is_some(), "epoch 0 meets the fault");
+        e.epoch = 1;
+        assert!(worker_fault_hook(&opts, &e).is_none(), "a later epoch does not");
+        e.epoch = 0;
+        e.generation = 1;
+        assert!(worker_fault_hook(&opts, &e).is_none(), "nor does a restarted generation");
+    }
 }
