@@ -262,11 +262,24 @@ fn elastic_agent(
     tag: &str,
     extra: &[&str],
 ) -> shardline_tests::launch::Child {
+    elastic_agent_with(dir, node, port, tag, &[], extra)
+}
+
+/// [`elastic_agent`] with `launch` flags added.
+fn elastic_agent_with(
+    dir: &Path,
+    node: usize,
+    port: u16,
+    tag: &str,
+    launch: &[&str],
+    extra: &[&str],
+) -> shardline_tests::launch::Child {
     let mut cmd = Command::new(shardline());
     cmd.args(["launch", "--nnodes", "1:2", "--node-rank", &node.to_string()])
         .args(["--rdzv", &format!("127.0.0.1:{port}"), "--token", "live-elastic"])
         .args(["--nproc-per-node", "2", "--join-wait-s", "0.5"])
         .args(LIVE)
+        .args(launch)
         .args(["--", "train", "--model", "mlp-bn", "--dataset", "digits", "--batch-size", "48"])
         .args(["--sync-bn", "on", "--no-progress", "--steps", "400"])
         .args(["--checkpoint-every", "100", "--checkpoint-dir"])
@@ -435,14 +448,17 @@ fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
     let dir = tmp.path();
     let port = free_port();
     let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
-    let a0 = elastic_agent(dir, 0, port, "n0", &hold);
-    let a1 = elastic_agent(dir, 1, port, "n1", &hold);
+    // The heartbeat timeout is long enough that a loaded host never counts node 1 as lost
+    // while its agent comes back (the job would then go on without it, LIVE-7).
+    let beat = ["--heartbeat-timeout-s", "20"];
+    let a0 = elastic_agent_with(dir, 0, port, "n0", &beat, &hold);
+    let a1 = elastic_agent_with(dir, 1, port, "n1", &beat, &hold);
     let until = Instant::now() + DEADLINE;
     wait_steps(&dir.join("n0.jsonl"), 20, until);
     shardline_tests::launch::kill_group(&a1);
     let _ = wait_output(a1, until, "node 1");
     std::thread::sleep(Duration::from_millis(300));
-    let back = elastic_agent(dir, 1, port, "n1", &hold);
+    let back = elastic_agent_with(dir, 1, port, "n1", &beat, &hold);
     let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
     let t = format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"));
     assert!(!t.contains("restart 1/") && !t.contains("goes on live on"), "{t}");
