@@ -771,6 +771,20 @@ mod tests {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // The holder's SIGINT has its default action whatever this process inherited: a
+        // test started in the background by a non-interactive shell ignores SIGINT, and
+        // NETNS-5 keeps an ignored signal ignored.
+        use std::os::unix::process::CommandExt;
+        // SAFETY: `signal` is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                use nix::sys::signal::{signal, SigHandler, Signal};
+                for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+                    signal(sig, SigHandler::SigDfl).map_err(std::io::Error::from)?;
+                }
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().expect("spawn the holder");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
