@@ -164,8 +164,10 @@ fn elastic_job_shrinks_when_a_node_is_lost() {
     let node0 = net.launch(0, 1, 29_611, &flags, &args);
     let node1 = net.launch(1, 1, 29_611, &flags, &args);
     let deadline = Instant::now() + DEADLINE;
-    while logged_step(&dir.join("el.jsonl")) < 40 {
-        assert!(Instant::now() < deadline, "training never reached step 40");
+    // Step 41 logged: the checkpoint of step 40, written before step 41 began, is
+    // committed (a step's line is in the file as soon as the step ends, DRIVE-7).
+    while logged_step(&dir.join("el.jsonl")) < 41 {
+        assert!(Instant::now() < deadline, "training never reached step 41");
         std::thread::sleep(Duration::from_millis(10));
     }
     kill_group(&node1);
@@ -385,7 +387,8 @@ fn replicated_store_survives_node_0() {
     let steps = 200;
     let mut job = Replicated::start(&train_args(steps, 10, dir, "rep"));
     let deadline = Instant::now() + DEADLINE;
-    while logged_step(&dir.join("rep.jsonl")) < 30 {
+    // Step 31 logged: the checkpoint of step 30 is committed (DRIVE-7).
+    while logged_step(&dir.join("rep.jsonl")) < 31 {
         assert!(Instant::now() < deadline, "training never reached step 30");
         std::thread::sleep(Duration::from_millis(10));
     }
