@@ -376,6 +376,23 @@ impl Communicator {
         self.inner.shared.recent.snapshot()
     }
 
+    /// Over this communicator's lanes and its sub-groups' (COMM-3): whether any collective
+    /// has ended without error, and how long the oldest one still running has run (`None`
+    /// when none runs). What a watcher outside the rank reads to tell a rank waiting on its
+    /// peers from one that computes.
+    pub fn waits(&self) -> (bool, Option<std::time::Duration>) {
+        let ops = self.recent_ops();
+        let mut ended = ops.iter().any(|o| o.end.is_some() && !o.failed);
+        let mut longest = ops.iter().filter(|o| o.end.is_none()).map(|o| o.start.elapsed()).max();
+        let children = self.inner.children.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for c in children {
+            let (e, l) = c.waits();
+            ended |= e;
+            longest = longest.max(l);
+        }
+        (ended, longest)
+    }
+
     /// Payload bytes this rank has sent on all of its lanes so far (LANE-8); a sub-group's
     /// lanes count in the sub-group's, not here (COMM-3).
     pub fn bytes_sent(&self) -> u64 {

@@ -191,3 +191,32 @@ fn aborting_the_parent_aborts_its_subgroups_comm_3() {
         other => panic!("rank 0's op: {other:?}"),
     }
 }
+
+/// `Communicator::waits` covers the sub-groups (COMM-3): rank 0 waiting in a sub-group's
+/// all-reduce that rank 1 has not entered shows on rank 0's world communicator, with nothing
+/// ended; once both ran it, an op has ended and none runs.
+#[test]
+fn waits_cover_the_sub_groups_comm_3() {
+    let comms = local_group(2).expect("group");
+    let subs: Vec<Communicator> =
+        comms.iter().map(|c| c.subgroup("g", &[0, 1]).expect("subgroup")).collect();
+    assert_eq!(comms[0].waits(), (false, None), "nothing issued");
+    let s0 = subs[0].clone();
+    let t = std::thread::spawn(move || {
+        let lane = s0.lane("ops").expect("lane");
+        lane.all_reduce(vec![1.0; 4], ReduceOp::Sum).wait_timeout(WAIT).expect("all_reduce")
+    });
+    let until = std::time::Instant::now() + WAIT;
+    while comms[0].waits().1.is_none_or(|w| w < Duration::from_millis(50)) {
+        assert!(std::time::Instant::now() < until, "rank 0's wait never showed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!comms[0].waits().0, "nothing ended yet");
+    assert_eq!(comms[1].waits(), (false, None), "rank 1 waits in nothing");
+    let lane = subs[1].lane("ops").expect("lane");
+    let r1 = lane.all_reduce(vec![2.0; 4], ReduceOp::Sum).wait_timeout(WAIT).expect("all_reduce");
+    assert_eq!((t.join().expect("rank 0"), r1), (vec![3.0; 4], vec![3.0; 4]));
+    for c in &comms {
+        assert_eq!(c.waits(), (true, None), "rank {}", c.rank());
+    }
+}

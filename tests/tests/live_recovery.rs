@@ -208,12 +208,12 @@ fn without_a_peer_holding_the_shard_the_group_restarts_from_the_checkpoint_live_
     assert_bitwise(&base, &ck, "fallback");
 }
 
-/// LIVE-4, LIVE-1: a rank that stalls past the collective timeout is not replaced: its peers
-/// time out, it times out itself once it wakes, and all three meet in the next epoch with
-/// the state they hold; its fault fires once (the rerun step does not stall again), and the
-/// run ends bitwise like a clean one.
+/// LIVE-11, LIVE-4: a rank that stalls (2.5 s against a 1 s collective timeout) is found
+/// by its waiting peers at half the timeout, stopped by its agent and replaced in place,
+/// before its peers' collectives time out; its fault fires once (the rerun step does not
+/// stall again), and the run ends bitwise like a clean one.
 #[test]
-fn a_stalled_rank_rejoins_without_a_replacement_live_4() {
+fn a_stalled_rank_is_stopped_and_replaced_before_the_timeout_live_11() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let args = ["--stage", "0", "--timeout", "1"];
@@ -223,8 +223,11 @@ fn a_stalled_rank_rejoins_without_a_replacement_live_4() {
     stalled.extend(["--fault", "stall:rank=1:step=4:secs=2.5"]);
     let (o, ck) = launch(dir, "stall", 3, 10, LIVE, &stalled);
     let t = ok(&o, "stall");
-    assert!(!t.contains("replaced in place"), "a stalled rank was replaced:\n{t}");
-    assert_eq!(t.matches("joining epoch 1 ").count(), 3, "every rank moves on once:\n{t}");
+    assert!(t.contains("rank 1 stalled: reported to node 0's agent"), "{t}");
+    assert!(t.contains("rank 1 stalled: its peers waited"), "the agent's reason:\n{t}");
+    assert!(t.contains("rank 1 exited with signal 9"), "{t}");
+    assert!(t.contains("replaced in place, epoch 1"), "{t}");
+    assert!(!t.contains("timeout on lane"), "a collective ran to its timeout:\n{t}");
     assert_eq!(t.matches("fault injected: stall").count(), 1, "{t}");
     assert_all_resumed_after(&t, 3, 3);
     assert_bitwise(&base, &ck, "stall");
@@ -385,7 +388,8 @@ fn an_arriving_node_joins_in_memory_at_a_step_boundary_live_9() {
     assert_eq!((ck.manifest().step, ck.manifest().world), (400, 4));
 }
 
-/// LIVE-10: a rank that hangs for good is out: its peers time out, report it late to the
+/// LIVE-10: a rank that hangs for good in the first step, before any collective of its
+/// epoch ended (so LIVE-11 is not armed), is out: its peers time out, report it late to the
 /// next epoch's meeting, its agent stops and replaces it, and the run ends bitwise like a
 /// clean one.
 #[test]
@@ -396,13 +400,14 @@ fn a_hung_rank_is_stopped_and_replaced_live_10() {
     let (o, base) = launch(dir, "clean", 3, 10, LIVE, &args);
     ok(&o, "clean");
     let mut hung = args.to_vec();
-    hung.extend(["--fault", "stall:rank=1:step=4:secs=1000"]);
+    hung.extend(["--fault", "stall:rank=1:step=1:secs=1000"]);
     let (o, ck) = launch(dir, "hung", 3, 10, LIVE, &hung);
     let t = ok(&o, "hung");
-    assert!(t.contains("did not come to its peers' next epoch in time"), "{t}");
+    assert!(t.contains("did not come to its peers' next epoch in time (1 1)"), "{t}");
+    assert!(!t.contains("stalled: reported"), "LIVE-11 armed before a collective ended:\n{t}");
     assert!(t.contains("rank 1 exited with signal 9"), "{t}");
     assert!(t.contains("replaced in place, epoch 1"), "{t}");
-    assert_all_resumed_after(&t, 3, 3);
+    assert_all_resumed_after(&t, 3, 0);
     assert_bitwise(&base, &ck, "hung");
 }
 

@@ -257,9 +257,11 @@ struct LaunchArgs {
     /// another shard group under --shard-group). The step in flight at the failure is run
     /// again on the same data, so the run ends bitwise like a clean one. Where no peer holds
     /// a shard (stages 1-3 with one shard group) the workers exit 3 and the group restarts
-    /// from the checkpoint as without this flag. A worker that hangs is out: once its peers
-    /// have waited three collective timeouts (train --timeout) for it in their next epoch,
-    /// its agent stops and replaces it; one that only stalled rejoins with its state. Each
+    /// from the checkpoint as without this flag. A worker that stalls is out: once its peers
+    /// have all waited half the collective timeout (train --timeout) plus 0.25 s in
+    /// collectives it has not entered, its agent stops and replaces it. Before the first
+    /// collective of an epoch has ended that watch is off: a worker that hangs then is stopped
+    /// once its peers have timed out and waited three timeouts for it in their next epoch. Each
     /// node's agent replaces at most --max-restarts workers. An elastic job (--nnodes MIN:MAX) that loses a node goes on
     /// live on the nodes left, ranks renumbered (stage 0, or shard groups whose size does not
     /// change; otherwise from the checkpoint), and a node that arrives joins in memory: the

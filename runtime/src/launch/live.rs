@@ -34,7 +34,8 @@
 //! - LIVE-10: a worker that hangs is out: its peers time out, move to the next epoch and
 //!   report it to its node's agent once it has not come to that epoch's meeting within
 //!   three collective timeouts; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
-//!   and replaces it as any failed worker (LIVE-4).
+//!   and replaces it as any failed worker (LIVE-4). A worker that stalls once its epoch's
+//!   collectives run is found sooner, at half the timeout (LIVE-11, `live_scout`).
 
 use super::env::WorkerEnv;
 use super::rendezvous::{connect, meet, store_err};
@@ -126,6 +127,12 @@ pub fn place(
     Some((pos * per_node + local, nodes.len() * per_node))
 }
 
+/// The node of rank `r` with `per_node` workers a node, on `nodes` in rank order (LIVE-7),
+/// or numbered in order without a membership record.
+fn node_of(nodes: Option<&[usize]>, r: usize, per_node: usize) -> usize {
+    nodes.map_or(r / per_node, |n| n.get(r / per_node).copied().unwrap_or(usize::MAX))
+}
+
 /// Runs this worker under live recovery: epoch after epoch until the run ends (LIVE-4,
 /// LIVE-6, LIVE-7). `run_epoch` runs one epoch on a joined communicator.
 pub(super) fn run_live(
@@ -185,9 +192,7 @@ pub(super) fn run_live(
         let newer = |r: usize, waited: Duration| {
             if waited >= late && reported.get() != Some(r) {
                 reported.set(Some(r));
-                let node = nodes.as_ref().map_or(r / env.local_world, |n| {
-                    n.get(r / env.local_world).copied().unwrap_or(usize::MAX)
-                });
+                let node = node_of(nodes.as_deref(), r, env.local_world);
                 let text = format!("{} {epoch}", r % env.local_world);
                 let _ = store.set(&lag_key(&env.job, node), text.as_bytes());
             }
@@ -206,7 +211,25 @@ pub(super) fn run_live(
             o.resume = false;
         }
         let comm = joined.comm.clone();
+        // LIVE-11: a stalled peer is stopped at half the timeout, not waited for.
+        let locate_nodes = nodes.clone();
+        let per_node = env.local_world;
+        let scout = super::live_scout::Scout::start(
+            comm.clone(),
+            Arc::clone(&store),
+            super::live_scout::ScoutJob {
+                job: env.job.clone(),
+                epoch,
+                rank: here.rank,
+                world: here.world,
+                bound: Duration::from_secs(cfg.timeout_s.max(1)) / 2,
+                locate: Box::new(move |r| {
+                    (node_of(locate_nodes.as_deref(), r, per_node), r % per_node)
+                }),
+            },
+        );
         let result = run_epoch(cfg, o, &here, planned.1.clone(), joined, &mut live);
+        drop(scout);
         let e = match result {
             Ok(s) => return Ok(s),
             Err(e) => e,

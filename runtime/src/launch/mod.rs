@@ -105,6 +105,7 @@ mod agent;
 mod env;
 mod grow;
 mod live;
+mod live_scout;
 mod options;
 mod rendezvous;
 mod slurm;
