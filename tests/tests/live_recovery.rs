@@ -292,8 +292,20 @@ fn elastic_agent_with(
     launch: &[&str],
     extra: &[&str],
 ) -> shardline_tests::launch::Child {
+    agent_of(dir, (node, "1:2"), port, tag, launch, extra)
+}
+
+/// [`elastic_agent_with`] of a job of `nnodes` nodes (`MIN:MAX` or a fixed number).
+fn agent_of(
+    dir: &Path,
+    (node, nnodes): (usize, &str),
+    port: u16,
+    tag: &str,
+    launch: &[&str],
+    extra: &[&str],
+) -> shardline_tests::launch::Child {
     let mut cmd = Command::new(shardline());
-    cmd.args(["launch", "--nnodes", "1:2", "--node-rank", &node.to_string()])
+    cmd.args(["launch", "--nnodes", nnodes, "--node-rank", &node.to_string()])
         .args(["--rdzv", &format!("127.0.0.1:{port}"), "--token", "live-elastic"])
         .args(["--nproc-per-node", "2", "--join-wait-s", "0.5"])
         .args(LIVE)
@@ -483,4 +495,38 @@ fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
     let r = resumed(&t);
     assert_eq!(r.len(), 4, "every rank resumes once:\n{t}");
     assert_logged_once(&logged_steps(&dir.join("n0.jsonl")), 400);
+}
+
+/// LIVE-12: in a fixed-size job, a node whose agent is killed with its workers and comes
+/// back after the heartbeat timeout is awaited in place: the deciding agent does not restart
+/// the group, the returning agent starts its workers as replacements, and the job goes on
+/// in place, every step logged once, ending at world 4.
+#[test]
+fn a_fixed_size_job_awaits_a_silent_node_in_place_live_12() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let port = free_port();
+    let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
+    let beat = ["--heartbeat-timeout-s", "1"];
+    let a0 = agent_of(dir, (0, "2"), port, "n0", &beat, &hold);
+    let a1 = agent_of(dir, (1, "2"), port, "n1", &beat, &hold);
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    shardline_tests::launch::kill_group(&a1);
+    let _ = wait_output(a1, until, "node 1");
+    // Past the heartbeat timeout: without LIVE-12 the group would restart.
+    std::thread::sleep(Duration::from_millis(2000));
+    let back = agent_of(dir, (1, "2"), port, "n1", &beat, &hold);
+    let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
+    let t = format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"));
+    assert!(t.contains("node 1 silent for"), "{t}");
+    assert!(t.contains("awaited in place"), "{t}");
+    assert!(!t.contains("restart 1/") && !t.contains("node 1 lost"), "{t}");
+    let r = resumed(&t);
+    assert_eq!(r.len(), 4, "every rank resumes once:\n{t}");
+    assert_logged_once(&logged_steps(&dir.join("n0.jsonl")), 400);
+    let last = shardline_runtime::checkpoint::latest(dir.join("ck")).unwrap().unwrap();
+    let ck = shardline_runtime::checkpoint::Checkpoint::open(last).unwrap();
+    ck.verify().unwrap();
+    assert_eq!((ck.manifest().step, ck.manifest().world), (400, 4));
 }

@@ -266,7 +266,8 @@ struct LaunchArgs {
     /// live on the nodes left, ranks renumbered (stage 0, or shard groups whose size does not
     /// change; otherwise from the checkpoint), and a node that arrives joins in memory: the
     /// group stops after a step and the new workers receive the state from their peers. A
-    /// fixed-size job that loses a node restarts the group. Updates begin after each step's
+    /// fixed-size job awaits a node silent past --heartbeat-timeout-s in place for 6 s more
+    /// (a cut link that comes back, or its agent started again), then restarts the group. Updates begin after each step's
     /// loss all-reduce (the same updates, started later). Under torchrun or Slurm the
     /// launcher's own policy decides what happens to the processes; this flag is this
     /// launcher's.

@@ -57,6 +57,43 @@ impl Agent<'_> {
         Ok(true)
     }
 
+    /// LIVE-12: whether the deciding agent of a fixed-size job under live recovery goes on
+    /// awaiting node `n`, silent for `quiet`, instead of counting it as lost: until the
+    /// heartbeat timeout it is not silent; after it, for as long again as a cut-off agent
+    /// keeps its workers ([`super::QUORUM_LOST`]), since its workers, or its agent started
+    /// again, can still meet the others' next epoch. `silent` lists the nodes awaited.
+    pub(super) fn await_silent(
+        &mut self,
+        n: usize,
+        quiet: Duration,
+        silent: &mut Vec<(usize, std::time::Instant)>,
+    ) -> bool {
+        let o = self.o;
+        let at = silent.iter().position(|(s, _)| *s == n);
+        if quiet < o.heartbeat_timeout {
+            if let Some(i) = at {
+                let (_, since) = silent.swap_remove(i);
+                self.log(format_args!(
+                    "node {n} is back after {:.1} s silent: it recovers in place (live recovery)",
+                    since.elapsed().as_secs_f64() + o.heartbeat_timeout.as_secs_f64()
+                ));
+            }
+            return true;
+        }
+        let awaited =
+            awaits_silent(o.live_recovery, o.min_nodes < o.nnodes, quiet, o.heartbeat_timeout);
+        if awaited && at.is_none() {
+            silent.push((n, std::time::Instant::now()));
+            self.log(format_args!(
+                "node {n} silent for {:.1} s during step {}: awaited in place for up to {:.1} s more (live recovery), then counted as lost",
+                quiet.as_secs_f64(),
+                self.progress + 1,
+                (o.heartbeat_timeout + super::QUORUM_LOST - quiet).as_secs_f64()
+            ));
+        }
+        awaited
+    }
+
     /// LIVE-9: grows generation `g` to `nodes` in memory: writes the membership from the
     /// epoch after every epoch a worker published, the generation's node list (the arriving
     /// agents start their workers into that epoch), then the planned stop to this node's
@@ -215,5 +252,32 @@ impl Agent<'_> {
                 Err(e) => self.log(format_args!("cannot replace rank {}: {e}", w.rank)),
             }
         }
+    }
+}
+
+/// LIVE-12: whether a node silent for `quiet` is still awaited in place: under live
+/// recovery, in a fixed-size job, up to the heartbeat timeout plus [`super::QUORUM_LOST`].
+/// An elastic job goes on without it instead (LIVE-7), and without live recovery the group
+/// restarts.
+pub(super) fn awaits_silent(
+    live: bool,
+    elastic: bool,
+    quiet: Duration,
+    heartbeat: Duration,
+) -> bool {
+    live && !elastic && quiet < heartbeat + super::QUORUM_LOST
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_silent_node_is_awaited_in_place_only_live_and_fixed_size_live_12() {
+        let (hb, s) = (Duration::from_secs(1), Duration::from_secs(1));
+        assert!(awaits_silent(true, false, hb + s, hb));
+        assert!(!awaits_silent(true, false, hb + super::super::QUORUM_LOST, hb), "bounded");
+        assert!(!awaits_silent(false, false, hb + s, hb), "not live: the group restarts");
+        assert!(!awaits_silent(true, true, hb + s, hb), "elastic: the job goes on without it");
     }
 }

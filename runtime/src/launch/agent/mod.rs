@@ -92,7 +92,7 @@ const END_WAIT: Duration = Duration::from_secs(10);
 /// LAUNCH-14: an agent whose store replica heard from no majority this long (three of its
 /// longest election timeouts, so that an election among the others is not mistaken for a
 /// partition) stops its workers and exits.
-const QUORUM_LOST: Duration = Duration::from_secs(6);
+pub(super) const QUORUM_LOST: Duration = Duration::from_secs(6);
 /// How long a request of an agent to the replicated store may take, failover included: a
 /// little more than one election.
 const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
@@ -542,6 +542,8 @@ impl Agent<'_> {
             let mut first_step: Option<u64> = None;
             // When a node was first seen waiting outside this generation.
             let mut waiting_since: Option<Instant> = None;
+            // LIVE-12: the silent nodes awaited in place, and since when.
+            let mut silent: Vec<(usize, Instant)> = Vec::new();
             let outcome = loop {
                 if let Some(why) = fail_now.take() {
                     break Outcome::Failed(why);
@@ -608,6 +610,9 @@ impl Agent<'_> {
                         }
                         let quiet = beats.silent(n, started);
                         if quiet >= o.heartbeat_timeout && self.shrink_live(&mut g, n, quiet)? {
+                            continue;
+                        }
+                        if self.await_silent(n, quiet, &mut silent) {
                             continue;
                         }
                         if quiet >= o.heartbeat_timeout {
