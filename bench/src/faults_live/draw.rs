@@ -139,10 +139,10 @@ pub fn draw(seed: u64, trial: usize, kinds: &[Kind], settings: &[Setting], s: Sh
     let action = match kind {
         Kind::Kill => {
             let rank = r.below(n);
-            let phases = ["forward", "backward", "reduce", "checkpoint"];
+            let phases = ["forward", "backward", "reduce", "update", "checkpoint"];
             // A checkpoint kill needs a step that writes one before the last.
             let saving = (s.steps - 1) / s.checkpoint_every.max(1);
-            let phase = phases[r.below(if saving > 0 { 4 } else { 3 }) as usize];
+            let phase = phases[r.below(if saving > 0 { 5 } else { 4 }) as usize];
             let step = match phase {
                 "checkpoint" => s.checkpoint_every * (1 + r.below(saving)),
                 _ => step,

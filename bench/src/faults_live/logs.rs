@@ -92,12 +92,15 @@ pub fn step_log(text: &str, steps: u64) -> StepLog {
 }
 
 /// The steps of the complete lines of `text` (a step log being written), and the bytes
-/// read up to the end of the last complete line.
+/// read up to the end of the last complete line. A line a live recovery wrote for a step
+/// that committed unlogged (`"recovered": true`, DRIVE-8) is no step trained then: left out.
 pub fn complete_steps(text: &str) -> (Vec<u64>, usize) {
     let end = text.rfind('\n').map_or(0, |i| i + 1);
     let steps = text[..end]
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["recovered"] != serde_json::Value::Bool(true))
+        .filter_map(|v| v["step"].as_u64())
         .collect();
     (steps, end)
 }
@@ -167,5 +170,9 @@ shardline worker: rank 0: live recovery: resuming after step 9 with rank 0's sta
         text.push_str("{\"step\":3");
         assert_eq!(complete_steps(&text), (vec![1, 2], whole));
         assert_eq!(complete_steps(""), (vec![], 0));
+        // A recovered step's line (DRIVE-8) is counted by `step_log`, not as training.
+        let text = format!("{}{{\"step\":3,\"recovered\":true}}\n", log(&[1, 2]));
+        assert_eq!(complete_steps(&text).0, vec![1, 2]);
+        assert!(step_log(&text, 3).missing.is_empty());
     }
 }

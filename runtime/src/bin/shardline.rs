@@ -1247,7 +1247,7 @@ struct TrainArgs {
     /// `launch --max-restarts`, the agents then restart the group from its checkpoint).
     #[arg(long)]
     evict_stragglers: bool,
-    /// Inject a fault (repeatable): kill:rank=R:step=S[:phase=forward|backward|reduce|checkpoint],
+    /// Inject a fault (repeatable): kill:rank=R:step=S[:phase=forward|backward|reduce|update|checkpoint],
     /// stall:rank=R:step=S:secs=T, slow:rank=R:step=S:ms=M (sleeps M ms in every step from S:
     /// a straggler), delay:link=A-B:ms=M[:jitter=J], drop:link=A-B:p=P,
     /// corrupt:link=A-B:p=P (partition:node=N:step=S:secs=T needs `shardline launch`).

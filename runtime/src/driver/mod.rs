@@ -18,6 +18,11 @@
 //! - DRIVE-7: each `--log-json` line reaches the file whole, in one write, as its step ends:
 //!   a rank 0 killed later (SIGKILL, no unwinding) loses no step it logged and leaves no
 //!   torn line, and the replacement or restarted rank 0 appends after it.
+//! - DRIVE-8: a run recovered live after step `S` (not resumed) whose `--log-json` ends at
+//!   step `S - 1` writes a line for `S` first, marked `"recovered": true` and without
+//!   figures: `S` committed on the ranks that hold it, but the reduction that carries its
+//!   loss and norm failed, so no rank logged it (LIVE-1). Every step of the run then has
+//!   its line once. A log that ends elsewhere (a new rank 0's own file) is left as it is.
 //!
 //! Checkpoints written in the background (`--async-checkpoint`) are `background`'s, with
 //! DRIVE-4..6.
@@ -393,6 +398,16 @@ impl StepLog {
         Ok(StepLog(Some(std::io::LineWriter::new(f)), sent))
     }
 
+    /// DRIVE-8: writes the line of step `step` (epoch `epoch`), committed but never logged,
+    /// when the log at `path` ends at the step before it.
+    fn fill_recovered(&mut self, path: Option<&Path>, step: u64, epoch: u64) -> Result<()> {
+        let Some(p) = path.filter(|_| self.0.is_some() && step > 0) else { return Ok(()) };
+        if last_logged_step(p) != Some(step - 1) {
+            return Ok(());
+        }
+        self.write(serde_json::json!({ "step": step, "epoch": epoch, "recovered": true }))
+    }
+
     fn write(&mut self, mut line: serde_json::Value) -> Result<()> {
         let now = hybrid_sent();
         if let Some(o) = line.as_object_mut() {
@@ -416,6 +431,26 @@ impl StepLog {
             None => Ok(()),
         }
     }
+}
+
+/// The step of the last whole line of the `--log-json` file at `path` (its last 64 KiB
+/// read), if it has one.
+fn last_logged_step(path: &Path) -> Option<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(64 << 10))).ok()?;
+    let mut tail = Vec::new();
+    f.read_to_end(&mut tail).ok()?;
+    last_step(&String::from_utf8_lossy(&tail))
+}
+
+/// DRIVE-8: the `step` of the last line of `text` that parses, if any.
+fn last_step(text: &str) -> Option<u64> {
+    text.lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .and_then(|v| v["step"].as_u64())
 }
 
 /// One step's figures over this process's ranks (DRIVE-1).
@@ -607,6 +642,13 @@ async fn steps<P: Placement>(
         save_missed(job, ranks, placement, start_step).await?;
     }
     let mut log = StepLog::open(opts.log_json.as_deref().filter(|_| lead))?;
+    if !opts.resume && start_step > 0 {
+        log.fill_recovered(
+            opts.log_json.as_deref(),
+            start_step,
+            (start_step - 1) / job.steps_per_epoch,
+        )?;
+    }
     let remaining = job.total_steps.saturating_sub(done);
     let run_steps = opts.stop_after.map_or(remaining, |s| s.min(remaining));
     let first = done;
@@ -792,5 +834,36 @@ mod tests {
             assert!(text.ends_with('\n'), "{text}");
         }
         std::mem::forget(log);
+    }
+
+    /// DRIVE-8: a recovered run writes the committed step's line only where the log ends at
+    /// the step before it.
+    #[test]
+    fn a_committed_step_nobody_logged_gets_its_line_drive_8() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("steps.jsonl");
+        let steps = |p: &Path| -> Vec<(u64, bool)> {
+            std::fs::read_to_string(p)
+                .unwrap_or_default()
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("whole line"))
+                .map(|v| (v["step"].as_u64().unwrap(), v["recovered"].as_bool().unwrap_or(false)))
+                .collect()
+        };
+        let mut log = StepLog::open(Some(&path)).expect("open");
+        log.write(serde_json::json!({ "step": 1 })).expect("write");
+        log.write(serde_json::json!({ "step": 2 })).expect("write");
+        log.fill_recovered(Some(&path), 3, 0).expect("fill");
+        assert_eq!(steps(&path), vec![(1, false), (2, false), (3, true)]);
+        // Step 3 is logged now: recovering after it again writes nothing, nor does a gap.
+        log.fill_recovered(Some(&path), 3, 0).expect("fill");
+        log.fill_recovered(Some(&path), 6, 0).expect("fill");
+        assert_eq!(steps(&path).len(), 3);
+        // A new rank 0's own, empty log is left as it is.
+        let other = dir.path().join("other.jsonl");
+        let mut fresh = StepLog::open(Some(&other)).expect("open");
+        fresh.fill_recovered(Some(&other), 3, 0).expect("fill");
+        assert!(steps(&other).is_empty());
+        assert_eq!(last_step("{\"step\": 4}\n{\"step\": 5}\n{\"st"), Some(5), "a torn tail");
     }
 }

@@ -452,7 +452,9 @@ impl RankEngine {
     /// A fault injection point of the step being run.
     fn fault_point(&self, phase: Phase) {
         if let Some(h) = &self.fault_hook {
-            h(self.rank, self.step + 1, phase);
+            // The step in flight: `step` counts it once its updates began.
+            let step = if phase == Phase::Update { self.step } else { self.step + 1 };
+            h(self.rank, step, phase);
         }
     }
 
@@ -580,6 +582,7 @@ impl RankEngine {
             stats_messages: 0,
             sums: (0.0, 0.0, false, Vec::new()),
             t_step,
+            updated: (false, false),
         };
         walk_step(&walk, &mut work)?;
         let EngineStep { mut st, stats_messages, sums: (loss, total_sq, stop, rank_busy), .. } =
@@ -777,6 +780,9 @@ struct EngineStep<'e, 'r> {
     sums: (f32, f64, bool, Vec<f32>),
     /// When the step began.
     t_step: Instant,
+    /// Whether the updates have begun, and whether the [`Phase::Update`] fault point was
+    /// passed (after the updates, before the loss all-reduce where that follows them).
+    updated: (bool, bool),
 }
 
 impl<'r> EngineStep<'_, 'r> {
@@ -871,6 +877,7 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn begin_updates(&mut self) -> Result<()> {
+        self.updated.0 = true;
         self.eng.step += 1;
         self.eng.updating = true;
         if let Some(max) = self.eng.cfg.clip_grad_norm {
@@ -880,6 +887,10 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn loss_and_norm(&mut self) -> Result<()> {
+        if self.updated.0 && !self.updated.1 {
+            self.updated.1 = true;
+            self.eng.fault_point(Phase::Update);
+        }
         // STRAG-1: the time this rank was not waiting for communication so far.
         let busy = self.t_step.elapsed().saturating_sub(self.st.clock.exposed).as_secs_f32();
         self.sums = self.eng.reduce_loss_and_norm(self.local_loss, busy, &mut self.st)?;
@@ -887,6 +898,11 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn end_updates(&mut self) -> Result<()> {
+        if !self.updated.1 {
+            // The figures were reduced before the updates (clipping, stages 1 and 2).
+            self.updated.1 = true;
+            self.eng.fault_point(Phase::Update);
+        }
         self.eng.trace_updates(&mut self.st);
         Ok(())
     }

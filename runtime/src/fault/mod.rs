@@ -3,7 +3,7 @@
 //! A plan is a list of [`FaultSpec`]s parsed from `--fault SPEC` flags plus a seed
 //! (`--fault-seed`). The [`FaultInjector`] carries a plan through a job and its restarts:
 //!
-//! - `kill:rank=R:step=S[:phase=forward|backward|reduce|checkpoint]`: the rank's actor thread
+//! - `kill:rank=R:step=S[:phase=forward|backward|reduce|update|checkpoint]`: the rank's actor thread
 //!   panics at that point of step S (for `checkpoint`: while writing the checkpoint taken after
 //!   step S, after its own shard file is written), so its mailbox is dropped and the
 //!   coordinator has to notice the death.

@@ -21,6 +21,10 @@ pub enum Phase {
     Reduce,
     /// While writing a checkpoint (after this rank's shard file is written, before commit).
     Checkpoint,
+    /// After this rank's updates, before the all-reduce of the step's loss and norm where
+    /// that comes after them (stages 0 and 3 without clipping; under live recovery after the
+    /// step committed, LIVE-1); elsewhere after both.
+    Update,
 }
 
 impl Phase {
@@ -31,11 +35,13 @@ impl Phase {
             Phase::Backward => "backward",
             Phase::Reduce => "reduce",
             Phase::Checkpoint => "checkpoint",
+            Phase::Update => "update",
         }
     }
 
     /// Every phase, in step order.
-    pub const ALL: [Phase; 4] = [Phase::Forward, Phase::Backward, Phase::Reduce, Phase::Checkpoint];
+    pub const ALL: [Phase; 5] =
+        [Phase::Forward, Phase::Backward, Phase::Reduce, Phase::Update, Phase::Checkpoint];
 }
 
 /// One fault of a plan.
@@ -206,9 +212,10 @@ impl FaultSpec {
                     "backward" => Phase::Backward,
                     "reduce" => Phase::Reduce,
                     "checkpoint" => Phase::Checkpoint,
+                    "update" => Phase::Update,
                     other => {
                         return Err(err(format!(
-                        "unknown phase '{other}' (choose forward, backward, reduce or checkpoint)"
+                        "unknown phase '{other}' (choose forward, backward, reduce, update or checkpoint)"
                     )))
                     }
                 };
