@@ -70,6 +70,9 @@ pub(super) struct StoreLink {
     pub(super) client: Option<TcpStoreClient>,
     pub(super) replicated: Option<ReplicatedStore>,
     pub(super) last_ok: Instant,
+    /// When a write last committed: with replicas, through a leader that a majority follows
+    /// (LAUNCH-14), so this node was in contact with a majority then.
+    pub(super) last_write: Instant,
     /// Why the last connection attempt failed (for the "still waiting" line).
     pub(super) last_err: Option<String>,
 }
@@ -96,6 +99,7 @@ impl StoreLink {
         match c.set(key, value) {
             Ok(()) => {
                 self.last_ok = Instant::now();
+                self.last_write = self.last_ok;
                 true
             }
             Err(e) => {
@@ -119,6 +123,7 @@ impl StoreLink {
         match r.compare_set(key, expected, value) {
             Ok((ok, _)) => {
                 self.last_ok = Instant::now();
+                self.last_write = self.last_ok;
                 Some(ok)
             }
             Err(e) => {

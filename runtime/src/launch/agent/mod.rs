@@ -416,7 +416,9 @@ impl Agent<'_> {
     fn quorum_lost(&self) -> Option<String> {
         let st = self.replica.as_ref()?.status();
         let (quiet, limit) = match st.out_of_contact {
-            Some(t) => (t, QUORUM_LOST),
+            // A write of this agent's that committed since proves contact with a majority:
+            // its replica may lag behind it (a link just back, an election it caused).
+            Some(t) => (t.min(self.link.last_write.elapsed()), QUORUM_LOST),
             // Never in contact: the other agents may still be starting.
             None => (self.t0.elapsed(), RENDEZVOUS_TIMEOUT),
         };
