@@ -90,7 +90,13 @@
 //!   A replica's state lives in its agent's memory: an agent restarted while the store
 //!   answers joins with an empty replica that votes only once it caught up (RSTORE-6); one
 //!   restarted while no leader answers starts as a voter with an empty log, which can lose
-//!   a commit that only its lost state and a dead node held.
+//!   a commit that only its lost state and a dead node held. An agent that wrote to the store
+//!   once and has had no write commit for 6 s counts as cut off too, whatever its replica
+//!   says (a replica that stepped down may have heard no other leader to count from).
+//! - LAUNCH-19: with replicas, an agent whose workers all finished stays (heartbeating, its
+//!   replica serving) until the generation record says the job is done, for at most 10 s: the
+//!   deciding agent records the end with a majority of the replicas, which the others'
+//!   exits would take away, and it then could not finish.
 /// Writes one line to stderr in a single write, so that it never interleaves with the
 /// workers' lines.
 macro_rules! say {

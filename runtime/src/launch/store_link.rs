@@ -70,9 +70,9 @@ pub(super) struct StoreLink {
     pub(super) client: Option<TcpStoreClient>,
     pub(super) replicated: Option<ReplicatedStore>,
     pub(super) last_ok: Instant,
-    /// When a write last committed: with replicas, through a leader that a majority follows
-    /// (LAUNCH-14), so this node was in contact with a majority then.
-    pub(super) last_write: Instant,
+    /// When a write last committed (none yet: `None`): with replicas, through a leader that
+    /// a majority follows (LAUNCH-14), so this node was in contact with a majority then.
+    pub(super) last_write: Option<Instant>,
     /// Why the last connection attempt failed (for the "still waiting" line).
     pub(super) last_err: Option<String>,
 }
@@ -99,7 +99,7 @@ impl StoreLink {
         match c.set(key, value) {
             Ok(()) => {
                 self.last_ok = Instant::now();
-                self.last_write = self.last_ok;
+                self.last_write = Some(self.last_ok);
                 true
             }
             Err(e) => {
@@ -123,7 +123,7 @@ impl StoreLink {
         match r.compare_set(key, expected, value) {
             Ok((ok, _)) => {
                 self.last_ok = Instant::now();
-                self.last_write = self.last_ok;
+                self.last_write = Some(self.last_ok);
                 Some(ok)
             }
             Err(e) => {

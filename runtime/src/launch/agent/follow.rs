@@ -3,7 +3,7 @@
 //! for a growth (LAUNCH-15..LAUNCH-18), and with replicas takes over the decisions once its
 //! replica leads (LAUNCH-14).
 
-use super::{Agent, Next, Worker, FAST_POLL, POLL_EVERY, STORE_LOST, WAITING_NOTE_AFTER};
+use super::{Agent, Next, Worker, END_WAIT, FAST_POLL, POLL_EVERY, STORE_LOST, WAITING_NOTE_AFTER};
 use crate::error::{Result, RuntimeError};
 use crate::launch::rendezvous::RENDEZVOUS_TIMEOUT;
 use crate::launch::store_link::{agent_key, GenState, Generation, Got};
@@ -48,6 +48,7 @@ impl Agent<'_> {
                 if workers.iter().all(|w| w.status.is_some_and(|s| s.success())) {
                     let key = agent_key(&self.job, &format!("end/{gen}/{me}"));
                     self.link.set(&key, b"ok");
+                    self.linger_until_done(gen);
                     return Ok(Next::Exit(0));
                 }
                 if !reported && !growing {
@@ -214,6 +215,31 @@ impl Agent<'_> {
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// LAUNCH-19: with replicas, after this node's workers of generation `gen` all finished,
+    /// stays (heartbeating, its replica serving) until the record says that generation ended
+    /// or another began, for at most [`END_WAIT`]: the deciding agent writes the end with a
+    /// majority of the replicas, which this node's exit could take away.
+    fn linger_until_done(&mut self, gen: u64) {
+        if self.replica.is_none() {
+            return;
+        }
+        let since = Instant::now();
+        while since.elapsed() < END_WAIT {
+            self.heartbeat();
+            if let Got::Value(v) = self.link.get(&agent_key(&self.job, "gen")) {
+                if let Ok(g) = serde_json::from_slice::<Generation>(&v) {
+                    if g.gen != gen || matches!(g.state, GenState::Done | GenState::Abort) {
+                        return;
+                    }
+                }
+            }
+            if self.quorum_lost().is_some() {
+                return;
+            }
+            std::thread::sleep(FAST_POLL);
         }
     }
 }

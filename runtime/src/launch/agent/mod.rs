@@ -415,12 +415,15 @@ impl Agent<'_> {
     /// LAUNCH-14: why this node's replica counts as cut off from a majority, if it does.
     fn quorum_lost(&self) -> Option<String> {
         let st = self.replica.as_ref()?.status();
-        let (quiet, limit) = match st.out_of_contact {
+        let wrote = self.link.last_write.map(|t| t.elapsed());
+        let (quiet, limit) = match (st.out_of_contact, wrote) {
             // A write of this agent's that committed since proves contact with a majority:
             // its replica may lag behind it (a link just back, an election it caused).
-            Some(t) => (t.min(self.link.last_write.elapsed()), QUORUM_LOST),
+            (Some(t), w) => (w.map_or(t, |w| t.min(w)), QUORUM_LOST),
+            // Its replica heard no other leader (it led, then stepped down): the writes say.
+            (None, Some(w)) => (w, QUORUM_LOST),
             // Never in contact: the other agents may still be starting.
-            None => (self.t0.elapsed(), RENDEZVOUS_TIMEOUT),
+            (None, None) => (self.t0.elapsed(), RENDEZVOUS_TIMEOUT),
         };
         (quiet >= limit).then(|| {
             format!(

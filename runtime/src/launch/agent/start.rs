@@ -126,7 +126,7 @@ pub fn run_agent(o: &LaunchOptions) -> Result<i32> {
         client: None,
         replicated,
         last_ok: Instant::now(),
-        last_write: Instant::now(),
+        last_write: None,
         last_err: None,
     };
     let mut agent = Agent {
