@@ -36,6 +36,10 @@
 //!   three collective timeouts; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
 //!   and replaces it as any failed worker (LIVE-4). A worker that stalls once its epoch's
 //!   collectives run is found sooner, at half the timeout (LIVE-11, `live_scout`).
+//! - LIVE-13: a worker meeting epoch `e` that waits for a rank whose worker published a later
+//!   epoch gives the meeting up and goes on in that epoch with its state: a replacement
+//!   started past the survivors' epoch (its predecessor was stopped after it had already
+//!   published `e`, as a late report read after a partition can do) is met there.
 //! - LIVE-12: a fixed-size job's deciding agent does not count a silent node as lost at the
 //!   heartbeat timeout: it awaits it in place for as long again as a cut-off agent keeps its
 //!   workers (the agents' `QUORUM_LOST`). A node whose link comes back brings its workers to
@@ -132,6 +136,13 @@ pub fn place(
     Some((pos * per_node + local, nodes.len() * per_node))
 }
 
+/// LIVE-13: the later epoch an awaited worker published (`published`, its epoch key's
+/// value if set) than the meeting's `epoch`, if it did.
+fn moved_on(published: Option<Vec<u8>>, epoch: u64) -> Option<u64> {
+    let e = std::str::from_utf8(&published?).ok()?.parse::<u64>().ok()?;
+    (e > epoch).then_some(e)
+}
+
 /// The node of rank `r` with `per_node` workers a node, on `nodes` in rank order (LIVE-7),
 /// or numbered in order without a membership record.
 fn node_of(nodes: Option<&[usize]>, r: usize, per_node: usize) -> usize {
@@ -194,20 +205,38 @@ pub(super) fn run_live(
         let nodes = members.as_ref().map(|m| m.nodes.clone());
         let late = Duration::from_secs(3 * cfg.timeout_s.max(1));
         let reported = std::cell::Cell::new(None::<usize>);
+        let moved = std::cell::Cell::new(None::<u64>);
         let newer = |r: usize, waited: Duration| {
+            let (node, local) =
+                (node_of(nodes.as_deref(), r, env.local_world), r % env.local_world);
             if waited >= late && reported.get() != Some(r) {
                 reported.set(Some(r));
-                let node = node_of(nodes.as_deref(), r, env.local_world);
-                let text = format!("{} {epoch}", r % env.local_world);
+                let text = format!("{local} {epoch}");
                 let _ = store.set(&lag_key(&env.job, node), text.as_bytes());
             }
-            read_membership(&*store, &env.job).is_some_and(|m| m.epoch > epoch)
+            if read_membership(&*store, &env.job).is_some_and(|m| m.epoch > epoch) {
+                return true;
+            }
+            // LIVE-13: the awaited rank's worker stands in a later epoch (a replacement
+            // started there): this meeting cannot complete; everyone goes on to that one.
+            let later =
+                moved_on(store.get(&epoch_key(&env.job, node, local), Duration::ZERO).ok(), epoch);
+            moved.set(later);
+            later.is_some()
         };
         let Some(joined) = meet(&cfg, &here, None, Arc::clone(&store), &newer)? else {
-            say!(
-                "shardline worker: node {node} worker {}: the job's membership moved on while epoch {epoch} met",
-                env.local_rank
-            );
+            if let Some(e) = moved.get() {
+                say!(
+                    "shardline worker: node {node} worker {}: a rank awaited in epoch {epoch} stands in epoch {e}: going on there",
+                    env.local_rank
+                );
+                epoch = e;
+            } else {
+                say!(
+                    "shardline worker: node {node} worker {}: the job's membership moved on while epoch {epoch} met",
+                    env.local_rank
+                );
+            }
             continue;
         };
         let mut o = opts.clone();
@@ -379,6 +408,15 @@ mod tests {
         assert_eq!(lag_key("jg0", 1), "launch/jg0/live/late/1");
         let bad = env(&[("SHARDLINE_LIVE", "1"), ("SHARDLINE_LIVE_EPOCH", "x")]).unwrap_err();
         assert!(bad.to_string().contains("SHARDLINE_LIVE_EPOCH"), "{bad}");
+    }
+
+    #[test]
+    fn a_meeting_is_given_up_for_a_later_epoch_an_awaited_worker_published_live_13() {
+        assert_eq!(moved_on(Some(b"2".to_vec()), 1), Some(2));
+        assert_eq!(moved_on(Some(b"1".to_vec()), 1), None, "the same epoch: it comes");
+        assert_eq!(moved_on(Some(b"0".to_vec()), 1), None, "a predecessor's older one");
+        assert_eq!(moved_on(None, 1), None);
+        assert_eq!(moved_on(Some(b"x".to_vec()), 1), None);
     }
 
     #[test]

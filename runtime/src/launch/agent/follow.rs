@@ -230,10 +230,8 @@ impl Agent<'_> {
         while since.elapsed() < END_WAIT {
             self.heartbeat();
             if let Got::Value(v) = self.link.get(&agent_key(&self.job, "gen")) {
-                if let Ok(g) = serde_json::from_slice::<Generation>(&v) {
-                    if g.gen != gen || matches!(g.state, GenState::Done | GenState::Abort) {
-                        return;
-                    }
+                if ended(&v, gen) {
+                    return;
                 }
             }
             if self.quorum_lost().is_some() {
@@ -241,5 +239,30 @@ impl Agent<'_> {
             }
             std::thread::sleep(FAST_POLL);
         }
+    }
+}
+
+/// LAUNCH-19: whether the generation record `record` says generation `gen` is over: it
+/// ended (done or aborted) or another one began.
+fn ended(record: &[u8], gen: u64) -> bool {
+    serde_json::from_slice::<Generation>(record)
+        .is_ok_and(|g| g.gen != gen || matches!(g.state, GenState::Done | GenState::Abort))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_finished_follower_lingers_until_its_generation_is_recorded_over_launch_19() {
+        let rec = |gen: u64, state: GenState| {
+            let g = Generation { gen, nodes: vec![0, 1], state, by: 0, restarts: 0, grew: None };
+            serde_json::to_vec(&g).unwrap()
+        };
+        assert!(!ended(&rec(2, GenState::Run), 2), "still running: it stays");
+        assert!(ended(&rec(2, GenState::Done), 2));
+        assert!(ended(&rec(2, GenState::Abort), 2));
+        assert!(ended(&rec(3, GenState::Run), 2), "another generation began");
+        assert!(!ended(b"not json", 2), "an unreadable record is no end");
     }
 }
