@@ -497,6 +497,24 @@ fn the_loss_of_node_0_is_survived_live_7() {
     assert_eq!(a.last(), Some(&300));
 }
 
+/// A 2-node job (`nnodes`: `1:2` or `2`) of 2 workers each, held at step 60 so that it runs
+/// on; node 1's agent is killed with its workers after step 20 and started again `away`
+/// later. Both agents' output once they ended successfully, within the deadline.
+fn node_1_killed_and_back(dir: &Path, nnodes: &str, beat: &[&str], away: Duration) -> String {
+    let port = free_port();
+    let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
+    let a0 = agent_of(dir, (0, nnodes), port, "n0", beat, &hold);
+    let a1 = agent_of(dir, (1, nnodes), port, "n1", beat, &hold);
+    let until = Instant::now() + DEADLINE;
+    wait_steps(&dir.join("n0.jsonl"), 20, until);
+    shardline_tests::launch::kill_group(&a1);
+    let _ = wait_output(a1, until, "node 1");
+    std::thread::sleep(away);
+    let back = agent_of(dir, (1, nnodes), port, "n1", beat, &hold);
+    let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
+    format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"))
+}
+
 /// LIVE-4: a node's agent that is killed with its workers and started again within the
 /// heartbeat timeout starts its workers as replacements into the epoch after theirs; the job
 /// goes on in place, neither restarted nor shrunk, every step logged once.
@@ -504,21 +522,10 @@ fn the_loss_of_node_0_is_survived_live_7() {
 fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    let port = free_port();
-    let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
     // The heartbeat timeout is long enough that a loaded host never counts node 1 as lost
     // while its agent comes back (the job would then go on without it, LIVE-7).
     let beat = ["--heartbeat-timeout-s", "20"];
-    let a0 = elastic_agent_with(dir, 0, port, "n0", &beat, &hold);
-    let a1 = elastic_agent_with(dir, 1, port, "n1", &beat, &hold);
-    let until = Instant::now() + DEADLINE;
-    wait_steps(&dir.join("n0.jsonl"), 20, until);
-    shardline_tests::launch::kill_group(&a1);
-    let _ = wait_output(a1, until, "node 1");
-    std::thread::sleep(Duration::from_millis(300));
-    let back = elastic_agent_with(dir, 1, port, "n1", &beat, &hold);
-    let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
-    let t = format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"));
+    let t = node_1_killed_and_back(dir, "1:2", &beat, Duration::from_millis(300));
     assert!(!t.contains("restart 1/") && !t.contains("goes on live on"), "{t}");
     let r = resumed(&t);
     assert_eq!(r.len(), 4, "every rank resumes once:\n{t}");
@@ -533,20 +540,9 @@ fn an_agent_that_comes_back_replaces_its_workers_in_place_live_4() {
 fn a_fixed_size_job_awaits_a_silent_node_in_place_live_12() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    let port = free_port();
-    let hold = ["--stage", "0", "--fault", "stall:rank=0:step=60:secs=4"];
-    let beat = ["--heartbeat-timeout-s", "1"];
-    let a0 = agent_of(dir, (0, "2"), port, "n0", &beat, &hold);
-    let a1 = agent_of(dir, (1, "2"), port, "n1", &beat, &hold);
-    let until = Instant::now() + DEADLINE;
-    wait_steps(&dir.join("n0.jsonl"), 20, until);
-    shardline_tests::launch::kill_group(&a1);
-    let _ = wait_output(a1, until, "node 1");
-    // Past the heartbeat timeout: without LIVE-12 the group would restart.
-    std::thread::sleep(Duration::from_millis(2000));
-    let back = agent_of(dir, (1, "2"), port, "n1", &beat, &hold);
-    let (o1, o0) = (wait_output(back, until, "node 1 again"), wait_output(a0, until, "node 0"));
-    let t = format!("{}\n{}", ok(&o0, "node 0"), ok(&o1, "node 1 again"));
+    // Away past the heartbeat timeout: without LIVE-12 the group would restart.
+    let t =
+        node_1_killed_and_back(dir, "2", &["--heartbeat-timeout-s", "1"], Duration::from_secs(2));
     assert!(t.contains("node 1 silent for"), "{t}");
     assert!(t.contains("awaited in place"), "{t}");
     assert!(!t.contains("restart 1/") && !t.contains("node 1 lost"), "{t}");

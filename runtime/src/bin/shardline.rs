@@ -267,8 +267,9 @@ struct LaunchArgs {
     /// change; otherwise from the checkpoint), and a node that arrives joins in memory: the
     /// group stops after a step and the new workers receive the state from their peers. A
     /// fixed-size job awaits a node silent past --heartbeat-timeout-s in place for 6 s more
-    /// (a cut link that comes back, or its agent started again), then restarts the group. Updates begin after each step's
-    /// loss all-reduce (the same updates, started later). Under torchrun or Slurm the
+    /// (a cut link that comes back, or its agent started again), then restarts the group. Updates begin once every
+    /// rank has its reduced gradients (a one-value all-reduce after the last reduction; at
+    /// stages 1 and 2 the loss all-reduce): the same updates, started later. Under torchrun or Slurm the
     /// launcher's own policy decides what happens to the processes; this flag is this
     /// launcher's.
     #[arg(long)]

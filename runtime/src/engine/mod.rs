@@ -582,7 +582,8 @@ impl RankEngine {
             stats_messages: 0,
             sums: (0.0, 0.0, false, Vec::new()),
             t_step,
-            updated: (false, false),
+            updates_begun: false,
+            update_point_passed: false,
         };
         walk_step(&walk, &mut work)?;
         let EngineStep { mut st, stats_messages, sums: (loss, total_sq, stop, rank_busy), .. } =
@@ -780,9 +781,11 @@ struct EngineStep<'e, 'r> {
     sums: (f32, f64, bool, Vec<f32>),
     /// When the step began.
     t_step: Instant,
-    /// Whether the updates have begun, and whether the [`Phase::Update`] fault point was
-    /// passed (after the updates, before the loss all-reduce where that follows them).
-    updated: (bool, bool),
+    /// Whether the updates have begun.
+    updates_begun: bool,
+    /// Whether the [`Phase::Update`] fault point was passed (after the updates, before the
+    /// loss all-reduce where that follows them).
+    update_point_passed: bool,
 }
 
 impl<'r> EngineStep<'_, 'r> {
@@ -877,7 +880,7 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn begin_updates(&mut self) -> Result<()> {
-        self.updated.0 = true;
+        self.updates_begun = true;
         self.eng.step += 1;
         self.eng.updating = true;
         if let Some(max) = self.eng.cfg.clip_grad_norm {
@@ -887,8 +890,8 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn loss_and_norm(&mut self) -> Result<()> {
-        if self.updated.0 && !self.updated.1 {
-            self.updated.1 = true;
+        if self.updates_begun && !self.update_point_passed {
+            self.update_point_passed = true;
             self.eng.fault_point(Phase::Update);
         }
         // STRAG-1: the time this rank was not waiting for communication so far.
@@ -898,9 +901,9 @@ impl StepWork for EngineStep<'_, '_> {
     }
 
     fn end_updates(&mut self) -> Result<()> {
-        if !self.updated.1 {
+        if !self.update_point_passed {
             // The figures were reduced before the updates (clipping, stages 1 and 2).
-            self.updated.1 = true;
+            self.update_point_passed = true;
             self.eng.fault_point(Phase::Update);
         }
         self.eng.trace_updates(&mut self.st);

@@ -36,15 +36,15 @@
 //!   three collective timeouts; the agent SIGKILLs it if the epoch it published is older ([`is_late`])
 //!   and replaces it as any failed worker (LIVE-4). A worker that stalls once its epoch's
 //!   collectives run is found sooner, at half the timeout (LIVE-11, `live_scout`).
-//! - LIVE-13: a worker meeting epoch `e` that waits for a rank whose worker published a later
-//!   epoch gives the meeting up and goes on in that epoch with its state: a replacement
-//!   started past the survivors' epoch (its predecessor was stopped after it had already
-//!   published `e`, as a late report read after a partition can do) is met there.
 //! - LIVE-12: a fixed-size job's deciding agent does not count a silent node as lost at the
 //!   heartbeat timeout: it awaits it in place for as long again as a cut-off agent keeps its
 //!   workers (the agents' `QUORUM_LOST`). A node whose link comes back brings its workers to
 //!   the others' next epoch; an agent started again there replaces its workers (LIVE-4).
 //!   Only past that bound does the group restart from the checkpoint.
+//! - LIVE-13: a worker meeting epoch `e` that waits for a rank whose worker published a later
+//!   epoch gives the meeting up and goes on in that epoch with its state: a replacement
+//!   started past the survivors' epoch (its predecessor was stopped after it had already
+//!   published `e`, as a late report read after a partition can do) is met there.
 
 use super::env::WorkerEnv;
 use super::rendezvous::{connect, meet, store_err};

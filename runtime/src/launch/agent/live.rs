@@ -61,7 +61,8 @@ impl Agent<'_> {
     /// awaiting node `n`, silent for `quiet`, instead of counting it as lost: until the
     /// heartbeat timeout it is not silent; after it, for as long again as a cut-off agent
     /// keeps its workers ([`super::QUORUM_LOST`]), since its workers, or its agent started
-    /// again, can still meet the others' next epoch. `silent` lists the nodes awaited.
+    /// again, can still meet the others' next epoch. `silent` lists the nodes awaited and
+    /// since when their heartbeats are still.
     pub(super) fn await_silent(
         &mut self,
         n: usize,
@@ -75,7 +76,7 @@ impl Agent<'_> {
                 let (_, since) = silent.swap_remove(i);
                 self.log(format_args!(
                     "node {n} is back after {:.1} s silent: it recovers in place (live recovery)",
-                    since.elapsed().as_secs_f64() + o.heartbeat_timeout.as_secs_f64()
+                    since.elapsed().as_secs_f64()
                 ));
             }
             return true;
@@ -83,7 +84,9 @@ impl Agent<'_> {
         let awaited =
             awaits_silent(o.live_recovery, o.min_nodes < o.nnodes, quiet, o.heartbeat_timeout);
         if awaited && at.is_none() {
-            silent.push((n, std::time::Instant::now()));
+            // Since its heartbeat went still.
+            let since = std::time::Instant::now().checked_sub(quiet);
+            silent.push((n, since.unwrap_or_else(std::time::Instant::now)));
             self.log(format_args!(
                 "node {n} silent for {:.1} s during step {}: awaited in place for up to {:.1} s more (live recovery), then counted as lost",
                 quiet.as_secs_f64(),
