@@ -108,6 +108,8 @@ pub struct StepRow {
     pub compute_parts: cost::Parts,
     /// The optimizer updates' compute.
     pub update_s: f64,
+    /// The rank's own copies issuing before-use gathers (PLAN-16).
+    pub gather_issue_s: f64,
     /// The fraction of the products' flops priced at their own shape and form (PLAN-12);
     /// the rest at the square probes' rate.
     pub products_probed: f64,
@@ -277,7 +279,7 @@ pub fn predict_probed(
         update_s: vec![0.0; n],
         flops: (0.0, 0.0),
     };
-    let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], loss_s: 0.0 };
+    let free = CommCosts { gather_s: vec![0.0; n], reduce_s: vec![0.0; n], ..Default::default() };
     let comm_or_free = comm.as_ref().unwrap_or(&free);
     // The first step starts without a carried gather (ENG-6); the third is steady.
     let run = |costs: &CallCosts| {
@@ -295,7 +297,7 @@ pub fn predict_probed(
     if let (Some(p), Some(c)) = (cpu_lanes, costs.as_mut()) {
         let s = steps[2];
         let share = Share { ranks_per_node: at.ranks_per_node, threads: cfg.threads };
-        let calls_s = s.compute_s - s.update_s;
+        let calls_s = s.compute_s - s.update_s - s.issue_s;
         let extra = cost::lanes_extra_s(p.cores, share, s.compute_s, s.gather_s + s.reduce_s);
         if extra > 0.0 && calls_s > 0.0 {
             *c = c.stretched(1.0 + extra / calls_s);
@@ -334,6 +336,7 @@ pub fn predict_probed(
             exposed_s: s.exposed_s,
             compute_parts: s.parts,
             update_s: s.update_s,
+            gather_issue_s: s.issue_s,
             products_probed: costs.as_ref().map_or(0.0, |c| {
                 if c.flops.0 > 0.0 {
                     c.flops.1 / c.flops.0
@@ -442,6 +445,8 @@ fn costs_of(
         let bytes = l.padded_numel() as u64 * 4;
         comm.gather_s.push(coll("all-gather", bytes)?);
         comm.reduce_s.push(coll(reduce_op, bytes)?);
+        // PLAN-16: the shard read and written once, as PLAN-7 charges traffic.
+        comm.issue_s.push(2.0 * l.shard_len() as f64 * 4.0 / (p.memory_gbps * 1e9));
     }
     Ok(Ok((compute, comm)))
 }
@@ -496,6 +501,7 @@ impl Prediction {
                 v.push(format!("      {:<14} {:>12}", "allocations", ms(p.alloc_s)));
                 v.push(format!("      {:<14} {:>12}", "lanes' CPU", ms(p.lanes_s)));
                 v.push(format!("      {:<14} {:>12}", "updates", ms(s.update_s)));
+                v.push(format!("      {:<14} {:>12}", "gather issue", ms(s.gather_issue_s)));
                 v.push(format!("    {:<16} {:>12}", "gather lane", ms(s.gather_s)));
                 v.push(format!("    {:<16} {:>12}", "reduce lane", ms(s.reduce_s)));
                 v.push(format!("    {:<16} {:>12}", "exposed comm", ms(s.exposed_s)));

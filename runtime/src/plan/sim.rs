@@ -25,6 +25,8 @@
 //! - PLAN-6: with late reductions (none done before the walk waits for it) the gradients
 //!   in flight are the most the reduce budget allows (ENG-7), never below those of any
 //!   clock.
+//! - PLAN-16: issuing a before-use gather costs the rank its own work, the shard's copy into
+//!   the gathered buffer (`LaneGathers::issue`), on its compute, once per gather issued.
 
 use std::cell::Cell;
 use std::convert::Infallible;
@@ -52,6 +54,9 @@ pub struct CommCosts {
     pub reduce_s: Vec<f64>,
     /// The step's (loss, norm, stop) all-reduce, waited for at once.
     pub loss_s: f64,
+    /// Per unit, the rank's own work to issue its before-use gather: its shard copied into
+    /// the gathered buffer (PLAN-16). Missing units cost nothing.
+    pub issue_s: Vec<f64>,
 }
 
 /// Bytes by category, now and at their peak (MEM-1, MEM-3).
@@ -165,6 +170,8 @@ struct Clock {
     gather_free: f64,
     reduce_free: f64,
     compute: f64,
+    /// The part of `compute` spent issuing gathers (PLAN-16).
+    issue: f64,
     exposed: f64,
     gather_busy: f64,
     reduce_busy: f64,
@@ -260,6 +267,8 @@ struct SimGathers<'a> {
     /// Per unit, its padded length.
     lens: &'a [usize],
     cost: &'a [f64],
+    /// Per unit, the rank's own work to issue it (PLAN-16).
+    issue: &'a [f64],
     names: &'a [String],
 }
 
@@ -270,6 +279,10 @@ impl GatherIo for SimGathers<'_> {
 
     fn issue(&mut self, unit: usize) -> Result<SimGather, Infallible> {
         let buf = self.heap.take(self.lens[unit], Category::GatheredUnits);
+        // PLAN-16: the own shard into its slot, on the rank's thread, before the lane starts.
+        let copy = self.issue.get(unit).copied().unwrap_or(0.0);
+        self.clock.compute(copy, || format!("issue {}", self.names[unit]));
+        self.clock.issue += copy;
         let what = format!("all-gather {}", self.names[unit]);
         Ok(SimGather { end: self.clock.on_gather(self.cost[unit], what), buf })
     }
@@ -301,6 +314,8 @@ pub struct SimStep {
     pub parts: Parts,
     /// The updates' compute.
     pub update_s: f64,
+    /// The compute spent issuing gathers (PLAN-16).
+    pub issue_s: f64,
 }
 
 /// One rank, stepping on the simulated clock.
@@ -423,7 +438,7 @@ impl<'a> SimRank<'a> {
     /// Runs one step (ENG-12) and returns its figures.
     pub fn step(&mut self) -> SimStep {
         let t0 = self.clock.now();
-        let before = (self.clock.compute, self.clock.exposed);
+        let before = (self.clock.compute, self.clock.exposed, self.clock.issue);
         let (parts, updates) = (self.parts, self.updates);
         let busy = (self.clock.gather_busy, self.clock.reduce_busy);
         self.plan.begin_step(self.calls, self.walk.micro);
@@ -455,6 +470,7 @@ impl<'a> SimRank<'a> {
                 lanes_s: self.parts.lanes_s - parts.lanes_s,
             },
             update_s: self.updates - updates,
+            issue_s: self.clock.issue - before.2,
         }
     }
 
@@ -464,6 +480,7 @@ impl<'a> SimRank<'a> {
             heap: &mut self.heap,
             lens: &self.lens,
             cost: &self.comm.gather_s,
+            issue: &self.comm.issue_s,
             names: &self.names,
         };
         (&mut self.plan, io)
@@ -676,8 +693,12 @@ mod tests {
         let c = costs(4, 1e-3);
         let unit = 3000 * 4;
         for reduce in [0.0, 5e-4, 5e-3] {
-            let comm =
-                CommCosts { gather_s: vec![1e-4; 4], reduce_s: vec![reduce; 4], loss_s: 0.0 };
+            let comm = CommCosts {
+                gather_s: vec![1e-4; 4],
+                reduce_s: vec![reduce; 4],
+                loss_s: 0.0,
+                ..Default::default()
+            };
             let e = engine(Stage::Zero3, 1, unit);
             let mut timed = SimRank::new(&l, &calls, &e, &c, &comm);
             let mut late = SimRank::new(&l, &calls, &e, &c, &comm).late_reductions();
@@ -701,14 +722,24 @@ mod tests {
         let l = layout(&[1000; 4], 2);
         let calls: Vec<usize> = (0..4).collect();
         let c = costs(4, 1e-3);
-        let free = CommCosts { gather_s: vec![0.0; 4], reduce_s: vec![0.0; 4], loss_s: 0.0 };
+        let free = CommCosts {
+            gather_s: vec![0.0; 4],
+            reduce_s: vec![0.0; 4],
+            loss_s: 0.0,
+            ..Default::default()
+        };
         for stage in Stage::ALL {
             let mut r = SimRank::new(&l, &calls, &engine(stage, 1, 4000), &c, &free);
             let s = r.step();
             assert_eq!(s.exposed_s, 0.0, "{stage:?}");
             assert!((s.step_s - s.compute_s).abs() < 1e-12, "{stage:?}");
         }
-        let slow = CommCosts { gather_s: vec![2e-3; 4], reduce_s: vec![1e-3; 4], loss_s: 1e-4 };
+        let slow = CommCosts {
+            gather_s: vec![2e-3; 4],
+            reduce_s: vec![1e-3; 4],
+            loss_s: 1e-4,
+            ..Default::default()
+        };
         let step = |prefetch| {
             let mut r = SimRank::new(&l, &calls, &engine(Stage::Zero3, prefetch, 4000), &c, &slow);
             r.step();
@@ -723,13 +754,58 @@ mod tests {
         assert!(g1 > g0, "prefetch holds more gathered bytes: {g0} {g1}");
     }
 
+    /// PLAN-16: each before-use gather issued costs the rank its shard's copy on its
+    /// compute, once per gather on the gather lane; stages that gather after the update
+    /// (in place) or not at all pay nothing.
+    #[test]
+    fn issuing_a_gather_costs_the_shard_copy_plan_16() {
+        let l = layout(&[1000, 3000, 2000], 2);
+        let calls: Vec<usize> = (0..3).collect();
+        let c = costs(3, 1e-3);
+        let base = CommCosts {
+            gather_s: vec![2e-4; 3],
+            reduce_s: vec![1e-4; 3],
+            loss_s: 1e-5,
+            ..Default::default()
+        };
+        let copying = CommCosts { issue_s: vec![1e-5, 3e-5, 2e-5], ..base.clone() };
+        for stage in Stage::ALL {
+            let run = |comm: &CommCosts| {
+                let mut r = SimRank::new(&l, &calls, &engine(stage, 1, 12000), &c, comm);
+                r.step();
+                let t0 = r.now();
+                (r.step(), r.timeline_since(t0))
+            };
+            let ((without, _), (with, spans)) = (run(&base), run(&copying));
+            let issued: f64 = spans
+                .iter()
+                .filter(|e| e.row == Row::Compute && e.name.starts_with("issue "))
+                .map(|e| copying.issue_s[e.name[7..].parse::<usize>().unwrap()])
+                .sum();
+            let gathers = spans.iter().filter(|e| e.row == Row::Gather).count();
+            assert!((with.issue_s - issued).abs() < 1e-12, "{stage:?}");
+            assert!((with.compute_s - without.compute_s - with.issue_s).abs() < 1e-12);
+            if stage == Stage::Zero3 {
+                let issues = spans.iter().filter(|e| e.name.starts_with("issue ")).count();
+                assert!(issues > 0 && issues == gathers, "{issues} issues, {gathers} gathers");
+            } else {
+                assert_eq!(with.issue_s, 0.0, "{stage:?}: no gather issued before use");
+            }
+        }
+    }
+
     /// PLAN-11: the steady step's spans add up to its figures, row by row.
     #[test]
     fn the_timeline_adds_up_to_the_step_plan_11() {
         let l = layout(&[1000, 3000, 2000], 2);
         let calls: Vec<usize> = (0..3).collect();
         let c = costs(3, 1e-3);
-        let comm = CommCosts { gather_s: vec![2e-3; 3], reduce_s: vec![1e-3; 3], loss_s: 1e-4 };
+        let comm = CommCosts {
+            gather_s: vec![2e-3; 3],
+            reduce_s: vec![1e-3; 3],
+            loss_s: 1e-4,
+            ..Default::default()
+        };
         for stage in Stage::ALL {
             let mut r = SimRank::new(&l, &calls, &engine(stage, 1, 12000), &c, &comm);
             r.step();
