@@ -280,7 +280,8 @@ struct FabricLinks {
 
 impl Drop for FabricLinks {
     fn drop(&mut self) {
-        self.fabric.closed[self.rank].store(true, Ordering::Relaxed);
+        // Release: this rank's writes (FAB-2) are visible to whoever sees it closed.
+        self.fabric.closed[self.rank].store(true, Ordering::Release);
     }
 }
 
@@ -431,7 +432,7 @@ impl super::exchange::Shim for FabricLinks {
 
     fn peer_lost(&self, p: usize) -> Option<TransportError> {
         // TR-4: what an asynchronous queue-pair event reports on hardware.
-        self.fabric.closed[p].load(Ordering::Relaxed).then(|| TransportError::PeerLost {
+        self.fabric.closed[p].load(Ordering::Acquire).then(|| TransportError::PeerLost {
             peer: p,
             detail: "its endpoint closed (simulated fabric)".into(),
         })
