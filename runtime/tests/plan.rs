@@ -203,13 +203,15 @@ fn plan_json_gives_memory_and_the_step_plan_4() {
     let (t, c, e) = (t.unwrap(), c.unwrap(), e.unwrap());
     assert!(c > 0.0 && (t - c - e).abs() < 1e-9, "{step}");
     assert!(step["tokens_per_s"].as_f64().unwrap() > 0.0);
-    // The compute's parts add up to it (PLAN-13), and the products to probe are listed.
+    // The compute's parts, the updates and the gathers' issue add up to it (PLAN-13,
+    // PLAN-16), and the products to probe are listed.
     let parts = &step["compute_parts"];
     let sum: f64 = ["products_s", "elementwise_s", "alloc_s", "lanes_s"]
         .iter()
         .map(|k| parts[k].as_f64().unwrap())
         .sum::<f64>()
-        + step["update_s"].as_f64().unwrap();
+        + step["update_s"].as_f64().unwrap()
+        + step["gather_issue_s"].as_f64().unwrap();
     assert!((sum - c).abs() < 1e-9 * c.max(1.0), "{step}");
     assert!(v["products"].as_array().is_some_and(|p| !p.is_empty()), "{v}");
     let cats: Vec<&str> =
