@@ -3,7 +3,8 @@
 //! files, a GEMM probe of the CPU backend on one thread at a few square sizes, the products
 //! a model makes (their shapes and forms from `shardline plan --json`'s `products`, timed
 //! alone through the layers' entry point `nn::Gemm`), fresh allocations by size (allocate,
-//! touch, free), the single-thread memory bandwidth and the exact GELU's kernel per element.
+//! touch, free), the single-thread memory bandwidth, the exact GELU's kernel per element and
+//! the optimizers' update per parameter.
 //! Each probe keeps its best pass: on a machine others share, the best is the machine's,
 //! the rest its neighbours'. Nothing here runs a training step.
 
@@ -12,7 +13,7 @@ use serde::Deserialize;
 use shardline_models::nn::products::{Form, Product};
 use shardline_models::{gemm_gflops, Cpu};
 use shardline_runtime::plan::profile::{
-    AllocRow, CollectiveRow, GemmRow, ProductRow, Profile, SharedGemm,
+    AllocRow, CollectiveRow, GemmRow, ProductRow, Profile, SharedGemm, UpdateRow,
 };
 use std::path::PathBuf;
 use std::time::Instant;
@@ -145,6 +146,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("memory: {memory_gbps:.2} GB/s (one thread, read + write, best pass)");
     let gelu_ns = gelu_best_ns(a.reps.max(5))?;
     println!("gelu (erf, value and derivative): {gelu_ns:.2} ns per element");
+    let updates = update_rows(a.reps.max(5))?;
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let p = Profile {
         note: format!(
@@ -166,6 +168,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         sources: vec![],
         products,
         alloc,
+        updates,
     };
     std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)
         .with_context(|| format!("writing {}", a.out.display()))?;
@@ -296,6 +299,40 @@ fn gelu_best_ns(passes: usize) -> anyhow::Result<f64> {
         std::hint::black_box(&y);
     }
     Ok(best / n as f64 * 1e9)
+}
+
+/// The optimizers' update with the gradients' squared norm on the way
+/// (`Optimizer::step_sq_norm`, what the engine's update runs), best pass over 16 Mi
+/// parameters (64 MiB per array, past the last-level cache: parameters, gradients and state
+/// come from memory, as in a step), nanoseconds per parameter, for plain SGD, SGD with
+/// momentum and AdamW.
+fn update_rows(passes: usize) -> anyhow::Result<Vec<UpdateRow>> {
+    use shardline_runtime::optim::{AdamWConfig, Optimizer, SgdConfig};
+    let n = 16 << 20;
+    let momentum = SgdConfig { momentum: 0.9, ..SgdConfig::default() };
+    let opts = [
+        Optimizer::Sgd(SgdConfig::default()),
+        Optimizer::Sgd(momentum),
+        Optimizer::AdamW(AdamWConfig::default()),
+    ];
+    let mut rows = Vec::new();
+    for opt in opts {
+        let k = opt.state_len_per_param();
+        let mut params: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
+        let grads: Vec<f32> = (0..n).map(|i| (i % 997) as f32 * 1e-4).collect();
+        let mut state = vec![0.0f32; n * k];
+        let mut best = f64::INFINITY;
+        for step in 1..=passes as u64 {
+            let t = Instant::now();
+            let norm = opt.step_sq_norm(1e-3, step, &mut params, &grads, &mut state)?;
+            best = best.min(t.elapsed().as_secs_f64());
+            std::hint::black_box(norm);
+        }
+        let ns_per_elem = best / n as f64 * 1e9;
+        println!("update {} ({k} state words): {ns_per_elem:.3} ns per parameter", opt.name());
+        rows.push(UpdateRow { state_words: k, ns_per_elem });
+    }
+    Ok(rows)
 }
 
 /// Each of `threads` threads multiplies `size`-square matrices for the same half second;

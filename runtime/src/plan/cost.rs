@@ -7,7 +7,7 @@
 //! shapes (a 2-D parameter `[a, b]` is one `rows x a x b` product forward, and two backward:
 //! its gradient and the input's) and `gpt`'s attention from its configuration, at the square
 //! probes' rate. `gpt`'s exact GELU costs the profiled time per element; optimizer updates
-//! are memory traffic.
+//! cost the profile's timed update per parameter, or their memory traffic without one.
 //!
 //! Elementwise work (norms, softmaxes, residual adds, copies, lookups) is charged as memory
 //! traffic when the caller gives each call's tensor bytes: every byte a call makes, less its
@@ -26,6 +26,8 @@
 //!   absorb the lanes' busy time over the compute, never negative, grows with the lanes'
 //!   time, and with every core computing adds each rank's share of all its node's lanes'
 //!   time: ranks x lanes over the cores computing.
+//! - PLAN-17: an update costs each parameter it steps at the profile's timed update for its
+//!   optimizer's state size; a profile without one charges its memory traffic.
 //! - PLAN-13: with the calls' recorded work, a call's products cost the sum of each
 //!   product's own time (PLAN-12) and its allocations the sum of each tensor's; a piece's
 //!   total is the sum of its parts.
@@ -263,9 +265,11 @@ impl CallCosts {
             }
             out.push(cost);
         }
-        let per = update_bytes_per_elem(opt);
-        let update_s =
-            stepped.iter().map(|&n| n as f64 * per / (profile.memory_gbps * 1e9) * slow).collect();
+        // PLAN-17: the update's own probe where the profile has one, else its traffic.
+        let per_elem = profile
+            .update_s_per_elem(opt.state_len_per_param())
+            .unwrap_or(update_bytes_per_elem(opt) / (profile.memory_gbps * 1e9));
+        let update_s = stepped.iter().map(|&n| n as f64 * per_elem * slow).collect();
         Ok(CallCosts { calls: out, update_s, flops })
     }
 }
@@ -345,6 +349,7 @@ mod tests {
             sources: vec![],
             products: vec![],
             alloc: vec![],
+            updates: vec![],
         }
     }
 
@@ -437,6 +442,29 @@ mod tests {
         assert_eq!(c.calls[0].forward_s(), f.products_s + f.elementwise_s + f.alloc_s);
         assert_eq!(c.calls[1].forward_s(), 0.0, "recorded nothing: costs nothing");
         assert_eq!(c.flops, (fwd.flops() + dw.flops(), fwd.flops()));
+    }
+
+    /// PLAN-17: a timed update prices each stepped parameter at its rate, for the state size
+    /// it was timed with; another state size, or no timing, falls back to the traffic.
+    #[test]
+    fn a_timed_update_costs_its_rate_per_parameter_plan_17() {
+        use crate::optim::AdamWConfig;
+        use crate::plan::profile::UpdateRow;
+        let one = Share { ranks_per_node: 1, threads: 1 };
+        let stepped = [1000usize, 3000];
+        let c = |p: &Profile, opt: &Optimizer| {
+            CallCosts::of((&spec(), &[0, 1]), None, 10, (&stepped, opt), None, p, one).unwrap()
+        };
+        let (sgd, adamw) =
+            (Optimizer::Sgd(SgdConfig::default()), Optimizer::AdamW(AdamWConfig::default()));
+        let mut timed = profile(1);
+        timed.updates.push(UpdateRow { state_words: 2, ns_per_elem: 3.0 });
+        let got = c(&timed, &adamw).update_s;
+        assert!((got[0] - 1000.0 * 3e-9).abs() < 1e-15 && (got[1] - 3000.0 * 3e-9).abs() < 1e-15);
+        // SGD keeps no state: not the timed row, the traffic.
+        assert_eq!(c(&timed, &sgd).update_s, c(&profile(1), &sgd).update_s);
+        let traffic = update_bytes_per_elem(&adamw) / 10e9;
+        assert!((c(&profile(1), &adamw).update_s[0] - 1000.0 * traffic).abs() < 1e-15);
     }
 
     /// PLAN-14: idle cores absorb the lanes; with every core computing each rank pays its

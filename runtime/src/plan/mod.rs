@@ -543,6 +543,7 @@ mod tests {
             gelu_ns: 1.0,
             products: vec![],
             alloc: vec![],
+            updates: vec![],
             collectives: vec![],
             published: None,
             transports_default: None,

@@ -125,6 +125,16 @@ pub struct AllocRow {
     pub ns_per_byte: f64,
 }
 
+/// The optimizer's update timed on this machine (PLAN-17).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct UpdateRow {
+    /// Optimizer state words per parameter: 0 plain SGD, 1 SGD with momentum, 2 AdamW.
+    pub state_words: usize,
+    /// One step with the gradients' squared norm taken on the way
+    /// (`Optimizer::step_sq_norm`), nanoseconds per parameter (best pass).
+    pub ns_per_elem: f64,
+}
+
 /// The GEMM probe run on several threads at once.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct SharedGemm {
@@ -162,6 +172,9 @@ pub struct Profile {
     /// Fresh allocations by size (PLAN-12); empty: not charged.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alloc: Vec<AllocRow>,
+    /// Optimizer updates timed by state size (PLAN-17); empty: charged as memory traffic.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub updates: Vec<UpdateRow>,
     /// Collectives measured, or formula rows.
     pub collectives: Vec<CollectiveRow>,
     /// Set when the figures are published ones, not measured here: the words
@@ -396,6 +409,13 @@ impl Profile {
         ns.max(0.0) * bytes as f64 * 1e-9
     }
 
+    /// Seconds per parameter of an update keeping `state_words` words of optimizer state
+    /// (PLAN-17), when the profile timed one.
+    pub fn update_s_per_elem(&self, state_words: usize) -> Option<f64> {
+        let row = self.updates.iter().find(|r| r.state_words == state_words)?;
+        Some(row.ns_per_elem * 1e-9)
+    }
+
     /// GFLOP/s of an `m x n x k` product on one thread (PLAN-1), interpolated in the log of
     /// its size ([`GemmBy`]) between the probes'.
     pub fn gemm_gflops(&self, m: usize, n: usize, k: usize) -> f64 {
@@ -470,6 +490,7 @@ mod tests {
             sources: vec![],
             products: vec![],
             alloc: vec![],
+            updates: vec![],
         }
     }
 
