@@ -111,7 +111,7 @@ enum Cmd {
     /// The machine profile of `shardline plan --profile`: collectives rows from
     /// `collectives --json` files, square GEMM probes, the products of `shardline plan
     /// --json` files each at its own shape (--products), fresh allocations by size, the
-    /// memory bandwidth and the GELU (no training step).
+    /// memory bandwidth, the GELU and the optimizers' update (no training step).
     ///
     /// Example: shardline-bench machine-profile --collectives c.json,ag.json --out profile.json
     MachineProfile(machine_profile::Args),
