@@ -30,6 +30,8 @@
 //! - TCP-3: a poison frame is only ever written at a frame boundary: `poison` first completes
 //!   a half-written frame (with zeros), or shuts the socket down if it cannot within its
 //!   time budget, so that the peer reads either the poison or an EOF (`PeerLost`).
+//! - TCP-5: a peer found lost while another peer's poison waits unread reports the poison
+//!   (`links`): the first failure's reason survives the resets that follow it.
 //! - TCP-4: an exchange of at most [`SPIN_MAX_BYTES`] polls its sockets without sleeping for
 //!   up to the lane's spin ([`SPIN_ENV`]; by default [`DEFAULT_SPIN`] while the job's ranks do
 //!   not outnumber this process's cores, else none) before it waits in `poll(2)`: a small
@@ -614,6 +616,52 @@ mod tests {
         s.write_all(&wire::encode_hello(&[7u8; 16], 1, 0, 0, "l")).unwrap();
         let r = t1.open_lane("l", Instant::now() + Duration::from_millis(300));
         assert!(matches!(r, Err(TransportError::Timeout { peer: 0 })));
+    }
+
+    /// TCP-5: rank 0 poisons rank 2 and at once rank 1, which rank 2 waits on, closes its
+    /// endpoint; rank 2 reports rank 0's poison, not rank 1's loss.
+    #[test]
+    fn a_loss_after_a_poison_reports_the_poison_tcp_5() {
+        use crate::transport::suite::T;
+        use crate::transport::{Poison, RecvOp, Sink, Tag};
+        use std::sync::mpsc;
+        let store: Arc<dyn Store> = Arc::new(MemStore::new());
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let (poisoned_tx, poisoned_rx) = mpsc::channel::<()>();
+        let s0 = store.clone();
+        let r0 = std::thread::spawn(move || {
+            let t = make(0, 3, s0);
+            let mut links = t.open_lane("l", Instant::now() + T).unwrap();
+            waiting_rx.recv_timeout(T).unwrap();
+            std::thread::sleep(Duration::from_millis(50));
+            links.poison(&Poison { origin: 0, reason: "rank 3 lost".into() });
+            poisoned_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_secs(1));
+        });
+        let s1 = store.clone();
+        let r1 = std::thread::spawn(move || {
+            let t = make(1, 3, s1);
+            let links = t.open_lane("l", Instant::now() + T).unwrap();
+            poisoned_rx.recv_timeout(T).unwrap();
+            drop(links);
+            drop(t);
+        });
+        let t = make(2, 3, store);
+        let mut links = t.open_lane("l", Instant::now() + T).unwrap();
+        waiting_tx.send(()).unwrap();
+        let mut sink = |_: usize, _: &[u8]| {};
+        let mut recvs = [RecvOp { peer: 1, len: 4, sink: Sink::Fn(&mut sink) }];
+        let tag = Tag { lane: 7, seq: 3, kind: 1, count: 1, root: u32::MAX, step: 0 };
+        let cancel = AtomicBool::new(false);
+        let err = links.exchange(tag, &[], &mut recvs, Instant::now() + T, &cancel).unwrap_err();
+        r0.join().unwrap();
+        r1.join().unwrap();
+        match err {
+            TransportError::Poisoned(p) => {
+                assert_eq!((p.origin, p.reason.as_str()), (0, "rank 3 lost"))
+            }
+            other => panic!("expected rank 0's poison, got {other:?}"),
+        }
     }
 
     fn group(w: usize) -> Vec<crate::Communicator> {

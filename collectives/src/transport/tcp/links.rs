@@ -354,6 +354,19 @@ impl TcpLinks {
         Ok(moved)
     }
 
+    /// TCP-5: a lost peer is reported only after the other peers' sockets were peeked for a
+    /// poison frame. A rank that fails first poisons before it stops, and the losses that
+    /// follow (a rank stopped on that poison, its sockets reset) would otherwise hide the
+    /// reason it carries.
+    fn poison_before_loss(&mut self, e: TransportError) -> TransportError {
+        let TransportError::PeerLost { peer, .. } = &e else { return e };
+        let skip: Vec<bool> = (0..self.peers.len()).map(|p| p == *peer).collect();
+        match self.peek_poison(&skip) {
+            Err(poisoned) => poisoned,
+            Ok(()) => e,
+        }
+    }
+
     /// Reads a poison frame waiting at the head of an idle socket, if any.
     fn peek_poison(&mut self, active: &[bool]) -> Result<(), TransportError> {
         for (p, conn) in self.peers.iter().enumerate() {
@@ -457,7 +470,10 @@ impl LaneLinks for TcpLinks {
                 }
                 busy[op.peer] = true;
                 let conn = self.peers[op.peer].as_mut().ok_or_else(|| setup("no link"))?;
-                moved |= Self::push(conn, op.peer, &tag, op.data, st)?;
+                match Self::push(conn, op.peer, &tag, op.data, st) {
+                    Ok(m) => moved |= m,
+                    Err(e) => return Err(self.poison_before_loss(e)),
+                }
                 if !st.done {
                     waiting.push(op.peer);
                     for (s, sock) in conn.socks.iter().enumerate() {
@@ -479,7 +495,10 @@ impl LaneLinks for TcpLinks {
                 busy[op.peer] = true;
                 let p = op.peer;
                 let conn = self.peers[p].as_mut().ok_or_else(|| setup("no link"))?;
-                moved |= Self::pull(conn, p, &tag, op, st, &mut self.scratch)?;
+                match Self::pull(conn, p, &tag, op, st, &mut self.scratch) {
+                    Ok(m) => moved |= m,
+                    Err(e) => return Err(self.poison_before_loss(e)),
+                }
                 if !st.done {
                     waiting.insert(0, p);
                     pfds.push(libc::pollfd {
