@@ -302,7 +302,8 @@ fn gelu_best_ns(passes: usize) -> anyhow::Result<f64> {
 }
 
 /// The optimizers' update with the gradients' squared norm on the way
-/// (`Optimizer::step_sq_norm`, what the engine's update runs), best pass over 16 Mi
+/// (`Optimizer::step_sq_norm`, what a sharded stage's update runs; stage 0 steps, then takes
+/// the norm of its own slice in a pass of its own), best pass over 16 Mi
 /// parameters (64 MiB per array, past the last-level cache: parameters, gradients and state
 /// come from memory, as in a step), nanoseconds per parameter, for plain SGD, SGD with
 /// momentum and AdamW.

@@ -131,7 +131,8 @@ pub struct UpdateRow {
     /// Optimizer state words per parameter: 0 plain SGD, 1 SGD with momentum, 2 AdamW.
     pub state_words: usize,
     /// One step with the gradients' squared norm taken on the way
-    /// (`Optimizer::step_sq_norm`), nanoseconds per parameter (best pass).
+    /// (`Optimizer::step_sq_norm`, a sharded stage's update), nanoseconds per parameter (best
+    /// pass).
     pub ns_per_elem: f64,
 }
 
