@@ -43,6 +43,7 @@ pub mod model;
 pub mod module;
 pub mod network;
 pub mod nn;
+pub mod ops;
 pub mod placement;
 pub mod rng;
 pub mod spec;

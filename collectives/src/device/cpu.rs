@@ -117,7 +117,11 @@ impl Device for CpuDevice {
         let mut st = lock(&self.state);
         let v = self.values(&mut st, src)?.clone();
         drop(st);
-        Ok(Download { event: self.record(stream), data: Arc::new(Mutex::new(Some(v))) })
+        Ok(Download {
+            event: self.record(stream),
+            data: Arc::new(Mutex::new(Some(v))),
+            finish: None,
+        })
     }
 
     fn copy(&self, stream: StreamId, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<()> {
@@ -163,7 +167,7 @@ impl Device for CpuDevice {
     }
 
     fn record(&self, stream: StreamId) -> Event {
-        Event { device: self.id, stream, seq: 0, clock: VectorClock::default() }
+        Event { device: self.id, stream, seq: 0, clock: VectorClock::default(), native: None }
     }
 
     fn wait(&self, _stream: StreamId, _event: &Event) {}

@@ -10,18 +10,39 @@
 //!   and fails the device loudly, and memory has a capacity (SIM-n);
 //! - [`sim_comm`]: collectives between simulated devices with NCCL's semantics: every rank
 //!   must issue the same calls in the same order, or the desync is reported by rank and call
-//!   (SCOMM-n).
+//!   (SCOMM-n);
+//! - [`failing`]: any device made to fail at its n-th call, at the call or when the work
+//!   runs, for fault-injection tests (FAILDEV-n);
+//! - [`comm`]: what the engine asks of a device's communicator ([`DeviceComm`]), which the
+//!   simulated collectives and NCCL (feature `cuda`, in the models crate) both answer.
 //!
 //! Values are `f32` elements. A [`DeviceBuffer`] is a handle: it has no accessor for its
 //! values, so the host can read one only through [`Device::download`].
+//!
+//! Kernels come in two kinds. A [`Kernel`] is host code over the buffers' values: the cpu
+//! and simulated devices run it, a GPU cannot. A [`DeviceOp`] is a kernel described by value
+//! (a GEMM's shape, an update's hyper-parameters): a device with its own code for it (the
+//! CUDA device runs cuBLAS or a compiled kernel) runs that, any other device runs the op's
+//! host reference (DEVOP-1). [`SimOptions::ops_only`] makes the simulated device refuse host
+//! kernels as a GPU does, so a test shows which work is already described as ops.
+//!
+//! Invariants:
+//! - DEVOP-1: [`Device::launch_op`] checks the op against its buffers' lengths before
+//!   anything is enqueued ([`DeviceOp::check`]), on every device; a device without code of
+//!   its own runs [`DeviceOp::run_host`] as a fallible kernel, so the op's host reference is
+//!   what the cpu and simulated devices compute.
 
+pub mod comm;
 pub mod cpu;
+pub mod failing;
 pub mod hazard;
 pub mod sim;
 pub mod sim_comm;
 mod usage;
 
+pub use comm::DeviceComm;
 pub use cpu::CpuDevice;
+pub use failing::{FailWhen, FailingDevice};
 pub use hazard::{Hazard, StreamId, Use, VectorClock};
 pub use sim::{SimDevice, SimOptions};
 pub use sim_comm::{SimComm, SimWorld};
@@ -53,9 +74,13 @@ pub enum DeviceError {
     /// The device failed earlier (the first failure's message); nothing runs on it any more.
     #[error("device failed: {0}")]
     Failed(String),
-    /// A call the device cannot make: sizes that disagree, a buffer of another device.
+    /// A call the device cannot make: sizes that disagree, a buffer of another device, a
+    /// host kernel on a device that runs only ops.
     #[error("{0}")]
     Invalid(String),
+    /// The device cannot be opened here: no driver, library or device (named).
+    #[error("device unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// A device's results.
@@ -71,6 +96,17 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
+    /// A handle for a [`Device`] implementation to hand out: allocation `id` of device
+    /// `device` (its [`Device::id`]), `len` elements.
+    pub fn new(id: u64, device: u64, len: usize, label: &str) -> Self {
+        DeviceBuffer { id, device, len, label: label.into() }
+    }
+
+    /// The device it belongs to ([`Device::id`]).
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+
     /// Elements (`f32`).
     pub fn len(&self) -> usize {
         self.len
@@ -102,6 +138,41 @@ pub struct Event {
     pub(crate) seq: u64,
     /// What is known done when the event has fired.
     pub(crate) clock: VectorClock,
+    /// A hardware device's own event (a `CUevent`), for the device that recorded it.
+    pub(crate) native: Option<NativeEvent>,
+}
+
+/// A hardware device's event object, carried by an [`Event`] for the device that made it.
+#[derive(Clone)]
+pub struct NativeEvent(pub Arc<dyn std::any::Any + Send + Sync>);
+
+impl std::fmt::Debug for NativeEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NativeEvent")
+    }
+}
+
+impl Event {
+    /// An event of a device outside this crate: recorded on `stream` of device `device`,
+    /// carrying the device's own event object.
+    pub fn native(device: u64, stream: StreamId, native: NativeEvent) -> Self {
+        Event { device, stream, seq: 0, clock: VectorClock::default(), native: Some(native) }
+    }
+
+    /// The device that recorded it.
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+
+    /// The stream it was recorded on.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// The device's own event object, if it has one.
+    pub fn native_event(&self) -> Option<&NativeEvent> {
+        self.native.as_ref()
+    }
 }
 
 /// A kernel: reads the buffers it was given to read, writes those it was given to write.
@@ -111,19 +182,59 @@ pub type Kernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) + Send>;
 /// input. Its error fails the device (SIM-2) and every later call reports it.
 pub type FallibleKernel = Box<dyn FnOnce(&[&[f32]], &mut [&mut [f32]]) -> Result<()> + Send>;
 
+/// What a download finishes with once its event has fired: the values (pinned memory
+/// copied out, for a hardware device).
+pub type Finish = Box<dyn FnOnce() -> Result<Vec<f32>> + Send>;
+
 /// A copy to the host in flight: [`Download::wait`] blocks until it is done.
 pub struct Download {
     pub(crate) event: Event,
     pub(crate) data: Arc<std::sync::Mutex<Option<Vec<f32>>>>,
+    pub(crate) finish: Option<Finish>,
 }
 
 impl Download {
+    /// A download of a device outside this crate: done when `event` has fired, its values
+    /// then given by `finish`.
+    pub fn deferred(event: Event, finish: Finish) -> Self {
+        Download { event, data: Arc::default(), finish: Some(finish) }
+    }
+
     /// Waits for the copy (a host synchronisation) and returns the values.
     pub fn wait(self, device: &dyn Device) -> Result<Vec<f32>> {
         device.synchronize(&self.event)?;
+        if let Some(finish) = self.finish {
+            return finish();
+        }
         let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());
         d.take().ok_or_else(|| DeviceError::Failed("the copy to the host did not run".into()))
     }
+}
+
+/// A kernel described by value (DEVOP-1): its buffers are passed as reads and writes, in the
+/// order the op documents. A device with code of its own for the op runs that (it finds the
+/// op's type through [`DeviceOp::as_any`]); others run [`DeviceOp::run_host`].
+pub trait DeviceOp: Send + Sync + std::fmt::Debug + 'static {
+    /// What errors and timelines call it.
+    fn name(&self) -> String;
+    /// Whether `reads` and `writes` (the buffers' lengths, in order) fit the op; checked
+    /// before every launch, so a device's own code never runs out of its buffers.
+    fn check(&self, reads: &[usize], writes: &[usize]) -> std::result::Result<(), String>;
+    /// The host reference: what the op computes, over the buffers' values.
+    fn run_host(&self, reads: &[&[f32]], writes: &mut [&mut [f32]]) -> Result<()>;
+    /// The op as `Any`, for a device to find its own code by the op's type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// [`DeviceOp::check`] on the buffers, as every device runs it first (DEVOP-1).
+pub fn check_op(
+    op: &dyn DeviceOp,
+    reads: &[&DeviceBuffer],
+    writes: &[&DeviceBuffer],
+) -> Result<()> {
+    let r: Vec<usize> = reads.iter().map(|b| b.len()).collect();
+    let w: Vec<usize> = writes.iter().map(|b| b.len()).collect();
+    op.check(&r, &w).map_err(|e| DeviceError::Invalid(format!("{}: {e}", op.name())))
 }
 
 /// A device: memory, streams, events, copies and kernels. Every call that enqueues work
@@ -159,6 +270,19 @@ pub trait Device: Send + Sync {
             Ok(())
         });
         self.launch_fallible(stream, name, reads, writes, k)
+    }
+    /// Runs `op` on `stream` over `reads` and `writes` (DEVOP-1): the device's own code for
+    /// it, or its host reference.
+    fn launch_op(
+        &self,
+        stream: StreamId,
+        op: Arc<dyn DeviceOp>,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+    ) -> Result<()> {
+        check_op(&*op, reads, writes)?;
+        let name = op.name();
+        self.launch_fallible(stream, &name, reads, writes, Box::new(move |r, w| op.run_host(r, w)))
     }
     /// [`Device::launch`] for a kernel that may fail: its error fails the device.
     fn launch_fallible(

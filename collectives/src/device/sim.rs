@@ -14,11 +14,14 @@
 //!   already enqueued is skipped (so that no wait hangs).
 //! - SIM-3: bytes in use are the sum of the live allocations; an allocation past the capacity
 //!   is refused and changes nothing.
+//! - SIM-4: with [`SimOptions::ops_only`], host kernels are refused before anything is
+//!   enqueued, naming the kernel, and only [`super::DeviceOp`]s run, as on a GPU.
 
 use super::hazard::{Ordering, StreamId, Use, VectorClock};
 use super::usage::Usage;
 use super::{
-    Device, DeviceBuffer, DeviceError, Download, Event, FallibleKernel, OpSpan, Reservation, Result,
+    check_op, Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel, OpSpan,
+    Reservation, Result,
 };
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
@@ -42,6 +45,9 @@ pub struct SimOptions {
     pub timeout: Duration,
     /// Record every operation's span ([`Device::take_timeline`]).
     pub timeline: bool,
+    /// Refuse host kernels ([`Device::launch`], [`Device::launch_fallible`]) as a GPU does:
+    /// only [`Device::launch_op`] runs work (SIM-4).
+    pub ops_only: bool,
 }
 
 impl Default for SimOptions {
@@ -52,6 +58,7 @@ impl Default for SimOptions {
             capacity: None,
             timeout: Duration::from_secs(60),
             timeline: false,
+            ops_only: false,
         }
     }
 }
@@ -172,6 +179,44 @@ impl SimDevice {
         } else {
             Err(DeviceError::Invalid(format!("buffer '{}' belongs to another device", b.label())))
         }
+    }
+
+    /// Enqueues a host kernel (SIM-1, SIM-2): the body of `launch_fallible` and `launch_op`.
+    fn run_kernel(
+        &self,
+        stream: StreamId,
+        name: &str,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+        kernel: FallibleKernel,
+    ) -> Result<()> {
+        for r in reads {
+            if writes.iter().any(|w| w.id == r.id) {
+                return Err(DeviceError::Invalid(format!(
+                    "{name}: buffer '{}' is both read and written (pass it as written)",
+                    r.label()
+                )));
+            }
+        }
+        let mut uses: Vec<(&DeviceBuffer, Use)> = reads.iter().map(|b| (*b, Use::Read)).collect();
+        uses.extend(writes.iter().map(|b| (*b, Use::Write)));
+        let n_reads = reads.len();
+        let ids: Vec<u64> = uses.iter().map(|(b, _)| b.id).collect();
+        self.enqueue(stream, name, &uses, move |vals| {
+            // Lock in id order, so that two streams never wait on each other's locks.
+            let mut order: Vec<usize> = (0..vals.len()).collect();
+            order.sort_by_key(|&i| ids[i]);
+            let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
+                (0..vals.len()).map(|_| None).collect();
+            for i in order {
+                guards[i] = Some(lock(&vals[i]));
+            }
+            let (rg, wg) = guards.split_at_mut(n_reads);
+            let r: Vec<&[f32]> = rg.iter().map(|g| g.as_deref().map_or(&[][..], |v| v)).collect();
+            let mut w: Vec<&mut [f32]> =
+                wg.iter_mut().map(|g| g.as_deref_mut().map_or(&mut [][..], |v| v)).collect();
+            kernel(&r, &mut w)
+        })
     }
 
     /// Enqueues `work` on `stream` after checking `uses` against the ordering rules; a
@@ -358,7 +403,7 @@ impl Device for SimDevice {
                 Ok(())
             },
         )?;
-        Ok(Download { event: self.record(stream), data })
+        Ok(Download { event: self.record(stream), data, finish: None })
     }
 
     fn copy(&self, stream: StreamId, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<()> {
@@ -392,33 +437,25 @@ impl Device for SimDevice {
         writes: &[&DeviceBuffer],
         kernel: FallibleKernel,
     ) -> Result<()> {
-        for r in reads {
-            if writes.iter().any(|w| w.id == r.id) {
-                return Err(DeviceError::Invalid(format!(
-                    "{name}: buffer '{}' is both read and written (pass it as written)",
-                    r.label()
-                )));
-            }
+        if self.opts.ops_only {
+            // SIM-4: what a GPU answers to host code.
+            return Err(DeviceError::Invalid(format!(
+                "kernel '{name}' is host code: this device runs only ops (DeviceOp)"
+            )));
         }
-        let mut uses: Vec<(&DeviceBuffer, Use)> = reads.iter().map(|b| (*b, Use::Read)).collect();
-        uses.extend(writes.iter().map(|b| (*b, Use::Write)));
-        let n_reads = reads.len();
-        let ids: Vec<u64> = uses.iter().map(|(b, _)| b.id).collect();
-        self.enqueue(stream, name, &uses, move |vals| {
-            // Lock in id order, so that two streams never wait on each other's locks.
-            let mut order: Vec<usize> = (0..vals.len()).collect();
-            order.sort_by_key(|&i| ids[i]);
-            let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
-                (0..vals.len()).map(|_| None).collect();
-            for i in order {
-                guards[i] = Some(lock(&vals[i]));
-            }
-            let (rg, wg) = guards.split_at_mut(n_reads);
-            let r: Vec<&[f32]> = rg.iter().map(|g| g.as_deref().map_or(&[][..], |v| v)).collect();
-            let mut w: Vec<&mut [f32]> =
-                wg.iter_mut().map(|g| g.as_deref_mut().map_or(&mut [][..], |v| v)).collect();
-            kernel(&r, &mut w)
-        })
+        self.run_kernel(stream, name, reads, writes, kernel)
+    }
+
+    fn launch_op(
+        &self,
+        stream: StreamId,
+        op: Arc<dyn DeviceOp>,
+        reads: &[&DeviceBuffer],
+        writes: &[&DeviceBuffer],
+    ) -> Result<()> {
+        check_op(&*op, reads, writes)?;
+        let name = op.name();
+        self.run_kernel(stream, &name, reads, writes, Box::new(move |r, w| op.run_host(r, w)))
     }
 
     fn reserve(&self, bytes: u64, label: &str) -> Result<Reservation> {
@@ -429,7 +466,7 @@ impl Device for SimDevice {
     fn record(&self, stream: StreamId) -> Event {
         let st = lock(&self.state);
         let clock = st.ordering.record(stream);
-        Event { device: self.id, stream, seq: clock.get(stream), clock }
+        Event { device: self.id, stream, seq: clock.get(stream), clock, native: None }
     }
 
     fn wait(&self, stream: StreamId, event: &Event) {

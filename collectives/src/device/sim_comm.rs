@@ -16,7 +16,7 @@
 //! - SCOMM-3: a rank whose peers never arrive fails after the world's timeout, naming the
 //!   missing ranks, instead of waiting forever.
 
-use super::{Device, DeviceBuffer, DeviceError, Result, StreamId};
+use super::{Device, DeviceBuffer, DeviceError, DeviceOp, FallibleKernel, Result, StreamId};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -328,55 +328,87 @@ impl SimComm {
         let world = Arc::clone(&self.world);
         let (rank, size) = (self.rank, self.size());
         let name = format!("{} (call {n})", describe(&ops));
-        self.device.launch_fallible(
-            stream,
-            &name,
-            &reads,
-            &writes,
-            Box::new(move |r, w| {
-                let inputs: Vec<Vec<f32>> = places
-                    .iter()
-                    .map(|&(si, wi)| match si {
-                        Some(i) => r[i].to_vec(),
-                        None => w[wi].to_vec(),
-                    })
-                    .collect();
-                let all = world.meet(n, rank, inputs)?;
-                for (k, op) in ops.iter().enumerate() {
-                    let in_place = places[k].0.is_none();
-                    let out = &mut *w[places[k].1];
-                    let input = |q: usize| &all[q][k];
-                    // SCOMM-2: the naive reductions, in rank order.
-                    match *op {
-                        Op::AllReduce { .. } => {
-                            out.iter_mut().for_each(|x| *x = 0.0);
-                            for q in 0..size {
-                                out.iter_mut().zip(input(q)).for_each(|(o, x)| *o += x);
-                            }
+        let body: FallibleKernel = Box::new(move |r, w| {
+            let inputs: Vec<Vec<f32>> = places
+                .iter()
+                .map(|&(si, wi)| match si {
+                    Some(i) => r[i].to_vec(),
+                    None => w[wi].to_vec(),
+                })
+                .collect();
+            let all = world.meet(n, rank, inputs)?;
+            for (k, op) in ops.iter().enumerate() {
+                let in_place = places[k].0.is_none();
+                let out = &mut *w[places[k].1];
+                let input = |q: usize| &all[q][k];
+                // SCOMM-2: the naive reductions, in rank order.
+                match *op {
+                    Op::AllReduce { .. } => {
+                        out.iter_mut().for_each(|x| *x = 0.0);
+                        for q in 0..size {
+                            out.iter_mut().zip(input(q)).for_each(|(o, x)| *o += x);
                         }
-                        Op::AllGather { len } => {
-                            for q in 0..size {
-                                // In place, rank q's block lies at its place in its buffer.
-                                let from = if in_place { q * len } else { 0 };
-                                out[q * len..(q + 1) * len]
-                                    .copy_from_slice(&input(q)[from..from + len]);
-                            }
-                        }
-                        Op::ReduceScatter { len } => {
-                            let at = if in_place { rank * len } else { 0 };
-                            let out = &mut out[at..at + len];
-                            out.iter_mut().for_each(|x| *x = 0.0);
-                            for q in 0..size {
-                                let block = &input(q)[rank * len..(rank + 1) * len];
-                                out.iter_mut().zip(block).for_each(|(o, x)| *o += x);
-                            }
-                        }
-                        Op::Broadcast { root, .. } => out.copy_from_slice(input(root)),
                     }
+                    Op::AllGather { len } => {
+                        for q in 0..size {
+                            // In place, rank q's block lies at its place in its buffer.
+                            let from = if in_place { q * len } else { 0 };
+                            out[q * len..(q + 1) * len]
+                                .copy_from_slice(&input(q)[from..from + len]);
+                        }
+                    }
+                    Op::ReduceScatter { len } => {
+                        let at = if in_place { rank * len } else { 0 };
+                        let out = &mut out[at..at + len];
+                        out.iter_mut().for_each(|x| *x = 0.0);
+                        for q in 0..size {
+                            let block = &input(q)[rank * len..(rank + 1) * len];
+                            out.iter_mut().zip(block).for_each(|(o, x)| *o += x);
+                        }
+                    }
+                    Op::Broadcast { root, .. } => out.copy_from_slice(input(root)),
                 }
-                Ok(())
-            }),
-        )
+            }
+            Ok(())
+        });
+        let call = Arc::new(Collective { name, body: Mutex::new(Some(body)) });
+        self.device.launch_op(stream, call, &reads, &writes)
+    }
+}
+
+/// A collective as the device runs it: an op (so an ops-only device runs it, as a GPU runs
+/// NCCL's kernels, SIM-4) whose host body meets the other ranks once.
+struct Collective {
+    name: String,
+    body: Mutex<Option<FallibleKernel>>,
+}
+
+impl std::fmt::Debug for Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Collective({})", self.name)
+    }
+}
+
+impl DeviceOp for Collective {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn check(&self, _reads: &[usize], _writes: &[usize]) -> std::result::Result<(), String> {
+        // The communicator checked the lengths when the call was issued.
+        Ok(())
+    }
+
+    fn run_host(&self, reads: &[&[f32]], writes: &mut [&mut [f32]]) -> Result<()> {
+        let body = self.body.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match body {
+            Some(b) => b(reads, writes),
+            None => Err(DeviceError::Failed(format!("{} ran twice", self.name))),
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

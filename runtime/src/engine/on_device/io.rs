@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use shardline_collectives::device::{Device, DeviceBuffer, Event, SimComm};
+use shardline_collectives::device::{Device, DeviceBuffer, DeviceComm, Event};
 
 use super::memory::DeviceMemory;
 use super::offload::{lock, Held};
@@ -27,7 +27,7 @@ pub(crate) struct DeviceGathers<'a> {
     pub(crate) dev: &'a Arc<dyn Device>,
     pub(crate) mem: &'a DeviceMemory,
     pub(crate) streams: &'a Streams,
-    pub(crate) comm: &'a mut SimComm,
+    pub(crate) comm: &'a mut dyn DeviceComm,
     pub(crate) layout: &'a ShardedModelLayout,
     /// This rank's parameter shards (on the device, or offloaded).
     pub(crate) shards: &'a [Held],

@@ -62,7 +62,7 @@ mod timeline;
 
 pub use cli::{train_on_sim, SimTrainOptions};
 pub use offload::Offload;
-pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun};
+pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun, FaultSpec};
 pub use timeline::{chrome_trace, overlap, Overlap};
 
 use std::collections::HashMap;
@@ -71,7 +71,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use shardline_collectives::device::{
-    Device, DeviceBuffer, DeviceError, Event, OpSpan, SimComm, SimWorld,
+    Device, DeviceBuffer, DeviceComm, DeviceError, Event, OpSpan, SimComm, SimWorld,
 };
 use shardline_models::{Backend, Ctx, DistributedSampler, Network, Tensor};
 
@@ -228,8 +228,8 @@ pub struct DeviceEngine {
     /// Every device allocation, charged by category (DMEM-1).
     mem: Arc<DeviceMemory>,
     streams: Streams,
-    gather_comm: SimComm,
-    reduce_comm: SimComm,
+    gather_comm: Box<dyn DeviceComm>,
+    reduce_comm: Box<dyn DeviceComm>,
     backend: Arc<dyn Backend>,
     /// SyncBatchNorm's reducer (with SyncBN on several ranks).
     stats: Option<Arc<DeviceStats>>,
@@ -368,13 +368,13 @@ impl DeviceEngine {
             world,
             calls: model.calls(),
             model,
-            gather_comm: SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev)),
+            gather_comm: Box::new(SimComm::new(rank, Arc::clone(&worlds.gather), Arc::clone(&dev))),
             // One communicator: both sides number their calls in one sequence.
-            reduce_comm: SimComm::new(
+            reduce_comm: Box::new(SimComm::new(
                 rank,
                 Arc::clone(if opts.one_comm { &worlds.gather } else { &worlds.reduce }),
                 Arc::clone(&dev),
-            ),
+            )),
             shapes: None,
             footprints: HashMap::new(),
             workspace: None,
@@ -532,7 +532,7 @@ impl DeviceEngine {
             dev: &self.dev,
             mem: &self.mem,
             streams: &self.streams,
-            comm: &mut self.gather_comm,
+            comm: &mut *self.gather_comm,
             layout: &self.layout,
             shards: &self.params,
             ready: &self.ready,

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use shardline_collectives::device::DeviceBuffer;
+use shardline_models::ops::{load_f64 as f64_of, store_f64, Op};
 
 use super::io::DeviceReduction;
 use super::offload::{lock, Held};
@@ -45,13 +46,8 @@ impl DeviceEngine {
                     let label = format!("{} (reduce-scatter output)", self.labels[u]);
                     let out = mem.alloc(Category::CommBuffers, self.grads[u].len(), &label)?;
                     comm.reduce_scatter(s.reduce, &full, &out)?;
-                    dev.launch(
-                        s.reduce,
-                        &format!("accumulate {}", self.labels[u]),
-                        &[&out],
-                        &[&self.grads[u]],
-                        Box::new(|r, w| w[0].iter_mut().zip(r[0]).for_each(|(a, b)| *a += b)),
-                    )?;
+                    let add = Op::Axpy { alpha: 1.0 }.arc();
+                    dev.launch_op(s.reduce, add, &[&out], &[&self.grads[u]])?;
                     mem.free(s.reduce, out)?;
                 } else {
                     comm.reduce_scatter(s.reduce, &full, &self.grads[u])?;
@@ -98,18 +94,6 @@ impl DeviceEngine {
         self.dev.wait(s.offload, &summed);
         Ok(())
     }
-}
-
-/// The `f64` stored as its bits in two elements.
-fn f64_of(two: &[f32]) -> f64 {
-    f64::from_bits(u64::from(two[0].to_bits()) << 32 | u64::from(two[1].to_bits()))
-}
-
-/// An `f64`'s bits in two elements (carried exactly: the elements are only copied).
-fn store_f64(v: f64, two: &mut [f32]) {
-    let b = v.to_bits();
-    two[0] = f32::from_bits((b >> 32) as u32);
-    two[1] = f32::from_bits(b as u32);
 }
 
 /// The reduction core's I/O on the device: finishing a reduction makes the compute stream

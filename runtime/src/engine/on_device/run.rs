@@ -6,10 +6,13 @@
 //! rank reads the same batches as there. `train --device sim` runs the engine under the
 //! training loop instead ([`super::train_on_sim`]): checkpoints, evaluation, logs.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use shardline_collectives::device::{CpuDevice, Device, OpSpan, SimDevice, SimOptions};
+use shardline_collectives::device::{
+    CpuDevice, Device, FailWhen, FailingDevice, OpSpan, SimDevice, SimOptions,
+};
 use shardline_models::{DistributedSampler, RankBatches};
 
 use super::{DeviceEngine, DeviceOptions, DeviceStepStats, DeviceWorlds};
@@ -23,6 +26,32 @@ pub enum DeviceKind {
     Cpu,
     /// A simulated accelerator; rank `r`'s delays are seeded with `seed + r`.
     Sim(SimOptions),
+    /// Simulated accelerators, one rank's made to fail ([`FailingDevice`]).
+    Failing(FaultSpec),
+}
+
+/// Which rank's device fails, and where: a fault-injection job.
+#[derive(Clone, Debug)]
+pub struct FaultSpec {
+    /// The simulated devices.
+    pub sim: SimOptions,
+    /// The rank whose device fails.
+    pub rank: usize,
+    /// Its fallible call that fails (1-based; 0: none).
+    pub at: u64,
+    /// At the call, or when its work runs.
+    pub when: FailWhen,
+    /// The failing rank's fallible calls, counted over the job (set when its thread ends).
+    pub calls: Arc<AtomicU64>,
+}
+
+/// Rank `rank`'s simulated device of options `o`.
+fn sim(o: &SimOptions, rank: usize, timeout: Duration) -> Arc<dyn Device> {
+    Arc::new(SimDevice::new(SimOptions {
+        seed: o.seed.wrapping_add(rank as u64),
+        timeout: o.timeout.max(timeout * 2),
+        ..o.clone()
+    }))
 }
 
 /// What a job of the device engine gives back.
@@ -71,13 +100,16 @@ pub fn run_on_devices_with(
     let data = Arc::new(plan.train);
     let (tx, rx) = mpsc::channel();
     for rank in 0..world {
+        let mut counted = None;
         let dev: Arc<dyn Device> = match &kind {
             DeviceKind::Cpu => Arc::new(CpuDevice::new()),
-            DeviceKind::Sim(o) => Arc::new(SimDevice::new(SimOptions {
-                seed: o.seed.wrapping_add(rank as u64),
-                timeout: o.timeout.max(timeout * 2),
-                ..o.clone()
-            })),
+            DeviceKind::Sim(o) => sim(o, rank, timeout),
+            DeviceKind::Failing(f) if f.rank == rank => {
+                let d = Arc::new(FailingDevice::new(sim(&f.sim, rank, timeout), f.at, f.when));
+                counted = Some((Arc::clone(&d), Arc::clone(&f.calls)));
+                d
+            }
+            DeviceKind::Failing(f) => sim(&f.sim, rank, timeout),
         };
         let (worlds, model, ecfg) = (worlds.clone(), Arc::clone(&plan.model), plan.engine.clone());
         let (data, sampler, tx) = (Arc::clone(&data), sampler.clone(), tx.clone());
@@ -122,6 +154,9 @@ pub fn run_on_devices_with(
             })();
             if let Err(e) = &r {
                 worlds.abort(&format!("rank {rank} failed: {e}"));
+            }
+            if let Some((d, calls)) = counted {
+                calls.store(d.calls(), Ordering::Relaxed);
             }
             let _ = tx.send((rank, r));
         });

@@ -1,0 +1,442 @@
+//! Model kernels as device ops: each [`Op`] describes one kernel by value (a GEMM's shape,
+//! a layer's dimensions, an update's hyper-parameters), so that a device runs it with code
+//! of its own (the CUDA device: cuBLAS and the kernels of `cuda/kernels.cu`), and every
+//! other device runs its host reference, which is the layer's own code in [`crate::nn`]
+//! (OPS-2). The engine on a device then enqueues ops, not host functions, and a GPU can run
+//! them with no copy through the host.
+//!
+//! Buffers are `f32` elements; ids and class targets travel as their `u32` bits, as device
+//! activations carry them. Each variant documents its reads and writes, in order.
+//!
+//! Invariants (cited by the tests):
+//! - OPS-1: [`Op::check`] accepts exactly the buffer lengths the op's code reads and
+//!   writes inside, so a device's own code, launched only after it, stays in its buffers.
+//! - OPS-2: the host reference is the layer code of [`crate::nn`] (the same function, not a
+//!   copy): a model run as ops on the cpu or simulated device computes what it computes on
+//!   the host; the SGD and AdamW updates follow the CUDA kernels' arithmetic element for
+//!   element.
+//! - OPS-3: an op that accumulates (`+=`) adds to what its written buffer held; one that does
+//!   not overwrites every element it owns.
+
+use std::sync::Arc;
+
+use shardline_collectives::device::{DeviceError, DeviceOp};
+
+use crate::backend::GemmShape;
+use crate::nn::activation::Activation;
+use crate::nn::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
+use crate::nn::embedding::Embedding;
+use crate::nn::gemm::Gemm;
+use crate::nn::linear::Linear;
+use crate::nn::norm::{LayerNorm, LayerNormSaved};
+
+#[cfg(test)]
+mod tests;
+
+/// One `torch.optim.SGD` step: its hyper-parameters and its number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Momentum (0: no momentum buffer).
+    pub momentum: f32,
+    /// Dampening of the momentum.
+    pub dampening: f32,
+    /// L2 weight decay, added to the gradient.
+    pub weight_decay: f32,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// The step, 1-based.
+    pub step: u64,
+}
+
+/// One `torch.optim.AdamW` step: its hyper-parameters and its number.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// Decay of the first moment.
+    pub beta1: f32,
+    /// Decay of the second moment.
+    pub beta2: f32,
+    /// Added to the second moment's square root.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// The step, 1-based.
+    pub step: u64,
+}
+
+impl AdamWStep {
+    /// `(step_size, sqrt(1 - beta2^t), 1 - lr * weight_decay)`: the bias corrections in f64,
+    /// as PyTorch computes them on the host, which the kernel and the host reference share.
+    pub fn scalars(&self) -> (f32, f32, f32) {
+        let t = self.step.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - f64::from(self.beta1).powi(t);
+        let bc2_sqrt = (1.0 - f64::from(self.beta2).powi(t)).sqrt() as f32;
+        ((f64::from(self.lr) / bc1) as f32, bc2_sqrt, 1.0 - self.lr * self.weight_decay)
+    }
+}
+
+/// A model kernel described by value. Reads and writes are listed in launch order.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Op {
+    /// Writes: `x` = `value` everywhere.
+    Fill {
+        /// The value.
+        value: f32,
+    },
+    /// Reads: `x`. Writes: `y += alpha * x`.
+    Axpy {
+        /// The factor.
+        alpha: f32,
+    },
+    /// Reads: `a`, `b`. Writes: `c = op(a) op(b)` (`+=` when `accumulate`), row-major.
+    Gemm {
+        /// The product's shape and transposes.
+        shape: GemmShape,
+        /// Add to `c` instead of overwriting it.
+        accumulate: bool,
+    },
+    /// Reads: `params` (`weight`, then `bias`), `x [rows, in]`. Writes: `y [rows, out]`
+    /// (`y = x W^T + b`, LIN-1).
+    LinearForward(Linear),
+    /// Reads: `params`, `x`, `dy`. Writes: `grads` (ADDS `dW`, `db`), then `dx` when
+    /// `input_grad` (LIN-2).
+    LinearBackward {
+        /// The layer.
+        linear: Linear,
+        /// Whether `dx` is written.
+        input_grad: bool,
+    },
+    /// Reads: `x`. Writes: `y = max(x, 0)`.
+    Relu,
+    /// Reads: `y` (the forward's output), `dy`. Writes: `dx = dy * (y > 0)`.
+    ReluBackward,
+    /// Reads: `x`. Writes: `y = f(x)` (ACTIV-1..3).
+    Activation(Activation),
+    /// Reads: `x`, `dy`. Writes: `dx = dy * f'(x)`.
+    ActivationBackward(Activation),
+    /// Reads: `params` (`weight`, then `bias`), `x [rows, dim]`. Writes: `y`, `mean [rows]`,
+    /// `rstd [rows]` (NORM-1, NORM-3).
+    LayerNormForward(LayerNorm<f32>),
+    /// Reads: `params`, `x`, `mean`, `rstd`, `dy`. Writes: `dx`, `grads` (ADDS `dweight`,
+    /// `dbias`).
+    LayerNormBackward(LayerNorm<f32>),
+    /// Reads: `logits [rows, vocab]`, `targets [rows]` (u32 bits). Writes: `loss [1]` (the
+    /// mean over rows, times `dloss`), `dlogits = dloss * (softmax - onehot) / rows`
+    /// (XENT-1).
+    CrossEntropy {
+        /// Classes per row.
+        vocab: usize,
+        /// The loss's weight (the gradient flowing into it).
+        dloss: f32,
+    },
+    /// Reads: `table [vocab, dim]`, `ids [n]` (u32 bits). Writes: `out [n, dim]` (EMB-1).
+    EmbeddingForward(Embedding),
+    /// Reads: `ids`, `dy [n, dim]`. Writes: `grads [vocab, dim]` (ADDS, EMB-2).
+    EmbeddingBackward(Embedding),
+    /// Reads: `x`. Writes: `out [2]`: the `f64` sum of squares, its bits split high, low.
+    SumSquares,
+    /// Reads: `grad`. Writes: `params`, `momentum` (as long as `params`; unused without
+    /// momentum).
+    Sgd(SgdStep),
+    /// Reads: `grad`. Writes: `params`, `state` (`(m, v)` interleaved, twice as long).
+    AdamW(AdamWStep),
+}
+
+fn want(what: &str, got: &[usize], n: usize) -> Result<(), String> {
+    if got.len() == n {
+        Ok(())
+    } else {
+        Err(format!("{what}: {n} buffers expected, {} given", got.len()))
+    }
+}
+
+fn len_is(what: &str, got: usize, expected: usize) -> Result<(), String> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(format!("{what} has {got} elements, {expected} expected"))
+    }
+}
+
+fn rows_of(what: &str, len: usize, width: usize) -> Result<usize, String> {
+    if width == 0 {
+        return if len == 0 { Ok(0) } else { Err(format!("{what}: width 0")) };
+    }
+    if len.is_multiple_of(width) {
+        Ok(len / width)
+    } else {
+        Err(format!("{what} has {len} elements, not a multiple of {width}"))
+    }
+}
+
+/// The `u32` a device element carries (ids, targets travel as their bits).
+fn ids_of(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// An `f64` as its bits in two elements, high then low (as the engine's norm sums).
+pub fn store_f64(v: f64, two: &mut [f32]) {
+    let b = v.to_bits();
+    two[0] = f32::from_bits((b >> 32) as u32);
+    two[1] = f32::from_bits(b as u32);
+}
+
+/// The `f64` whose bits two elements carry (see [`store_f64`]).
+pub fn load_f64(two: &[f32]) -> f64 {
+    f64::from_bits(u64::from(two[0].to_bits()) << 32 | u64::from(two[1].to_bits()))
+}
+
+impl Op {
+    /// The op as the device interface takes it.
+    pub fn arc(self) -> Arc<dyn DeviceOp> {
+        Arc::new(self)
+    }
+
+    /// A short name (errors and timelines).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Op::Fill { .. } => "fill",
+            Op::Axpy { .. } => "axpy",
+            Op::Gemm { .. } => "gemm",
+            Op::LinearForward(_) => "linear forward",
+            Op::LinearBackward { .. } => "linear backward",
+            Op::Relu => "relu",
+            Op::ReluBackward => "relu backward",
+            Op::Activation(_) => "activation",
+            Op::ActivationBackward(_) => "activation backward",
+            Op::LayerNormForward(_) => "layer norm forward",
+            Op::LayerNormBackward(_) => "layer norm backward",
+            Op::CrossEntropy { .. } => "cross entropy",
+            Op::EmbeddingForward(_) => "embedding forward",
+            Op::EmbeddingBackward(_) => "embedding backward",
+            Op::SumSquares => "sum of squares",
+            Op::Sgd(_) => "sgd",
+            Op::AdamW(_) => "adamw",
+        }
+    }
+
+    /// OPS-1: whether buffers of these lengths fit the op.
+    pub fn check_lens(&self, r: &[usize], w: &[usize]) -> Result<(), String> {
+        let name = self.label();
+        match self {
+            Op::Fill { .. } => {
+                want(&format!("{name} reads"), r, 0)?;
+                want(&format!("{name} writes"), w, 1)
+            }
+            Op::Axpy { .. } => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("axpy y", w[0], r[0])
+            }
+            Op::Gemm { shape, .. } => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                let GemmShape { m, n, k, .. } = *shape;
+                len_is("gemm a", r[0], m * k)?;
+                len_is("gemm b", r[1], k * n)?;
+                len_is("gemm c", w[0], m * n)
+            }
+            Op::LinearForward(l) => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("linear params", r[0], l.num_params())?;
+                let n = rows_of("linear x", r[1], l.in_dim)?;
+                len_is("linear y", w[0], n * l.out_dim)
+            }
+            Op::LinearBackward { linear: l, input_grad } => {
+                want(&format!("{name} reads"), r, 3)?;
+                want(&format!("{name} writes"), w, if *input_grad { 2 } else { 1 })?;
+                len_is("linear params", r[0], l.num_params())?;
+                let n = rows_of("linear x", r[1], l.in_dim)?;
+                len_is("linear dy", r[2], n * l.out_dim)?;
+                len_is("linear grads", w[0], l.num_params())?;
+                if *input_grad {
+                    len_is("linear dx", w[1], r[1])?;
+                }
+                Ok(())
+            }
+            Op::Relu | Op::Activation(_) => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is(&format!("{name} y"), w[0], r[0])
+            }
+            Op::ReluBackward | Op::ActivationBackward(_) => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is(&format!("{name} dy"), r[1], r[0])?;
+                len_is(&format!("{name} dx"), w[0], r[0])
+            }
+            Op::LayerNormForward(ln) => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 3)?;
+                len_is("layer norm params", r[0], ln.num_params())?;
+                let n = rows_of("layer norm x", r[1], ln.dim)?;
+                len_is("layer norm y", w[0], r[1])?;
+                len_is("layer norm mean", w[1], n)?;
+                len_is("layer norm rstd", w[2], n)
+            }
+            Op::LayerNormBackward(ln) => {
+                want(&format!("{name} reads"), r, 5)?;
+                want(&format!("{name} writes"), w, 2)?;
+                len_is("layer norm params", r[0], ln.num_params())?;
+                let n = rows_of("layer norm x", r[1], ln.dim)?;
+                len_is("layer norm mean", r[2], n)?;
+                len_is("layer norm rstd", r[3], n)?;
+                len_is("layer norm dy", r[4], r[1])?;
+                len_is("layer norm dx", w[0], r[1])?;
+                len_is("layer norm grads", w[1], ln.num_params())
+            }
+            Op::CrossEntropy { vocab, .. } => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 2)?;
+                let n = rows_of("cross entropy logits", r[0], *vocab)?;
+                len_is("cross entropy targets", r[1], n)?;
+                len_is("cross entropy loss", w[0], 1)?;
+                len_is("cross entropy dlogits", w[1], r[0])
+            }
+            Op::EmbeddingForward(e) => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("embedding table", r[0], e.num_params())?;
+                len_is("embedding out", w[0], r[1] * e.dim)
+            }
+            Op::EmbeddingBackward(e) => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("embedding dy", r[1], r[0] * e.dim)?;
+                len_is("embedding grads", w[0], e.num_params())
+            }
+            Op::SumSquares => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("sum of squares out", w[0], 2)
+            }
+            Op::Sgd(s) => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 2)?;
+                len_is("sgd grad", r[0], w[0])?;
+                if s.momentum != 0.0 {
+                    len_is("sgd momentum", w[1], w[0])?;
+                }
+                Ok(())
+            }
+            Op::AdamW(a) => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 2)?;
+                if a.step == 0 {
+                    return Err("adamw: steps count from 1".into());
+                }
+                len_is("adamw grad", r[0], w[0])?;
+                len_is("adamw state", w[1], 2 * w[0])
+            }
+        }
+    }
+
+    /// The host reference (OPS-2), after [`Op::check_lens`] passed.
+    pub fn host(&self, r: &[&[f32]], w: &mut [&mut [f32]]) -> Result<(), String> {
+        let e = |e: crate::error::ModelError| e.to_string();
+        match self {
+            Op::Fill { value } => w[0].fill(*value),
+            Op::Axpy { alpha } => {
+                w[0].iter_mut().zip(r[0]).for_each(|(y, &x)| *y += alpha * x);
+            }
+            Op::Gemm { shape, accumulate } => f32::gemm(*shape, r[0], r[1], w[0], *accumulate),
+            Op::LinearForward(l) => l.forward(r[0], r[1], w[0]).map_err(e)?,
+            Op::LinearBackward { linear, input_grad } => {
+                let (grads, rest) = w.split_first_mut().expect("checked: grads");
+                let dx = if *input_grad { Some(&mut *rest[0]) } else { None };
+                linear.backward(r[0], r[1], r[2], dx, grads).map_err(e)?;
+            }
+            Op::Relu => w[0].iter_mut().zip(r[0]).for_each(|(y, &x)| *y = x.max(0.0)),
+            Op::ReluBackward => {
+                for ((dx, &y), &dy) in w[0].iter_mut().zip(r[0]).zip(r[1]) {
+                    *dx = if y > 0.0 { dy } else { 0.0 };
+                }
+            }
+            Op::Activation(a) => a.forward(r[0], w[0]).map_err(e)?,
+            Op::ActivationBackward(a) => a.backward(r[0], r[1], w[0]).map_err(e)?,
+            Op::LayerNormForward(ln) => {
+                let saved = ln.forward(r[0], r[1], w[0]).map_err(e)?;
+                w[1].copy_from_slice(&saved.mean);
+                w[2].copy_from_slice(&saved.rstd);
+            }
+            Op::LayerNormBackward(ln) => {
+                let saved = LayerNormSaved { mean: r[2].to_vec(), rstd: r[3].to_vec() };
+                let [dx, grads] = w else { unreachable!("checked: two writes") };
+                ln.backward(r[0], r[1], &saved, r[4], dx, grads).map_err(e)?;
+            }
+            Op::CrossEntropy { vocab, dloss } => {
+                let t = ids_of(r[1]);
+                let saved = cross_entropy_forward(r[0], *vocab, &t).map_err(e)?;
+                w[0][0] = saved.loss * dloss;
+                cross_entropy_backward(r[0], *vocab, &t, &saved, *dloss, w[1]).map_err(e)?;
+            }
+            Op::EmbeddingForward(emb) => emb.forward(r[0], &ids_of(r[1]), w[0]).map_err(e)?,
+            Op::EmbeddingBackward(emb) => emb.backward(&ids_of(r[0]), r[1], w[0]).map_err(e)?,
+            Op::SumSquares => {
+                let s: f64 = r[0].iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+                store_f64(s, w[0]);
+            }
+            Op::Sgd(s) => sgd_host(s, r[0], w),
+            Op::AdamW(a) => adamw_host(a, r[0], w),
+        }
+        Ok(())
+    }
+}
+
+/// `torch.optim.SGD`, element by element as `sgd_f32` of the CUDA kernels.
+fn sgd_host(s: &SgdStep, g: &[f32], w: &mut [&mut [f32]]) {
+    let [p, buf] = w else { unreachable!("checked: two writes") };
+    let first = s.step <= 1;
+    for i in 0..p.len() {
+        let mut d = g[i];
+        if s.weight_decay != 0.0 {
+            d += s.weight_decay * p[i];
+        }
+        if s.momentum != 0.0 {
+            let b = if first { d } else { s.momentum * buf[i] + (1.0 - s.dampening) * d };
+            buf[i] = b;
+            d = if s.nesterov { d + s.momentum * b } else { b };
+        }
+        p[i] -= s.lr * d;
+    }
+}
+
+/// `torch.optim.AdamW`, element by element as `adamw_f32` of the CUDA kernels.
+fn adamw_host(a: &AdamWStep, g: &[f32], w: &mut [&mut [f32]]) {
+    let [p, st] = w else { unreachable!("checked: two writes") };
+    let (step_size, bc2_sqrt, decay) = a.scalars();
+    for i in 0..p.len() {
+        let gi = g[i];
+        p[i] *= decay;
+        let mut m = st[2 * i];
+        m += (gi - m) * (1.0 - a.beta1);
+        st[2 * i] = m;
+        let v = st[2 * i + 1] * a.beta2 + (1.0 - a.beta2) * gi * gi;
+        st[2 * i + 1] = v;
+        let denom = v.sqrt() / bc2_sqrt + a.eps;
+        p[i] -= step_size * (m / denom);
+    }
+}
+
+impl DeviceOp for Op {
+    fn name(&self) -> String {
+        self.label().to_string()
+    }
+
+    fn check(&self, reads: &[usize], writes: &[usize]) -> Result<(), String> {
+        self.check_lens(reads, writes)
+    }
+
+    fn run_host(&self, r: &[&[f32]], w: &mut [&mut [f32]]) -> Result<(), DeviceError> {
+        self.host(r, w).map_err(|e| DeviceError::Invalid(format!("{}: {e}", self.label())))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
