@@ -62,7 +62,7 @@ for lib in libcuda.so libcublas.so libcublasLt.so libnvrtc.so libnccl.so; do
     printf '  %-16s %s\n' "$lib" "${found:-not found}"
 done
 
-step "cuda kernels against the cpu backend" 90 "$here/tests/models" cuda --test-threads=1 --nocapture
+step "cuda backend, CUDA device ops and NCCL comm vs cpu" 120 "$here/tests/models" cuda --test-threads=1 --nocapture
 step "nccl at world 1" 60 "$here/tests/collectives" nccl --test-threads=1 --nocapture
 step "cuda training follows the cpu (runtime test)" 90 "$here/tests/runtime-device" --nocapture
 step "mlp-bn 100 steps, world 1, cpu" 60 "$here/bin/shardline" train --device cpu --model mlp-bn --world 1 --steps 100 --no-progress

@@ -46,7 +46,7 @@ pub use failing::{FailWhen, FailingDevice};
 pub use hazard::{Hazard, StreamId, Use, VectorClock};
 pub use sim::{SimDevice, SimOptions};
 pub use sim_comm::{SimComm, SimWorld};
-pub use usage::Reservation;
+pub use usage::{Reservation, Usage};
 
 use std::sync::Arc;
 

@@ -1,6 +1,7 @@
 //! A device's memory count: bytes in use, the peak, the capacity. Allocations and the
 //! memory kernels take while they run ([`Reservation`]) draw on the same count, as a GPU's
 //! caching allocator serves both a program's buffers and the tensors its kernels make.
+//! Public, so that a device of another crate (the CUDA device) keeps the same count.
 //!
 //! The count has a lock of its own, apart from a device's buffers and streams, because a
 //! kernel reserves while it runs, on a stream's worker or (the host device) inside
@@ -23,14 +24,14 @@ struct Counts {
 
 /// Bytes in use and their peak, within an optional capacity (USAGE-1).
 #[derive(Default)]
-pub(crate) struct Usage {
+pub struct Usage {
     counts: Mutex<Counts>,
     capacity: Option<u64>,
 }
 
 impl Usage {
     /// A count within `capacity` bytes (`None`: unbounded).
-    pub(crate) fn new(capacity: Option<u64>) -> Arc<Self> {
+    pub fn new(capacity: Option<u64>) -> Arc<Self> {
         Arc::new(Usage { counts: Mutex::default(), capacity })
     }
 
@@ -39,7 +40,7 @@ impl Usage {
     }
 
     /// Takes `bytes` for `label`, or refuses past the capacity, changing nothing.
-    pub(crate) fn take(&self, bytes: u64, label: &str) -> Result<()> {
+    pub fn take(&self, bytes: u64, label: &str) -> Result<()> {
         let mut c = self.counts();
         if let Some(cap) = self.capacity {
             if c.in_use + bytes > cap {
@@ -57,23 +58,23 @@ impl Usage {
     }
 
     /// Gives back `bytes` taken earlier.
-    pub(crate) fn give(&self, bytes: u64) {
+    pub fn give(&self, bytes: u64) {
         let mut c = self.counts();
         c.in_use = c.in_use.saturating_sub(bytes);
     }
 
     /// Bytes in use.
-    pub(crate) fn in_use(&self) -> u64 {
+    pub fn in_use(&self) -> u64 {
         self.counts().in_use
     }
 
     /// Most bytes in use at once.
-    pub(crate) fn peak(&self) -> u64 {
+    pub fn peak(&self) -> u64 {
         self.counts().peak
     }
 
     /// Takes `bytes` for a kernel's tensors, given back when the reservation is dropped.
-    pub(crate) fn reserve(self: &Arc<Self>, bytes: u64, label: &str) -> Result<Reservation> {
+    pub fn reserve(self: &Arc<Self>, bytes: u64, label: &str) -> Result<Reservation> {
         self.take(bytes, label)?;
         Ok(Reservation { usage: Arc::clone(self), bytes })
     }

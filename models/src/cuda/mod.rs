@@ -11,6 +11,10 @@
 //! `*_dev` methods work on device buffers ([`CudaSlice`]) and are what a device-resident
 //! training step calls.
 //!
+//! [`CudaDevice`] ([`device`]) is the GPU as a `shardline_collectives` device: streams, events,
+//! stream-ordered memory, and the model ops (`crate::ops::Op`) run as cuBLAS products and the
+//! kernels of `ops.cu`; [`NcclComm`] ([`nccl`]) is its NCCL communicator.
+//!
 //! Invariants (cited by the tests):
 //! - CUDA-1: every kernel agrees with the CPU backend (or the CPU layer) on the same inputs
 //!   within f32 rounding (relative 1e-4 for reductions, 1e-5 elementwise).
@@ -27,9 +31,17 @@ use cudarc::driver::{
 use crate::backend::{Backend, GemmShape};
 use crate::error::ModelError;
 
+pub mod device;
+mod device_ops;
+pub mod nccl;
+
+pub use device::CudaDevice;
+pub use nccl::NcclComm;
+
 /// The kernels' CUDA C source.
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
 
+/// Threads per block of the 1-D kernels (`BLOCK` of kernels.cu, `OPS_BLOCK` of ops.cu).
 const BLOCK: u32 = 256;
 
 /// Which libraries of the CUDA stack can be loaded; `Err` names the first one missing.
@@ -56,6 +68,25 @@ pub fn device_count() -> Result<usize, ModelError> {
     let n = CudaContext::device_count()
         .map_err(|e| ModelError::DeviceUnavailable(format!("no CUDA device: {e:?}")))?;
     Ok(n.max(0) as usize)
+}
+
+/// Whether GPU `ordinal` is there, the libraries checked first (no cudarc call before):
+/// `DeviceUnavailable` naming what is missing otherwise. The check of [`Cuda::open`] and
+/// [`CudaDevice::open`] before they create a context.
+fn check_ordinal(ordinal: usize) -> Result<(), ModelError> {
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(ModelError::DeviceUnavailable(format!(
+            "no CUDA device {ordinal} ({count} present)"
+        )));
+    }
+    Ok(())
+}
+
+/// The device name of `ctx`, as the driver reports it (`cuda:{ordinal}` and the error when
+/// the driver does not answer).
+fn context_name(ctx: &CudaContext) -> String {
+    ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", ctx.ordinal()))
 }
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> ModelError {
@@ -87,39 +118,7 @@ pub struct BnGradSums<'a> {
     pub count: f32,
 }
 
-/// One `torch.optim.SGD` step: its hyper-parameters and its number.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SgdStep {
-    /// Learning rate.
-    pub lr: f32,
-    /// Momentum (0: no momentum buffer).
-    pub momentum: f32,
-    /// Dampening of the momentum.
-    pub dampening: f32,
-    /// L2 weight decay, added to the gradient.
-    pub weight_decay: f32,
-    /// Nesterov momentum.
-    pub nesterov: bool,
-    /// The step, 1-based.
-    pub step: u64,
-}
-
-/// One `torch.optim.AdamW` step: its hyper-parameters and its number.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWStep {
-    /// Learning rate.
-    pub lr: f32,
-    /// Decay of the first moment.
-    pub beta1: f32,
-    /// Decay of the second moment.
-    pub beta2: f32,
-    /// Added to the second moment's square root.
-    pub eps: f32,
-    /// Decoupled weight decay.
-    pub weight_decay: f32,
-    /// The step, 1-based.
-    pub step: u64,
-}
+pub use crate::ops::{AdamWStep, SgdStep};
 
 struct Kernels {
     relu: CudaFunction,
@@ -147,6 +146,8 @@ impl std::fmt::Debug for Cuda {
     }
 }
 
+/// One thread per element, every element covered (the kernels of kernels.cu have no
+/// grid-stride loop); `n` is at most `u32::MAX` (checked by the callers), so the grid fits.
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(BLOCK).max(1), 1, 1),
@@ -157,6 +158,34 @@ fn grid(n: usize) -> LaunchConfig {
 
 fn per_channel(c: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// The cuBLAS call of a row-major `c = op(a) op(b)` (`c +=` when `accumulate`), `m`, `n`,
+/// `k` all non-zero: cuBLAS is column-major, where a row-major matrix is its transpose, so
+/// the row-major C = op(A) op(B) is the column-major C^T = op(B)^T op(A)^T, with B as the
+/// first operand: `blas.gemm(cfg, b, a, c)`. `Err` is a dimension past `i32::MAX`.
+fn gemm_config(shape: GemmShape, accumulate: bool) -> Result<GemmConfig<f32>, usize> {
+    let GemmShape { m, n, k, trans_a, trans_b } = shape;
+    let dim = |v: usize| i32::try_from(v).map_err(|_| v);
+    let op = |t: bool| {
+        if t {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    Ok(GemmConfig {
+        transa: op(trans_b),
+        transb: op(trans_a),
+        m: dim(n)?,
+        n: dim(m)?,
+        k: dim(k)?,
+        alpha: 1.0f32,
+        lda: dim(if trans_b { k } else { n })?,
+        ldb: dim(if trans_a { m } else { k })?,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        ldc: dim(n)?,
+    })
 }
 
 fn u32_len(what: &str, n: usize) -> Result<u32, ModelError> {
@@ -181,14 +210,7 @@ macro_rules! launch {
 impl Cuda {
     /// Opens GPU `ordinal`: checks the libraries, creates the context, compiles the kernels.
     pub fn open(ordinal: usize) -> Result<Self, ModelError> {
-        check_libraries()?;
-        let count = CudaContext::device_count()
-            .map_err(|e| ModelError::DeviceUnavailable(format!("no CUDA device: {e:?}")))?;
-        if ordinal >= count.max(0) as usize {
-            return Err(ModelError::DeviceUnavailable(format!(
-                "no CUDA device {ordinal} ({count} present)"
-            )));
-        }
+        check_ordinal(ordinal)?;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| ModelError::DeviceUnavailable(format!("cuda device {ordinal}: {e:?}")))?;
         let stream = ctx.default_stream();
@@ -212,7 +234,7 @@ impl Cuda {
 
     /// Device name, as the driver reports it.
     pub fn device_name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", self.ctx.ordinal()))
+        context_name(&self.ctx)
     }
 
     /// Copies host values to a new device buffer.
@@ -245,7 +267,7 @@ impl Cuda {
         c: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<(), ModelError> {
-        let GemmShape { m, n, k, trans_a, trans_b } = shape;
+        let GemmShape { m, n, k, .. } = shape;
         if a.len() < m * k || b.len() < k * n || c.len() < m * n {
             return Err(ModelError::shape(
                 "gemm_dev",
@@ -262,29 +284,8 @@ impl Cuda {
             }
             return Ok(());
         }
-        let dim =
-            |v: usize| i32::try_from(v).map_err(|_| ModelError::shape("gemm_dev", "< 2^31", v));
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        // cuBLAS is column-major: a row-major matrix is its transpose there, so the row-major
-        // C = op(A) op(B) is the column-major C^T = op(B)^T op(A)^T, with B as first operand.
-        let cfg = GemmConfig {
-            transa: op(trans_b),
-            transb: op(trans_a),
-            m: dim(n)?,
-            n: dim(m)?,
-            k: dim(k)?,
-            alpha: 1.0f32,
-            lda: dim(if trans_b { k } else { n })?,
-            ldb: dim(if trans_a { m } else { k })?,
-            beta: if accumulate { 1.0 } else { 0.0 },
-            ldc: dim(n)?,
-        };
+        let cfg = gemm_config(shape, accumulate)
+            .map_err(|v| ModelError::shape("gemm_dev", "< 2^31", v))?;
         // SAFETY: the length checks above keep every access that the dimensions and leading
         // dimensions allow inside the three buffers; `c` is borrowed mutably, so it does not
         // alias `a` or `b`.
@@ -494,15 +495,11 @@ impl Cuda {
         state: &mut CudaSlice<f32>,
         hp: AdamWStep,
     ) -> Result<(), ModelError> {
-        let AdamWStep { lr, beta1, beta2, eps, weight_decay, step } = hp;
+        let AdamWStep { beta1, beta2, eps, step, .. } = hp;
         if g.len() != p.len() || state.len() != 2 * p.len() || step == 0 {
             return Err(ModelError::shape("adamw", p.len(), g.len()));
         }
-        let t = step.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - (beta1 as f64).powi(t);
-        let bc2_sqrt = ((1.0 - (beta2 as f64).powi(t)).sqrt()) as f32;
-        let step_size = (lr as f64 / bc1) as f32;
-        let decay = 1.0 - lr * weight_decay;
+        let (step_size, bc2_sqrt, decay) = hp.scalars();
         let n = u32_len("adamw", p.len())?;
         let len = p.len();
         launch!(
@@ -621,5 +618,7 @@ pub fn cublas_tflops(
     Ok(2.0 * (m * n * k) as f64 / best.max(1e-12) / 1e12)
 }
 
+#[cfg(test)]
+mod device_tests;
 #[cfg(test)]
 mod tests;

@@ -31,7 +31,7 @@ use crate::nn::linear::Linear;
 use crate::nn::norm::{LayerNorm, LayerNormSaved};
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// One `torch.optim.SGD` step: its hyper-parameters and its number.
 #[derive(Clone, Copy, Debug, PartialEq)]

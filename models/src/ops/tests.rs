@@ -274,8 +274,9 @@ fn a_bad_launch_is_refused_before_anything_runs_devop_1() {
     assert!(e.to_string().contains("embedding forward"), "{e}");
 }
 
-/// One SGD step of a two-layer perceptron with a cross-entropy loss, every kernel an op.
-fn mlp_step_as_ops(dev: Arc<dyn Device>) -> (f32, Vec<f32>, Vec<f32>) {
+/// One SGD step of a two-layer perceptron with a cross-entropy loss, every kernel an op:
+/// the loss and both layers' parameters after it (the CUDA device's tests run it too).
+pub(crate) fn mlp_step_as_ops(dev: Arc<dyn Device>) -> (f32, Vec<f32>, Vec<f32>) {
     let s = dev.stream("compute");
     let (l1, l2) = (Linear::new(4, 8, true), Linear::new(8, 3, true));
     let up = |v: &[f32], l: &str| {

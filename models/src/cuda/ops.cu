@@ -1,0 +1,326 @@
+// Kernels of the CUDA device's ops (models/src/cuda/device.rs, `Op` of models/src/ops),
+// compiled at run time by NVRTC. f32 storage; reductions accumulate in f64 and combine in a
+// fixed order, so a result depends only on the inputs (except the embedding backward, whose
+// scatter-add uses float atomics). Every kernel bounds its indices by the sizes it is given
+// (64-bit index math); the caller checked the buffers against those sizes (Op::check_lens).
+// Elementwise kernels are grid-stride loops; row kernels take rows in a block-stride loop,
+// so a grid of any size covers them.
+//
+// Block size: 256 threads (OPS_BLOCK) for the 1-D kernels, (32, 8) for the column kernels.
+
+#define OPS_BLOCK 256
+#define COL_X 32
+#define COL_Y 8
+
+typedef unsigned long long u64;
+
+// The block's sum of `v`, returned to every thread. `sh` holds OPS_BLOCK doubles; the tree
+// is fixed, so the result depends only on the values.
+__device__ double block_sum(double v, double* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned int w = OPS_BLOCK / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    double t = sh[0];
+    __syncthreads();
+    return t;
+}
+
+// The block's maximum of `v`, returned to every thread (NaN-ignoring, as fmaxf).
+__device__ float block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned int w = OPS_BLOCK / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + w]);
+        __syncthreads();
+    }
+    float t = sh[0];
+    __syncthreads();
+    return t;
+}
+
+#define GRID_STRIDE(i, n)                                                                  \
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                      \
+         i += (u64)gridDim.x * blockDim.x)
+
+extern "C" __global__ void fill_f32(float* x, float value, u64 n) {
+    GRID_STRIDE(i, n) { x[i] = value; }
+}
+
+// y = max(x, 0) (fmaxf(NaN, 0) = 0, as Rust's f32::max).
+extern "C" __global__ void relu_out_f32(const float* x, float* y, u64 n) {
+    GRID_STRIDE(i, n) { y[i] = fmaxf(x[i], 0.0f); }
+}
+
+// dx = dy where y > 0, else 0 (a NaN y gives 0, as the host's comparison).
+extern "C" __global__ void relu_bwd_f32(const float* y, const float* dy, float* dx, u64 n) {
+    GRID_STRIDE(i, n) { dx[i] = y[i] > 0.0f ? dy[i] : 0.0f; }
+}
+
+// The activations of models/src/nn/activation.rs (ACTIV-1..3), kind 0: exact GELU,
+// 1: GELU's tanh form, 2: SiLU. Same formulas, same order of operations, in f32.
+#define INV_SQRT_2 0.70710678118654752440f
+#define INV_SQRT_2PI 0.39894228040143267794f
+#define TANH_BETA 0.79788456080286535588f
+#define TANH_KAPPA 0.044715f
+// 3 * 0.044715 rounded once, as the host's literal.
+#define TANH_3KAPPA 0.134145f
+
+__device__ float act_value(int kind, float x) {
+    if (kind == 0) return 0.5f * x * (1.0f + erff(x * INV_SQRT_2));
+    if (kind == 1) {
+        float inner = TANH_BETA * (x + TANH_KAPPA * x * x * x);
+        return 0.5f * x * (1.0f + tanhf(inner));
+    }
+    return x * (1.0f / (1.0f + expf(-x)));
+}
+
+__device__ float act_derivative(int kind, float x) {
+    if (kind == 0) {
+        float cdf = 0.5f * (1.0f + erff(x * INV_SQRT_2));
+        return cdf + x * expf(-0.5f * x * x) * INV_SQRT_2PI;
+    }
+    if (kind == 1) {
+        float inner = TANH_BETA * (x + TANH_KAPPA * x * x * x);
+        float t = tanhf(inner);
+        float sech2 = 1.0f - t * t;
+        float left = 0.5f * x;
+        // Where tanh has saturated the cubic's slope may be inf: 0 (ACTIV-4).
+        float right = 0.0f;
+        if (sech2 != 0.0f) {
+            float slope = TANH_BETA * (1.0f + TANH_3KAPPA * x * x);
+            right = left * sech2 * slope;
+        }
+        return 0.5f * (1.0f + t) + right;
+    }
+    float s = 1.0f / (1.0f + expf(-x));
+    return s * (1.0f + x * (1.0f - s));
+}
+
+extern "C" __global__ void act_fwd_f32(const float* x, float* y, int kind, u64 n) {
+    GRID_STRIDE(i, n) { y[i] = act_value(kind, x[i]); }
+}
+
+extern "C" __global__ void act_bwd_f32(const float* x, const float* dy, float* dx, int kind,
+                                       u64 n) {
+    GRID_STRIDE(i, n) { dx[i] = dy[i] * act_derivative(kind, x[i]); }
+}
+
+// Every row of y [rows, cols] = params[offset .. offset + cols] (a linear layer's bias, which
+// the product is then added onto).
+extern "C" __global__ void bias_rows_f32(const float* params, u64 offset, float* y, u64 rows,
+                                         u64 cols) {
+    GRID_STRIDE(i, rows * cols) { y[i] = params[offset + i % cols]; }
+}
+
+// out[offset + c] += sum over rows of dy[r, c], dy [rows, cols] (a linear layer's bias
+// gradient). Block (COL_X, COL_Y): COL_X columns, COL_Y row strides, f64 partial sums
+// combined in a fixed order.
+extern "C" __global__ void col_sums_add_f32(const float* dy, float* out, u64 offset, u64 rows,
+                                            u64 cols) {
+    __shared__ double sh[COL_Y][COL_X];
+    u64 c = (u64)blockIdx.x * COL_X + threadIdx.x;
+    double s = 0.0;
+    if (c < cols) {
+        for (u64 r = threadIdx.y; r < rows; r += COL_Y) s += (double)dy[r * cols + c];
+    }
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        double t = 0.0;
+        for (int k = 0; k < COL_Y; k++) t += sh[k][threadIdx.x];
+        out[offset + c] += (float)t;
+    }
+}
+
+// LayerNorm forward (NORM-1, NORM-3), one block per row: mean, then the biased variance of
+// the deviations (two passes, as the host), rstd = 1 / sqrt(var + eps);
+// y = (x - mean) * rstd * weight (+ bias). params: weight [dim], then bias [dim] when
+// has_bias.
+extern "C" __global__ void ln_fwd_f32(const float* params, const float* x, float* y,
+                                      float* mean_out, float* rstd_out, u64 rows, u64 dim,
+                                      int has_bias, float eps) {
+    __shared__ double sh[OPS_BLOCK];
+    const float* gain = params;
+    const float* bias = params + dim;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * dim;
+        float* yr = y + r * dim;
+        double s = 0.0;
+        for (u64 j = threadIdx.x; j < dim; j += OPS_BLOCK) s += (double)xr[j];
+        float mean = (float)(block_sum(s, sh) / (double)dim);
+        double v = 0.0;
+        for (u64 j = threadIdx.x; j < dim; j += OPS_BLOCK) {
+            double d = (double)(xr[j] - mean);
+            v += d * d;
+        }
+        float var = (float)(block_sum(v, sh) / (double)dim);
+        float rstd = 1.0f / sqrtf(var + eps);
+        for (u64 j = threadIdx.x; j < dim; j += OPS_BLOCK) {
+            float o = (xr[j] - mean) * rstd * gain[j];
+            if (has_bias) o = o + bias[j];
+            yr[j] = o;
+        }
+        if (threadIdx.x == 0) {
+            mean_out[r] = mean;
+            rstd_out[r] = rstd;
+        }
+    }
+}
+
+// LayerNorm input gradient, one block per row:
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight, xhat from the saved
+// mean and rstd.
+extern "C" __global__ void ln_bwd_dx_f32(const float* params, const float* x,
+                                         const float* mean_in, const float* rstd_in,
+                                         const float* dy, float* dx, u64 rows, u64 dim) {
+    __shared__ double sh[OPS_BLOCK];
+    const float* gain = params;
+    float inv_d = 1.0f / (float)dim;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* xr = x + r * dim;
+        const float* dyr = dy + r * dim;
+        float* dxr = dx + r * dim;
+        float mean = mean_in[r], rstd = rstd_in[r];
+        double sg = 0.0, sgx = 0.0;
+        for (u64 j = threadIdx.x; j < dim; j += OPS_BLOCK) {
+            float xhat = (xr[j] - mean) * rstd;
+            float g = dyr[j] * gain[j];
+            sg += (double)g;
+            sgx += (double)(g * xhat);
+        }
+        float mean_g = (float)block_sum(sg, sh) * inv_d;
+        float mean_gx = (float)block_sum(sgx, sh) * inv_d;
+        for (u64 j = threadIdx.x; j < dim; j += OPS_BLOCK) {
+            float xhat = (xr[j] - mean) * rstd;
+            dxr[j] = rstd * (dyr[j] * gain[j] - mean_g - xhat * mean_gx);
+        }
+    }
+}
+
+// LayerNorm parameter gradients, per column (deterministic, no atomics):
+// grads[c] += sum_rows dy * xhat, and grads[dim + c] += sum_rows dy when has_bias.
+extern "C" __global__ void ln_bwd_params_f32(const float* x, const float* mean_in,
+                                             const float* rstd_in, const float* dy,
+                                             float* grads, u64 rows, u64 dim, int has_bias) {
+    __shared__ double sw[COL_Y][COL_X];
+    __shared__ double sb[COL_Y][COL_X];
+    u64 c = (u64)blockIdx.x * COL_X + threadIdx.x;
+    double a = 0.0, b = 0.0;
+    if (c < dim) {
+        for (u64 r = threadIdx.y; r < rows; r += COL_Y) {
+            u64 at = r * dim + c;
+            float xhat = (x[at] - mean_in[r]) * rstd_in[r];
+            a += (double)(dy[at] * xhat);
+            b += (double)dy[at];
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = a;
+    sb[threadIdx.y][threadIdx.x] = b;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < dim) {
+        double ta = 0.0, tb = 0.0;
+        for (int k = 0; k < COL_Y; k++) {
+            ta += sw[k][threadIdx.x];
+            tb += sb[k][threadIdx.x];
+        }
+        grads[c] += (float)ta;
+        if (has_bias) grads[dim + c] += (float)tb;
+    }
+}
+
+// Cross-entropy per row (XENT-1), one block per row: lse = max + log(sum exp(v - max)),
+// row_loss[r] = lse - logits[r, t], dlogits = scale * (exp(v - lse) - onehot(t)) with
+// scale = dloss / rows. Targets travel as u32 bits. A target >= vocab (which the host
+// refuses, XENT-2) gives a NaN row loss, so the mean loss shows it, and a zero gradient row;
+// nothing is read out of the row.
+extern "C" __global__ void xent_rows_f32(const float* logits, const float* targets,
+                                         float* dlogits, float* row_loss, u64 rows, u64 vocab,
+                                         float scale) {
+    __shared__ double sh[OPS_BLOCK];
+    __shared__ float shf[OPS_BLOCK];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* row = logits + r * vocab;
+        float* drow = dlogits + r * vocab;
+        unsigned int t = __float_as_uint(targets[r]);
+        float mx = __uint_as_float(0xff800000u);  // -inf
+        for (u64 j = threadIdx.x; j < vocab; j += OPS_BLOCK) mx = fmaxf(mx, row[j]);
+        mx = block_max(mx, shf);
+        double s = 0.0;
+        for (u64 j = threadIdx.x; j < vocab; j += OPS_BLOCK) s += (double)expf(row[j] - mx);
+        float lse = mx + (float)log(block_sum(s, sh));
+        bool valid = (u64)t < vocab;
+        for (u64 j = threadIdx.x; j < vocab; j += OPS_BLOCK) {
+            float p = expf(row[j] - lse);
+            float onehot = (j == (u64)t) ? 1.0f : 0.0f;
+            drow[j] = valid ? scale * (p - onehot) : 0.0f;
+        }
+        if (threadIdx.x == 0) {
+            row_loss[r] = valid ? lse - row[t] : __uint_as_float(0x7fc00000u);  // NaN
+        }
+    }
+}
+
+// loss[0] = (sum of the row losses / rows) * dloss, one block, a fixed order (0 for no row).
+extern "C" __global__ void xent_loss_f32(const float* row_loss, float* loss, u64 rows,
+                                         float dloss) {
+    __shared__ double sh[OPS_BLOCK];
+    double s = 0.0;
+    for (u64 r = threadIdx.x; r < rows; r += OPS_BLOCK) s += (double)row_loss[r];
+    double total = block_sum(s, sh);
+    if (threadIdx.x == 0) {
+        float mean = rows == 0 ? 0.0f : (float)(total / (double)rows);
+        loss[0] = mean * dloss;
+    }
+}
+
+// out [n, dim]: row i = table row ids[i] (EMB-1, ids as u32 bits). An id >= vocab (which the
+// host refuses, EMB-3) reads nothing and writes a zero row.
+extern "C" __global__ void emb_fwd_f32(const float* table, const float* ids, float* out, u64 n,
+                                       u64 dim, u64 vocab) {
+    GRID_STRIDE(i, n * dim) {
+        u64 row = i / dim, j = i % dim;
+        u64 id = (u64)__float_as_uint(ids[row]);
+        out[i] = id < vocab ? table[id * dim + j] : 0.0f;
+    }
+}
+
+// grads [vocab, dim]: row ids[i] += dy row i (EMB-2), float atomics for repeated ids. An id
+// >= vocab adds nothing.
+extern "C" __global__ void emb_bwd_f32(const float* ids, const float* dy, float* grads, u64 n,
+                                       u64 dim, u64 vocab) {
+    GRID_STRIDE(i, n * dim) {
+        u64 row = i / dim, j = i % dim;
+        u64 id = (u64)__float_as_uint(ids[row]);
+        if (id < vocab) atomicAdd(&grads[id * dim + j], dy[i]);
+    }
+}
+
+// Sum of squares, first pass: block b's f64 partial sum into partial[b] (the grid is fixed by
+// the caller, so the partials and their order depend only on n).
+extern "C" __global__ void sumsq_partial_f32(const float* x, double* partial, u64 n) {
+    __shared__ double sh[OPS_BLOCK];
+    double s = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)x[i];
+        s += v * v;
+    }
+    double t = block_sum(s, sh);
+    if (threadIdx.x == 0) partial[blockIdx.x] = t;
+}
+
+// Second pass, one block: the partials summed, the f64 total's bits stored high, low in two
+// f32 elements (ops::store_f64).
+extern "C" __global__ void sumsq_final_f32(const double* partial, u64 parts, float* out) {
+    __shared__ double sh[OPS_BLOCK];
+    double s = 0.0;
+    for (u64 k = threadIdx.x; k < parts; k += OPS_BLOCK) s += partial[k];
+    double t = block_sum(s, sh);
+    if (threadIdx.x == 0) {
+        u64 bits = (u64)__double_as_longlong(t);
+        out[0] = __uint_as_float((unsigned int)(bits >> 32));
+        out[1] = __uint_as_float((unsigned int)(bits & 0xffffffffull));
+    }
+}
