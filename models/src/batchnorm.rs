@@ -236,42 +236,7 @@ impl BatchNorm {
     /// Per-channel statistics of this rank's slice (two passes, f64).
     pub fn local_stats(&self, input: &Tensor) -> Result<Vec<ChannelStats>, ModelError> {
         let (n, s) = self.layout(input)?;
-        let c = self.num_features;
-        if s == 1 {
-            // [N, C]: walk rows so the per-channel accumulators vectorise.
-            let count = n as f64;
-            let mut sum = vec![0.0f64; c];
-            for row in input.as_f32()?.chunks_exact(c.max(1)) {
-                sum.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
-            }
-            let mean: Vec<f64> = sum.iter().map(|v| if n == 0 { 0.0 } else { v / count }).collect();
-            let mut m2 = vec![0.0f64; c];
-            for row in input.as_f32()?.chunks_exact(c.max(1)) {
-                m2.iter_mut()
-                    .zip(row)
-                    .zip(&mean)
-                    .for_each(|((a, &v), m)| *a += (v as f64 - m).powi(2));
-            }
-            return Ok((0..c)
-                .map(|ch| ChannelStats { count, mean: mean[ch], m2: m2[ch] })
-                .collect());
-        }
-        let mut out = Vec::with_capacity(c);
-        let xs = input.as_f32()?;
-        for ch in 0..c {
-            let planes = (0..n).map(|i| &xs[(i * c + ch) * s..][..s]);
-            let count = (n * s) as f64;
-            if count == 0.0 {
-                out.push(ChannelStats::default());
-                continue;
-            }
-            let sum: f64 = planes.clone().map(|p| p.iter().map(|&v| v as f64).sum::<f64>()).sum();
-            let mean = sum / count;
-            let m2: f64 =
-                planes.map(|p| p.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>()).sum();
-            out.push(ChannelStats { count, mean, m2 });
-        }
-        Ok(out)
+        Ok(channel_stats(n, self.num_features, s, input.as_f32()?))
     }
 
     /// Normalises with the global statistics and updates the running statistics.
@@ -296,9 +261,8 @@ impl BatchNorm {
         let mut invstd = Vec::with_capacity(c);
         let mut mean = Vec::with_capacity(c);
         for (ch, st) in stats.iter().enumerate() {
-            let var_biased = st.m2 / st.count;
             let var_unbiased = st.m2 / (st.count - 1.0);
-            invstd.push((1.0 / (var_biased + self.eps as f64).sqrt()) as f32);
+            invstd.push(invstd_of(st.m2 / st.count, self.eps));
             mean.push(st.mean as f32);
             buffers[ch] = ((1.0 - mom) * buffers[ch] as f64 + mom * st.mean) as f32;
             buffers[c + ch] = ((1.0 - mom) * buffers[c + ch] as f64 + mom * var_unbiased) as f32;
@@ -319,9 +283,8 @@ impl BatchNorm {
     ) -> Result<(Tensor, BnSaved), ModelError> {
         let (n, s) = self.layout(&input)?;
         let c = self.num_features;
-        let invstd: Vec<f32> = (0..c)
-            .map(|ch| (1.0 / (buffers[c + ch] as f64 + self.eps as f64).sqrt()) as f32)
-            .collect();
+        let invstd: Vec<f32> =
+            (0..c).map(|ch| invstd_of(buffers[c + ch] as f64, self.eps)).collect();
         let output = Tensor::new(
             input.shape().to_vec(),
             normalize(n, c, s, input.as_f32_mut()?, &buffers[..c], &invstd, params),
@@ -368,9 +331,48 @@ impl BatchNorm {
     }
 }
 
+/// Per-channel (count, mean, M2) of `xs` laid out `[n, c, s]`, two passes in f64 (also the
+/// BatchNorm statistics op's host reference); an empty batch: count, mean and M2 0.
+pub(crate) fn channel_stats(n: usize, c: usize, s: usize, xs: &[f32]) -> Vec<ChannelStats> {
+    if s == 1 {
+        // [N, C]: walk rows so the per-channel accumulators vectorise.
+        let count = n as f64;
+        let mut sum = vec![0.0f64; c];
+        for row in xs.chunks_exact(c.max(1)) {
+            sum.iter_mut().zip(row).for_each(|(a, &v)| *a += v as f64);
+        }
+        let mean: Vec<f64> = sum.iter().map(|v| if n == 0 { 0.0 } else { v / count }).collect();
+        let mut m2 = vec![0.0f64; c];
+        for row in xs.chunks_exact(c.max(1)) {
+            m2.iter_mut().zip(row).zip(&mean).for_each(|((a, &v), m)| *a += (v as f64 - m).powi(2));
+        }
+        return (0..c).map(|ch| ChannelStats { count, mean: mean[ch], m2: m2[ch] }).collect();
+    }
+    let mut out = Vec::with_capacity(c);
+    for ch in 0..c {
+        let planes = (0..n).map(|i| &xs[(i * c + ch) * s..][..s]);
+        let count = (n * s) as f64;
+        if count == 0.0 {
+            out.push(ChannelStats::default());
+            continue;
+        }
+        let sum: f64 = planes.clone().map(|p| p.iter().map(|&v| v as f64).sum::<f64>()).sum();
+        let mean = sum / count;
+        let m2: f64 =
+            planes.map(|p| p.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>()).sum();
+        out.push(ChannelStats { count, mean, m2 });
+    }
+    out
+}
+
+/// `1 / sqrt(var + eps)` in f64, rounded once to f32 (training and eval mode).
+pub(crate) fn invstd_of(var: f64, eps: f32) -> f32 {
+    (1.0 / (var + eps as f64).sqrt()) as f32
+}
+
 /// `x <- (x - mean) * invstd` in place (the saved `xhat`) and returns `y = xhat * w + b`,
 /// for `x` laid out `[n, c, s]`.
-fn normalize(
+pub(crate) fn normalize(
     n: usize,
     c: usize,
     s: usize,
@@ -501,47 +503,12 @@ pub fn batchnorm_backward_fused(
     let mut sums = Vec::with_capacity(items.len());
     for it in items.iter_mut() {
         let l = it.layer;
-        let c = l.num_features;
         check_len("batchnorm params", it.params.len(), l.num_params())?;
         check_len("batchnorm grads", it.grads_out.len(), l.num_params())?;
         check_len("batchnorm grad_output", it.grad_output.numel(), it.saved.xhat.numel())?;
         let (n, s) = l.layout(&it.saved.xhat)?;
-        let mut sdy = vec![0.0f64; c];
-        let mut sdyx = vec![0.0f64; c];
-        if s == 1 {
-            for (dr, xr) in it
-                .grad_output
-                .as_f32()?
-                .chunks_exact(c.max(1))
-                .zip(it.saved.xhat.as_f32()?.chunks_exact(c.max(1)))
-            {
-                for ch in 0..c {
-                    sdy[ch] += dr[ch] as f64;
-                    sdyx[ch] += (dr[ch] * xr[ch]) as f64;
-                }
-            }
-        } else {
-            for i in 0..n {
-                for ch in 0..c {
-                    let off = (i * c + ch) * s;
-                    let dy = &it.grad_output.as_f32()?[off..off + s];
-                    let xh = &it.saved.xhat.as_f32()?[off..off + s];
-                    let (mut a, mut b) = (0.0f32, 0.0f32);
-                    for (d, x) in dy.iter().zip(xh) {
-                        a += d;
-                        b += d * x;
-                    }
-                    sdy[ch] += a as f64;
-                    sdyx[ch] += b as f64;
-                }
-            }
-        }
-        for ch in 0..c {
-            it.grads_out[ch] += sdyx[ch] as f32;
-            it.grads_out[c + ch] += sdy[ch] as f32;
-        }
-        sdy.extend_from_slice(&sdyx);
-        sums.push(sdy);
+        let (dy, xhat) = (it.grad_output.as_f32()?, it.saved.xhat.as_f32()?);
+        sums.push(backward_reduce((n, l.num_features, s), dy, xhat, it.grads_out));
     }
     let synced: Vec<usize> = (0..items.len())
         .filter(|&i| items[i].saved.training && syncing(items[i].saved.sync, reducer).is_some())
@@ -561,47 +528,90 @@ pub fn batchnorm_backward_fused(
     }
     let mut out = Vec::with_capacity(items.len());
     for (it, sum) in items.iter().zip(&sums) {
-        let l = it.layer;
-        let c = l.num_features;
-        let (n, s) = l.layout(&it.saved.xhat)?;
+        let (c, (n, s)) = (it.layer.num_features, it.layer.layout(&it.saved.xhat)?);
         let mut gx = it.grad_output.clone();
-        let (mut av, mut bv, mut kv) = (vec![0.0f32; c], vec![0.0f32; c], vec![0.0f32; c]);
-        for ch in 0..c {
-            av[ch] = it.params[ch] * it.saved.invstd[ch];
-            // Eval mode: the statistics are constants, so dx = w * invstd * dy.
-            if it.saved.training {
-                let nn = it.saved.count;
-                bv[ch] = (sum[ch] / nn) as f32;
-                kv[ch] = (sum[c + ch] / nn) as f32;
-            }
-        }
-        if s == 1 {
-            for (gr, xr) in gx
-                .as_f32_mut()?
-                .chunks_exact_mut(c.max(1))
-                .zip(it.saved.xhat.as_f32()?.chunks_exact(c.max(1)))
-            {
-                for ch in 0..c {
-                    gr[ch] = av[ch] * (gr[ch] - bv[ch] - xr[ch] * kv[ch]);
-                }
-            }
-        } else {
-            for i in 0..n {
-                for ch in 0..c {
-                    let off = (i * c + ch) * s;
-                    let (a, b, k) = (av[ch], bv[ch], kv[ch]);
-                    for (g, x) in gx.as_f32_mut()?[off..off + s]
-                        .iter_mut()
-                        .zip(&it.saved.xhat.as_f32()?[off..off + s])
-                    {
-                        *g = a * (*g - b - x * k);
-                    }
-                }
-            }
-        }
+        // Eval mode: the statistics are constants, so dx = w * invstd * dy.
+        let global = it.saved.training.then_some((sum.as_slice(), it.saved.count));
+        let (weight, xhat) = (&it.params[..c], it.saved.xhat.as_f32()?);
+        backward_dx((n, c, s), weight, &it.saved.invstd, global, xhat, gx.as_f32_mut()?);
         out.push(gx);
     }
     Ok(out)
+}
+
+/// The backward's reduce over `dy`, `xhat` (`[n, c, s]`): returns `[sum dy (C), sum dy *
+/// xhat (C)]` (f64; f32 within a plane when `s > 1`), what SyncBatchNorm sums across ranks,
+/// and ADDS the local parameter gradients to `grads` (weight: sum dy * xhat; bias: sum dy).
+pub(crate) fn backward_reduce(
+    (n, c, s): (usize, usize, usize),
+    dy: &[f32],
+    xhat: &[f32],
+    grads: &mut [f32],
+) -> Vec<f64> {
+    let (mut sdy, mut sdyx) = (vec![0.0f64; c], vec![0.0f64; c]);
+    if s == 1 {
+        for (dr, xr) in dy.chunks_exact(c.max(1)).zip(xhat.chunks_exact(c.max(1))) {
+            for ch in 0..c {
+                sdy[ch] += dr[ch] as f64;
+                sdyx[ch] += (dr[ch] * xr[ch]) as f64;
+            }
+        }
+    } else {
+        for i in 0..n {
+            for ch in 0..c {
+                let off = (i * c + ch) * s;
+                let (mut a, mut b) = (0.0f32, 0.0f32);
+                for (d, x) in dy[off..off + s].iter().zip(&xhat[off..off + s]) {
+                    a += d;
+                    b += d * x;
+                }
+                sdy[ch] += a as f64;
+                sdyx[ch] += b as f64;
+            }
+        }
+    }
+    for ch in 0..c {
+        grads[ch] += sdyx[ch] as f32;
+        grads[c + ch] += sdy[ch] as f32;
+    }
+    sdy.extend_from_slice(&sdyx);
+    sdy
+}
+
+/// The input gradient in place over `gx` (`dy` on entry), `[n, c, s]`: `dx = weight *
+/// invstd * (dy - sum_dy / count - xhat * sum_dy_xhat / count)` with `global` the global
+/// batch's sums ([`backward_reduce`]) and count; `None` in eval mode (constant statistics).
+pub(crate) fn backward_dx(
+    (n, c, s): (usize, usize, usize),
+    weight: &[f32],
+    invstd: &[f32],
+    global: Option<(&[f64], f64)>,
+    xhat: &[f32],
+    gx: &mut [f32],
+) {
+    let av: Vec<f32> = (0..c).map(|ch| weight[ch] * invstd[ch]).collect();
+    // The per-channel means of dy (from 0) and dy * xhat (from c); 0 in eval mode.
+    let mean = |at: usize| -> Vec<f32> {
+        (0..c).map(|ch| global.map_or(0.0, |(sum, nn)| (sum[at + ch] / nn) as f32)).collect()
+    };
+    let (bv, kv) = (mean(0), mean(c));
+    if s == 1 {
+        for (gr, xr) in gx.chunks_exact_mut(c.max(1)).zip(xhat.chunks_exact(c.max(1))) {
+            for ch in 0..c {
+                gr[ch] = av[ch] * (gr[ch] - bv[ch] - xr[ch] * kv[ch]);
+            }
+        }
+    } else {
+        for i in 0..n {
+            for ch in 0..c {
+                let off = (i * c + ch) * s;
+                let (a, b, k) = (av[ch], bv[ch], kv[ch]);
+                for (g, x) in gx[off..off + s].iter_mut().zip(&xhat[off..off + s]) {
+                    *g = a * (*g - b - x * k);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 //! adds nothing, and the cross-entropy gives that row a NaN loss (so the mean loss shows it)
 //! and a zero gradient row. The updates and axpy reuse the 32-bit-indexed kernels of
 //! `kernels.cu`, so buffers past their range (2^32 - 1 elements; AdamW 2^31 - 1) are
-//! `Invalid`.
+//! `Invalid`. The BatchNorm and attention ops are in `device_ops/norm_attn.rs`; an attention
+//! head too wide for their kernels' shared memory (`head_dim` past about 2,700) is `Invalid`.
 
 use std::sync::Arc;
 
@@ -94,6 +95,9 @@ macro_rules! kernel {
     }};
 }
 
+/// The BatchNorm and attention ops (after `kernel!`, which they use).
+mod norm_attn;
+
 /// The functions of the two NVRTC modules, compiled at [`CudaDevice::open`].
 pub(super) struct Kernels {
     fill: CudaFunction,
@@ -112,6 +116,14 @@ pub(super) struct Kernels {
     emb_bwd: CudaFunction,
     sumsq_partial: CudaFunction,
     sumsq_final: CudaFunction,
+    bn_stats: CudaFunction,
+    bn_invstd: CudaFunction,
+    bn_fwd: CudaFunction,
+    bn_bwd_reduce: CudaFunction,
+    bn_bwd_dx: CudaFunction,
+    attn_fwd: CudaFunction,
+    attn_bwd_dq: CudaFunction,
+    attn_bwd_dkdv: CudaFunction,
     /// kernels.cu
     axpy: CudaFunction,
     sgd: CudaFunction,
@@ -150,6 +162,14 @@ impl Kernels {
             emb_bwd: f(&ops, "emb_bwd_f32")?,
             sumsq_partial: f(&ops, "sumsq_partial_f32")?,
             sumsq_final: f(&ops, "sumsq_final_f32")?,
+            bn_stats: f(&ops, "bn_chan_stats_f32")?,
+            bn_invstd: f(&ops, "bn_invstd_f32")?,
+            bn_fwd: f(&ops, "bn_fwd_f32")?,
+            bn_bwd_reduce: f(&ops, "bn_bwd_reduce_f32")?,
+            bn_bwd_dx: f(&ops, "bn_bwd_dx_f32")?,
+            attn_fwd: f(&ops, "attn_fwd_f32")?,
+            attn_bwd_dq: f(&ops, "attn_bwd_dq_f32")?,
+            attn_bwd_dkdv: f(&ops, "attn_bwd_dkdv_f32")?,
             axpy: f(&base, "axpy_f32")?,
             sgd: f(&base, "sgd_f32")?,
             adamw: f(&base, "adamw_f32")?,
@@ -606,6 +626,12 @@ impl CudaDevice {
                     &n,
                 )?;
             }
+            Op::BatchNormStats { .. }
+            | Op::BatchNormForward { .. }
+            | Op::BatchNormBackwardReduce { .. }
+            | Op::BatchNormBackwardDx { .. }
+            | Op::AttentionForward(_)
+            | Op::AttentionBackward(_) => self.run_norm_attn(op, cs, r, w)?,
         }
         Ok(())
     }

@@ -15,6 +15,7 @@ use super::device::CudaDevice;
 use super::nccl::NcclComm;
 use crate::backend::GemmShape;
 use crate::nn::activation::Activation;
+use crate::nn::attention::AttnShape;
 use crate::nn::embedding::Embedding;
 use crate::nn::linear::Linear;
 use crate::nn::norm::LayerNorm;
@@ -294,6 +295,83 @@ fn sum_of_squares_matches_the_host_device() {
         let got = run_on(&d, &Op::SumSquares, std::slice::from_ref(&x), &[vec![0.0; 2]]);
         let (g, w) = (load_f64(&got[0]), load_f64(&want[0]));
         assert!((g - w).abs() <= 1e-12 * w.abs().max(1.0), "n {n}: {g} vs {w}");
+    }
+}
+
+#[test]
+fn batch_norm_ops_match_the_host_device() {
+    let Some(d) = gpu("batch_norm_ops_match_the_host_device", None) else { return };
+    let cpu = CpuDevice::new();
+    let mut rng = SplitMix64::new(23);
+    // s = 1 ([N, C]) with a batch past a block; planes of 257 and 300 values (past a block,
+    // not multiples of it); 70 channels; an empty slice of a SyncBatchNorm batch.
+    for &(n, c, s) in &[(8, 5, 1), (300, 3, 1), (4, 3, 257), (2, 70, 9), (1, 2, 300), (0, 4, 3)] {
+        let len = n * c * s;
+        let x: Vec<f32> = randn(&mut rng, len).iter().map(|v| 2.0 * v + 3.0).collect();
+        let stats = Op::BatchNormStats { n, c, s };
+        let junk = |rng: &mut SplitMix64, lens: &[usize]| -> Vec<Vec<f32>> {
+            lens.iter().map(|&l| randn(rng, l)).collect()
+        };
+        check(&d, stats.clone(), std::slice::from_ref(&x), &junk(&mut rng, &[c, c]), REDUCTION);
+        let st = run_on(&cpu, &stats, std::slice::from_ref(&x), &[vec![0.0; c], vec![0.0; c]]);
+        // This slice's own count, and a larger global batch (SyncBatchNorm).
+        for count in [n * s, 3 * n * s + 2].into_iter().filter(|&k| k >= 2) {
+            let params = randn(&mut rng, 2 * c);
+            let fwd = Op::BatchNormForward { n, c, s, count, eps: 1e-5 };
+            let reads = [x.clone(), params.clone(), st[0].clone(), st[1].clone()];
+            check(&d, fwd.clone(), &reads, &junk(&mut rng, &[len, len, c]), ELEMENTWISE);
+            let f = run_on(&cpu, &fwd, &reads, &[vec![0.0; len], vec![0.0; len], vec![0.0; c]]);
+            let dy = randn(&mut rng, len);
+            let red = Op::BatchNormBackwardReduce { n, c, s };
+            let reads = [dy.clone(), f[1].clone()];
+            check(&d, red.clone(), &reads, &junk(&mut rng, &[2 * c, 2 * c]), REDUCTION);
+            let sums = run_on(&cpu, &red, &reads, &[vec![0.0; 2 * c], vec![0.0; 2 * c]]);
+            let dx = Op::BatchNormBackwardDx { n, c, s, count };
+            let reads = [params, f[1].clone(), f[2].clone(), sums[0].clone(), dy];
+            check(&d, dx, &reads, &junk(&mut rng, &[len]), ELEMENTWISE);
+        }
+    }
+}
+
+#[test]
+fn attention_ops_match_the_host_device() {
+    let Some(d) = gpu("attention_ops_match_the_host_device", None) else { return };
+    let cpu = CpuDevice::new();
+    let mut rng = SplitMix64::new(29);
+    // head_dim 16 and 64 (and 3); seq 1, and 37, 300, 513: not multiples of the kernels' tile
+    // of 256 or the host's block of 64, and past one and two tiles.
+    for &(batch, heads, seq, head_dim) in
+        &[(2, 3, 37, 16), (1, 2, 300, 64), (2, 2, 1, 16), (1, 1, 513, 16), (3, 1, 70, 3)]
+    {
+        let shape = AttnShape { batch, heads, seq, head_dim };
+        let (n, rows) = (shape.numel(), shape.rows());
+        let qkv: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, n)).collect();
+        let fwd = Op::AttentionForward(shape);
+        check(&d, fwd.clone(), &qkv, &[randn(&mut rng, n), randn(&mut rng, rows)], REDUCTION);
+        // The host's output and logsumexp as inputs to both devices' backward.
+        let saved = run_on(&cpu, &fwd, &qkv, &[vec![0.0; n], vec![0.0; rows]]);
+        let mut reads = qkv.clone();
+        reads.extend([saved[0].clone(), saved[1].clone(), randn(&mut rng, n)]);
+        let writes: Vec<Vec<f32>> = (0..3).map(|_| randn(&mut rng, n)).collect();
+        check(&d, Op::AttentionBackward(shape), &reads, &writes, REDUCTION);
+        // No atomics: dq, dk and dv are the same bits on a second run.
+        let once = run_on(&d, &Op::AttentionBackward(shape), &reads, &writes);
+        assert_eq!(once, run_on(&d, &Op::AttentionBackward(shape), &reads, &writes), "{shape:?}");
+    }
+    // A head too wide for the kernels' shared memory is refused; the device stays usable.
+    let wide = AttnShape { batch: 1, heads: 1, seq: 2, head_dim: 20_000 };
+    let s = d.stream("s");
+    let bufs: Vec<DeviceBuffer> =
+        [wide.numel(), wide.numel(), wide.numel(), wide.numel(), wide.rows()]
+            .iter()
+            .map(|&l| d.alloc(l, "attention").unwrap())
+            .collect();
+    let (r, w) = (&[&bufs[0], &bufs[1], &bufs[2]], &[&bufs[3], &bufs[4]]);
+    let e = d.launch_op(s, Op::AttentionForward(wide).arc(), r, w).expect_err("too wide");
+    assert!(matches!(&e, DeviceError::Invalid(m) if m.contains("shared memory")), "{e}");
+    assert!(d.failure().is_none());
+    for b in bufs {
+        d.free(s, b).unwrap();
     }
 }
 

@@ -324,3 +324,285 @@ extern "C" __global__ void sumsq_final_f32(const double* partial, u64 parts, flo
         out[1] = __uint_as_float((unsigned int)(bits & 0xffffffffull));
     }
 }
+
+// ---- BatchNorm in training mode (models/src/batchnorm.rs), x laid out [n, c, s] ----------
+
+// The index in [n, c, s] of value j (of n * s) of channel ch.
+__device__ u64 bn_at(u64 j, u64 ch, u64 c, u64 s) { return ((j / s) * c + ch) * s + j % s; }
+
+// Per-channel mean and M2 (sum of squared deviations from the mean), two passes in f64 as
+// channel_stats; one block per channel (block-stride over the channels). count 0: 0 and 0.
+// (kernels.cu's bn_stats_f32 is the Cuda backend's, with 32-bit sizes.)
+extern "C" __global__ void bn_chan_stats_f32(const float* x, float* mean_out, float* m2_out,
+                                             u64 n, u64 c, u64 s) {
+    __shared__ double sh[OPS_BLOCK];
+    u64 count = n * s;
+    for (u64 ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        double a = 0.0;
+        for (u64 j = threadIdx.x; j < count; j += OPS_BLOCK) a += (double)x[bn_at(j, ch, c, s)];
+        double total = block_sum(a, sh);
+        double mean = count == 0 ? 0.0 : total / (double)count;
+        double q = 0.0;
+        for (u64 j = threadIdx.x; j < count; j += OPS_BLOCK) {
+            double d = (double)x[bn_at(j, ch, c, s)] - mean;
+            q += d * d;
+        }
+        double m2 = block_sum(q, sh);
+        if (threadIdx.x == 0) {
+            mean_out[ch] = (float)mean;
+            m2_out[ch] = (float)m2;
+        }
+    }
+}
+
+// invstd = 1 / sqrt(m2 / count + eps) in f64, rounded once (invstd_of), per channel.
+extern "C" __global__ void bn_invstd_f32(const float* m2, float* invstd, u64 c, double count,
+                                         float eps) {
+    GRID_STRIDE(ch, c) { invstd[ch] = (float)(1.0 / sqrt((double)m2[ch] / count + (double)eps)); }
+}
+
+// xhat = (x - mean) * invstd, y = xhat * weight + bias (normalize); params: weight [c], then
+// bias [c].
+extern "C" __global__ void bn_fwd_f32(const float* params, const float* x, const float* mean,
+                                      const float* invstd, float* y, float* xhat, u64 n, u64 c,
+                                      u64 s) {
+    GRID_STRIDE(i, n * c * s) {
+        u64 ch = (i / s) % c;
+        float v = (x[i] - mean[ch]) * invstd[ch];
+        xhat[i] = v;
+        y[i] = v * params[ch] + params[c + ch];
+    }
+}
+
+// The backward's reduce (backward_reduce), one block per channel: sums[ch] = sum dy,
+// sums[c + ch] = sum dy * xhat (f64 accumulation); grads[ch] += sum dy * xhat (weight),
+// grads[c + ch] += sum dy (bias).
+extern "C" __global__ void bn_bwd_reduce_f32(const float* dy, const float* xhat, float* sums,
+                                             float* grads, u64 n, u64 c, u64 s) {
+    __shared__ double sh[OPS_BLOCK];
+    u64 count = n * s;
+    for (u64 ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        double a = 0.0, b = 0.0;
+        for (u64 j = threadIdx.x; j < count; j += OPS_BLOCK) {
+            u64 at = bn_at(j, ch, c, s);
+            a += (double)dy[at];
+            b += (double)(dy[at] * xhat[at]);
+        }
+        double sdy = block_sum(a, sh);
+        double sdyx = block_sum(b, sh);
+        if (threadIdx.x == 0) {
+            sums[ch] = (float)sdy;
+            sums[c + ch] = (float)sdyx;
+            grads[ch] += (float)sdyx;
+            grads[c + ch] += (float)sdy;
+        }
+    }
+}
+
+// dx = weight * invstd * (dy - sum dy / count - xhat * sum dy xhat / count) (backward_dx),
+// the means in f64 rounded once, count the values per channel of the global batch.
+extern "C" __global__ void bn_bwd_dx_f32(const float* params, const float* xhat,
+                                         const float* invstd, const float* sums, const float* dy,
+                                         float* dx, u64 n, u64 c, u64 s, double count) {
+    GRID_STRIDE(i, n * c * s) {
+        u64 ch = (i / s) % c;
+        float a = params[ch] * invstd[ch];
+        float b = (float)((double)sums[ch] / count);
+        float k = (float)((double)sums[c + ch] / count);
+        dx[i] = a * (dy[i] - b - xhat[i] * k);
+    }
+}
+
+// ---- Causal self-attention (models/src/nn/attention.rs), no dropout ----------------------
+// q, k, v, out and their gradients are [batch, heads, seq, d] row-major: `rows` = batch *
+// heads * seq rows of d values, the rows of one (batch, head) contiguous; lse and the
+// backward's D are [batch, heads, seq]. Scores are q_i . k_j * scale (scale = 1 / sqrt(d);
+// dot products and the softmax in f32, as the host's f32 kernel),
+// key j visible to query i when j <= i. One block of ATT_BLOCK threads per row (block-stride
+// over the rows, so a grid of any size covers them); its keys (or queries) go in tiles of
+// ATT_BLOCK, one per thread. No seq x seq buffer exists: a block keeps its row's q (or k, v),
+// its accumulators and one tile of probabilities in dynamic shared memory (sizes in
+// device_ops/norm_attn.rs). All loop bounds are uniform over a block, so every thread meets
+// every barrier.
+
+#define ATT_BLOCK OPS_BLOCK
+
+extern __shared__ float att_sh[];
+
+// Forward, one block per query row i: an online softmax over the key tiles. Per tile the
+// running maximum m and sum l are rescaled by exp(m - m') for the tile's maximum m', and the
+// output accumulator acc[d] likewise before acc += sum_j p_j v_j; at the end out = acc / l and
+// lse = m + log(l). Shared: q [d], acc [d], p [ATT_BLOCK].
+extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const float* v,
+                                        float* out, float* lse, u64 rows, u64 seq, u64 d,
+                                        float scale) {
+    __shared__ double sh[OPS_BLOCK];
+    __shared__ float shf[OPS_BLOCK];
+    float* qs = att_sh;
+    float* acc = att_sh + d;
+    float* ps = att_sh + 2 * d;
+    const float neg_inf = __uint_as_float(0xff800000u);
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        u64 i = row % seq;
+        u64 head = (row - i) * d;  // the (batch, head)'s first element
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+            qs[c] = q[row * d + c];
+            acc[c] = 0.0f;
+        }
+        __syncthreads();
+        float m = neg_inf, l = 0.0f;
+        for (u64 j0 = 0; j0 <= i; j0 += ATT_BLOCK) {
+            u64 j = j0 + threadIdx.x;
+            bool live = j <= i;
+            float sc = neg_inf;
+            if (live) {
+                const float* kr = k + head + j * d;
+                float dot = 0.0f;
+                for (u64 c = 0; c < d; c++) dot += qs[c] * kr[c];
+                sc = dot * scale;
+            }
+            // Key j0 is live, so the maximum is finite from the first tile on.
+            float mx = fmaxf(m, block_max(sc, shf));
+            float alpha = expf(m - mx);
+            float p = live ? expf(sc - mx) : 0.0f;
+            ps[threadIdx.x] = p;
+            // block_sum's barriers also publish ps.
+            l = l * alpha + (float)block_sum((double)p, sh);
+            m = mx;
+            u64 cnt = i + 1 - j0 < ATT_BLOCK ? i + 1 - j0 : ATT_BLOCK;
+            const float* vt = v + head + j0 * d;
+            for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+                float a = acc[c] * alpha;
+                for (u64 t = 0; t < cnt; t++) a += ps[t] * vt[t * d + c];
+                acc[c] = a;
+            }
+            __syncthreads();  // ps is rewritten by the next tile
+        }
+        float inv = 1.0f / l;
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) out[row * d + c] = acc[c] * inv;
+        if (threadIdx.x == 0) lse[row] = m + logf(l);
+        __syncthreads();  // qs and acc are rewritten by the next row
+    }
+}
+
+// Backward, first pass, one block per query row i: D_i = dout_i . out_i (into dsum, for the
+// second pass), then over the keys j <= i: p = exp(s_ij - lse_i), dp = dout_i . v_j,
+// ds = p (dp - D_i), dq_i = scale * sum_j ds k_j. Each dq row is written by its own block.
+// Shared: q [d], dout [d], dq accumulator [d], ds [ATT_BLOCK].
+extern "C" __global__ void attn_bwd_dq_f32(const float* q, const float* k, const float* v,
+                                           const float* out, const float* lse,
+                                           const float* dout, float* dq, float* dsum, u64 rows,
+                                           u64 seq, u64 d, float scale) {
+    __shared__ double sh[OPS_BLOCK];
+    float* qs = att_sh;
+    float* gs = att_sh + d;
+    float* acc = att_sh + 2 * d;
+    float* dss = att_sh + 3 * d;
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        u64 i = row % seq;
+        u64 head = (row - i) * d;
+        double part = 0.0;
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+            qs[c] = q[row * d + c];
+            gs[c] = dout[row * d + c];
+            acc[c] = 0.0f;
+            part += (double)(gs[c] * out[row * d + c]);
+        }
+        // block_sum's barriers also publish qs and gs.
+        float D = (float)block_sum(part, sh);
+        if (threadIdx.x == 0) dsum[row] = D;
+        float L = lse[row];
+        for (u64 j0 = 0; j0 <= i; j0 += ATT_BLOCK) {
+            u64 j = j0 + threadIdx.x;
+            float ds = 0.0f;
+            if (j <= i) {
+                const float* kr = k + head + j * d;
+                const float* vr = v + head + j * d;
+                float dot = 0.0f, dp = 0.0f;
+                for (u64 c = 0; c < d; c++) {
+                    dot += qs[c] * kr[c];
+                    dp += gs[c] * vr[c];
+                }
+                float p = expf(dot * scale - L);
+                ds = p * (dp - D);
+            }
+            dss[threadIdx.x] = ds;
+            __syncthreads();
+            u64 cnt = i + 1 - j0 < ATT_BLOCK ? i + 1 - j0 : ATT_BLOCK;
+            const float* kt = k + head + j0 * d;
+            for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+                float a = acc[c];
+                for (u64 t = 0; t < cnt; t++) a += dss[t] * kt[t * d + c];
+                acc[c] = a;
+            }
+            __syncthreads();  // dss is rewritten by the next tile
+        }
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) dq[row * d + c] = acc[c] * scale;
+        __syncthreads();  // the row's shared values are rewritten by the next row
+    }
+}
+
+// Backward, second pass, one block per key row j (after the first, whose dsum it reads):
+// over the queries i >= j, with p and ds recomputed as there, dv_j = sum_i p dout_i and
+// dk_j = scale * sum_i ds q_i. Each dk, dv row is written by its own block: no atomics, and
+// the sums' order is fixed. Shared: k [d], v [d], dk and dv accumulators [d] each, p and ds
+// [ATT_BLOCK] each.
+extern "C" __global__ void attn_bwd_dkdv_f32(const float* q, const float* k, const float* v,
+                                             const float* lse, const float* dout,
+                                             const float* dsum, float* dk, float* dv, u64 rows,
+                                             u64 seq, u64 d, float scale) {
+    float* ks = att_sh;
+    float* vs = att_sh + d;
+    float* ak = att_sh + 2 * d;
+    float* av = att_sh + 3 * d;
+    float* ps = att_sh + 4 * d;
+    float* dss = ps + ATT_BLOCK;
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        u64 j = row % seq;
+        u64 first = row - j;  // the (batch, head)'s first row
+        u64 head = first * d;
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+            ks[c] = k[row * d + c];
+            vs[c] = v[row * d + c];
+            ak[c] = 0.0f;
+            av[c] = 0.0f;
+        }
+        __syncthreads();
+        for (u64 i0 = j; i0 < seq; i0 += ATT_BLOCK) {
+            u64 i = i0 + threadIdx.x;
+            float p = 0.0f, ds = 0.0f;
+            if (i < seq) {
+                const float* qr = q + head + i * d;
+                const float* gr = dout + head + i * d;
+                float dot = 0.0f, dp = 0.0f;
+                for (u64 c = 0; c < d; c++) {
+                    dot += qr[c] * ks[c];
+                    dp += gr[c] * vs[c];
+                }
+                p = expf(dot * scale - lse[first + i]);
+                ds = p * (dp - dsum[first + i]);
+            }
+            ps[threadIdx.x] = p;
+            dss[threadIdx.x] = ds;
+            __syncthreads();
+            u64 cnt = seq - i0 < ATT_BLOCK ? seq - i0 : ATT_BLOCK;
+            const float* qt = q + head + i0 * d;
+            const float* gt = dout + head + i0 * d;
+            for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+                float a = ak[c], b = av[c];
+                for (u64 t = 0; t < cnt; t++) {
+                    a += dss[t] * qt[t * d + c];
+                    b += ps[t] * gt[t * d + c];
+                }
+                ak[c] = a;
+                av[c] = b;
+            }
+            __syncthreads();  // ps and dss are rewritten by the next tile
+        }
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
+            dk[row * d + c] = ak[c] * scale;
+            dv[row * d + c] = av[c];
+        }
+        __syncthreads();  // the row's shared values are rewritten by the next row
+    }
+}

@@ -195,6 +195,32 @@ impl<F> AttnSaved<F> {
         self
     }
 
+    /// What [`attention_forward`] without dropout saves, from parts a caller kept: q, k, v,
+    /// the output and the logsumexp, all in head layout (the attention ops of
+    /// [`crate::ops`], whose buffers hold them).
+    pub(crate) fn from_parts(
+        shape: AttnShape,
+        block: usize,
+        qkv: Qkv<F>,
+        o: Vec<F>,
+        lse: Vec<F>,
+    ) -> Result<Self, ModelError>
+    where
+        F: Copy,
+    {
+        check_block(block, &shape)?;
+        let Qkv { q, k, v } = qkv;
+        for (what, len) in [("q", q.len()), ("k", k.len()), ("v", v.len()), ("output", o.len())] {
+            shape.check(&format!("attention {what}"), len, shape.numel())?;
+        }
+        shape.check("attention logsumexp", lse.len(), shape.rows())?;
+        let mut src = q;
+        src.extend_from_slice(&k);
+        src.extend_from_slice(&v);
+        let (src, o, lse) = (Metered::new(src), Metered::new(o), Metered::new(lse));
+        Ok(AttnSaved { shape, block, layout: Layout::Heads, src, o, lse, dropout: None })
+    }
+
     /// Number of values kept: q, k, v, the output when the struct holds it, and the
     /// logsumexp; `4 * numel + rows` from [`attention_forward`], `3 * numel + rows` from
     /// [`attention_forward_tokens`] (ATTN-1).

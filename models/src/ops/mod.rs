@@ -1,9 +1,9 @@
 //! Model kernels as device ops: each [`Op`] describes one kernel by value (a GEMM's shape,
 //! a layer's dimensions, an update's hyper-parameters), so that a device runs it with code
 //! of its own (the CUDA device: cuBLAS and the kernels of `cuda/kernels.cu`), and every
-//! other device runs its host reference, which is the layer's own code in [`crate::nn`]
-//! (OPS-2). The engine on a device then enqueues ops, not host functions, and a GPU can run
-//! them with no copy through the host.
+//! other device runs its host reference, which is the layer's own code in [`crate::nn`] or
+//! [`crate::batchnorm`] (OPS-2). The engine on a device then enqueues ops, not host
+//! functions, and a GPU can run them with no copy through the host.
 //!
 //! Buffers are `f32` elements; ids and class targets travel as their `u32` bits, as device
 //! activations carry them. Each variant documents its reads and writes, in order.
@@ -11,10 +11,10 @@
 //! Invariants (cited by the tests):
 //! - OPS-1: [`Op::check`] accepts exactly the buffer lengths the op's code reads and
 //!   writes inside, so a device's own code, launched only after it, stays in its buffers.
-//! - OPS-2: the host reference is the layer code of [`crate::nn`] (the same function, not a
-//!   copy): a model run as ops on the cpu or simulated device computes what it computes on
-//!   the host; the SGD and AdamW updates follow the CUDA kernels' arithmetic element for
-//!   element.
+//! - OPS-2: the host reference is the layer code of [`crate::nn`] or [`crate::batchnorm`]
+//!   (the same function, not a copy): a model run as ops on the cpu or simulated device
+//!   computes what it computes on the host; the SGD and AdamW updates follow the CUDA
+//!   kernels' arithmetic element for element.
 //! - OPS-3: an op that accumulates (`+=`) adds to what its written buffer held; one that does
 //!   not overwrites every element it owns.
 
@@ -24,12 +24,14 @@ use shardline_collectives::device::{DeviceError, DeviceOp};
 
 use crate::backend::GemmShape;
 use crate::nn::activation::Activation;
+use crate::nn::attention::AttnShape;
 use crate::nn::cross_entropy::{cross_entropy_backward, cross_entropy_forward};
 use crate::nn::embedding::Embedding;
 use crate::nn::gemm::Gemm;
 use crate::nn::linear::Linear;
 use crate::nn::norm::{LayerNorm, LayerNormSaved};
 
+mod norm_attn;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -144,6 +146,68 @@ pub enum Op {
     Sgd(SgdStep),
     /// Reads: `grad`. Writes: `params`, `state` (`(m, v)` interleaved, twice as long).
     AdamW(AdamWStep),
+    /// BatchNorm's statistics in training mode, over `[n, c, s]` (`s = 1` for `[N, C]`):
+    /// two passes in f64, as the layer's `local_stats`. Reads: `x [n * c * s]`. Writes:
+    /// `mean [c]`, `m2 [c]` (the sum of squared deviations from the mean), which
+    /// SyncBatchNorm merges across ranks (with each rank's count `n * s`) before the forward.
+    BatchNormStats {
+        /// Samples in the slice.
+        n: usize,
+        /// Channels.
+        c: usize,
+        /// Values per channel and sample (`L`, `H * W`; 1 for `[N, C]`).
+        s: usize,
+    },
+    /// BatchNorm's forward in training mode, with the statistics of the (global) batch.
+    /// Reads: `x [n * c * s]`, `params` (`weight [c]`, then `bias [c]`), `mean [c]`, `m2 [c]`.
+    /// Writes: `y [n * c * s]`, `xhat [n * c * s]` (`(x - mean) * invstd`), `invstd [c]`
+    /// (`1 / sqrt(m2 / count + eps)`), what the backward reads. The running statistics are
+    /// the caller's.
+    BatchNormForward {
+        /// Samples in the slice.
+        n: usize,
+        /// Channels.
+        c: usize,
+        /// Values per channel and sample.
+        s: usize,
+        /// Values per channel in the global batch (`n * s` without SyncBatchNorm): at least
+        /// 2 (BN-4) and at least `n * s`.
+        count: usize,
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// BatchNorm's backward reduce. Reads: `dy [n * c * s]`, `xhat [n * c * s]`. Writes:
+    /// `sums [2 c]` (per channel `sum dy`, then `sum dy * xhat`: what SyncBatchNorm
+    /// all-reduces), `grads [2 c]` (ADDS this slice's `dweight = sum dy * xhat`, then `dbias
+    /// = sum dy`, BN-3).
+    BatchNormBackwardReduce {
+        /// Samples in the slice.
+        n: usize,
+        /// Channels.
+        c: usize,
+        /// Values per channel and sample.
+        s: usize,
+    },
+    /// BatchNorm's input gradient in training mode. Reads: `params [2 c]`, `xhat`, `invstd
+    /// [c]`, `sums [2 c]` (of the global batch), `dy`. Writes: `dx = weight * invstd * (dy -
+    /// sum dy / count - xhat * sum dy xhat / count)`.
+    BatchNormBackwardDx {
+        /// Samples in the slice.
+        n: usize,
+        /// Channels.
+        c: usize,
+        /// Values per channel and sample.
+        s: usize,
+        /// Values per channel in the global batch: at least 2 and at least `n * s`.
+        count: usize,
+    },
+    /// Causal self-attention without dropout (ATTN-1). Reads: `q`, `k`, `v`, each `[batch,
+    /// heads, seq, head_dim]`. Writes: `out` (the same layout), `lse [batch, heads, seq]`
+    /// (each query row's logsumexp of its scaled scores).
+    AttentionForward(AttnShape),
+    /// Its backward. Reads: `q`, `k`, `v`, `out`, `lse`, `dout`. Writes: `dq`, `dk`, `dv`
+    /// (overwritten).
+    AttentionBackward(AttnShape),
 }
 
 fn want(what: &str, got: &[usize], n: usize) -> Result<(), String> {
@@ -216,6 +280,12 @@ impl Op {
             Op::SumSquares => "sum of squares",
             Op::Sgd(_) => "sgd",
             Op::AdamW(_) => "adamw",
+            Op::BatchNormStats { .. } => "batch norm statistics",
+            Op::BatchNormForward { .. } => "batch norm forward",
+            Op::BatchNormBackwardReduce { .. } => "batch norm backward reduce",
+            Op::BatchNormBackwardDx { .. } => "batch norm backward dx",
+            Op::AttentionForward(_) => "attention forward",
+            Op::AttentionBackward(_) => "attention backward",
         }
     }
 
@@ -333,6 +403,69 @@ impl Op {
                 len_is("adamw grad", r[0], w[0])?;
                 len_is("adamw state", w[1], 2 * w[0])
             }
+            Op::BatchNormStats { n, c, s } => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 2)?;
+                len_is("batch norm x", r[0], norm_attn::bn_len(*n, *c, *s)?)?;
+                len_is("batch norm mean", w[0], *c)?;
+                len_is("batch norm m2", w[1], *c)
+            }
+            Op::BatchNormForward { n, c, s, count, .. } => {
+                want(&format!("{name} reads"), r, 4)?;
+                want(&format!("{name} writes"), w, 3)?;
+                let len = norm_attn::bn_len(*n, *c, *s)?;
+                norm_attn::bn_count(*n, *s, *count)?;
+                len_is("batch norm x", r[0], len)?;
+                len_is("batch norm params", r[1], 2 * c)?;
+                len_is("batch norm mean", r[2], *c)?;
+                len_is("batch norm m2", r[3], *c)?;
+                len_is("batch norm y", w[0], len)?;
+                len_is("batch norm xhat", w[1], len)?;
+                len_is("batch norm invstd", w[2], *c)
+            }
+            Op::BatchNormBackwardReduce { n, c, s } => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 2)?;
+                let len = norm_attn::bn_len(*n, *c, *s)?;
+                len_is("batch norm dy", r[0], len)?;
+                len_is("batch norm xhat", r[1], len)?;
+                len_is("batch norm sums", w[0], 2 * c)?;
+                len_is("batch norm grads", w[1], 2 * c)
+            }
+            Op::BatchNormBackwardDx { n, c, s, count } => {
+                want(&format!("{name} reads"), r, 5)?;
+                want(&format!("{name} writes"), w, 1)?;
+                let len = norm_attn::bn_len(*n, *c, *s)?;
+                norm_attn::bn_count(*n, *s, *count)?;
+                len_is("batch norm params", r[0], 2 * c)?;
+                len_is("batch norm xhat", r[1], len)?;
+                len_is("batch norm invstd", r[2], *c)?;
+                len_is("batch norm sums", r[3], 2 * c)?;
+                len_is("batch norm dy", r[4], len)?;
+                len_is("batch norm dx", w[0], len)
+            }
+            Op::AttentionForward(shape) => {
+                want(&format!("{name} reads"), r, 3)?;
+                want(&format!("{name} writes"), w, 2)?;
+                let (numel, rows) = norm_attn::attn_lens(shape)?;
+                for (what, len) in [("q", r[0]), ("k", r[1]), ("v", r[2]), ("out", w[0])] {
+                    len_is(&format!("attention {what}"), len, numel)?;
+                }
+                len_is("attention lse", w[1], rows)
+            }
+            Op::AttentionBackward(shape) => {
+                want(&format!("{name} reads"), r, 6)?;
+                want(&format!("{name} writes"), w, 3)?;
+                let (numel, rows) = norm_attn::attn_lens(shape)?;
+                for (what, len) in [("q", r[0]), ("k", r[1]), ("v", r[2]), ("out", r[3])] {
+                    len_is(&format!("attention {what}"), len, numel)?;
+                }
+                len_is("attention lse", r[4], rows)?;
+                for (what, len) in [("dout", r[5]), ("dq", w[0]), ("dk", w[1]), ("dv", w[2])] {
+                    len_is(&format!("attention {what}"), len, numel)?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -383,6 +516,18 @@ impl Op {
             }
             Op::Sgd(s) => sgd_host(s, r[0], w),
             Op::AdamW(a) => adamw_host(a, r[0], w),
+            Op::BatchNormStats { n, c, s } => norm_attn::bn_stats_host((*n, *c, *s), r, w),
+            Op::BatchNormForward { n, c, s, count, eps } => {
+                norm_attn::bn_forward_host((*n, *c, *s), *count, *eps, r, w)
+            }
+            Op::BatchNormBackwardReduce { n, c, s } => {
+                norm_attn::bn_reduce_host((*n, *c, *s), r, w)
+            }
+            Op::BatchNormBackwardDx { n, c, s, count } => {
+                norm_attn::bn_dx_host((*n, *c, *s), *count, r, w)
+            }
+            Op::AttentionForward(shape) => norm_attn::attn_forward_host(*shape, r, w)?,
+            Op::AttentionBackward(shape) => norm_attn::attn_backward_host(*shape, r, w)?,
         }
         Ok(())
     }

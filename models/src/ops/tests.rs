@@ -3,6 +3,8 @@ use std::sync::Arc;
 use shardline_collectives::device::{CpuDevice, Device, DeviceError, SimDevice, SimOptions};
 
 use super::*;
+use crate::batchnorm::BatchNorm;
+use crate::tensor::Tensor;
 
 fn randv(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -36,6 +38,9 @@ fn fitting() -> Vec<(Op, Vec<usize>, Vec<usize>)> {
     };
     let adamw =
         AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    // Attention: 2 x 3 x 5 rows of 4: 120 values per q, k, v, out; 30 logsumexps.
+    let attn = AttnShape { batch: 2, heads: 3, seq: 5, head_dim: 4 };
+    let (n, c, s) = (2, 3, 4);
     vec![
         (Op::Fill { value: 1.0 }, vec![], vec![7]),
         (Op::Axpy { alpha: 2.0 }, vec![7], vec![7]),
@@ -55,6 +60,12 @@ fn fitting() -> Vec<(Op, Vec<usize>, Vec<usize>)> {
         (Op::SumSquares, vec![9], vec![2]),
         (Op::Sgd(sgd), vec![5], vec![5, 5]),
         (Op::AdamW(adamw), vec![5], vec![5, 10]),
+        (Op::BatchNormStats { n, c, s }, vec![24], vec![3, 3]),
+        (Op::BatchNormForward { n, c, s, count: 8, eps: 1e-5 }, vec![24, 6, 3, 3], vec![24, 24, 3]),
+        (Op::BatchNormBackwardReduce { n, c, s }, vec![24, 24], vec![6, 6]),
+        (Op::BatchNormBackwardDx { n, c, s, count: 16 }, vec![6, 24, 3, 6, 24], vec![24]),
+        (Op::AttentionForward(attn), vec![120; 3], vec![120, 30]),
+        (Op::AttentionBackward(attn), vec![120, 120, 120, 120, 30, 120], vec![120; 3]),
     ]
 }
 
@@ -330,4 +341,217 @@ fn a_training_step_runs_as_ops_on_a_device_that_refuses_host_code_sim_4_devop_1(
         assert_eq!(got, cpu, "seed {seed}: the same step, bitwise (DEVOP-1)");
     }
     assert!(cpu.0 > 0.5 && cpu.0 < 3.0, "a cross-entropy over 3 classes: {}", cpu.0);
+}
+
+#[test]
+fn batch_norm_and_attention_refuse_what_their_layers_refuse_ops_1() {
+    let (n, c, s) = (2, 3, 4);
+    let fwd = |count| Op::BatchNormForward { n, c, s, count, eps: 1e-5 };
+    let (fr, fw) = (vec![24, 6, 3, 3], vec![24, 24, 3]);
+    assert_eq!(fwd(8).check_lens(&fr, &fw), Ok(()));
+    // SyncBatchNorm: a global batch larger than the slice.
+    assert_eq!(fwd(1000).check_lens(&fr, &fw), Ok(()));
+    // BN-4: one value per channel; a global count below the slice's.
+    for count in [0, 1, 7] {
+        assert!(fwd(count).check_lens(&fr, &fw).is_err(), "count {count}");
+        let dx = Op::BatchNormBackwardDx { n, c, s, count };
+        assert!(dx.check_lens(&[6, 24, 3, 6, 24], &[24]).is_err(), "count {count}");
+    }
+    // An empty slice of a SyncBatchNorm batch.
+    let empty = Op::BatchNormForward { n: 0, c, s, count: 8, eps: 1e-5 };
+    assert_eq!(empty.check_lens(&[0, 6, 3, 3], &[0, 0, 3]), Ok(()));
+    // head_dim 0, which the layer refuses; sizes that overflow.
+    let zero = AttnShape { batch: 1, heads: 1, seq: 3, head_dim: 0 };
+    assert!(Op::AttentionForward(zero).check_lens(&[0; 3], &[0, 3]).is_err());
+    let huge = AttnShape { batch: usize::MAX, heads: 2, seq: 1, head_dim: 1 };
+    assert!(Op::AttentionForward(huge).check_lens(&[0; 3], &[0, 0]).is_err());
+    let huge = Op::BatchNormStats { n: usize::MAX, c: 2, s: 1 };
+    assert!(huge.check_lens(&[0], &[2, 2]).is_err());
+}
+
+/// `x [n, c, s]` with a mean and a spread of its own per channel, as activations have.
+fn bn_input(n: usize, c: usize, s: usize, seed: u64) -> Vec<f32> {
+    let raw = randv(n * c * s, seed);
+    (0..raw.len())
+        .map(|i| raw[i] * (1.0 + ((i / s) % c) as f32) + 2.0 - (i / s % c) as f32)
+        .collect()
+}
+
+#[test]
+fn batch_norm_ops_match_the_formulas_ops_2() {
+    let dev = CpuDevice::new();
+    for (n, c, s) in [(3, 2, 5), (6, 3, 1), (1, 2, 9)] {
+        let len = n * c * s;
+        let at = |i: usize, ch: usize, j: usize| (i * c + ch) * s + j;
+        let x = bn_input(n, c, s, 30 + len as u64);
+        let o = run(
+            &dev,
+            &Op::BatchNormStats { n, c, s },
+            std::slice::from_ref(&x),
+            &vec![vec![9.0; c]; 2],
+        );
+        for ch in 0..c {
+            let vals: Vec<f64> = (0..n)
+                .flat_map(|i| (0..s).map(move |j| (i, j)))
+                .map(|(i, j)| f64::from(x[at(i, ch, j)]))
+                .collect();
+            let mean = vals.iter().sum::<f64>() / vals.len() as f64;
+            let m2 = vals.iter().map(|v| (v - mean).powi(2)).sum::<f64>();
+            close(&o[0][ch..ch + 1], &[mean], 1e-6, "batch norm mean");
+            close(&o[1][ch..ch + 1], &[m2], 1e-6, "batch norm m2");
+        }
+        // The forward of a SyncBatchNorm slice: statistics of a global batch of 4 n s.
+        let count = 4 * n * s;
+        let (p, mean, m2) = (randv(2 * c, 31), randv(c, 32), randv(c, 33));
+        let m2: Vec<f32> = m2.iter().map(|v| (v.abs() + 0.1) * count as f32).collect();
+        let op = Op::BatchNormForward { n, c, s, count, eps: 1e-3 };
+        let reads = [x.clone(), p.clone(), mean.clone(), m2.clone()];
+        let o = run(&dev, &op, &reads, &[vec![9.0; len], vec![9.0; len], vec![9.0; c]]);
+        let (mut y, mut xhat) = (vec![0.0; len], vec![0.0; len]);
+        for ch in 0..c {
+            let invstd = 1.0 / (f64::from(m2[ch]) / count as f64 + 1e-3).sqrt();
+            close(&o[2][ch..ch + 1], &[invstd], 1e-6, "batch norm invstd");
+            for k in (0..len).filter(|k| (k / s) % c == ch) {
+                xhat[k] = (f64::from(x[k]) - f64::from(mean[ch])) * invstd;
+                y[k] = xhat[k] * f64::from(p[ch]) + f64::from(p[c + ch]);
+            }
+        }
+        close(&o[0], &y, 1e-5, "batch norm y");
+        close(&o[1], &xhat, 1e-5, "batch norm xhat");
+        // Backward: the per-channel sums, the parameter gradients added onto 1.0.
+        let (dy, xh) = (randv(len, 34), o[1].clone());
+        let op = Op::BatchNormBackwardReduce { n, c, s };
+        let o = run(&dev, &op, &[dy.clone(), xh.clone()], &[vec![9.0; 2 * c], vec![1.0; 2 * c]]);
+        let (mut sums, mut grads) = (vec![0.0f64; 2 * c], vec![1.0f64; 2 * c]);
+        for k in 0..len {
+            let ch = (k / s) % c;
+            sums[ch] += f64::from(dy[k]);
+            sums[c + ch] += f64::from(dy[k]) * f64::from(xh[k]);
+            grads[ch] += f64::from(dy[k]) * f64::from(xh[k]);
+            grads[c + ch] += f64::from(dy[k]);
+        }
+        close(&o[0], &sums, 1e-5, "batch norm sums");
+        close(&o[1], &grads, 1e-5, "OPS-3: batch norm grads added");
+        // dx with global sums (three times this slice's, for a global count of 4 n s).
+        let (invstd, global) = (randv(c, 35), randv(2 * c, 36));
+        let invstd: Vec<f32> = invstd.iter().map(|v| v.abs() + 0.5).collect();
+        let op = Op::BatchNormBackwardDx { n, c, s, count };
+        let reads = [p.clone(), xh.clone(), invstd.clone(), global.clone(), dy.clone()];
+        let o = run(&dev, &op, &reads, &[vec![9.0; len]]);
+        let want: Vec<f64> = (0..len)
+            .map(|k| {
+                let ch = (k / s) % c;
+                let (md, mdx) =
+                    (global[ch] as f64 / count as f64, global[c + ch] as f64 / count as f64);
+                let g = f64::from(dy[k]) - md - f64::from(xh[k]) * mdx;
+                f64::from(p[ch]) * f64::from(invstd[ch]) * g
+            })
+            .collect();
+        close(&o[0], &want, 1e-5, "batch norm dx");
+    }
+}
+
+#[test]
+fn batch_norm_ops_in_a_chain_compute_the_layer_ops_2() {
+    // Stats, forward, reduce, dx: BatchNorm1d's training forward and backward.
+    let dev = CpuDevice::new();
+    let (n, c, s) = (4, 3, 6);
+    let (len, count) = (n * c * s, n * s);
+    let x = bn_input(n, c, s, 40);
+    let (p, dy) = (randv(2 * c, 41), randv(len, 42));
+    let layer = BatchNorm::d1(c);
+    let xt = Tensor::new(vec![n, c, s], x.clone()).unwrap();
+    let (want_y, saved) = layer.forward(&p, &mut layer.init_buffers(), xt, true, None).unwrap();
+    let mut want_g = vec![0.5; 2 * c];
+    let gy = Tensor::new(vec![n, c, s], dy.clone()).unwrap();
+    let want_dx = layer.backward(&p, &saved, &gy, &mut want_g, None).unwrap();
+
+    let st = run(
+        &dev,
+        &Op::BatchNormStats { n, c, s },
+        std::slice::from_ref(&x),
+        &vec![vec![0.0; c]; 2],
+    );
+    let op = Op::BatchNormForward { n, c, s, count, eps: layer.eps };
+    let reads = [x, p.clone(), st[0].clone(), st[1].clone()];
+    let f = run(&dev, &op, &reads, &[vec![0.0; len], vec![0.0; len], vec![0.0; c]]);
+    let op = Op::BatchNormBackwardReduce { n, c, s };
+    let red = run(&dev, &op, &[dy.clone(), f[1].clone()], &[vec![0.0; 2 * c], vec![0.5; 2 * c]]);
+    let op = Op::BatchNormBackwardDx { n, c, s, count };
+    let reads = [p, f[1].clone(), f[2].clone(), red[0].clone(), dy];
+    let dx = run(&dev, &op, &reads, &[vec![0.0; len]]);
+    let f64s = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    close(&f[0], &f64s(want_y.as_f32().unwrap()), 1e-6, "y");
+    close(&f[2], &f64s(saved.invstd()), 1e-6, "invstd");
+    close(&red[1], &f64s(&want_g), 1e-6, "parameter gradients");
+    close(&dx[0], &f64s(want_dx.as_f32().unwrap()), 1e-6, "dx");
+}
+
+/// Causal attention from the materialised scores, in f64: `(out, lse, dq, dk, dv)`.
+#[allow(clippy::type_complexity)]
+fn naive_attention(
+    sh: AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dout: &[f32],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (t, d) = (sh.seq, sh.head_dim);
+    let scale = 1.0 / (d as f64).sqrt();
+    let n = sh.batch * sh.heads * t * d;
+    let (mut out, mut lse) = (vec![0.0; n], vec![0.0; sh.batch * sh.heads * t]);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let g = |x: &[f32], i: usize| f64::from(x[i]);
+    for bh in 0..sh.batch * sh.heads {
+        let row = |i: usize| (bh * t + i) * d;
+        for i in 0..t {
+            // Scores and probabilities over keys 0..=i.
+            let sc: Vec<f64> = (0..=i)
+                .map(|j| (0..d).map(|c| g(q, row(i) + c) * g(k, row(j) + c)).sum::<f64>() * scale)
+                .collect();
+            let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
+            lse[bh * t + i] = mx + z.ln();
+            let p: Vec<f64> = sc.iter().map(|s| (s - mx).exp() / z).collect();
+            let dp: Vec<f64> = (0..=i)
+                .map(|j| (0..d).map(|c| g(dout, row(i) + c) * g(v, row(j) + c)).sum())
+                .collect();
+            // The softmax's Jacobian: dS = P (dP - sum_k P dP).
+            let pdp: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            for j in 0..=i {
+                let ds = p[j] * (dp[j] - pdp) * scale;
+                for c in 0..d {
+                    out[row(i) + c] += p[j] * g(v, row(j) + c);
+                    dv[row(j) + c] += p[j] * g(dout, row(i) + c);
+                    dq[row(i) + c] += ds * g(k, row(j) + c);
+                    dk[row(j) + c] += ds * g(q, row(i) + c);
+                }
+            }
+        }
+    }
+    (out, lse, dq, dk, dv)
+}
+
+#[test]
+fn attention_ops_match_materialised_scores_ops_2() {
+    let dev = CpuDevice::new();
+    // seq 70: past the host's key block of 64; seq 1: one key.
+    for (i, sh) in [(2, 3, 5, 4), (1, 2, 70, 3), (2, 1, 1, 8)].into_iter().enumerate() {
+        let sh = AttnShape { batch: sh.0, heads: sh.1, seq: sh.2, head_dim: sh.3 };
+        let (n, rows) = (sh.numel(), sh.rows());
+        let seed = 50 + 10 * i as u64;
+        let big = |v: Vec<f32>| v.iter().map(|x| 2.0 * x).collect::<Vec<_>>();
+        let (q, k, v, dout) =
+            (big(randv(n, seed)), big(randv(n, seed + 1)), randv(n, seed + 2), randv(n, seed + 3));
+        let (out, lse, dq, dk, dv) = naive_attention(sh, &q, &k, &v, &dout);
+        let reads = [q.clone(), k.clone(), v.clone()];
+        let f = run(&dev, &Op::AttentionForward(sh), &reads, &[vec![9.0; n], vec![9.0; rows]]);
+        close(&f[0], &out, 1e-5, "attention out");
+        close(&f[1], &lse, 1e-5, "attention lse");
+        let reads = [q, k, v, f[0].clone(), f[1].clone(), dout];
+        let b = run(&dev, &Op::AttentionBackward(sh), &reads, &vec![vec![9.0; n]; 3]);
+        close(&b[0], &dq, 1e-5, "attention dq");
+        close(&b[1], &dk, 1e-5, "attention dk");
+        close(&b[2], &dv, 1e-5, "attention dv");
+    }
 }
