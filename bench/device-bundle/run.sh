@@ -10,6 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 start=$(date +%s)
 budget=${BUDGET_S:-290}
 summary=()
+figures=()
 left() { echo $(( budget - ($(date +%s) - start) )); }
 step() {
     # step NAME MAX_SECONDS CMD...: runs CMD with the smaller of MAX_SECONDS and the time left
@@ -23,6 +24,8 @@ step() {
     local rc=${PIPESTATUS[0]}
     local note=""
     grep -q "skipped" /tmp/device-bundle-step.log && note=" (reported skipped: no usable GPU)"
+    # Lines "figure: ..." (GEMM TFLOP/s, step times against the host) go to the summary.
+    while IFS= read -r f; do figures+=("${f#*figure: }"); done < <(grep -o "figure: .*" /tmp/device-bundle-step.log)
     summary+=("$(printf '%-44s rc=%-3s %4ss%s' "$name" "$rc" "$(( $(date +%s) - s0 ))" "$note")")
     return "$rc"
 }
@@ -71,3 +74,9 @@ step "mlp-bn 20 steps, world 2, simulated device" 60 "$here/bin/shardline" train
 
 echo "== summary ($(( $(date +%s) - start ))s of ${budget}s)"
 printf '  %s\n' "${summary[@]}"
+if [ "${#figures[@]}" -gt 0 ]; then
+    echo "== figures"
+    printf '  %s\n' "${figures[@]}"
+else
+    echo "== figures: none (no step ran on a GPU)"
+fi

@@ -619,6 +619,8 @@ pub fn cublas_tflops(
 }
 
 #[cfg(test)]
+mod device_figures;
+#[cfg(test)]
 mod device_tests;
 #[cfg(test)]
 mod tests;

@@ -232,6 +232,6 @@ fn optimizer_kernels_match_the_reference_over_several_steps() {
 fn gemm_throughput_is_reported() {
     let Some(cuda) = gpu("gemm_throughput_is_reported") else { return };
     let t = cublas_tflops(&cuda, 4096, 4096, 4096, 5).unwrap();
-    println!("cublas sgemm 4096^3 on {}: {t:.1} TFLOP/s", cuda.device_name());
+    println!("figure: cublas sgemm 4096^3 (backend) on {}: {t:.1} TFLOP/s", cuda.device_name());
     assert!(t.is_finite() && t > 0.0);
 }
