@@ -128,7 +128,11 @@ pub struct Groups<'a> {
 
 /// Splits a slice `offset..offset + len` of a unit into runs that are decayed or not, given
 /// the unit's no-decay ranges: `(start, end, decayed)` relative to the slice, in order.
-fn decay_runs(offset: usize, len: usize, no_decay: &[Range<usize>]) -> Vec<(usize, usize, bool)> {
+pub(crate) fn decay_runs(
+    offset: usize,
+    len: usize,
+    no_decay: &[Range<usize>],
+) -> Vec<(usize, usize, bool)> {
     let mut runs = Vec::new();
     let mut at = 0;
     for r in no_decay {
@@ -331,30 +335,7 @@ fn adamw_step(c: &AdamWConfig, lr: f32, step: u64, p: &mut [f32], g: &[f32], st:
     }
 }
 
-/// Sum of squares of a (local) gradient slice, in f64 so that the sum over ranks and units
-/// is insensitive to order at f32 precision.
-pub fn sq_norm(grads: &[f32]) -> f64 {
-    // Eight partial sums in a fixed order (so still deterministic): one running sum is a
-    // serial chain of f64 adds, which does not vectorise.
-    let mut acc = [0.0f64; 8];
-    let mut chunks = grads.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += (x as f64) * (x as f64);
-        }
-    }
-    let tail: f64 = chunks.remainder().iter().map(|&x| (x as f64) * (x as f64)).sum();
-    acc.iter().sum::<f64>() + tail
-}
-
-/// The clipping coefficient of PyTorch's `clip_grad_norm_`: `max_norm / (norm + 1e-6)`
-/// clamped to at most 1, where `norm = sqrt(total_sq_norm)` is the global gradient norm
-/// (the engine all-reduces the local [`sq_norm`]s). Multiply every gradient by it.
-pub fn clip_coef(total_sq_norm: f64, max_norm: f64) -> f32 {
-    let norm = total_sq_norm.max(0.0).sqrt();
-    let coef = max_norm / (norm + 1e-6);
-    coef.min(1.0) as f32
-}
+pub use shardline_models::ops::{clip_coef, sq_norm};
 
 /// Multiplies a gradient slice by `coef` (no-op when it is 1).
 pub fn scale(grads: &mut [f32], coef: f32) {

@@ -105,6 +105,40 @@ fn sim_equals_cpu_bitwise_across_the_grid_dev_4() {
     assert_eq!(rows, 120);
 }
 
+/// SIM-4 under the engine: with only the model's calls allowed as host code ("forward",
+/// "backward", "loss"), a simulated device that refuses every other host kernel runs every
+/// stage, with SGD and AdamW, clipping, weight-decay groups, SyncBN, gradient accumulation
+/// and recomputation, bitwise as the cpu device: gathers, reductions, accumulation, the
+/// updates, the norms and the loss sums are all ops.
+#[test]
+fn everything_but_the_model_calls_runs_as_ops_sim_4() {
+    let ops_only = DeviceKind::Sim(SimOptions {
+        seed: 5,
+        max_delay_us: 100,
+        timeout: Duration::from_secs(60),
+        ops_only: true,
+        host_kernels_allowed: vec!["forward ".into(), "backward ".into(), "loss".into()],
+        ..SimOptions::default()
+    });
+    for stage in 0..4u8 {
+        let mut accum = mlp_sync(2, stage, 1);
+        accum.grad_accum = 2;
+        for cfg in [mlp(2, stage, 0), accum, recomputed(gpt(2, stage, 1))] {
+            let want = run(&cfg, DeviceKind::Cpu);
+            let got = run(&cfg, ops_only.clone());
+            assert!(
+                same(&got, &want),
+                "{} stage {stage}: ops differ from the cpu device",
+                cfg.model
+            );
+        }
+    }
+    // The control: without the model calls allowed, the first forward is refused by name.
+    let refused = DeviceKind::Sim(SimOptions { ops_only: true, ..SimOptions::default() });
+    let e = run_on_devices(&mlp(2, 3, 0), refused, DeviceOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("'forward") && e.to_string().contains("host code"), "{e}");
+}
+
 /// DEV-4: twenty delay seeds on two configurations (gpt stage 3 with prefetch, mlp-bn with
 /// SyncBN at stage 2), each bitwise the cpu device's.
 #[test]

@@ -87,10 +87,11 @@ impl Device for CpuDevice {
         st.next_buffer += 1;
         self.usage.take(len as u64 * 4, label)?;
         st.values.insert(id, vec![0.0; len]);
-        Ok(DeviceBuffer { id, device: self.id, len, label: label.into() })
+        Ok(DeviceBuffer::new(id, self.id, len, label))
     }
 
     fn free(&self, _stream: StreamId, buf: DeviceBuffer) -> Result<()> {
+        buf.whole("free")?;
         let mut st = lock(&self.state);
         self.values(&mut st, &buf)?;
         st.values.remove(&buf.id);
@@ -99,6 +100,7 @@ impl Device for CpuDevice {
     }
 
     fn upload(&self, _stream: StreamId, src: &[f32], dst: &DeviceBuffer) -> Result<()> {
+        dst.whole("upload")?;
         let mut st = lock(&self.state);
         let v = self.values(&mut st, dst)?;
         if v.len() != src.len() {
@@ -114,6 +116,7 @@ impl Device for CpuDevice {
     }
 
     fn download(&self, stream: StreamId, src: &DeviceBuffer) -> Result<Download> {
+        src.whole("download")?;
         let mut st = lock(&self.state);
         let v = self.values(&mut st, src)?.clone();
         drop(st);
@@ -125,6 +128,7 @@ impl Device for CpuDevice {
     }
 
     fn copy(&self, stream: StreamId, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<()> {
+        src.whole("copy")?;
         let v = {
             let mut st = lock(&self.state);
             self.values(&mut st, src)?.clone()
@@ -147,13 +151,18 @@ impl Device for CpuDevice {
         if reads.iter().any(|r| writes.iter().any(|w| w.id == r.id)) {
             return Err(DeviceError::Invalid(format!("{name}: a buffer is both read and written")));
         }
-        // Reads are copies, so that the written buffers can be borrowed mutably at once.
-        let r: Vec<Vec<f32>> = reads.iter().map(|b| st.values[&b.id].clone()).collect();
+        if writes.iter().enumerate().any(|(i, a)| writes[..i].iter().any(|b| a.id == b.id)) {
+            return Err(DeviceError::Invalid(format!("{name}: a buffer is written twice")));
+        }
+        // Reads are copies, so that the written buffers can be borrowed mutably at once;
+        // a view's kernel sees its range only (DEVOP-2).
+        let r: Vec<Vec<f32>> = reads.iter().map(|b| st.values[&b.id][b.range()].to_vec()).collect();
         let mut taken: Vec<Vec<f32>> =
             writes.iter().map(|b| st.values.remove(&b.id).unwrap_or_default()).collect();
         let ran = {
             let rs: Vec<&[f32]> = r.iter().map(|v| v.as_slice()).collect();
-            let mut ws: Vec<&mut [f32]> = taken.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let mut ws: Vec<&mut [f32]> =
+                taken.iter_mut().zip(writes).map(|(v, b)| &mut v[b.range()]).collect();
             kernel(&rs, &mut ws)
         };
         for (b, v) in writes.iter().zip(taken) {

@@ -31,6 +31,8 @@
 //!   anything is enqueued ([`DeviceOp::check`]), on every device; a device without code of
 //!   its own runs [`DeviceOp::run_host`] as a fallible kernel, so the op's host reference is
 //!   what the cpu and simulated devices compute.
+//! - DEVOP-2: a kernel or op given a view ([`DeviceBuffer::view`]) reads and writes only the
+//!   view's elements of its allocation; frees, copies and collectives refuse views.
 
 pub mod comm;
 pub mod cpu;
@@ -93,13 +95,59 @@ pub struct DeviceBuffer {
     pub(crate) device: u64,
     len: usize,
     label: Arc<str>,
+    /// Where a view starts in its allocation (0 for the allocation itself).
+    offset: usize,
+    /// Whether this is a view ([`DeviceBuffer::view`]) rather than the allocation.
+    view: bool,
 }
 
 impl DeviceBuffer {
     /// A handle for a [`Device`] implementation to hand out: allocation `id` of device
     /// `device` (its [`Device::id`]), `len` elements.
     pub fn new(id: u64, device: u64, len: usize, label: &str) -> Self {
-        DeviceBuffer { id, device, len, label: label.into() }
+        DeviceBuffer { id, device, len, label: label.into(), offset: 0, view: false }
+    }
+
+    /// Elements `range` of this buffer as a buffer of their own, for kernels and ops
+    /// (DEVOP-2): ordered as a use of the whole allocation, never freed, copied to or from
+    /// the host, or handed to a collective.
+    pub fn view(&self, range: std::ops::Range<usize>) -> Result<DeviceBuffer> {
+        if range.start > range.end || range.end > self.len {
+            return Err(DeviceError::Invalid(format!(
+                "view {range:?} of '{}' ({} elements)",
+                self.label, self.len
+            )));
+        }
+        Ok(DeviceBuffer {
+            id: self.id,
+            device: self.device,
+            len: range.len(),
+            label: format!("{}[{}..{}]", self.label, range.start, range.end).into(),
+            offset: self.offset + range.start,
+            view: true,
+        })
+    }
+
+    /// Its elements within the allocation: `0..len` for an allocation, a view's range.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+
+    /// Whether it is a view of another buffer.
+    pub fn is_view(&self) -> bool {
+        self.view
+    }
+
+    /// `Invalid` for a view: `what` takes only whole allocations (DEVOP-2).
+    pub fn whole(&self, what: &str) -> Result<()> {
+        if self.view {
+            Err(DeviceError::Invalid(format!(
+                "{what} takes whole allocations, not the view '{}'",
+                self.label
+            )))
+        } else {
+            Ok(())
+        }
     }
 
     /// The device it belongs to ([`Device::id`]).

@@ -241,6 +241,13 @@ impl CudaDevice {
     ) -> Result<R> {
         for b in reads.iter().chain(writes) {
             self.mine(b)?;
+            if b.is_view() {
+                // Whole allocations only, until the launches take sub-slices.
+                return Err(DeviceError::Invalid(format!(
+                    "{what}: '{}' is a view; the CUDA device takes whole allocations only",
+                    b.label()
+                )));
+            }
         }
         for (i, w) in writes.iter().enumerate() {
             if reads.iter().any(|r| r.id() == w.id()) {
@@ -404,6 +411,7 @@ impl Device for CudaDevice {
     fn free(&self, stream: StreamId, buf: DeviceBuffer) -> Result<()> {
         self.begin()?;
         self.mine(&buf)?;
+        buf.whole("free")?;
         let cs = self.cuda_stream(stream)?;
         let alloc = {
             let mut st = lock(&self.buffers);

@@ -116,6 +116,8 @@ pub(super) struct Kernels {
     emb_bwd: CudaFunction,
     sumsq_partial: CudaFunction,
     sumsq_final: CudaFunction,
+    clip_scale: CudaFunction,
+    norm_sums: CudaFunction,
     bn_stats: CudaFunction,
     bn_invstd: CudaFunction,
     bn_fwd: CudaFunction,
@@ -162,6 +164,8 @@ impl Kernels {
             emb_bwd: f(&ops, "emb_bwd_f32")?,
             sumsq_partial: f(&ops, "sumsq_partial_f32")?,
             sumsq_final: f(&ops, "sumsq_final_f32")?,
+            clip_scale: f(&ops, "clip_scale_f32")?,
+            norm_sums: f(&ops, "norm_sums_f32")?,
             bn_stats: f(&ops, "bn_chan_stats_f32")?,
             bn_invstd: f(&ops, "bn_invstd_f32")?,
             bn_fwd: f(&ops, "bn_fwd_f32")?,
@@ -254,6 +258,40 @@ impl CudaDevice {
         let k = &self.k;
         let blas = || blas.ok_or_else(|| DeviceError::Invalid(format!("{name}: no cuBLAS handle")));
         match op {
+            Op::ClipScale { max_norm } => {
+                let n = u64_of(wl[0]);
+                if n > 0 {
+                    let cfg = elems(n);
+                    kernel!(
+                        self,
+                        what("clip"),
+                        cs,
+                        &k.clip_scale,
+                        cfg,
+                        r[0],
+                        &mut *w[0],
+                        max_norm,
+                        &n
+                    )?;
+                }
+            }
+            Op::NormSums { units, stop } => {
+                let units = u64_of(*units);
+                let cfg =
+                    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+                kernel!(
+                    self,
+                    what("sums"),
+                    cs,
+                    &k.norm_sums,
+                    cfg,
+                    r[0],
+                    r[1],
+                    &mut *w[0],
+                    &units,
+                    stop
+                )?;
+            }
             Op::Fill { value } => {
                 let n = u64_of(wl[0]);
                 if n > 0 {

@@ -299,6 +299,23 @@ fn sum_of_squares_matches_the_host_device() {
 }
 
 #[test]
+fn clipping_and_norm_sums_match_the_host_device() {
+    let Some(d) = gpu("clipping_and_norm_sums_match_the_host_device", None) else { return };
+    let mut rng = SplitMix64::new(19);
+    let g = randn(&mut rng, 1000);
+    for max_norm in [0.5, 1e9] {
+        let sums = vec![0.3, 9.0, 0.0];
+        check(&d, Op::ClipScale { max_norm }, &[sums], std::slice::from_ref(&g), ELEMENTWISE);
+    }
+    let mut sq = vec![0.0f32; 8];
+    for u in 0..4 {
+        crate::ops::store_f64(0.1 + u as f64, &mut sq[2 * u..2 * u + 2]);
+    }
+    let op = Op::NormSums { units: 4, stop: 1.0 };
+    check(&d, op, &[vec![2.5], sq], &[vec![0.0; 3]], 0.0);
+}
+
+#[test]
 fn batch_norm_ops_match_the_host_device() {
     let Some(d) = gpu("batch_norm_ops_match_the_host_device", None) else { return };
     let cpu = CpuDevice::new();

@@ -325,6 +325,31 @@ extern "C" __global__ void sumsq_final_f32(const double* partial, u64 parts, flo
     }
 }
 
+// The clipping of the engine's update: g *= min(1, max_norm / (sqrt(sums[1]) + 1e-6)), as
+// clip_coef (f64, then f32), and nothing when that is 1.
+extern "C" __global__ void clip_scale_f32(const float* sums, float* g, double max_norm, u64 n) {
+    double sq = (double)sums[1];
+    double coef = max_norm / (sqrt(sq > 0.0 ? sq : 0.0) + 1e-6);
+    float c = (float)(coef < 1.0 ? coef : 1.0);
+    if (c == 1.0f) return;
+    GRID_STRIDE(i, n) g[i] *= c;
+}
+
+// The loss, the units' squared norms (f64 bits in element pairs) summed in unit order, and
+// the stop wish, into sums[0..3]: one thread, the order fixed.
+extern "C" __global__ void norm_sums_f32(const float* loss, const float* sq, float* sums,
+                                         u64 units, float stop) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double t = 0.0;
+    for (u64 u = 0; u < units; u++) {
+        u64 bits = ((u64)__float_as_uint(sq[2 * u]) << 32) | (u64)__float_as_uint(sq[2 * u + 1]);
+        t += __longlong_as_double((long long)bits);
+    }
+    sums[0] = loss[0];
+    sums[1] = (float)t;
+    sums[2] = stop;
+}
+
 // ---- BatchNorm in training mode (models/src/batchnorm.rs), x laid out [n, c, s] ----------
 
 // The index in [n, c, s] of value j (of n * s) of channel ch.

@@ -235,3 +235,45 @@ fn gemm_throughput_is_reported() {
     println!("figure: cublas sgemm 4096^3 (backend) on {}: {t:.1} TFLOP/s", cuda.device_name());
     assert!(t.is_finite() && t > 0.0);
 }
+
+/// The kernel sources compile with NVRTC, and every kernel the two loaders look up is in
+/// the PTX (so `load_function` finds it). NVRTC needs no GPU: where libnvrtc is found (CI
+/// installs NVIDIA's `nvidia-cuda-nvrtc-cu12` wheel for this), this runs without a device.
+#[test]
+fn the_kernel_sources_compile_with_nvrtc() {
+    // SAFETY: only tries to dlopen libnvrtc by its usual names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        println!("skipped: the_kernel_sources_compile_with_nvrtc: libnvrtc.so not found");
+        return;
+    }
+    let entries = |src: &str, what: &str| -> Vec<String> {
+        let ptx = cudarc::nvrtc::compile_ptx(src).unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        ptx.to_src()
+            .lines()
+            .filter_map(|l| l.split(".entry ").nth(1))
+            .map(|n| n.trim_end_matches(['(', ' ']).to_string())
+            .collect()
+    };
+    let base = entries(KERNELS_CU, "kernels.cu");
+    let ops = entries(super::device::OPS_CU, "ops.cu");
+    // The names the loaders ask for, read from their source: `f("name")` in this module's
+    // `Cuda::open`, `f(&base, "name")` and `f(&ops, "name")` in the device's.
+    let wanted = |src: &str, open: &str| -> Vec<String> {
+        src.split(open).skip(1).filter_map(|s| s.split('"').next()).map(str::to_string).collect()
+    };
+    let (mod_src, dev_src) = (include_str!("mod.rs"), include_str!("device_ops.rs"));
+    let checks = [
+        (wanted(mod_src, "f(\""), &base, "kernels.cu"),
+        (wanted(dev_src, "f(&base, \""), &base, "kernels.cu"),
+        (wanted(dev_src, "f(&ops, \""), &ops, "ops.cu"),
+    ];
+    let mut n = 0;
+    for (names, have, file) in checks {
+        assert!(!names.is_empty(), "no kernel name found for {file}");
+        for name in names {
+            assert!(have.contains(&name), "{name} is not an entry of {file}: {have:?}");
+            n += 1;
+        }
+    }
+    println!("{n} kernel lookups found in the PTX of kernels.cu and ops.cu");
+}

@@ -139,8 +139,23 @@ pub enum Op {
     EmbeddingForward(Embedding),
     /// Reads: `ids`, `dy [n, dim]`. Writes: `grads [vocab, dim]` (ADDS, EMB-2).
     EmbeddingBackward(Embedding),
-    /// Reads: `x`. Writes: `out [2]`: the `f64` sum of squares, its bits split high, low.
+    /// Reads: `x`. Writes: `out [2]`: the `f64` sum of squares ([`sq_norm`]'s order on the
+    /// host), its bits split high, low.
     SumSquares,
+    /// Reads: `sums [3]` (loss, squared norm, stop: what [`Op::NormSums`] wrote, summed over
+    /// the ranks). Writes: `grads *= clip_coef(sums[1], max_norm)`, untouched when that is 1.
+    ClipScale {
+        /// The largest norm let through.
+        max_norm: f64,
+    },
+    /// Reads: `loss [1]`, `sq [2 units]` (each unit's squared norm as [`store_f64`] bits).
+    /// Writes: `sums [3]`: the loss, the units' squared norms summed in unit order, `stop`.
+    NormSums {
+        /// Units.
+        units: usize,
+        /// What the rank's third element carries (a wish to stop, 1 or 0).
+        stop: f32,
+    },
     /// Reads: `grad`. Writes: `params`, `momentum` (as long as `params`; unused without
     /// momentum).
     Sgd(SgdStep),
@@ -242,6 +257,30 @@ fn ids_of(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// Sum of squares of a (local) gradient slice, in f64 so that the sum over ranks and units
+/// is insensitive to order at f32 precision.
+pub fn sq_norm(grads: &[f32]) -> f64 {
+    // Eight partial sums in a fixed order (so still deterministic): one running sum is a
+    // serial chain of f64 adds, which does not vectorise.
+    let mut acc = [0.0f64; 8];
+    let mut chunks = grads.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f64::from(x) * f64::from(x);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// The clipping coefficient for a total squared norm: `min(1, max_norm / (norm + 1e-6))`,
+/// as `torch.nn.utils.clip_grad_norm_`.
+pub fn clip_coef(total_sq_norm: f64, max_norm: f64) -> f32 {
+    let norm = total_sq_norm.max(0.0).sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    coef.min(1.0) as f32
+}
+
 /// An `f64` as its bits in two elements, high then low (as the engine's norm sums).
 pub fn store_f64(v: f64, two: &mut [f32]) {
     let b = v.to_bits();
@@ -278,6 +317,8 @@ impl Op {
             Op::EmbeddingForward(_) => "embedding forward",
             Op::EmbeddingBackward(_) => "embedding backward",
             Op::SumSquares => "sum of squares",
+            Op::ClipScale { .. } => "clip scale",
+            Op::NormSums { .. } => "loss and norm sums",
             Op::Sgd(_) => "sgd",
             Op::AdamW(_) => "adamw",
             Op::BatchNormStats { .. } => "batch norm statistics",
@@ -384,6 +425,18 @@ impl Op {
                 want(&format!("{name} reads"), r, 1)?;
                 want(&format!("{name} writes"), w, 1)?;
                 len_is("sum of squares out", w[0], 2)
+            }
+            Op::ClipScale { .. } => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("clip scale sums", r[0], 3)
+            }
+            Op::NormSums { units, .. } => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 1)?;
+                len_is("norm sums loss", r[0], 1)?;
+                len_is("norm sums squares", r[1], 2 * units)?;
+                len_is("norm sums out", w[0], 3)
             }
             Op::Sgd(s) => {
                 want(&format!("{name} reads"), r, 1)?;
@@ -510,9 +563,17 @@ impl Op {
             }
             Op::EmbeddingForward(emb) => emb.forward(r[0], &ids_of(r[1]), w[0]).map_err(e)?,
             Op::EmbeddingBackward(emb) => emb.backward(&ids_of(r[0]), r[1], w[0]).map_err(e)?,
-            Op::SumSquares => {
-                let s: f64 = r[0].iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-                store_f64(s, w[0]);
+            Op::SumSquares => store_f64(sq_norm(r[0]), w[0]),
+            Op::ClipScale { max_norm } => {
+                let coef = clip_coef(f64::from(r[0][1]), *max_norm);
+                if coef != 1.0 {
+                    w[0].iter_mut().for_each(|g| *g *= coef);
+                }
+            }
+            Op::NormSums { units, stop } => {
+                // ENG-1: the norms summed in unit order.
+                let sq: f64 = (0..*units).map(|u| load_f64(&r[1][2 * u..2 * u + 2])).sum();
+                w[0].copy_from_slice(&[r[0][0], sq as f32, *stop]);
             }
             Op::Sgd(s) => sgd_host(s, r[0], w),
             Op::AdamW(a) => adamw_host(a, r[0], w),

@@ -58,6 +58,8 @@ fn fitting() -> Vec<(Op, Vec<usize>, Vec<usize>)> {
         (Op::EmbeddingForward(emb), vec![15, 4], vec![12]),
         (Op::EmbeddingBackward(emb), vec![4, 12], vec![15]),
         (Op::SumSquares, vec![9], vec![2]),
+        (Op::ClipScale { max_norm: 1.0 }, vec![3], vec![7]),
+        (Op::NormSums { units: 2, stop: 0.0 }, vec![1, 4], vec![3]),
         (Op::Sgd(sgd), vec![5], vec![5, 5]),
         (Op::AdamW(adamw), vec![5], vec![5, 10]),
         (Op::BatchNormStats { n, c, s }, vec![24], vec![3, 3]),
@@ -88,7 +90,10 @@ fn every_op_accepts_its_lengths_and_refuses_one_element_off_ops_1() {
             // vector a sum of squares reads.
             let free = matches!(
                 (&op, i),
-                (Op::EmbeddingForward(_), 1) | (Op::EmbeddingBackward(_), 0) | (Op::SumSquares, 0)
+                (Op::EmbeddingForward(_), 1)
+                    | (Op::EmbeddingBackward(_), 0)
+                    | (Op::SumSquares, 0)
+                    | (Op::ClipScale { .. }, 1)
             );
             if !free {
                 assert!(op.check_lens(&r2, &w2).is_err(), "{op:?} took {r2:?} {w2:?}");
@@ -554,4 +559,30 @@ fn attention_ops_match_materialised_scores_ops_2() {
         close(&b[1], &dk, 1e-5, "attention dk");
         close(&b[2], &dv, 1e-5, "attention dv");
     }
+}
+
+#[test]
+fn clipping_and_the_norm_sums_follow_their_definitions_ops_2() {
+    let dev = CpuDevice::new();
+    let g = randv(10, 30);
+    // Squared norm 16: a max norm of 2 scales by 2 / (4 + 1e-6); 10 leaves the bits as they are.
+    let sums = vec![0.7, 16.0, 0.0];
+    let o = run(
+        &dev,
+        &Op::ClipScale { max_norm: 2.0 },
+        std::slice::from_ref(&sums),
+        std::slice::from_ref(&g),
+    );
+    let coef = 2.0 / (4.0 + 1e-6);
+    let want: Vec<f64> = g.iter().map(|&x| f64::from(x) * coef).collect();
+    close(&o[0], &want, 1e-7, "clipped");
+    let o = run(&dev, &Op::ClipScale { max_norm: 10.0 }, &[sums], std::slice::from_ref(&g));
+    assert_eq!(o[0], g, "a coefficient of 1 changes nothing");
+    // The units' squared norms summed in unit order, the loss and the wish carried.
+    let mut sq = vec![0.0f32; 6];
+    for (u, v) in [1.5f64, 2.25, 1e-3].iter().enumerate() {
+        store_f64(*v, &mut sq[2 * u..2 * u + 2]);
+    }
+    let o = run(&dev, &Op::NormSums { units: 3, stop: 1.0 }, &[vec![0.25], sq], &[vec![0.0; 3]]);
+    assert_eq!(o[0], vec![0.25, (1.5 + 2.25 + 1e-3) as f32, 1.0]);
 }

@@ -73,6 +73,14 @@ impl Region {
             Region::Own => &buf[own.clone()],
         }
     }
+    /// The elements [`Region::of`] takes of a buffer of `len`.
+    fn range(self, len: usize, own: &Range<usize>) -> Range<usize> {
+        match self {
+            Region::Whole => 0..len,
+            Region::Own => own.clone(),
+        }
+    }
+
     fn of_mut<'a>(self, buf: &'a mut [f32], own: &Range<usize>) -> &'a mut [f32] {
         match self {
             Region::Whole => buf,
@@ -92,6 +100,19 @@ pub(crate) struct Update<'a> {
     pub(crate) step: u64,
     /// Gradient scale (clipping); 1 leaves the gradients as they are.
     pub(crate) coef: f32,
+}
+
+/// One unit's update as ranges ([`StageRules::update_ranges`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct UpdateRanges {
+    /// The parameters stepped.
+    pub(crate) params: Range<usize>,
+    /// The gradients read (and scaled by clipping).
+    pub(crate) grads: Range<usize>,
+    /// `(start, end, decayed)` runs of the stepped range, relative to it.
+    pub(crate) runs: Vec<(usize, usize, bool)>,
+    /// The gradients the squared norm counts.
+    pub(crate) norm: Range<usize>,
 }
 
 /// The rules of one ZeRO stage.
@@ -187,6 +208,29 @@ impl StageRules {
     /// whose own range is `own`.
     pub(crate) fn own_grads<'a>(&self, grads: &'a [f32], own: &Range<usize>) -> &'a [f32] {
         self.own_grads.of(grads, own)
+    }
+
+    /// [`StageRules::update_unit`] as ranges of the buffers a rank keeps of a unit (`params`
+    /// and `grads` elements long), for a device to run as ops: the stepped parameters and
+    /// the gradients read (also what clipping scales), the runs of the stepped range with
+    /// and without weight decay (relative to it, as `optim::Groups` splits it), and the
+    /// gradients the squared norm counts.
+    pub(crate) fn update_ranges(
+        &self,
+        own: &Range<usize>,
+        no_decay: &[Range<usize>],
+        (params, grads): (usize, usize),
+    ) -> UpdateRanges {
+        let p = self.step_params.range(params, own);
+        let offset = match (self.params, self.step_params) {
+            (Holding::Full, Region::Whole) => 0,
+            _ => own.start,
+        };
+        let g = self.step_grads.range(grads, own);
+        let runs = optim::decay_runs(offset, p.len(), no_decay);
+        let norm =
+            if self.replicated_update { self.own_grads.range(grads, own) } else { g.clone() };
+        UpdateRanges { params: p, grads: g, runs, norm }
     }
 
     /// One unit's optimizer update on this rank: scales the gradients it reads by

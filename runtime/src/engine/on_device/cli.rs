@@ -89,7 +89,7 @@ pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> 
                 timeout: timeout * 2,
                 // Every operation's span, for the overlap figures (and --trace).
                 timeline: true,
-                ops_only: false,
+                ..SimOptions::default()
             }));
             let model = Arc::clone(&job.model);
             let mut e = DeviceEngine::new(rank, dev, &worlds, model, ecfg.clone(), dopts)?;

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-use shardline_collectives::device::DeviceBuffer;
-use shardline_models::ops::{load_f64 as f64_of, store_f64, Op};
+use shardline_collectives::device::{DeviceBuffer, DeviceOp};
+use shardline_models::ops::{store_f64, AdamWStep, Op, SgdStep};
 
 use super::io::DeviceReduction;
 use super::offload::{lock, Held};
@@ -15,6 +15,7 @@ use crate::engine::reduction::{ReduceIo, Reduction, Reductions};
 use crate::engine::stage::{GradReduce, Update};
 use crate::error::{Result, RuntimeError};
 use crate::memory::Category;
+use crate::optim::Optimizer;
 
 impl DeviceEngine {
     /// Unit `u`'s reduction on the reduce stream, after its backward (DEV-2), as its stage
@@ -71,21 +72,10 @@ impl DeviceEngine {
     /// compute stream (and the offload stream) wait for the sums (clipping reads them).
     pub(super) fn enqueue_loss_and_norm(&mut self, n: usize) -> Result<()> {
         let s = &self.streams;
+        // ENG-1: the norms summed in unit order; INT-1: the wish travels with the loss.
         let stop = if self.stop_requested { 1.0 } else { 0.0 };
-        self.dev.launch(
-            s.compute,
-            "loss and norm",
-            &[&self.loss, &self.sq],
-            &[&self.sums],
-            Box::new(move |r, w| {
-                // ENG-1: the norms summed in unit order.
-                let sq: f64 = (0..n).map(|u| f64_of(&r[1][2 * u..2 * u + 2])).sum();
-                w[0][0] = r[0][0];
-                w[0][1] = sq as f32;
-                // INT-1: the wish travels with the loss.
-                w[0][2] = stop;
-            }),
-        )?;
+        let sums = Op::NormSums { units: n, stop }.arc();
+        self.dev.launch_op(s.compute, sums, &[&self.loss, &self.sq], &[&self.sums])?;
         let e = self.dev.record(s.compute);
         self.dev.wait(s.reduce, &e);
         self.reduce_comm.all_reduce(s.reduce, &self.sums)?;
@@ -114,18 +104,12 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
         e.dev.wait(e.streams.compute, &r.work.done);
         if self.clip.is_some() {
             // ENG-8 with clipping: the own reduced slice's squared norm, as it comes in.
-            let (u, rules) = (r.unit, e.rules);
+            let u = r.unit;
             let own = e.layout.unit(u).shard_range(e.rank);
-            e.dev.launch(
-                e.streams.compute,
-                &format!("norm {}", e.labels[u]),
-                &[&e.grads[u]],
-                &[&e.sq],
-                Box::new(move |r, w| {
-                    let sq = crate::optim::sq_norm(rules.own_grads(r[0], &own));
-                    store_f64(sq, &mut w[0][2 * u..2 * u + 2]);
-                }),
-            )?;
+            let g = &e.grads[u];
+            let own_grads = g.view(e.rules.update_ranges(&own, &[], (0, g.len())).norm)?;
+            let slot = e.sq.view(2 * u..2 * u + 2)?;
+            e.dev.launch_op(e.streams.compute, Op::SumSquares.arc(), &[&own_grads], &[&slot])?;
         }
         Ok(())
     }
@@ -139,6 +123,7 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
         let (p, st) = (&e.params[u], &e.optim_state[u]);
         // With clipping the update reads the summed norm (`sums`), and its own norm is not
         // the one reported (that was taken before scaling).
+        let (own_h, no_decay_h) = (own.clone(), no_decay.clone());
         let step_unit = move |p: &mut [f32],
                               g: &mut [f32],
                               st: &mut [f32],
@@ -151,7 +136,7 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
             };
             let update = Update { opt: &opt, lr, step, coef };
             let norm = rules
-                .update_unit(&update, &own, &no_decay, p, g, st)
+                .update_unit(&update, &own_h, &no_decay_h, p, g, st)
                 .map_err(|e| kernel_error(rank, name, e))?;
             if clip.is_none() {
                 store_f64(norm, &mut sq[2 * u..2 * u + 2]);
@@ -191,19 +176,50 @@ impl ReduceIo<DeviceReduction> for StepIo<'_> {
             e.ready[u] = Some(e.dev.record(e.streams.offload));
             return Ok(());
         };
-        let name = format!("update {}", e.labels[u]);
-        let reads: Vec<&DeviceBuffer> = clip.map(|_| &e.sums).into_iter().collect();
-        e.dev.launch_fallible(
-            e.streams.compute,
-            &name.clone(),
-            &reads,
-            &[p, &e.grads[u], st, &e.sq],
-            Box::new(move |r, w| {
-                let [p, g, st, sq] = w else { unreachable!("four buffers") };
-                step_unit(p, g, st, r.first().copied(), sq, &name)
-            }),
-        )?;
-        e.ready[u] = Some(e.dev.record(e.streams.compute));
+        // The update as ops (what `update_unit` does, element for element): the gradients
+        // scaled by the clipping coefficient, each run of the stepped range stepped with or
+        // without weight decay, the own gradients' squared norm into the unit's slot.
+        let ranges = rules.update_ranges(&own, &no_decay, (p.len(), e.grads[u].len()));
+        let (s, k) = (e.streams.compute, opt.state_len_per_param());
+        let (g, ps) = (e.grads[u].view(ranges.grads.clone())?, p.view(ranges.params.clone())?);
+        if let Some(max_norm) = clip {
+            e.dev.launch_op(s, Op::ClipScale { max_norm }.arc(), &[&e.sums], &[&g])?;
+        }
+        for &(a, b, decayed) in &ranges.runs {
+            let op = step_op(&opt, lr, step, decayed);
+            let (pv, sv) = (ps.view(a..b)?, st.view(a * k..b * k)?);
+            e.dev.launch_op(s, op, &[&g.view(a..b)?], &[&pv, &sv])?;
+        }
+        if clip.is_none() {
+            let norm = e.grads[u].view(ranges.norm)?;
+            let slot = e.sq.view(2 * u..2 * u + 2)?;
+            e.dev.launch_op(s, Op::SumSquares.arc(), &[&norm], &[&slot])?;
+        }
+        e.ready[u] = Some(e.dev.record(s));
         Ok(())
     }
+}
+
+/// The op of one run of a unit's update: the optimizer at `step`, with its weight decay or,
+/// for a run of no-decay elements, without (OPT-5), per element as `optim` steps.
+fn step_op(opt: &Optimizer, lr: f32, step: u64, decayed: bool) -> std::sync::Arc<dyn DeviceOp> {
+    match opt {
+        Optimizer::Sgd(c) => Op::Sgd(SgdStep {
+            lr,
+            momentum: c.momentum,
+            dampening: c.dampening,
+            weight_decay: if decayed { c.weight_decay } else { 0.0 },
+            nesterov: c.nesterov,
+            step,
+        }),
+        Optimizer::AdamW(c) => Op::AdamW(AdamWStep {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: if decayed { c.weight_decay } else { 0.0 },
+            step,
+        }),
+    }
+    .arc()
 }
