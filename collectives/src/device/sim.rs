@@ -216,8 +216,12 @@ impl SimDevice {
         // DEVOP-2: a view's kernel sees its range only.
         let ranges: Vec<std::ops::Range<usize>> = uses.iter().map(|(b, _)| b.range()).collect();
         self.enqueue(stream, name, &uses, move |vals| {
-            // Lock in id order, so that two streams never wait on each other's locks.
-            let mut order: Vec<usize> = (0..vals.len()).collect();
+            // Each allocation locked once (reads may be several views of one; writes never
+            // share one with anything, checked above), in id order, so that two streams
+            // never wait on each other's locks.
+            let owner: Vec<usize> =
+                ids.iter().map(|id| ids.iter().position(|x| x == id).unwrap_or(0)).collect();
+            let mut order: Vec<usize> = (0..vals.len()).filter(|&i| owner[i] == i).collect();
             order.sort_by_key(|&i| ids[i]);
             let mut guards: Vec<Option<MutexGuard<'_, Vec<f32>>>> =
                 (0..vals.len()).map(|_| None).collect();
@@ -226,10 +230,10 @@ impl SimDevice {
             }
             let (rg, wg) = guards.split_at_mut(n_reads);
             let (rr, wr) = ranges.split_at(n_reads);
-            let r: Vec<&[f32]> = rg
+            let r: Vec<&[f32]> = rr
                 .iter()
-                .zip(rr)
-                .map(|(g, at)| g.as_deref().map_or(&[][..], |v| &v[at.clone()]))
+                .zip(&owner)
+                .map(|(at, &o)| rg[o].as_deref().map_or(&[][..], |v| &v[at.clone()]))
                 .collect();
             let mut w: Vec<&mut [f32]> = wg
                 .iter_mut()
@@ -588,6 +592,18 @@ mod tests {
                     matches!(e, Some(DeviceError::Invalid(m)) if m.contains("whole allocations"))
                 );
             }
+            // Two reads of one allocation (an op's a and b from one buffer).
+            d.launch(
+                s,
+                "add two views",
+                &[&a.view(0..3).unwrap(), &a.view(3..6).unwrap()],
+                &[&b],
+                Box::new(|r, w| {
+                    w[0].iter_mut().zip(r[0].iter().zip(r[1])).for_each(|(o, (x, y))| *o = x + y)
+                }),
+            )
+            .unwrap();
+            assert_eq!(got(&b), vec![9.0, 9.0, 12.0]);
             let two = (a.view(0..2).unwrap(), a.view(2..4).unwrap());
             let e = d.launch(s, "two views", &[], &[&two.0, &two.1], Box::new(|_, _| {}));
             assert!(matches!(e, Err(DeviceError::Invalid(m)) if m.contains("written twice")));

@@ -1,8 +1,9 @@
 //! The CUDA device: [`Device`] of shardline-collectives over one GPU, a thin mapping of its
-//! calls to cudarc's. Streams are CUDA streams, events CUDA events, buffers `CudaSlice<f32>`;
-//! the model ops ([`Op`]) run as cuBLAS products and the kernels of `ops.cu` and
-//! `kernels.cu`, each op's mapping in `device_ops.rs`. There is no engine logic here: the
-//! caller orders its streams with events, as on any device.
+//! calls to cudarc's. Streams are CUDA streams, events CUDA events, allocations
+//! `CudaSlice<f32>` (each launch gets views of them); the model ops ([`Op`]) run as cuBLAS
+//! products and the kernels of `ops.cu` and `kernels.cu`, each op's mapping in
+//! `device_ops.rs`. There is no engine logic here: the caller orders its streams with
+//! events, as on any device.
 //!
 //! Memory. Allocations are made and zeroed on an internal allocation stream and counted
 //! against the capacity (USAGE-1). cudarc's event tracking (on, and made explicit at
@@ -17,6 +18,16 @@
 //! [`Device::download`] copies into a page-locked buffer on the stream; its
 //! [`Download`]'s finish copies that out once the copy's event has fired.
 //!
+//! Views (DEVOP-2). An op's buffers may be views ([`DeviceBuffer::view`]): each launch gets
+//! a cudarc view (`CudaView`, `CudaViewMut`) of the handle's `range()` of its allocation,
+//! as long as the handle, so the kernels and cuBLAS reach only those elements. Aliasing is
+//! judged by allocation: two views of one allocation may both be read, never both written
+//! nor one read and one written by the same op. A cudarc view shares its allocation's
+//! read and write events, so a use of a view is ordered by cudarc's tracking as a use of
+//! the whole allocation (more order than the views need, none less). Frees, copies
+//! ([`Device::upload`], [`Device::download`], [`Device::copy`]) and NCCL's collectives take
+//! whole allocations only and refuse views with `Invalid`.
+//!
 //! Enqueues hold the device's buffer table for their duration (buffers are borrowed from it,
 //! writes mutably, as cudarc's tracking wants), so enqueues from several threads are
 //! serialised; the work they enqueue still runs concurrently on the GPU.
@@ -24,9 +35,10 @@
 //! Invariants:
 //! - CUDADEV-1: host closures ([`Device::launch`], [`Device::launch_fallible`]) are refused
 //!   by name with `Invalid`; nothing is staged through the host.
-//! - CUDADEV-2: every op is checked ([`check_op`]) and its buffers found live on this device,
-//!   none both read and written, before anything is enqueued, so every kernel stays within
-//!   its buffers (the kernels bound their indices by the sizes checked there).
+//! - CUDADEV-2: every op is checked ([`check_op`]) and its buffers found live on this device
+//!   (a view within its allocation), no allocation both read and written or written twice,
+//!   before anything is enqueued, so every kernel stays within its buffers' views (the
+//!   kernels bound their indices by the sizes checked there, the views' lengths: DEVOP-2).
 //! - CUDADEV-3: any CUDA failure is returned as `DeviceError::Failed` naming the call and
 //!   `cuda:{ordinal}`; the first is kept and every later call fails with it (a device that
 //!   failed stays failed). Nothing panics on a CUDA error.
@@ -44,7 +56,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::CUresult;
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError,
+    PinnedHostSlice,
+};
 use shardline_collectives::device::{
     check_op, Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel,
     NativeEvent, Reservation, Result, StreamId, Usage,
@@ -229,26 +244,33 @@ impl CudaDevice {
         Ok(b)
     }
 
-    /// Runs `f` over the slices of `reads` and `writes` (CUDADEV-2: each live on this device
-    /// with the handle's length, none both read and written, none written twice), the
-    /// buffer table held meanwhile.
+    /// Runs `f` over device views of `reads` and `writes` (CUDADEV-2: each live on this
+    /// device, an allocation with the handle's length or a view within its allocation; no
+    /// allocation both read and written, none written twice), the buffer table held
+    /// meanwhile. Each view is `range()` of its allocation and as long as its handle, so a
+    /// launch over it reaches only the handle's elements (DEVOP-2).
+    ///
+    /// Event tracking with views: a cudarc view carries its parent slice's read and write
+    /// events, so a launch over a view waits for the last recorded write of the whole
+    /// allocation (and, writing, its last recorded read) and records the allocation's event
+    /// after it. Views of one allocation are thus ordered as uses of the whole allocation,
+    /// as [`DeviceBuffer::view`] says: disjoint views used on two streams are serialised
+    /// through those events (more order than the views need, none less than whole
+    /// allocations get; the engine's own events remain what orders its streams). The waits
+    /// are enqueued (`cuStreamWaitEvent` on the event's latest record) and the records
+    /// follow the enqueue, so nothing blocks the host, and nothing panics: the ranges are
+    /// checked here and sliced with `try_slice`.
     pub(crate) fn with_slices<R>(
         &self,
         what: &str,
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
-        f: impl FnOnce(&[&CudaSlice<f32>], &mut [&mut CudaSlice<f32>]) -> Result<R>,
+        f: impl FnOnce(&[CudaView<'_, f32>], &mut [CudaViewMut<'_, f32>]) -> Result<R>,
     ) -> Result<R> {
         for b in reads.iter().chain(writes) {
             self.mine(b)?;
-            if b.is_view() {
-                // Whole allocations only, until the launches take sub-slices.
-                return Err(DeviceError::Invalid(format!(
-                    "{what}: '{}' is a view; the CUDA device takes whole allocations only",
-                    b.label()
-                )));
-            }
         }
+        // By allocation id: two views of one allocation are one buffer here.
         for (i, w) in writes.iter().enumerate() {
             if reads.iter().any(|r| r.id() == w.id()) {
                 return Err(DeviceError::Invalid(format!(
@@ -272,7 +294,15 @@ impl CudaDevice {
                         b.label()
                     )))
                 }
-                Some(a) if a.len != b.len() => {
+                Some(a) if b.is_view() && b.range().end > a.len => {
+                    return Err(DeviceError::Invalid(format!(
+                        "{what}: view '{}' ({:?}) past its allocation's {} elements",
+                        b.label(),
+                        b.range(),
+                        a.len
+                    )))
+                }
+                Some(a) if !b.is_view() && a.len != b.len() => {
                     return Err(DeviceError::Invalid(format!(
                         "{what}: buffer '{}' has {} elements, its handle says {}",
                         b.label(),
@@ -294,12 +324,19 @@ impl CudaDevice {
         let out = if taken.len() != writes.len() {
             Err(DeviceError::Invalid(format!("{what}: a written buffer was freed")))
         } else {
-            let rs: Vec<&CudaSlice<f32>> =
-                reads.iter().filter_map(|b| st.map.get(&b.id()).map(|a| &a.slice)).collect();
-            let mut ws: Vec<&mut CudaSlice<f32>> =
-                taken.iter_mut().map(|(_, a)| &mut a.slice).collect();
-            if rs.len() != reads.len() {
-                Err(DeviceError::Invalid(format!("{what}: a read buffer was freed")))
+            // `range()` is within the allocation's handle length (checked above), which is
+            // within the slice (at least one element): the slicing cannot fail.
+            let rs: Vec<CudaView<'_, f32>> = reads
+                .iter()
+                .filter_map(|b| st.map.get(&b.id()).and_then(|a| a.slice.try_slice(b.range())))
+                .collect();
+            let mut ws: Vec<CudaViewMut<'_, f32>> = taken
+                .iter_mut()
+                .zip(writes)
+                .filter_map(|((_, a), b)| a.slice.try_slice_mut(b.range()))
+                .collect();
+            if rs.len() != reads.len() || ws.len() != writes.len() {
+                Err(DeviceError::Invalid(format!("{what}: a buffer was freed or out of range")))
             } else {
                 f(&rs, &mut ws)
             }
@@ -456,6 +493,7 @@ impl Device for CudaDevice {
 
     fn upload(&self, stream: StreamId, src: &[f32], dst: &DeviceBuffer) -> Result<()> {
         self.begin()?;
+        dst.whole("upload")?;
         if src.len() != dst.len() {
             return Err(DeviceError::Invalid(format!(
                 "upload of {} elements into '{}' of {}",
@@ -471,13 +509,14 @@ impl Device for CudaDevice {
             }
             // From pageable memory the driver stages `src` before returning, so the caller
             // may reuse it at once (the copy to the device itself runs in stream order).
-            cs.memcpy_htod(src, &mut *w[0])
+            cs.memcpy_htod(src, &mut w[0])
                 .map_err(|e| self.fail(&format!("upload into '{}'", dst.label()), e))
         })
     }
 
     fn download(&self, stream: StreamId, src: &DeviceBuffer) -> Result<Download> {
         self.begin()?;
+        src.whole("download")?;
         let cs = self.cuda_stream(stream)?;
         let n = src.len();
         let pinned = self.with_slices("download", &[src], &[], |r, _| {
@@ -489,7 +528,7 @@ impl Device for CudaDevice {
             // (not write-combined) memory, which the host reads back fast.
             let mut host: PinnedHostSlice<f32> = unsafe { self.ctx.alloc_pinned_with_flags(n, 0) }
                 .map_err(|e| self.fail(&format!("pinned buffer for '{}'", src.label()), e))?;
-            cs.memcpy_dtoh(r[0], &mut host)
+            cs.memcpy_dtoh(&r[0], &mut host)
                 .map_err(|e| self.fail(&format!("download of '{}'", src.label()), e))?;
             Ok(Some(host))
         })?;
@@ -512,6 +551,8 @@ impl Device for CudaDevice {
 
     fn copy(&self, stream: StreamId, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<()> {
         self.begin()?;
+        src.whole("copy")?;
+        dst.whole("copy")?;
         if src.len() != dst.len() {
             return Err(DeviceError::Invalid(format!(
                 "copy of '{}' ({} elements) into '{}' ({})",
@@ -530,7 +571,7 @@ impl Device for CudaDevice {
             if src.is_empty() {
                 return Ok(());
             }
-            cs.memcpy_dtod(r[0], &mut *w[0]).map_err(|e| {
+            cs.memcpy_dtod(&r[0], &mut w[0]).map_err(|e| {
                 self.fail(&format!("copy of '{}' into '{}'", src.label(), dst.label()), e)
             })
         })

@@ -1,14 +1,17 @@
 //! The model ops on the CUDA device: each [`Op`] as the cuBLAS products and the kernels of
 //! `ops.cu` and `kernels.cu` that compute it, enqueued on the op's stream by the device's
 //! `launch_op` once the op is checked and its buffers found (CUDADEV-2, in
-//! [`super::device`]).
+//! [`super::device`]). Each mapping gets cudarc views (`CudaView`, `CudaViewMut`) of its
+//! buffers, each the handle's `range()` of its allocation (a whole allocation or a
+//! [`DeviceBuffer::view`](shardline_collectives::device::DeviceBuffer::view)), and passes
+//! the views' lengths as the kernels' sizes, so a launch stays within the views (DEVOP-2).
 //!
 //! Where the ops differ from their host reference: a kernel cannot refuse its input, so an
 //! id or target `>= vocab` (which the host refuses before writing, EMB-3, XENT-2) reads
 //! nothing out of the table: the embedding forward writes a zero row for it, its backward
 //! adds nothing, and the cross-entropy gives that row a NaN loss (so the mean loss shows it)
 //! and a zero gradient row. The updates and axpy reuse the 32-bit-indexed kernels of
-//! `kernels.cu`, so buffers past their range (2^32 - 1 elements; AdamW 2^31 - 1) are
+//! `kernels.cu` (over the views' lengths), so buffers past their range (2^32 - 1 elements; AdamW 2^31 - 1) are
 //! `Invalid`. The BatchNorm and attention ops are in `device_ops/norm_attn.rs`; an attention
 //! head too wide for their kernels' shared memory (`head_dim` past about 2,700) is `Invalid`.
 
@@ -16,7 +19,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, Gemm as _};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use shardline_collectives::device::{DeviceError, Result};
 
@@ -90,7 +93,7 @@ macro_rules! kernel {
         $( b.arg($arg); )+
         // SAFETY: the op was checked against its buffers' lengths before the launch
         // (CUDADEV-2), and every kernel bounds its indices by the sizes passed to it, which
-        // are those lengths.
+        // are those lengths: the lengths of the views it gets (DEVOP-2).
         unsafe { b.launch($cfg) }.map(|_| ()).map_err(|e| $dev.fail(&$what, e))
     }};
 }
@@ -205,9 +208,9 @@ impl CudaDevice {
         blas: &CudaBlas,
         cs: &CudaStream,
         shape: GemmShape,
-        a: &CudaSlice<f32>,
-        b: &CudaSlice<f32>,
-        c: &mut CudaSlice<f32>,
+        a: &CudaView<'_, f32>,
+        b: &CudaView<'_, f32>,
+        c: &mut CudaViewMut<'_, f32>,
         accumulate: bool,
     ) -> Result<()> {
         let GemmShape { m, n, k, .. } = shape;
@@ -224,7 +227,7 @@ impl CudaDevice {
                     cs,
                     &self.k.fill,
                     elems(len),
-                    c,
+                    &mut *c,
                     &zero,
                     &len
                 )?;
@@ -233,23 +236,24 @@ impl CudaDevice {
         }
         let cfg = gemm_config(shape, accumulate)
             .map_err(|v| DeviceError::Invalid(format!("{what}: dimension {v} past 2^31 - 1")))?;
-        // SAFETY: the op's check (CUDADEV-2) gave `a` m*k, `b` k*n and `c` at least m*n
-        // elements (c may be a longer gradient buffer whose first m*n are the product), so
-        // every access the dimensions and leading dimensions allow is inside them; `c` is
-        // borrowed mutably, apart from `a` and `b`.
+        // SAFETY: the op's check (CUDADEV-2) gave the views `a` m*k, `b` k*n and `c` at
+        // least m*n elements (c may be a longer gradient buffer whose first m*n are the
+        // product), so every access the dimensions and leading dimensions allow is inside
+        // the views (DEVOP-2); `c` is borrowed mutably, from another allocation than `a`, `b`.
         unsafe { blas.gemm(cfg, b, a, c) }
             .map_err(|e| self.fail(&format!("{what}: cublas sgemm"), e))
     }
 
-    /// Enqueues `op` on `cs` over its slices; `rl`, `wl` are the buffers' lengths.
+    /// Enqueues `op` on `cs` over its buffers' views (each `range()` of its allocation,
+    /// DEVOP-2); `rl`, `wl` are the views' lengths, which the kernels bound their indices by.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_op(
         &self,
         op: &Op,
         cs: &Arc<CudaStream>,
         blas: Option<&CudaBlas>,
-        r: &[&CudaSlice<f32>],
-        w: &mut [&mut CudaSlice<f32>],
+        r: &[CudaView<'_, f32>],
+        w: &mut [CudaViewMut<'_, f32>],
         rl: &[usize],
         wl: &[usize],
     ) -> Result<()> {
@@ -268,8 +272,8 @@ impl CudaDevice {
                         cs,
                         &k.clip_scale,
                         cfg,
-                        r[0],
-                        &mut *w[0],
+                        &r[0],
+                        &mut w[0],
                         max_norm,
                         &n
                     )?;
@@ -285,9 +289,9 @@ impl CudaDevice {
                     cs,
                     &k.norm_sums,
                     cfg,
-                    r[0],
-                    r[1],
-                    &mut *w[0],
+                    &r[0],
+                    &r[1],
+                    &mut w[0],
                     &units,
                     stop
                 )?;
@@ -295,7 +299,7 @@ impl CudaDevice {
             Op::Fill { value } => {
                 let n = u64_of(wl[0]);
                 if n > 0 {
-                    kernel!(self, what("fill"), cs, &k.fill, elems(n), &mut *w[0], value, &n)?;
+                    kernel!(self, what("fill"), cs, &k.fill, elems(n), &mut w[0], value, &n)?;
                 }
             }
             Op::Axpy { alpha } => {
@@ -308,14 +312,14 @@ impl CudaDevice {
                         &k.axpy,
                         grid(n as usize),
                         alpha,
-                        r[0],
-                        &mut *w[0],
+                        &r[0],
+                        &mut w[0],
                         &n
                     )?;
                 }
             }
             Op::Gemm { shape, accumulate } => {
-                self.sgemm(name, blas()?, cs, *shape, r[0], r[1], &mut *w[0], *accumulate)?;
+                self.sgemm(name, blas()?, cs, *shape, &r[0], &r[1], &mut w[0], *accumulate)?;
             }
             Op::LinearForward(l) => {
                 let rows = rows_of(rl[1], l.in_dim);
@@ -331,23 +335,23 @@ impl CudaDevice {
                         cs,
                         &k.bias_rows,
                         elems(rows64 * out),
-                        r[0],
+                        &r[0],
                         &offset,
-                        &mut *w[0],
+                        &mut w[0],
                         &rows64,
                         &out,
                     )?;
                 }
                 let shape =
                     GemmShape { m: rows, n: l.out_dim, k: l.in_dim, trans_a: false, trans_b: true };
-                self.sgemm(name, blas()?, cs, shape, r[1], r[0], &mut *w[0], l.bias)?;
+                self.sgemm(name, blas()?, cs, shape, &r[1], &r[0], &mut w[0], l.bias)?;
             }
             Op::LinearBackward { linear: l, input_grad } => {
                 let rows = rows_of(rl[1], l.in_dim);
                 let (grads, rest) = w
                     .split_first_mut()
                     .ok_or_else(|| DeviceError::Invalid(format!("{name}: no grads")))?;
-                let (params, x, dy) = (r[0], r[1], r[2]);
+                let (params, x, dy) = (&r[0], &r[1], &r[2]);
                 if *input_grad {
                     let dx = rest
                         .first_mut()
@@ -377,7 +381,7 @@ impl CudaDevice {
                         &k.col_sums_add,
                         per_col(out)?,
                         dy,
-                        &mut **grads,
+                        &mut *grads,
                         &offset,
                         &rows64,
                         &out,
@@ -387,7 +391,7 @@ impl CudaDevice {
             Op::Relu => {
                 let n = u64_of(rl[0]);
                 if n > 0 {
-                    kernel!(self, what("relu"), cs, &k.relu, elems(n), r[0], &mut *w[0], &n)?;
+                    kernel!(self, what("relu"), cs, &k.relu, elems(n), &r[0], &mut w[0], &n)?;
                 }
             }
             Op::ReluBackward => {
@@ -399,9 +403,9 @@ impl CudaDevice {
                         cs,
                         &k.relu_bwd,
                         elems(n),
-                        r[0],
-                        r[1],
-                        &mut *w[0],
+                        &r[0],
+                        &r[1],
+                        &mut w[0],
                         &n
                     )?;
                 }
@@ -415,8 +419,8 @@ impl CudaDevice {
                         cs,
                         &k.act_fwd,
                         elems(n),
-                        r[0],
-                        &mut *w[0],
+                        &r[0],
+                        &mut w[0],
                         &kind,
                         &n
                     )?;
@@ -431,9 +435,9 @@ impl CudaDevice {
                         cs,
                         &k.act_bwd,
                         elems(n),
-                        r[0],
-                        r[1],
-                        &mut *w[0],
+                        &r[0],
+                        &r[1],
+                        &mut w[0],
                         &kind,
                         &n,
                     )?;
@@ -455,11 +459,11 @@ impl CudaDevice {
                     cs,
                     &k.ln_fwd,
                     per_row(rows64),
-                    r[0],
-                    r[1],
-                    &mut **y,
-                    &mut **mean,
-                    &mut **rstd,
+                    &r[0],
+                    &r[1],
+                    &mut *y,
+                    &mut *mean,
+                    &mut *rstd,
                     &rows64,
                     &dim,
                     &bias,
@@ -475,7 +479,7 @@ impl CudaDevice {
                 let [dx, grads] = w else {
                     return Err(DeviceError::Invalid(format!("{name}: two writes expected")));
                 };
-                let (params, x, mean, rstd, dy) = (r[0], r[1], r[2], r[3], r[4]);
+                let (params, x, mean, rstd, dy) = (&r[0], &r[1], &r[2], &r[3], &r[4]);
                 kernel!(
                     self,
                     what("input gradient"),
@@ -487,7 +491,7 @@ impl CudaDevice {
                     mean,
                     rstd,
                     dy,
-                    &mut **dx,
+                    &mut *dx,
                     &rows64,
                     &dim,
                 )?;
@@ -501,7 +505,7 @@ impl CudaDevice {
                     mean,
                     rstd,
                     dy,
-                    &mut **grads,
+                    &mut *grads,
                     &rows64,
                     &dim,
                     &bias,
@@ -525,9 +529,9 @@ impl CudaDevice {
                         cs,
                         &k.xent_rows,
                         per_row(rows64),
-                        r[0],
-                        r[1],
-                        &mut **dlogits,
+                        &r[0],
+                        &r[1],
+                        &mut *dlogits,
                         &mut row_loss,
                         &rows64,
                         &vocab64,
@@ -541,7 +545,7 @@ impl CudaDevice {
                     &k.xent_loss,
                     one_block(),
                     &row_loss,
-                    &mut **loss,
+                    &mut *loss,
                     &rows64,
                     dloss,
                 )?;
@@ -555,9 +559,9 @@ impl CudaDevice {
                         cs,
                         &k.emb_fwd,
                         elems(n * dim),
-                        r[0],
-                        r[1],
-                        &mut *w[0],
+                        &r[0],
+                        &r[1],
+                        &mut w[0],
                         &n,
                         &dim,
                         &vocab,
@@ -573,9 +577,9 @@ impl CudaDevice {
                         cs,
                         &k.emb_bwd,
                         elems(n * dim),
-                        r[0],
-                        r[1],
-                        &mut *w[0],
+                        &r[0],
+                        &r[1],
+                        &mut w[0],
                         &n,
                         &dim,
                         &vocab,
@@ -593,7 +597,16 @@ impl CudaDevice {
                     block_dim: (BLOCK, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                kernel!(self, what("partials"), cs, &k.sumsq_partial, cfg, r[0], &mut partial, &n)?;
+                kernel!(
+                    self,
+                    what("partials"),
+                    cs,
+                    &k.sumsq_partial,
+                    cfg,
+                    &r[0],
+                    &mut partial,
+                    &n
+                )?;
                 kernel!(
                     self,
                     what("total"),
@@ -602,7 +615,7 @@ impl CudaDevice {
                     one_block(),
                     &partial,
                     &parts,
-                    &mut *w[0],
+                    &mut w[0],
                 )?;
             }
             Op::Sgd(s) => {
@@ -614,17 +627,17 @@ impl CudaDevice {
                 let [p, buf] = w else {
                     return Err(DeviceError::Invalid(format!("{name}: two writes expected")));
                 };
-                // Without momentum the kernel never touches `buf` (which may be shorter), but
-                // it needs a valid pointer: every allocation has at least one element.
+                // Without momentum the kernel never touches `buf` (which may be shorter, even
+                // an empty view): it gets the view's address and never reads through it.
                 kernel!(
                     self,
                     what("kernel"),
                     cs,
                     &k.sgd,
                     grid(n as usize),
-                    &mut **p,
-                    r[0],
-                    &mut **buf,
+                    &mut *p,
+                    &r[0],
+                    &mut *buf,
                     &s.lr,
                     &s.momentum,
                     &s.dampening,
@@ -652,9 +665,9 @@ impl CudaDevice {
                     cs,
                     &k.adamw,
                     grid(n as usize),
-                    &mut **p,
-                    r[0],
-                    &mut **st,
+                    &mut *p,
+                    &r[0],
+                    &mut *st,
                     &step_size,
                     &bc2_sqrt,
                     &a.beta1,

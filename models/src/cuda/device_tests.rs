@@ -1,8 +1,9 @@
 //! The CUDA device against the host device (`CpuDevice`, which runs each op's host
-//! reference) on the same inputs, and its stream, event and memory rules (CUDADEV-1..5,
-//! CUDANCCL-1..3). Each test opens GPU 0 first and prints `skipped: <reason>` when there is
-//! none.
+//! reference) on the same inputs, on whole buffers and on views (DEVOP-2), and its stream,
+//! event and memory rules (CUDADEV-1..5, CUDANCCL-1..3). Each test opens GPU 0 first and
+//! prints `skipped: <reason>` when there is none.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -629,6 +630,9 @@ fn nccl_at_world_1_moves_buffers() {
     let short = d.alloc(999, "short").unwrap();
     assert!(matches!(comm.all_gather(s, &a, &short), Err(DeviceError::Invalid(_))));
     assert!(matches!(comm.broadcast(s, &a, 1), Err(DeviceError::Invalid(_))));
+    // DEVOP-2: collectives take whole allocations.
+    let e = comm.all_reduce(s, &a.view(0..10).unwrap()).expect_err("a view");
+    assert!(matches!(&e, DeviceError::Invalid(m) if m.contains("view")), "{e}");
     // CUDANCCL-3
     comm.abort();
     assert!(matches!(comm.all_reduce(s, &a), Err(DeviceError::Failed(_))));
@@ -667,4 +671,184 @@ fn a_training_step_as_ops_matches_the_host_device() {
     assert_close("loss", &[got.0], &[want.0], REDUCTION);
     assert_close("first layer after the step", &got.1, &want.1, REDUCTION);
     assert_close("second layer after the step", &got.2, &want.2, REDUCTION);
+}
+
+/// Runs `op` on `d` with its buffers views of allocations holding `bufs`: each read and
+/// write an (allocation, range) pair; returns every allocation whole afterwards.
+fn run_on_views(
+    d: &dyn Device,
+    op: &Op,
+    bufs: &[Vec<f32>],
+    reads: &[(usize, Range<usize>)],
+    writes: &[(usize, Range<usize>)],
+) -> Vec<Vec<f32>> {
+    let s = d.stream("compute");
+    let whole: Vec<DeviceBuffer> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let b = d.alloc(v.len(), &format!("buffer {i}")).unwrap();
+            d.upload(s, v, &b).unwrap();
+            b
+        })
+        .collect();
+    let views = |u: &[(usize, Range<usize>)]| -> Vec<DeviceBuffer> {
+        u.iter().map(|(i, r)| whole[*i].view(r.clone()).unwrap()).collect()
+    };
+    let (rv, wv) = (views(reads), views(writes));
+    d.launch_op(
+        s,
+        op.clone().arc(),
+        &rv.iter().collect::<Vec<_>>(),
+        &wv.iter().collect::<Vec<_>>(),
+    )
+    .unwrap_or_else(|e| panic!("{op:?} on views: {e}"));
+    let out = whole.iter().map(|b| d.download(s, b).unwrap().wait(d).unwrap()).collect();
+    for b in whole {
+        d.free(s, b).unwrap();
+    }
+    out
+}
+
+/// DEVOP-2: every element of `got` outside the written ranges is `bufs`' own.
+fn assert_outside_unchanged(
+    what: &str,
+    bufs: &[Vec<f32>],
+    writes: &[(usize, Range<usize>)],
+    got: &[Vec<f32>],
+) {
+    for (i, (g, v)) in got.iter().zip(bufs).enumerate() {
+        for (j, (a, b)) in g.iter().zip(v).enumerate() {
+            if !writes.iter().any(|(w, r)| *w == i && r.contains(&j)) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: buffer {i}[{j}] outside the views");
+            }
+        }
+    }
+}
+
+/// `op` over views on the GPU against the host device (which honours DEVOP-2), whole
+/// allocations compared, within `rel`; nothing outside the written views changes.
+fn check_views(
+    gpu: &dyn Device,
+    op: Op,
+    bufs: &[Vec<f32>],
+    reads: &[(usize, Range<usize>)],
+    writes: &[(usize, Range<usize>)],
+    rel: f32,
+) {
+    let want = run_on_views(&CpuDevice::new(), &op, bufs, reads, writes);
+    let got = run_on_views(gpu, &op, bufs, reads, writes);
+    assert_outside_unchanged(&format!("{op:?}"), bufs, writes, &got);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("{op:?} on views: buffer {i}"), g, w, rel);
+    }
+}
+
+#[test]
+fn ops_on_views_reach_only_the_views_devop_2() {
+    let Some(d) = gpu("ops_on_views_reach_only_the_views_devop_2", None) else { return };
+    ops_on_views(&d);
+    assert!(d.failure().is_none(), "{:?}", d.failure());
+}
+
+/// The cases of [`ops_on_views_reach_only_the_views_devop_2`] on `d`.
+fn ops_on_views(d: &dyn Device) {
+    let mut rng = SplitMix64::new(29);
+    // AdamW over p[3..10], g[3..10], st[6..20] of larger buffers.
+    let (p, g) = (randn(&mut rng, 16), randn(&mut rng, 12));
+    let st: Vec<f32> = randn(&mut rng, 24).iter().map(|v| v.abs()).collect();
+    for step in [1, 3] {
+        let a =
+            AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1, step };
+        let bufs = [p.clone(), g.clone(), st.clone()];
+        check_views(d, Op::AdamW(a), &bufs, &[(1, 3..10)], &[(0, 3..10), (2, 6..20)], ELEMENTWISE);
+    }
+    // SGD with momentum, axpy, fill, relu on views at odd offsets.
+    let s = SgdStep {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.1,
+        weight_decay: 0.01,
+        nesterov: true,
+        step: 2,
+    };
+    let bufs = [randn(&mut rng, 11), randn(&mut rng, 9), randn(&mut rng, 13)];
+    check_views(d, Op::Sgd(s), &bufs, &[(1, 1..6)], &[(0, 5..10), (2, 7..12)], ELEMENTWISE);
+    let bufs = [randn(&mut rng, 300), randn(&mut rng, 301)];
+    check_views(d, Op::Axpy { alpha: 0.5 }, &bufs, &[(0, 17..274)], &[(1, 1..258)], ELEMENTWISE);
+    check_views(d, Op::Relu, &bufs, &[(0, 0..257)], &[(1, 44..301)], 0.0);
+    check_views(d, Op::Fill { value: 2.5 }, &bufs, &[], &[(1, 3..3)], 0.0);
+    check_views(d, Op::Fill { value: 2.5 }, &bufs, &[], &[(0, 299..300)], 0.0);
+    // SumSquares of x[5..15] into out[2..4] of 6 elements.
+    let bufs = [randn(&mut rng, 20), randn(&mut rng, 6)];
+    let (reads, writes) = ([(0, 5..15)], [(1, 2..4)]);
+    let want = run_on_views(&CpuDevice::new(), &Op::SumSquares, &bufs, &reads, &writes);
+    let got = run_on_views(d, &Op::SumSquares, &bufs, &reads, &writes);
+    assert_outside_unchanged("sum of squares", &bufs, &writes, &got);
+    let (gs, ws) = (load_f64(&got[1][2..4]), load_f64(&want[1][2..4]));
+    assert!((gs - ws).abs() <= 1e-12 * ws.abs().max(1.0), "{gs} vs {ws}");
+    // GEMMs whose a and b are two views of one allocation, into c[3..18] of 21.
+    let (m, n, k) = (3, 5, 4);
+    let bufs = [randn(&mut rng, 40), randn(&mut rng, 21)];
+    for trans_a in [false, true] {
+        for trans_b in [false, true] {
+            for accumulate in [false, true] {
+                let shape = GemmShape { m, n, k, trans_a, trans_b };
+                let (reads, writes) = ([(0, 2..14), (0, 15..35)], [(1, 3..18)]);
+                check_views(d, Op::Gemm { shape, accumulate }, &bufs, &reads, &writes, REDUCTION);
+            }
+        }
+    }
+    // BatchNorm forward: x, params, mean and m2 views of one allocation (its invstd is
+    // written, then read through a view of the written view).
+    let (nn, c, sp) = (2, 3, 5);
+    let len = nn * c * sp;
+    let mut inputs = randn(&mut rng, len + 4 * c + 3);
+    for v in &mut inputs[len + 3 * c + 3..] {
+        *v = v.abs() + 0.5;
+    }
+    let bufs = [inputs, randn(&mut rng, len + 2), randn(&mut rng, len + 1), randn(&mut rng, c + 7)];
+    let reads = [
+        (0, 0..len),
+        (0, len + 1..len + 1 + 2 * c),
+        (0, len + 2 * c + 2..len + 3 * c + 2),
+        (0, len + 3 * c + 3..len + 4 * c + 3),
+    ];
+    let writes = [(1, 2..len + 2), (2, 0..len), (3, 4..4 + c)];
+    let fwd = Op::BatchNormForward { n: nn, c, s: sp, count: nn * sp, eps: 1e-5 };
+    check_views(d, fwd, &bufs, &reads, &writes, ELEMENTWISE);
+}
+
+#[test]
+fn copies_frees_and_aliased_views_are_refused_devop_2() {
+    let test = "copies_frees_and_aliased_views_are_refused_devop_2";
+    let Some(d) = gpu(test, None) else { return };
+    let s = d.stream("s");
+    let a = d.alloc(10, "a").unwrap();
+    let b = d.alloc(10, "b").unwrap();
+    let v: Vec<f32> = (0..10).map(|i| i as f32).collect();
+    d.upload(s, &v, &a).unwrap();
+    let (va, va2, vb) = (a.view(2..6).unwrap(), a.view(6..10).unwrap(), b.view(0..4).unwrap());
+    let refused = |what: &str, r: Result<(), DeviceError>| match r {
+        Err(DeviceError::Invalid(m)) => assert!(m.contains("view") || m.contains(what), "{m}"),
+        other => panic!("{what} of a view: expected Invalid, got {other:?}"),
+    };
+    refused("upload", d.upload(s, &[1.0; 4], &va));
+    refused("download", d.download(s, &va).map(|_| ()));
+    refused("copy", d.copy(s, &va, &b.view(0..4).unwrap()));
+    refused("copy", d.copy(s, &va, &vb));
+    refused("copy", d.copy(s, &a, &b.view(0..10).unwrap()));
+    refused("free", d.free(s, a.view(0..10).unwrap()));
+    // By allocation: two written views of one, or one read and one written, are refused.
+    refused(
+        "written twice",
+        d.launch_op(s, Op::Fill { value: 0.0 }.arc(), &[], &[&va, &va2]).map(|_| ()),
+    );
+    let e = d.launch_op(s, Op::Relu.arc(), &[&va], &[&va2]).expect_err("one allocation");
+    assert!(matches!(&e, DeviceError::Invalid(m) if m.contains("both read and written")), "{e}");
+    // Nothing ran, nothing failed.
+    assert_eq!(d.download(s, &a).unwrap().wait(&d).unwrap(), v);
+    assert!(d.failure().is_none(), "{:?}", d.failure());
+    d.free(s, a).unwrap();
+    d.free(s, b).unwrap();
 }

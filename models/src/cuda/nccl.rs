@@ -221,6 +221,10 @@ impl NcclComm {
             &[u64],
         ) -> std::result::Result<nccl::NcclStatus, nccl::NcclError>,
     ) -> Result<()> {
+        // DEVOP-2: collectives take whole allocations only.
+        for b in reads.iter().chain(writes) {
+            b.whole(what)?;
+        }
         let d = Arc::clone(&self.device);
         let ordinal = d.ordinal();
         d.begin()?;

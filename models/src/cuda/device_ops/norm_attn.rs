@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use shardline_collectives::device::{DeviceError, Result};
 
 use super::{elems, per_row, CudaDevice, BLOCK, MAX_BLOCKS};
@@ -48,13 +48,13 @@ fn attn_dims(a: &AttnShape) -> (u64, u64, u64, f32) {
 }
 
 impl CudaDevice {
-    /// Enqueues a BatchNorm or attention op on `cs` over its (checked) slices.
+    /// Enqueues a BatchNorm or attention op on `cs` over its (checked) views.
     pub(super) fn run_norm_attn(
         &self,
         op: &Op,
         cs: &Arc<CudaStream>,
-        r: &[&CudaSlice<f32>],
-        w: &mut [&mut CudaSlice<f32>],
+        r: &[CudaView<'_, f32>],
+        w: &mut [CudaViewMut<'_, f32>],
     ) -> Result<()> {
         let name = op.label();
         let what = |step: &str| format!("{name}: {step}");
@@ -71,9 +71,9 @@ impl CudaDevice {
                         cs,
                         &k.bn_stats,
                         per_row(c),
-                        r[0],
-                        &mut **mean,
-                        &mut **m2,
+                        &r[0],
+                        &mut *mean,
+                        &mut *m2,
                         &n,
                         &c,
                         &s,
@@ -83,7 +83,7 @@ impl CudaDevice {
             Op::BatchNormForward { n, c, s, count, eps } => {
                 let (n, c, s, count) = (u64_of(*n), u64_of(*c), u64_of(*s), *count as f64);
                 let [y, xhat, invstd] = w else { return Err(writes(3)) };
-                let (x, params, mean, m2) = (r[0], r[1], r[2], r[3]);
+                let (x, params, mean, m2) = (&r[0], &r[1], &r[2], &r[3]);
                 if c > 0 {
                     let cfg = elems(c);
                     kernel!(
@@ -93,13 +93,16 @@ impl CudaDevice {
                         &k.bn_invstd,
                         cfg,
                         m2,
-                        &mut **invstd,
+                        &mut *invstd,
                         &c,
                         &count,
                         eps
                     )?;
                 }
                 if n * c * s > 0 {
+                    // Written above, read here: a read view of the written one (its
+                    // tracking is the allocation's, so the launch waits for the write).
+                    let invstd = invstd.as_view();
                     kernel!(
                         self,
                         what("normalize"),
@@ -109,9 +112,9 @@ impl CudaDevice {
                         params,
                         x,
                         mean,
-                        &**invstd,
-                        &mut **y,
-                        &mut **xhat,
+                        &invstd,
+                        &mut *y,
+                        &mut *xhat,
                         &n,
                         &c,
                         &s,
@@ -128,10 +131,10 @@ impl CudaDevice {
                         cs,
                         &k.bn_bwd_reduce,
                         per_row(c),
-                        r[0],
-                        r[1],
-                        &mut **sums,
-                        &mut **grads,
+                        &r[0],
+                        &r[1],
+                        &mut *sums,
+                        &mut *grads,
                         &n,
                         &c,
                         &s,
@@ -140,7 +143,7 @@ impl CudaDevice {
             }
             Op::BatchNormBackwardDx { n, c, s, count } => {
                 let (n, c, s, count) = (u64_of(*n), u64_of(*c), u64_of(*s), *count as f64);
-                let (params, xhat, invstd, sums, dy) = (r[0], r[1], r[2], r[3], r[4]);
+                let (params, xhat, invstd, sums, dy) = (&r[0], &r[1], &r[2], &r[3], &r[4]);
                 let [dx] = w else { return Err(writes(1)) };
                 if n * c * s > 0 {
                     kernel!(
@@ -154,7 +157,7 @@ impl CudaDevice {
                         invstd,
                         sums,
                         dy,
-                        &mut **dx,
+                        &mut *dx,
                         &n,
                         &c,
                         &s,
@@ -176,11 +179,11 @@ impl CudaDevice {
                     cs,
                     &k.attn_fwd,
                     cfg,
-                    r[0],
-                    r[1],
-                    r[2],
-                    &mut **out,
-                    &mut **lse,
+                    &r[0],
+                    &r[1],
+                    &r[2],
+                    &mut *out,
+                    &mut *lse,
                     &rows,
                     &seq,
                     &d,
@@ -193,7 +196,7 @@ impl CudaDevice {
                 if rows * d == 0 {
                     return Ok(());
                 }
-                let (q, kk, v, out, lse, dout) = (r[0], r[1], r[2], r[3], r[4], r[5]);
+                let (q, kk, v, out, lse, dout) = (&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]);
                 // q, dout, acc [d]; ds [256]. Then k, v, two accumulators [d]; p, ds [256].
                 let dq_cfg = attn_rows(name, rows, 3 * a.head_dim + BLOCK as usize, a.head_dim)?;
                 let dkv_cfg =
@@ -213,7 +216,7 @@ impl CudaDevice {
                     out,
                     lse,
                     dout,
-                    &mut **dq,
+                    &mut *dq,
                     &mut dsum,
                     &rows,
                     &seq,
@@ -232,8 +235,8 @@ impl CudaDevice {
                     lse,
                     dout,
                     &dsum,
-                    &mut **dk,
-                    &mut **dv,
+                    &mut *dk,
+                    &mut *dv,
                     &rows,
                     &seq,
                     &d,
