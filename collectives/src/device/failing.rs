@@ -15,7 +15,7 @@
 
 use super::hazard::StreamId;
 use super::{
-    Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel, OpSpan,
+    Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel, HostOnce, OpSpan,
     Reservation, Result,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,21 +101,36 @@ impl Device for FailingDevice {
     fn free(&self, stream: StreamId, buf: DeviceBuffer) -> Result<()> {
         if self.count(&format!("free '{}'", buf.label()))? {
             let k = self.failing_kernel("free");
-            self.inner.launch_op(stream, Arc::new(Fail(Mutex::new(Some(k)))), &[], &[&buf])?;
+            self.inner.launch_op(
+                stream,
+                HostOnce::arc("injected failure".into(), k),
+                &[],
+                &[&buf],
+            )?;
         }
         self.inner.free(stream, buf)
     }
     fn upload(&self, stream: StreamId, src: &[f32], dst: &DeviceBuffer) -> Result<()> {
         if self.count(&format!("upload '{}'", dst.label()))? {
             let k = self.failing_kernel("upload");
-            return self.inner.launch_op(stream, Arc::new(Fail(Mutex::new(Some(k)))), &[], &[dst]);
+            return self.inner.launch_op(
+                stream,
+                HostOnce::arc("injected failure".into(), k),
+                &[],
+                &[dst],
+            );
         }
         self.inner.upload(stream, src, dst)
     }
     fn download(&self, stream: StreamId, src: &DeviceBuffer) -> Result<Download> {
         if self.count(&format!("download '{}'", src.label()))? {
             let k = self.failing_kernel("download");
-            self.inner.launch_op(stream, Arc::new(Fail(Mutex::new(Some(k)))), &[src], &[])?;
+            self.inner.launch_op(
+                stream,
+                HostOnce::arc("injected failure".into(), k),
+                &[src],
+                &[],
+            )?;
         }
         self.inner.download(stream, src)
     }
@@ -124,7 +139,7 @@ impl Device for FailingDevice {
             let k = self.failing_kernel("copy");
             return self.inner.launch_op(
                 stream,
-                Arc::new(Fail(Mutex::new(Some(k)))),
+                HostOnce::arc("injected failure".into(), k),
                 &[src],
                 &[dst],
             );
@@ -157,7 +172,7 @@ impl Device for FailingDevice {
             let k = self.failing_kernel(&op.name());
             return self.inner.launch_op(
                 stream,
-                Arc::new(Fail(Mutex::new(Some(k)))),
+                HostOnce::arc("injected failure".into(), k),
                 reads,
                 writes,
             );
@@ -189,33 +204,6 @@ impl Device for FailingDevice {
     }
     fn take_timeline(&self) -> Vec<OpSpan> {
         self.inner.take_timeline()
-    }
-}
-
-/// The failing work of [`FailWhen::WhenRun`], as an op so that any device enqueues it.
-struct Fail(Mutex<Option<FallibleKernel>>);
-
-impl std::fmt::Debug for Fail {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("injected failure")
-    }
-}
-
-impl DeviceOp for Fail {
-    fn name(&self) -> String {
-        "injected failure".into()
-    }
-    fn check(&self, _: &[usize], _: &[usize]) -> std::result::Result<(), String> {
-        Ok(())
-    }
-    fn run_host(&self, r: &[&[f32]], w: &mut [&mut [f32]]) -> Result<()> {
-        match self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(k) => k(r, w),
-            None => Err(DeviceError::Failed("injected failure ran twice".into())),
-        }
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 

@@ -274,6 +274,55 @@ pub trait DeviceOp: Send + Sync + std::fmt::Debug + 'static {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// Host work run once as an op, so that a device refusing host kernels still runs it: a
+/// simulated collective (as a GPU runs NCCL's kernels), an injected failure. Its lengths
+/// were checked by whoever made it.
+pub(crate) struct HostOnce {
+    name: String,
+    body: std::sync::Mutex<Option<FallibleKernel>>,
+}
+
+impl HostOnce {
+    pub(crate) fn arc(name: String, body: FallibleKernel) -> Arc<dyn DeviceOp> {
+        Arc::new(HostOnce { name, body: std::sync::Mutex::new(Some(body)) })
+    }
+}
+
+impl std::fmt::Debug for HostOnce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostOnce({})", self.name)
+    }
+}
+
+impl DeviceOp for HostOnce {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn check(&self, _reads: &[usize], _writes: &[usize]) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    fn run_host(&self, reads: &[&[f32]], writes: &mut [&mut [f32]]) -> Result<()> {
+        match self.body.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(b) => b(reads, writes),
+            None => Err(DeviceError::Failed(format!("{} ran twice", self.name))),
+        }
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// An op as a host kernel (its host reference), after [`check_op`]: what a device without
+/// code of its own enqueues for it (DEVOP-1).
+pub(crate) fn host_reference(
+    op: Arc<dyn DeviceOp>,
+    reads: &[&DeviceBuffer],
+    writes: &[&DeviceBuffer],
+) -> Result<(String, FallibleKernel)> {
+    check_op(&*op, reads, writes)?;
+    Ok((op.name(), Box::new(move |r, w| op.run_host(r, w))))
+}
+
 /// [`DeviceOp::check`] on the buffers, as every device runs it first (DEVOP-1).
 pub fn check_op(
     op: &dyn DeviceOp,
@@ -328,9 +377,8 @@ pub trait Device: Send + Sync {
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
     ) -> Result<()> {
-        check_op(&*op, reads, writes)?;
-        let name = op.name();
-        self.launch_fallible(stream, &name, reads, writes, Box::new(move |r, w| op.run_host(r, w)))
+        let (name, kernel) = host_reference(op, reads, writes)?;
+        self.launch_fallible(stream, &name, reads, writes, kernel)
     }
     /// [`Device::launch`] for a kernel that may fail: its error fails the device.
     fn launch_fallible(

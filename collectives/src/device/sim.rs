@@ -21,8 +21,8 @@
 use super::hazard::{Ordering, StreamId, Use, VectorClock};
 use super::usage::Usage;
 use super::{
-    check_op, Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel, OpSpan,
-    Reservation, Result,
+    host_reference, Device, DeviceBuffer, DeviceError, DeviceOp, Download, Event, FallibleKernel,
+    OpSpan, Reservation, Result,
 };
 use crossbeam::channel::{unbounded, Sender};
 use std::collections::HashMap;
@@ -484,9 +484,8 @@ impl Device for SimDevice {
         reads: &[&DeviceBuffer],
         writes: &[&DeviceBuffer],
     ) -> Result<()> {
-        check_op(&*op, reads, writes)?;
-        let name = op.name();
-        self.run_kernel(stream, &name, reads, writes, Box::new(move |r, w| op.run_host(r, w)))
+        let (name, kernel) = host_reference(op, reads, writes)?;
+        self.run_kernel(stream, &name, reads, writes, kernel)
     }
 
     fn reserve(&self, bytes: u64, label: &str) -> Result<Reservation> {

@@ -16,7 +16,7 @@
 //! - SCOMM-3: a rank whose peers never arrive fails after the world's timeout, naming the
 //!   missing ranks, instead of waiting forever.
 
-use super::{Device, DeviceBuffer, DeviceError, DeviceOp, FallibleKernel, Result, StreamId};
+use super::{Device, DeviceBuffer, DeviceError, FallibleKernel, HostOnce, Result, StreamId};
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -371,44 +371,8 @@ impl SimComm {
             }
             Ok(())
         });
-        let call = Arc::new(Collective { name, body: Mutex::new(Some(body)) });
+        let call = HostOnce::arc(name, body);
         self.device.launch_op(stream, call, &reads, &writes)
-    }
-}
-
-/// A collective as the device runs it: an op (so an ops-only device runs it, as a GPU runs
-/// NCCL's kernels, SIM-4) whose host body meets the other ranks once.
-struct Collective {
-    name: String,
-    body: Mutex<Option<FallibleKernel>>,
-}
-
-impl std::fmt::Debug for Collective {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Collective({})", self.name)
-    }
-}
-
-impl DeviceOp for Collective {
-    fn name(&self) -> String {
-        self.name.clone()
-    }
-
-    fn check(&self, _reads: &[usize], _writes: &[usize]) -> std::result::Result<(), String> {
-        // The communicator checked the lengths when the call was issued.
-        Ok(())
-    }
-
-    fn run_host(&self, reads: &[&[f32]], writes: &mut [&mut [f32]]) -> Result<()> {
-        let body = self.body.lock().unwrap_or_else(|e| e.into_inner()).take();
-        match body {
-            Some(b) => b(reads, writes),
-            None => Err(DeviceError::Failed(format!("{} ran twice", self.name))),
-        }
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 
