@@ -21,7 +21,7 @@ python3 - "$OUT" <<'PY'
 import json, shutil, sys
 out = sys.argv[1]
 want = {("shardline_models", "lib"): "models", ("shardline_collectives", "lib"): "collectives",
-        ("device", "test"): "runtime-device"}
+        ("device", "test"): "runtime-device", ("model_ops", "test"): "runtime-model-ops"}
 got = {}
 for line in open(f"{out}/build.json"):
     try:

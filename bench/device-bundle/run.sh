@@ -68,6 +68,10 @@ done
 step "cuda backend, CUDA device ops and NCCL comm vs cpu" 120 "$here/tests/models" cuda --test-threads=1 --nocapture
 step "nccl at world 1" 60 "$here/tests/collectives" nccl --test-threads=1 --nocapture
 step "cuda training follows the cpu (runtime test)" 90 "$here/tests/runtime-device" --nocapture
+step "gpt as model ops: cuda+nccl vs cpu device" 120 "$here/tests/runtime-model-ops" gpt_on_the_cuda --test-threads=1 --nocapture
+gpt_args=(--model-ops --model gpt --n-layer 2 --n-head 2 --n-embd 64 --block-size 64 --dataset "text:$here/run.sh" --world 1 --stage 3 --steps 10 --seed 1 --no-progress)
+step "gpt 10 steps as model ops, sim (no host code)" 60 "$here/bin/shardline" train --device sim "${gpt_args[@]}"
+step "gpt 10 steps as model ops, cuda (train)" 60 "$here/bin/shardline" train --device cuda "${gpt_args[@]}"
 step "mlp-bn 100 steps, world 1, cpu" 60 "$here/bin/shardline" train --device cpu --model mlp-bn --world 1 --steps 100 --no-progress
 step "mlp-bn 100 steps, world 1, cuda" 60 "$here/bin/shardline" train --device cuda --model mlp-bn --world 1 --steps 100 --no-progress
 step "mlp-bn 20 steps, world 2, simulated device" 60 "$here/bin/shardline" train --device sim --model mlp-bn --world 2 --stage 3 --steps 20 --no-progress

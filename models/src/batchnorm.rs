@@ -93,13 +93,13 @@ impl ChannelStats {
         }
     }
 
-    fn encode(&self, out: &mut Vec<f32>) {
+    pub(crate) fn encode(&self, out: &mut Vec<f32>) {
         out.extend_from_slice(&split(self.count));
         out.extend_from_slice(&split(self.mean));
         out.extend_from_slice(&split(self.m2));
     }
 
-    fn decode(r: &[f32]) -> ChannelStats {
+    pub(crate) fn decode(r: &[f32]) -> ChannelStats {
         ChannelStats { count: join(&r[0..2]), mean: join(&r[2..4]), m2: join(&r[4..6]) }
     }
 }
@@ -257,21 +257,15 @@ impl BatchNorm {
                 count: count as usize,
             });
         }
-        let mom = self.momentum as f64;
-        let mut invstd = Vec::with_capacity(c);
-        let mut mean = Vec::with_capacity(c);
-        for (ch, st) in stats.iter().enumerate() {
-            let var_unbiased = st.m2 / (st.count - 1.0);
-            invstd.push(invstd_of(st.m2 / st.count, self.eps));
-            mean.push(st.mean as f32);
-            buffers[ch] = ((1.0 - mom) * buffers[ch] as f64 + mom * st.mean) as f32;
-            buffers[c + ch] = ((1.0 - mom) * buffers[c + ch] as f64 + mom * var_unbiased) as f32;
-        }
-        buffers[2 * c] += 1.0;
-        let output = Tensor::new(
-            input.shape().to_vec(),
-            normalize(n, c, s, input.as_f32_mut()?, &mean, &invstd, params),
-        )?;
+        let (y, invstd) = train_normalize(
+            (n, c, s),
+            (self.eps, self.momentum),
+            params,
+            buffers,
+            input.as_f32_mut()?,
+            stats,
+        );
+        let output = Tensor::new(input.shape().to_vec(), y)?;
         Ok((output, BnSaved { xhat: input, invstd, count, training: true, sync: self.sync }))
     }
 
@@ -283,12 +277,8 @@ impl BatchNorm {
     ) -> Result<(Tensor, BnSaved), ModelError> {
         let (n, s) = self.layout(&input)?;
         let c = self.num_features;
-        let invstd: Vec<f32> =
-            (0..c).map(|ch| invstd_of(buffers[c + ch] as f64, self.eps)).collect();
-        let output = Tensor::new(
-            input.shape().to_vec(),
-            normalize(n, c, s, input.as_f32_mut()?, &buffers[..c], &invstd, params),
-        )?;
+        let (y, invstd) = eval_normalize((n, c, s), self.eps, params, buffers, input.as_f32_mut()?);
+        let output = Tensor::new(input.shape().to_vec(), y)?;
         Ok((
             output,
             BnSaved { xhat: input, invstd, count: (n * s) as f64, training: false, sync: false },
@@ -329,6 +319,45 @@ impl BatchNorm {
         let [one] = fused_results("batchnorm backward", out)?;
         Ok(one)
     }
+}
+
+/// Training mode with the batch's `stats` (count above 1): the running statistics in
+/// `buffers` updated (f64, torch's unbiased variance), `x` normalised in place into `xhat`;
+/// returns `y` and the per-channel `invstd`. The layer's code and the BatchNorm train op's
+/// host reference (OPS-2).
+pub(crate) fn train_normalize(
+    (n, c, s): (usize, usize, usize),
+    (eps, momentum): (f32, f32),
+    params: &[f32],
+    buffers: &mut [f32],
+    x: &mut [f32],
+    stats: &[ChannelStats],
+) -> (Vec<f32>, Vec<f32>) {
+    let mom = momentum as f64;
+    let mut invstd = Vec::with_capacity(c);
+    let mut mean = Vec::with_capacity(c);
+    for (ch, st) in stats.iter().enumerate() {
+        let var_unbiased = st.m2 / (st.count - 1.0);
+        invstd.push(invstd_of(st.m2 / st.count, eps));
+        mean.push(st.mean as f32);
+        buffers[ch] = ((1.0 - mom) * buffers[ch] as f64 + mom * st.mean) as f32;
+        buffers[c + ch] = ((1.0 - mom) * buffers[c + ch] as f64 + mom * var_unbiased) as f32;
+    }
+    buffers[2 * c] += 1.0;
+    (normalize(n, c, s, x, &mean, &invstd, params), invstd)
+}
+
+/// Evaluation mode: `x` normalised in place with the running statistics of `buffers`;
+/// returns `y` and `invstd` (the layer's code and the eval op's host reference).
+pub(crate) fn eval_normalize(
+    (n, c, s): (usize, usize, usize),
+    eps: f32,
+    params: &[f32],
+    buffers: &[f32],
+    x: &mut [f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let invstd: Vec<f32> = (0..c).map(|ch| invstd_of(buffers[c + ch] as f64, eps)).collect();
+    (normalize(n, c, s, x, &buffers[..c], &invstd, params), invstd)
 }
 
 /// Per-channel (count, mean, M2) of `xs` laid out `[n, c, s]`, two passes in f64 (also the

@@ -32,6 +32,13 @@ pub struct ConvSaved {
     input: Tensor,
 }
 
+impl ConvSaved {
+    /// What the forward of `input` saves (the convolution ops' backward builds it).
+    pub(crate) fn of(input: Tensor) -> Self {
+        ConvSaved { input }
+    }
+}
+
 struct Geom {
     n: usize,
     h: usize,

@@ -279,6 +279,26 @@ pub struct MaxPoolSaved {
     argmax: Vec<u32>,
 }
 
+impl MaxPoolSaved {
+    /// The saved state from its parts: the input's shape and each output's argmax (an
+    /// index into the whole input).
+    pub(crate) fn of(input_shape: Vec<usize>, argmax: Vec<u32>) -> Self {
+        MaxPoolSaved { input_shape, argmax }
+    }
+
+    /// Each output's argmax.
+    pub(crate) fn argmax(&self) -> &[u32] {
+        &self.argmax
+    }
+}
+
+impl ShapeSaved {
+    /// The saved state of an input of `input_shape`.
+    pub(crate) fn of(input_shape: Vec<usize>) -> Self {
+        ShapeSaved { input_shape }
+    }
+}
+
 fn nchw(what: &str, t: &Tensor) -> Result<(usize, usize, usize, usize), ModelError> {
     if t.shape().len() != 4 {
         return Err(ModelError::shape(what, "[N, C, H, W]", format!("{:?}", t.shape())));

@@ -38,6 +38,7 @@ pub mod error;
 pub mod failing_backend;
 pub mod layers;
 pub mod loss;
+pub mod lower;
 pub mod meter;
 pub mod model;
 pub mod module;

@@ -65,7 +65,7 @@ impl Layer {
             _ => Vec::new(),
         }
     }
-    fn num_params(&self) -> usize {
+    pub(crate) fn num_params(&self) -> usize {
         match self {
             Layer::Linear(l) => l.num_params(),
             Layer::Conv2d(c) => c.num_params(),
@@ -73,7 +73,7 @@ impl Layer {
             _ => 0,
         }
     }
-    fn num_buffers(&self) -> usize {
+    pub(crate) fn num_buffers(&self) -> usize {
         match self {
             Layer::BatchNorm(b) => b.num_buffers(),
             _ => 0,
@@ -364,7 +364,7 @@ impl Model {
         self.units.len()
     }
 
-    fn unit_blocks(&self, unit: usize) -> Result<&[Block], ModelError> {
+    pub(crate) fn unit_blocks(&self, unit: usize) -> Result<&[Block], ModelError> {
         let r = self
             .units
             .get(unit)

@@ -20,10 +20,11 @@
 use std::ops::Range;
 
 use crate::error::ModelError;
+use crate::lower::{LowerCtx, Lowering, Program};
 use crate::model::{Ctx, InputGrad, UnitSaved};
 use crate::module::{
-    backward_children, forward_children, init_values, numel, Buffers, Grads, Loss, Module, Param,
-    Params, RootModule, Saved,
+    backward_children, forward_children, init_values, lower_children, numel, Buffers, Grads, Loss,
+    Module, Param, Params, RootModule, Saved,
 };
 use crate::spec::{ModelSpec, ParamSpec, UnitSpec};
 use crate::tensor::Tensor;
@@ -82,6 +83,18 @@ pub trait Network: Send + Sync + std::fmt::Debug {
     /// What the output is scored by.
     fn loss(&self) -> &dyn Loss;
 
+    /// Call `call` on an input of `input` shape as device ops ([`crate::lower`]) in `ctx`.
+    /// The default refuses (LOWER-3): the call runs as host code.
+    fn lower_call(
+        &self,
+        call: usize,
+        input: &[usize],
+        ctx: &LowerCtx,
+    ) -> Result<Program, ModelError> {
+        let _ = (call, input, ctx);
+        Err(Lowering::unlowered(&format!("{}'s calls", self.spec().name)))
+    }
+
     /// Whether some BatchNorm computes per-rank statistics (a warning with several ranks).
     fn has_local_batchnorm(&self) -> bool {
         false
@@ -133,6 +146,21 @@ impl Network for Model {
     }
     fn has_local_batchnorm(&self) -> bool {
         Model::has_local_batchnorm(self)
+    }
+
+    /// Every zoo layer lowers (`lower::layers`): linear and ReLU as their modules do,
+    /// convolution, pooling, flatten, BatchNorm (SyncBatchNorm's statistics a collective),
+    /// and each block's residual.
+    fn lower_call(
+        &self,
+        call: usize,
+        input: &[usize],
+        ctx: &LowerCtx,
+    ) -> Result<Program, ModelError> {
+        let mut l = Lowering::new(*ctx);
+        let x = l.input(input);
+        let y = crate::lower::layers::zoo_unit(self, call, &mut l, x)?;
+        l.finish(y, call > 0)
     }
 }
 
@@ -366,5 +394,26 @@ impl Network for ModuleNet {
 
     fn loss(&self) -> &dyn Loss {
         &*self.loss
+    }
+
+    fn lower_call(
+        &self,
+        call: usize,
+        input: &[usize],
+        ctx: &LowerCtx,
+    ) -> Result<Program, ModelError> {
+        let (unit, role) = self.call_unit(call);
+        let mut l = Lowering::new(*ctx);
+        let x = l.input(input);
+        let root = self.root.as_ref().map(|(_, r)| r);
+        let (out, input_grad) = match (role, root) {
+            (Role::RootIn, Some(r)) => (r.lower_in(&mut l, x)?, false),
+            (Role::RootOut, Some(r)) => (r.lower_out(&mut l, x)?, true),
+            _ => {
+                let r = self.body_unit(unit)?.unwrap_or(0..0);
+                (lower_children(&self.body[r], &mut l, 0, x)?, call > 0)
+            }
+        };
+        l.finish(out, input_grad)
     }
 }

@@ -9,11 +9,15 @@
 //! Where the ops differ from their host reference: a kernel cannot refuse its input, so an
 //! id or target `>= vocab` (which the host refuses before writing, EMB-3, XENT-2) reads
 //! nothing out of the table: the embedding forward writes a zero row for it, its backward
-//! adds nothing, and the cross-entropy gives that row a NaN loss (so the mean loss shows it)
-//! and a zero gradient row. The updates and axpy reuse the 32-bit-indexed kernels of
+//! adds nothing, and the cross-entropy losses give that row a NaN loss (so the loss shows
+//! it) and a zero gradient row. The updates and axpy reuse the 32-bit-indexed kernels of
 //! `kernels.cu` (over the views' lengths), so buffers past their range (2^32 - 1 elements; AdamW 2^31 - 1) are
-//! `Invalid`. The BatchNorm and attention ops are in `device_ops/norm_attn.rs`; an attention
-//! head too wide for their kernels' shared memory (`head_dim` past about 2,700) is `Invalid`.
+//! `Invalid`. The BatchNorm and attention ops (head and token layouts) are in
+//! `device_ops/norm_attn.rs`; an attention head too wide for their kernels' shared memory
+//! (`head_dim` past about 2,700) is `Invalid`. The copy, add, multiply, saving activation
+//! and the two cross-entropy losses are in `device_ops/elementwise.rs`; the convolution,
+//! pooling and exact-route BatchNorm ops (and the f64 conversions) in `device_ops/cnn.rs`,
+//! with the kernels of `cnn.cu`.
 
 use std::sync::Arc;
 
@@ -31,6 +35,17 @@ use crate::ops::Op;
 
 /// The kernels of the device's ops, compiled by NVRTC at open.
 pub const OPS_CU: &str = include_str!("ops.cu");
+/// The kernels of the convolutional models' ops (`device_ops/cnn.rs`), compiled by NVRTC at
+/// open as their own module, with [`compile_cnn`]'s options.
+pub const CNN_CU: &str = include_str!("cnn.cu");
+
+/// [`CNN_CU`] through NVRTC with `--fmad=false`: no multiply and add contracted into one,
+/// so its kernels do the host references' IEEE operations in their order.
+pub(in crate::cuda) fn compile_cnn(
+) -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    let opts = cudarc::nvrtc::CompileOptions { fmad: Some(false), ..Default::default() };
+    cudarc::nvrtc::compile_ptx_with_opts(CNN_CU, opts)
+}
 
 /// Most blocks of a grid-stride launch: enough to fill any GPU, well inside CUDA's limit.
 const MAX_BLOCKS: u64 = 1 << 20;
@@ -98,8 +113,14 @@ macro_rules! kernel {
     }};
 }
 
+/// The convolution, pooling and exact BatchNorm ops (after `kernel!`).
+mod cnn;
+/// The copy, add, multiply, saving activation and cross-entropy ops (after `kernel!`).
+mod elementwise;
 /// The BatchNorm and attention ops (after `kernel!`, which they use).
 mod norm_attn;
+#[cfg(test)]
+pub(super) use norm_attn::ATTN_LAYOUT_BYTES;
 
 /// The functions of the two NVRTC modules, compiled at [`CudaDevice::open`].
 pub(super) struct Kernels {
@@ -108,6 +129,9 @@ pub(super) struct Kernels {
     relu_bwd: CudaFunction,
     act_fwd: CudaFunction,
     act_bwd: CudaFunction,
+    act_fwd_deriv: CudaFunction,
+    add: CudaFunction,
+    mul: CudaFunction,
     bias_rows: CudaFunction,
     col_sums_add: CudaFunction,
     ln_fwd: CudaFunction,
@@ -129,6 +153,28 @@ pub(super) struct Kernels {
     attn_fwd: CudaFunction,
     attn_bwd_dq: CudaFunction,
     attn_bwd_dkdv: CudaFunction,
+    attn_bwd_dkdv_tokens: CudaFunction,
+    /// cnn.cu
+    conv_im2col: CudaFunction,
+    conv_col2im: CudaFunction,
+    conv_bias_fill: CudaFunction,
+    conv_bias_grad: CudaFunction,
+    maxpool_fwd: CudaFunction,
+    maxpool_bwd: CudaFunction,
+    gap_fwd: CudaFunction,
+    gap_bwd: CudaFunction,
+    bn_local_stats_rows: CudaFunction,
+    bn_local_stats_planes: CudaFunction,
+    bn_encode: CudaFunction,
+    bn_merge: CudaFunction,
+    bn_train_stats: CudaFunction,
+    bn_train_fwd: CudaFunction,
+    bn_eval: CudaFunction,
+    bn_grad_sums_rows: CudaFunction,
+    bn_grad_sums_planes: CudaFunction,
+    bn_grad_dx: CudaFunction,
+    f64_to_f32: CudaFunction,
+    f32_to_f64: CudaFunction,
     /// kernels.cu
     axpy: CudaFunction,
     sgd: CudaFunction,
@@ -140,13 +186,13 @@ impl Kernels {
         let failed = |what: &str, e: &dyn std::fmt::Debug| {
             DeviceError::Failed(format!("{what} on cuda:{ordinal}: {e:?}"))
         };
-        let module = |name: &str, src: &str| {
-            let ptx = cudarc::nvrtc::compile_ptx(src)
-                .map_err(|e| failed(&format!("nvrtc compile of {name}"), &e))?;
+        let module = |name: &str, ptx: std::result::Result<_, cudarc::nvrtc::CompileError>| {
+            let ptx = ptx.map_err(|e| failed(&format!("nvrtc compile of {name}"), &e))?;
             ctx.load_module(ptx).map_err(|e| failed(&format!("loading {name}"), &e))
         };
-        let ops = module("ops.cu", OPS_CU)?;
-        let base = module("kernels.cu", super::KERNELS_CU)?;
+        let ops = module("ops.cu", cudarc::nvrtc::compile_ptx(OPS_CU))?;
+        let cnn = module("cnn.cu", compile_cnn())?;
+        let base = module("kernels.cu", cudarc::nvrtc::compile_ptx(super::KERNELS_CU))?;
         let f = |m: &Arc<cudarc::driver::CudaModule>, name: &str| {
             m.load_function(name).map_err(|e| failed(&format!("kernel {name}"), &e))
         };
@@ -156,6 +202,9 @@ impl Kernels {
             relu_bwd: f(&ops, "relu_bwd_f32")?,
             act_fwd: f(&ops, "act_fwd_f32")?,
             act_bwd: f(&ops, "act_bwd_f32")?,
+            act_fwd_deriv: f(&ops, "act_fwd_deriv_f32")?,
+            add: f(&ops, "add_f32")?,
+            mul: f(&ops, "mul_f32")?,
             bias_rows: f(&ops, "bias_rows_f32")?,
             col_sums_add: f(&ops, "col_sums_add_f32")?,
             ln_fwd: f(&ops, "ln_fwd_f32")?,
@@ -177,6 +226,27 @@ impl Kernels {
             attn_fwd: f(&ops, "attn_fwd_f32")?,
             attn_bwd_dq: f(&ops, "attn_bwd_dq_f32")?,
             attn_bwd_dkdv: f(&ops, "attn_bwd_dkdv_f32")?,
+            attn_bwd_dkdv_tokens: f(&ops, "attn_bwd_dkdv_tokens_f32")?,
+            conv_im2col: f(&cnn, "conv_im2col_f32")?,
+            conv_col2im: f(&cnn, "conv_col2im_f32")?,
+            conv_bias_fill: f(&cnn, "conv_bias_fill_f32")?,
+            conv_bias_grad: f(&cnn, "conv_bias_grad_f32")?,
+            maxpool_fwd: f(&cnn, "maxpool_fwd_f32")?,
+            maxpool_bwd: f(&cnn, "maxpool_bwd_f32")?,
+            gap_fwd: f(&cnn, "gap_fwd_f32")?,
+            gap_bwd: f(&cnn, "gap_bwd_f32")?,
+            bn_local_stats_rows: f(&cnn, "bn_local_stats_rows_f32")?,
+            bn_local_stats_planes: f(&cnn, "bn_local_stats_planes_f32")?,
+            bn_encode: f(&cnn, "bn_encode_f32")?,
+            bn_merge: f(&cnn, "bn_merge_f32")?,
+            bn_train_stats: f(&cnn, "bn_train_stats_f32")?,
+            bn_train_fwd: f(&cnn, "bn_train_fwd_f32")?,
+            bn_eval: f(&cnn, "bn_eval_f32")?,
+            bn_grad_sums_rows: f(&cnn, "bn_grad_sums_rows_f32")?,
+            bn_grad_sums_planes: f(&cnn, "bn_grad_sums_planes_f32")?,
+            bn_grad_dx: f(&cnn, "bn_grad_dx_f32")?,
+            f64_to_f32: f(&cnn, "f64_to_f32")?,
+            f32_to_f64: f(&cnn, "f32_to_f64")?,
             axpy: f(&base, "axpy_f32")?,
             sgd: f(&base, "sgd_f32")?,
             adamw: f(&base, "adamw_f32")?,
@@ -195,7 +265,14 @@ fn activation_kind(a: Activation) -> i32 {
 
 /// Whether `op` runs cuBLAS (its stream's handle is made before the buffers are taken).
 pub(super) fn uses_blas(op: &Op) -> bool {
-    matches!(op, Op::Gemm { .. } | Op::LinearForward(_) | Op::LinearBackward { .. })
+    matches!(
+        op,
+        Op::Gemm { .. }
+            | Op::LinearForward(_)
+            | Op::LinearBackward { .. }
+            | Op::Conv2dForward(_)
+            | Op::Conv2dBackward(_)
+    )
 }
 
 impl CudaDevice {
@@ -511,45 +588,6 @@ impl CudaDevice {
                     &bias,
                 )?;
             }
-            Op::CrossEntropy { vocab, dloss } => {
-                let rows = rows_of(rl[0], *vocab);
-                // As the host: dloss / rows in f32.
-                let scale = if rows == 0 { 0.0 } else { dloss / (rows as f64) as f32 };
-                let (rows64, vocab64) = (u64_of(rows), u64_of(*vocab));
-                let [loss, dlogits] = w else {
-                    return Err(DeviceError::Invalid(format!("{name}: two writes expected")));
-                };
-                // Per-row losses, then one block sums them in a fixed order.
-                let (mut row_loss, _counted) =
-                    self.scratch::<f32>(cs, rows, "cross entropy rows")?;
-                if rows > 0 {
-                    kernel!(
-                        self,
-                        what("rows"),
-                        cs,
-                        &k.xent_rows,
-                        per_row(rows64),
-                        &r[0],
-                        &r[1],
-                        &mut *dlogits,
-                        &mut row_loss,
-                        &rows64,
-                        &vocab64,
-                        &scale,
-                    )?;
-                }
-                kernel!(
-                    self,
-                    what("mean"),
-                    cs,
-                    &k.xent_loss,
-                    one_block(),
-                    &row_loss,
-                    &mut *loss,
-                    &rows64,
-                    dloss,
-                )?;
-            }
             Op::EmbeddingForward(e) => {
                 let (n, dim, vocab) = (u64_of(rl[1]), u64_of(e.dim), u64_of(e.vocab));
                 if n * dim > 0 {
@@ -682,7 +720,29 @@ impl CudaDevice {
             | Op::BatchNormBackwardReduce { .. }
             | Op::BatchNormBackwardDx { .. }
             | Op::AttentionForward(_)
-            | Op::AttentionBackward(_) => self.run_norm_attn(op, cs, r, w)?,
+            | Op::AttentionBackward(_)
+            | Op::AttentionForwardTokens(_)
+            | Op::AttentionBackwardTokens(_) => self.run_norm_attn(op, cs, r, w)?,
+            Op::Copy
+            | Op::Add
+            | Op::Mul
+            | Op::ActivationSavingDerivative(_)
+            | Op::CrossEntropy { .. }
+            | Op::SoftmaxCrossEntropy { .. } => self.run_elementwise(op, cs, r, w, rl)?,
+            Op::Conv2dForward(_) | Op::Conv2dBackward(_) => self.run_conv(op, cs, blas()?, r, w)?,
+            Op::MaxPoolForward(_)
+            | Op::MaxPoolBackward(_)
+            | Op::GlobalAvgPool(_)
+            | Op::GlobalAvgPoolBackward(_)
+            | Op::BatchNormLocalStats(_)
+            | Op::BatchNormEncode { .. }
+            | Op::BatchNormMerge { .. }
+            | Op::BatchNormTrain { .. }
+            | Op::BatchNormEval { .. }
+            | Op::BatchNormGradSums(_)
+            | Op::BatchNormGradDx(_)
+            | Op::F64ToF32
+            | Op::F32ToF64 => self.run_cnn(op, cs, r, w)?,
         }
         Ok(())
     }

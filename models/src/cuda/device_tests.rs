@@ -1,7 +1,8 @@
 //! The CUDA device against the host device (`CpuDevice`, which runs each op's host
 //! reference) on the same inputs, on whole buffers and on views (DEVOP-2), and its stream,
 //! event and memory rules (CUDADEV-1..5, CUDANCCL-1..3). Each test opens GPU 0 first and
-//! prints `skipped: <reason>` when there is none.
+//! prints `skipped: <reason>` when there is none. The ops a lowered module tree adds are
+//! tested in `device_tests_model.rs`, with this file's helpers.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use crate::ops::{load_f64, AdamWStep, Op, SgdStep};
 use crate::rng::SplitMix64;
 
 /// GPU 0, or `None` after printing why the test is skipped.
-fn gpu(test: &str, capacity: Option<u64>) -> Option<CudaDevice> {
+pub(super) fn gpu(test: &str, capacity: Option<u64>) -> Option<CudaDevice> {
     match CudaDevice::open(0, capacity) {
         Ok(d) => Some(d),
         Err(DeviceError::Unavailable(why)) => {
@@ -35,17 +36,17 @@ fn gpu(test: &str, capacity: Option<u64>) -> Option<CudaDevice> {
     }
 }
 
-fn randn(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+pub(super) fn randn(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.normal()).collect()
 }
 
 /// Ids (or targets) below `below`, as the `u32` bits device elements carry.
-fn ids(rng: &mut SplitMix64, n: usize, below: u32) -> Vec<f32> {
+pub(super) fn ids(rng: &mut SplitMix64, n: usize, below: u32) -> Vec<f32> {
     (0..n).map(|_| f32::from_bits((rng.normal().abs() * 1e4) as u32 % below)).collect()
 }
 
 /// Elementwise within `rel` of the larger of 1 and the largest `want` (NaN where NaN).
-fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
+pub(super) fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().filter(|v| v.is_finite()).fold(1.0f32, |m, v| m.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -58,7 +59,12 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32) {
 }
 
 /// Runs `op` on `d` over buffers holding `reads` and `writes`; returns the written ones.
-fn run_on(d: &dyn Device, op: &Op, reads: &[Vec<f32>], writes: &[Vec<f32>]) -> Vec<Vec<f32>> {
+pub(super) fn run_on(
+    d: &dyn Device,
+    op: &Op,
+    reads: &[Vec<f32>],
+    writes: &[Vec<f32>],
+) -> Vec<Vec<f32>> {
     let s = d.stream("compute");
     let put = |v: &Vec<f32>, label: String| {
         let b = d.alloc(v.len(), &label).unwrap();
@@ -84,7 +90,7 @@ fn run_on(d: &dyn Device, op: &Op, reads: &[Vec<f32>], writes: &[Vec<f32>]) -> V
 }
 
 /// `op` on the GPU against the host device, within `rel` (CUDA-1's tolerances).
-fn check(gpu: &CudaDevice, op: Op, reads: &[Vec<f32>], writes: &[Vec<f32>], rel: f32) {
+pub(super) fn check(gpu: &CudaDevice, op: Op, reads: &[Vec<f32>], writes: &[Vec<f32>], rel: f32) {
     let cpu = CpuDevice::new();
     let want = run_on(&cpu, &op, reads, writes);
     let got = run_on(gpu, &op, reads, writes);
@@ -93,8 +99,8 @@ fn check(gpu: &CudaDevice, op: Op, reads: &[Vec<f32>], writes: &[Vec<f32>], rel:
     }
 }
 
-const ELEMENTWISE: f32 = 1e-5;
-const REDUCTION: f32 = 1e-4;
+pub(super) const ELEMENTWISE: f32 = 1e-5;
+pub(super) const REDUCTION: f32 = 1e-4;
 
 #[test]
 fn open_without_a_gpu_is_unavailable_cudadev_4() {
@@ -728,7 +734,7 @@ fn assert_outside_unchanged(
 
 /// `op` over views on the GPU against the host device (which honours DEVOP-2), whole
 /// allocations compared, within `rel`; nothing outside the written views changes.
-fn check_views(
+pub(super) fn check_views(
     gpu: &dyn Device,
     op: Op,
     bufs: &[Vec<f32>],

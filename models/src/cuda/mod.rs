@@ -623,4 +623,8 @@ mod device_figures;
 #[cfg(test)]
 mod device_tests;
 #[cfg(test)]
+mod device_tests_cnn;
+#[cfg(test)]
+mod device_tests_model;
+#[cfg(test)]
 mod tests;

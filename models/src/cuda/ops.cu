@@ -108,6 +108,27 @@ extern "C" __global__ void act_bwd_f32(const float* x, const float* dy, float* d
     GRID_STRIDE(i, n) { dx[i] = dy[i] * act_derivative(kind, x[i]); }
 }
 
+// The activation module's forward that saves the derivative instead of the input (ACTIV-5):
+// y = f(x), d = f'(x), the two formulas above.
+extern "C" __global__ void act_fwd_deriv_f32(const float* x, float* y, float* d, int kind,
+                                             u64 n) {
+    GRID_STRIDE(i, n) {
+        float v = x[i];
+        y[i] = act_value(kind, v);
+        d[i] = act_derivative(kind, v);
+    }
+}
+
+// c = a + b (a residual connection and its gradient).
+extern "C" __global__ void add_f32(const float* a, const float* b, float* c, u64 n) {
+    GRID_STRIDE(i, n) { c[i] = a[i] + b[i]; }
+}
+
+// c = a * b (an activation's input gradient from its saved derivative).
+extern "C" __global__ void mul_f32(const float* a, const float* b, float* c, u64 n) {
+    GRID_STRIDE(i, n) { c[i] = a[i] * b[i]; }
+}
+
 // Every row of y [rows, cols] = params[offset .. offset + cols] (a linear layer's bias, which
 // the product is then added onto).
 extern "C" __global__ void bias_rows_f32(const float* params, u64 offset, float* y, u64 rows,
@@ -231,9 +252,10 @@ extern "C" __global__ void ln_bwd_params_f32(const float* x, const float* mean_i
     }
 }
 
-// Cross-entropy per row (XENT-1), one block per row: lse = max + log(sum exp(v - max)),
-// row_loss[r] = lse - logits[r, t], dlogits = scale * (exp(v - lse) - onehot(t)) with
-// scale = dloss / rows. Targets travel as u32 bits. A target >= vocab (which the host
+// Cross-entropy per row (XENT-1, LOSS-1), one block per row: lse = max + log(sum
+// exp(v - max)), row_loss[r] = lse - logits[r, t], dlogits = scale * (exp(v - lse) -
+// onehot(t)) with scale = dloss / rows (Op::CrossEntropy) or 1 / global
+// (Op::SoftmaxCrossEntropy). Targets travel as u32 bits. A target >= vocab (which the host
 // refuses, XENT-2) gives a NaN row loss, so the mean loss shows it, and a zero gradient row;
 // nothing is read out of the row.
 extern "C" __global__ void xent_rows_f32(const float* logits, const float* targets,
@@ -263,16 +285,18 @@ extern "C" __global__ void xent_rows_f32(const float* logits, const float* targe
     }
 }
 
-// loss[0] = (sum of the row losses / rows) * dloss, one block, a fixed order (0 for no row).
+// loss[0] = (sum of the row losses / div) * mul, the sum in f64, one block, a fixed order (0
+// for div 0, which only no row has). Op::CrossEntropy: div = rows, mul = dloss (the mean,
+// scaled); Op::SoftmaxCrossEntropy: div = the global rows, mul = 1 (LOSS-1's share).
 extern "C" __global__ void xent_loss_f32(const float* row_loss, float* loss, u64 rows,
-                                         float dloss) {
+                                         double div, float mul) {
     __shared__ double sh[OPS_BLOCK];
     double s = 0.0;
     for (u64 r = threadIdx.x; r < rows; r += OPS_BLOCK) s += (double)row_loss[r];
     double total = block_sum(s, sh);
     if (threadIdx.x == 0) {
-        float mean = rows == 0 ? 0.0f : (float)(total / (double)rows);
-        loss[0] = mean * dloss;
+        float share = div == 0.0 ? 0.0f : (float)(total / div);
+        loss[0] = share * mul;
     }
 }
 
@@ -439,39 +463,70 @@ extern "C" __global__ void bn_bwd_dx_f32(const float* params, const float* xhat,
 }
 
 // ---- Causal self-attention (models/src/nn/attention.rs), no dropout ----------------------
-// q, k, v, out and their gradients are [batch, heads, seq, d] row-major: `rows` = batch *
-// heads * seq rows of d values, the rows of one (batch, head) contiguous; lse and the
-// backward's D are [batch, heads, seq]. Scores are q_i . k_j * scale (scale = 1 / sqrt(d);
-// dot products and the softmax in f32, as the host's f32 kernel),
-// key j visible to query i when j <= i. One block of ATT_BLOCK threads per row (block-stride
-// over the rows, so a grid of any size covers them); its keys (or queries) go in tiles of
-// ATT_BLOCK, one per thread. No seq x seq buffer exists: a block keeps its row's q (or k, v),
-// its accumulators and one tile of probabilities in dynamic shared memory (sizes in
-// device_ops/norm_attn.rs). All loop bounds are uniform over a block, so every thread meets
-// every barrier.
+// One body per kernel for two layouts, told apart by an AttnLayout (below):
+// - the head layout: q, k, v, out and their gradients are [batch, heads, seq, d] row-major
+//   (row stride d, the rows of one (batch, head) contiguous), each its own buffer;
+// - the token layout (nanoGPT's, ATTN-5): q, k, v read in place from the fused
+//   [batch, seq, 3 embd] buffer (q at columns 0..embd, k at embd..2 embd, v at
+//   2 embd..3 embd, head h at columns h d..(h + 1) d of each part; row stride 3 embd), the
+//   gradient dqkv written alike, out and dout [batch, seq, embd] (row stride embd).
+// In both, `rows` = batch * heads * seq query (or key) rows, row = (b heads + h) seq + i, and
+// lse and the backward's D are [batch, heads, seq], indexed by row. Scores are
+// q_i . k_j * scale (scale = 1 / sqrt(d); dot products and the softmax in f32, as the host's
+// f32 kernel), key j visible to query i when j <= i. One block of ATT_BLOCK threads per row
+// (block-stride over the rows, so a grid of any size covers them); its keys (or queries) go
+// in tiles of ATT_BLOCK, one per thread. No seq x seq buffer exists: a block keeps its row's
+// q (or k, v), its accumulators and one tile of probabilities in dynamic shared memory (sizes
+// in device_ops/norm_attn.rs). All loop bounds are uniform over a block, so every thread
+// meets every barrier.
 
 #define ATT_BLOCK OPS_BLOCK
 
 extern __shared__ float att_sh[];
 
+// Where the rows of one (batch b, head h) lie: row i of its q at
+// b * in_bs + h * in_hs + i * in_ld, of its k and v k_off and v_off further (their gradients
+// at the same places of the gradient buffers); row i of its out and dout at
+// b * out_bs + h * out_hs + i * out_ld. The fields and their order are those of
+// device_ops/norm_attn.rs's AttnLayout (twelve u64, passed by value).
+struct AttnLayout {
+    u64 rows, heads, seq, d;
+    u64 in_ld, in_hs, in_bs, k_off, v_off;
+    u64 out_ld, out_hs, out_bs;
+};
+static_assert(sizeof(AttnLayout) == 12 * sizeof(u64), "AttnLayout: twelve u64, no padding");
+
+// The first element of (batch, head) bh = row / seq in the q, k, v layout, and in the output
+// layout (heads > 0 wherever a row exists).
+__device__ u64 att_in_base(const AttnLayout& L, u64 bh) {
+    return (bh / L.heads) * L.in_bs + (bh % L.heads) * L.in_hs;
+}
+__device__ u64 att_out_base(const AttnLayout& L, u64 bh) {
+    return (bh / L.heads) * L.out_bs + (bh % L.heads) * L.out_hs;
+}
+
 // Forward, one block per query row i: an online softmax over the key tiles. Per tile the
 // running maximum m and sum l are rescaled by exp(m - m') for the tile's maximum m', and the
 // output accumulator acc[d] likewise before acc += sum_j p_j v_j; at the end out = acc / l and
-// lse = m + log(l). Shared: q [d], acc [d], p [ATT_BLOCK].
+// lse = m + log(l). Shared: q [d], acc [d], p [ATT_BLOCK]. In the token layout q, k and v are
+// the one qkv buffer.
 extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const float* v,
-                                        float* out, float* lse, u64 rows, u64 seq, u64 d,
-                                        float scale) {
+                                        float* out, float* lse, AttnLayout L, float scale) {
     __shared__ double sh[OPS_BLOCK];
     __shared__ float shf[OPS_BLOCK];
+    const u64 d = L.d, ld = L.in_ld;
     float* qs = att_sh;
     float* acc = att_sh + d;
     float* ps = att_sh + 2 * d;
     const float neg_inf = __uint_as_float(0xff800000u);
-    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        u64 i = row % seq;
-        u64 head = (row - i) * d;  // the (batch, head)'s first element
+    for (u64 row = blockIdx.x; row < L.rows; row += gridDim.x) {
+        u64 i = row % L.seq, bh = row / L.seq;
+        u64 ib = att_in_base(L, bh);
+        const float* kh = k + ib + L.k_off;  // the (batch, head)'s key 0
+        const float* vh = v + ib + L.v_off;
+        const float* qr = q + ib + i * ld;
         for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
-            qs[c] = q[row * d + c];
+            qs[c] = qr[c];
             acc[c] = 0.0f;
         }
         __syncthreads();
@@ -481,7 +536,7 @@ extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const fl
             bool live = j <= i;
             float sc = neg_inf;
             if (live) {
-                const float* kr = k + head + j * d;
+                const float* kr = kh + j * ld;
                 float dot = 0.0f;
                 for (u64 c = 0; c < d; c++) dot += qs[c] * kr[c];
                 sc = dot * scale;
@@ -495,16 +550,17 @@ extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const fl
             l = l * alpha + (float)block_sum((double)p, sh);
             m = mx;
             u64 cnt = i + 1 - j0 < ATT_BLOCK ? i + 1 - j0 : ATT_BLOCK;
-            const float* vt = v + head + j0 * d;
+            const float* vt = vh + j0 * ld;
             for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
                 float a = acc[c] * alpha;
-                for (u64 t = 0; t < cnt; t++) a += ps[t] * vt[t * d + c];
+                for (u64 t = 0; t < cnt; t++) a += ps[t] * vt[t * ld + c];
                 acc[c] = a;
             }
             __syncthreads();  // ps is rewritten by the next tile
         }
         float inv = 1.0f / l;
-        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) out[row * d + c] = acc[c] * inv;
+        float* orow = out + att_out_base(L, bh) + i * L.out_ld;
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) orow[c] = acc[c] * inv;
         if (threadIdx.x == 0) lse[row] = m + logf(l);
         __syncthreads();  // qs and acc are rewritten by the next row
     }
@@ -512,57 +568,64 @@ extern "C" __global__ void attn_fwd_f32(const float* q, const float* k, const fl
 
 // Backward, first pass, one block per query row i: D_i = dout_i . out_i (into dsum, for the
 // second pass), then over the keys j <= i: p = exp(s_ij - lse_i), dp = dout_i . v_j,
-// ds = p (dp - D_i), dq_i = scale * sum_j ds k_j. Each dq row is written by its own block.
+// ds = p (dp - D_i), dq_i = scale * sum_j ds k_j. Each dq row is written by its own block (in
+// the token layout dq is the dqkv buffer, its q columns).
 // Shared: q [d], dout [d], dq accumulator [d], ds [ATT_BLOCK].
 extern "C" __global__ void attn_bwd_dq_f32(const float* q, const float* k, const float* v,
                                            const float* out, const float* lse,
-                                           const float* dout, float* dq, float* dsum, u64 rows,
-                                           u64 seq, u64 d, float scale) {
+                                           const float* dout, float* dq, float* dsum,
+                                           AttnLayout L, float scale) {
     __shared__ double sh[OPS_BLOCK];
+    const u64 d = L.d, ld = L.in_ld;
     float* qs = att_sh;
     float* gs = att_sh + d;
     float* acc = att_sh + 2 * d;
     float* dss = att_sh + 3 * d;
-    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        u64 i = row % seq;
-        u64 head = (row - i) * d;
+    for (u64 row = blockIdx.x; row < L.rows; row += gridDim.x) {
+        u64 i = row % L.seq, bh = row / L.seq;
+        u64 ib = att_in_base(L, bh);
+        u64 orow = att_out_base(L, bh) + i * L.out_ld;
+        const float* kh = k + ib + L.k_off;
+        const float* vh = v + ib + L.v_off;
+        const float* qr = q + ib + i * ld;
         double part = 0.0;
         for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
-            qs[c] = q[row * d + c];
-            gs[c] = dout[row * d + c];
+            qs[c] = qr[c];
+            gs[c] = dout[orow + c];
             acc[c] = 0.0f;
-            part += (double)(gs[c] * out[row * d + c]);
+            part += (double)(gs[c] * out[orow + c]);
         }
         // block_sum's barriers also publish qs and gs.
         float D = (float)block_sum(part, sh);
         if (threadIdx.x == 0) dsum[row] = D;
-        float L = lse[row];
+        float Lse = lse[row];
         for (u64 j0 = 0; j0 <= i; j0 += ATT_BLOCK) {
             u64 j = j0 + threadIdx.x;
             float ds = 0.0f;
             if (j <= i) {
-                const float* kr = k + head + j * d;
-                const float* vr = v + head + j * d;
+                const float* kr = kh + j * ld;
+                const float* vr = vh + j * ld;
                 float dot = 0.0f, dp = 0.0f;
                 for (u64 c = 0; c < d; c++) {
                     dot += qs[c] * kr[c];
                     dp += gs[c] * vr[c];
                 }
-                float p = expf(dot * scale - L);
+                float p = expf(dot * scale - Lse);
                 ds = p * (dp - D);
             }
             dss[threadIdx.x] = ds;
             __syncthreads();
             u64 cnt = i + 1 - j0 < ATT_BLOCK ? i + 1 - j0 : ATT_BLOCK;
-            const float* kt = k + head + j0 * d;
+            const float* kt = kh + j0 * ld;
             for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
                 float a = acc[c];
-                for (u64 t = 0; t < cnt; t++) a += dss[t] * kt[t * d + c];
+                for (u64 t = 0; t < cnt; t++) a += dss[t] * kt[t * ld + c];
                 acc[c] = a;
             }
             __syncthreads();  // dss is rewritten by the next tile
         }
-        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) dq[row * d + c] = acc[c] * scale;
+        float* dqr = dq + ib + i * ld;
+        for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) dqr[c] = acc[c] * scale;
         __syncthreads();  // the row's shared values are rewritten by the next row
     }
 }
@@ -570,35 +633,37 @@ extern "C" __global__ void attn_bwd_dq_f32(const float* q, const float* k, const
 // Backward, second pass, one block per key row j (after the first, whose dsum it reads):
 // over the queries i >= j, with p and ds recomputed as there, dv_j = sum_i p dout_i and
 // dk_j = scale * sum_i ds q_i. Each dk, dv row is written by its own block: no atomics, and
-// the sums' order is fixed. Shared: k [d], v [d], dk and dv accumulators [d] each, p and ds
-// [ATT_BLOCK] each.
-extern "C" __global__ void attn_bwd_dkdv_f32(const float* q, const float* k, const float* v,
-                                             const float* lse, const float* dout,
-                                             const float* dsum, float* dk, float* dv, u64 rows,
-                                             u64 seq, u64 d, float scale) {
+// the sums' order is fixed. dk and dv rows lie where k's and v's do (k_off, v_off: in the
+// token layout both are the dqkv buffer, apart by their offsets). Shared: k [d], v [d], dk
+// and dv accumulators [d] each, p and ds [ATT_BLOCK] each.
+__device__ void attn_bwd_dkdv(const float* q, const float* k, const float* v,
+                              const float* lse, const float* dout, const float* dsum,
+                              float* dk, float* dv, const AttnLayout& L, float scale) {
+    const u64 d = L.d, ld = L.in_ld, old = L.out_ld;
     float* ks = att_sh;
     float* vs = att_sh + d;
     float* ak = att_sh + 2 * d;
     float* av = att_sh + 3 * d;
     float* ps = att_sh + 4 * d;
     float* dss = ps + ATT_BLOCK;
-    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        u64 j = row % seq;
+    for (u64 row = blockIdx.x; row < L.rows; row += gridDim.x) {
+        u64 j = row % L.seq, bh = row / L.seq;
         u64 first = row - j;  // the (batch, head)'s first row
-        u64 head = first * d;
+        u64 ib = att_in_base(L, bh), ob = att_out_base(L, bh);
+        u64 krow = ib + L.k_off + j * ld, vrow = ib + L.v_off + j * ld;
         for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
-            ks[c] = k[row * d + c];
-            vs[c] = v[row * d + c];
+            ks[c] = k[krow + c];
+            vs[c] = v[vrow + c];
             ak[c] = 0.0f;
             av[c] = 0.0f;
         }
         __syncthreads();
-        for (u64 i0 = j; i0 < seq; i0 += ATT_BLOCK) {
+        for (u64 i0 = j; i0 < L.seq; i0 += ATT_BLOCK) {
             u64 i = i0 + threadIdx.x;
             float p = 0.0f, ds = 0.0f;
-            if (i < seq) {
-                const float* qr = q + head + i * d;
-                const float* gr = dout + head + i * d;
+            if (i < L.seq) {
+                const float* qr = q + ib + i * ld;
+                const float* gr = dout + ob + i * old;
                 float dot = 0.0f, dp = 0.0f;
                 for (u64 c = 0; c < d; c++) {
                     dot += qr[c] * ks[c];
@@ -610,14 +675,14 @@ extern "C" __global__ void attn_bwd_dkdv_f32(const float* q, const float* k, con
             ps[threadIdx.x] = p;
             dss[threadIdx.x] = ds;
             __syncthreads();
-            u64 cnt = seq - i0 < ATT_BLOCK ? seq - i0 : ATT_BLOCK;
-            const float* qt = q + head + i0 * d;
-            const float* gt = dout + head + i0 * d;
+            u64 cnt = L.seq - i0 < ATT_BLOCK ? L.seq - i0 : ATT_BLOCK;
+            const float* qt = q + ib + i0 * ld;
+            const float* gt = dout + ob + i0 * old;
             for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
                 float a = ak[c], b = av[c];
                 for (u64 t = 0; t < cnt; t++) {
-                    a += dss[t] * qt[t * d + c];
-                    b += ps[t] * gt[t * d + c];
+                    a += dss[t] * qt[t * ld + c];
+                    b += ps[t] * gt[t * old + c];
                 }
                 ak[c] = a;
                 av[c] = b;
@@ -625,9 +690,25 @@ extern "C" __global__ void attn_bwd_dkdv_f32(const float* q, const float* k, con
             __syncthreads();  // ps and dss are rewritten by the next tile
         }
         for (u64 c = threadIdx.x; c < d; c += ATT_BLOCK) {
-            dk[row * d + c] = ak[c] * scale;
-            dv[row * d + c] = av[c];
+            dk[krow + c] = ak[c] * scale;
+            dv[vrow + c] = av[c];
         }
         __syncthreads();  // the row's shared values are rewritten by the next row
     }
+}
+
+// The second pass on the head layout: dk and dv their own buffers.
+extern "C" __global__ void attn_bwd_dkdv_f32(const float* q, const float* k, const float* v,
+                                             const float* lse, const float* dout,
+                                             const float* dsum, float* dk, float* dv,
+                                             AttnLayout L, float scale) {
+    attn_bwd_dkdv(q, k, v, lse, dout, dsum, dk, dv, L, scale);
+}
+
+// The second pass on the token layout: q, k, v the one qkv buffer, dk and dv the one dqkv
+// (their columns apart, so no element is written twice).
+extern "C" __global__ void attn_bwd_dkdv_tokens_f32(const float* qkv, const float* lse,
+                                                    const float* dout, const float* dsum,
+                                                    float* dqkv, AttnLayout L, float scale) {
+    attn_bwd_dkdv(qkv, qkv, qkv, lse, dout, dsum, dqkv, dqkv, L, scale);
 }

@@ -236,7 +236,8 @@ fn gemm_throughput_is_reported() {
     assert!(t.is_finite() && t > 0.0);
 }
 
-/// The kernel sources compile with NVRTC, and every kernel the two loaders look up is in
+/// The kernel sources compile with NVRTC (cnn.cu with the device's options, `--fmad=false`),
+/// and every kernel the two loaders look up is in
 /// the PTX (so `load_function` finds it). NVRTC needs no GPU: where libnvrtc is found (CI
 /// installs NVIDIA's `nvidia-cuda-nvrtc-cu12` wheel for this), this runs without a device.
 #[test]
@@ -246,16 +247,31 @@ fn the_kernel_sources_compile_with_nvrtc() {
         println!("skipped: the_kernel_sources_compile_with_nvrtc: libnvrtc.so not found");
         return;
     }
-    let entries = |src: &str, what: &str| -> Vec<String> {
-        let ptx = cudarc::nvrtc::compile_ptx(src).unwrap_or_else(|e| panic!("{what}: {e:?}"));
-        ptx.to_src()
-            .lines()
+    let ptx = |src: &str, what: &str| -> String {
+        cudarc::nvrtc::compile_ptx(src).unwrap_or_else(|e| panic!("{what}: {e:?}")).to_src()
+    };
+    let entries = |ptx: &str| -> Vec<String> {
+        ptx.lines()
             .filter_map(|l| l.split(".entry ").nth(1))
             .map(|n| n.trim_end_matches(['(', ' ']).to_string())
             .collect()
     };
-    let base = entries(KERNELS_CU, "kernels.cu");
-    let ops = entries(super::device::OPS_CU, "ops.cu");
+    let ops_ptx = ptx(super::device::OPS_CU, "ops.cu");
+    let base = entries(&ptx(KERNELS_CU, "kernels.cu"));
+    let ops = entries(&ops_ptx);
+    let cnn_ptx = super::device_ops::compile_cnn().unwrap_or_else(|e| panic!("cnn.cu: {e:?}"));
+    let cnn = entries(&cnn_ptx.to_src());
+    // The attention kernels take the device's `AttnLayout` by value: a parameter of its
+    // bytes in each (a field added on one side only would change one size, not both).
+    let layout = format!("[{}]", super::device_ops::ATTN_LAYOUT_BYTES);
+    for name in ["attn_fwd_f32", "attn_bwd_dq_f32", "attn_bwd_dkdv_f32", "attn_bwd_dkdv_tokens_f32"]
+    {
+        let param = format!(".b8 {name}_param_");
+        assert!(
+            ops_ptx.lines().any(|l| l.contains(&param) && l.contains(&layout)),
+            "{name}: no {layout}-byte layout parameter in the PTX"
+        );
+    }
     // The names the loaders ask for, read from their source: `f("name")` in this module's
     // `Cuda::open`, `f(&base, "name")` and `f(&ops, "name")` in the device's.
     let wanted = |src: &str, open: &str| -> Vec<String> {
@@ -266,6 +282,7 @@ fn the_kernel_sources_compile_with_nvrtc() {
         (wanted(mod_src, "f(\""), &base, "kernels.cu"),
         (wanted(dev_src, "f(&base, \""), &base, "kernels.cu"),
         (wanted(dev_src, "f(&ops, \""), &ops, "ops.cu"),
+        (wanted(dev_src, "f(&cnn, \""), &cnn, "cnn.cu"),
     ];
     let mut n = 0;
     for (names, have, file) in checks {
@@ -275,5 +292,5 @@ fn the_kernel_sources_compile_with_nvrtc() {
             n += 1;
         }
     }
-    println!("{n} kernel lookups found in the PTX of kernels.cu and ops.cu");
+    println!("{n} kernel lookups found in the PTX of kernels.cu, ops.cu and cnn.cu");
 }

@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use super::{numel, unsave, Buffers, Grads, Module, Param, Params, Saved};
 use crate::error::ModelError;
+use crate::lower::{Lowering, Val};
 use crate::model::Ctx;
 use crate::tensor::Tensor;
 
@@ -73,6 +74,10 @@ impl Module for Sequential {
     ) -> Result<Tensor, ModelError> {
         backward_children(&self.children, p, saved, dy, g, ctx)
     }
+
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        lower_children(&self.children, l, at, x)
+    }
 }
 
 /// Per child, where its parameters and buffers lie in the views of the whole run.
@@ -106,6 +111,23 @@ pub(crate) fn forward_children(
         x = y;
     }
     Ok((x, Box::new(saved)))
+}
+
+/// [`forward_children`] as device ops: each child lowered over its slice of the parameters
+/// and of the buffers ([`Lowering::buffers_at`]).
+pub(crate) fn lower_children(
+    children: &[(String, Box<dyn Module>)],
+    l: &mut Lowering,
+    at: usize,
+    mut x: Val,
+) -> Result<Val, ModelError> {
+    let base = l.buffers_at();
+    for ((_, m), (rp, rb)) in children.iter().zip(child_ranges(children)) {
+        l.set_buffers_at(base + rb.start);
+        x = m.lower(l, at + rp.start, x)?;
+    }
+    l.set_buffers_at(base);
+    Ok(x)
 }
 
 /// The backward of [`forward_children`], children in reverse; returns the input gradient.
@@ -229,5 +251,25 @@ impl Module for Residual {
         let dshort = sc.backward(p.slice(np..n)?, ss, dy, g.slice(np..n)?, ctx)?;
         add_into(&mut dx, &dshort)?;
         Ok(dx)
+    }
+
+    /// `y = f(x) + x` (or `f(x) + shortcut(x)`) as the host adds, the shortcut's buffers
+    /// after the inner module's.
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let base = l.buffers_at();
+        let (np, nb) = self.split();
+        let inner = |l: &mut Lowering, x: Val| {
+            l.set_buffers_at(base);
+            self.inner.lower(l, at, x)
+        };
+        let shortcut = self.shortcut.as_ref().map(|(_, sc)| {
+            Box::new(move |l: &mut Lowering, x: Val| {
+                l.set_buffers_at(base + nb);
+                sc.lower(l, at + np, x)
+            }) as crate::lower::layers::Branch<'_>
+        });
+        let y = crate::lower::layers::residual(l, x, inner, shortcut);
+        l.set_buffers_at(base);
+        y
     }
 }

@@ -25,11 +25,13 @@ use super::layers::{Activation, CausalSelfAttention, Dropout, LayerNorm, Linear}
 use super::{unsave, Grads, Init, Param, Params, Residual, RootModule, Saved, Sequential};
 use crate::error::ModelError;
 use crate::layers::{self, LinearSaved};
+use crate::lower::{Buf, Lowering, Val};
 use crate::model::Ctx;
 use crate::module::{Module, TokenCrossEntropy};
 use crate::network::ModuleNet;
 use crate::nn::dropout::DropoutKey;
 use crate::nn::{self, GptConfig, LayerNormSaved};
+use crate::ops::Op;
 use crate::tensor::Tensor;
 
 /// nanoGPT's init std.
@@ -202,6 +204,68 @@ impl RootModule for GptRoot {
             g.slice(ln)?.f32_mut()?,
         )?;
         Tensor::new(s.shape, dx)
+    }
+
+    /// The token embedding plus the position embedding, the latter as a lookup of position
+    /// ids (a constant), which adds the same rows in the same order as the host.
+    fn lower_in(&self, l: &mut Lowering, x: Val) -> Result<Val, ModelError> {
+        if l.training() && self.dropout != 0.0 {
+            return Err(Lowering::unlowered("gpt's transformer.drop while training"));
+        }
+        let (b, t) = match x.shape[..] {
+            [b, t] if (1..=self.block).contains(&t) => (b, t),
+            _ => {
+                let want = format!("[B, T] with 1 <= T <= block_size {}", self.block);
+                return Err(ModelError::shape("gpt tokens", want, format!("{:?}", x.shape)));
+            }
+        };
+        let (wte, wpe, _) = self.ranges();
+        let tok = nn::Embedding::new(self.vocab, self.embd);
+        let pos_table = nn::Embedding::new(self.block, self.embd);
+        let span = |r: std::ops::Range<usize>| (r.start, r.len());
+        let ((te, tl), (pe, pl)) = (span(wte), span(wpe));
+        let ids = (0..b * t).map(|i| f32::from_bits((i % t) as u32)).collect();
+        let pos = l.constant(ids, &[b, t]);
+        let shape = [b, t, self.embd];
+        let (a, p, y) = (l.value(&shape), l.value(&shape), l.value(&shape));
+        l.op(Op::EmbeddingForward(tok), &[Buf::Params { at: te, len: tl }, x.buf], &[a.buf]);
+        l.op(
+            Op::EmbeddingForward(pos_table),
+            &[Buf::Params { at: pe, len: pl }, pos.buf],
+            &[p.buf],
+        );
+        l.op(Op::Add, &[a.buf, p.buf], &[y.buf]);
+        l.on_backward(move |l, dy| {
+            l.op(Op::EmbeddingBackward(tok), &[x.buf, dy.buf], &[Buf::Grads { at: te, len: tl }]);
+            let grads = Buf::Grads { at: pe, len: pl };
+            l.op(Op::EmbeddingBackward(pos_table), &[pos.buf, dy.buf], &[grads]);
+            Ok(None)
+        });
+        Ok(y)
+    }
+
+    /// `ln_f`, then the head over `wte` (no bias).
+    fn lower_out(&self, l: &mut Lowering, x: Val) -> Result<Val, ModelError> {
+        let (wte, _, ln) = self.ranges();
+        let h = self.ln_f.lower(l, ln.start, x)?;
+        let rows = h.numel() / self.embd.max(1);
+        let head = nn::linear::Linear::new(self.embd, self.vocab, false);
+        let mut out = h.shape.clone();
+        if let Some(last) = out.last_mut() {
+            *last = self.vocab;
+        }
+        let logits = l.value(&out);
+        let w = Buf::Params { at: wte.start, len: wte.len() };
+        l.op(Op::LinearForward(head), &[w, h.buf], &[logits.buf]);
+        debug_assert_eq!(rows * self.vocab, logits.numel());
+        l.on_backward(move |l, dy| {
+            let dh = l.value(&h.shape);
+            let grads = Buf::Grads { at: wte.start, len: wte.len() };
+            let op = Op::LinearBackward { linear: head, input_grad: true };
+            l.op(op, &[w, h.buf, dy.buf], &[grads, dh.buf]);
+            Ok(Some(dh))
+        });
+        Ok(logits)
     }
 }
 

@@ -10,6 +10,7 @@ use crate::batchnorm::{BatchNorm, BnSaved};
 use crate::conv::{Conv2d, ConvSaved};
 use crate::error::ModelError;
 use crate::layers::{self, LinearSaved, MaxPool2d, MaxPoolSaved, ReluSaved, ShapeSaved};
+use crate::lower::{Buf, Lowering, Val};
 use crate::model::Ctx;
 use crate::nn::attention::{
     attention_backward_tokens, attention_forward_tokens, AttnSaved, AttnShape,
@@ -17,6 +18,7 @@ use crate::nn::attention::{
 use crate::nn::attn_dropout::AttnDropout;
 use crate::nn::dropout::DropoutKey;
 use crate::nn::{self, LayerNormSaved, RmsNormSaved};
+use crate::ops::Op;
 use crate::tensor::Tensor;
 
 pub use crate::nn::Activation;
@@ -112,6 +114,23 @@ impl Module for Linear {
         let dx = l.backward_taking(ctx.backend, p.f32()?, s, &dy, g.f32_mut()?)?;
         dx.reshape(shape)
     }
+
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let lay = &self.layer;
+        rows_of(&x.shape, lay.in_features, "linear input")?;
+        let linear = nn::linear::Linear::new(lay.in_features, lay.out_features, lay.bias);
+        let params = Buf::Params { at, len: linear.num_params() };
+        let y = l.value(&with_last(&x.shape, lay.out_features));
+        l.op(Op::LinearForward(linear), &[params, x.buf], &[y.buf]);
+        l.on_backward(move |l, dy| {
+            let dx = l.value(&x.shape);
+            let grads = Buf::Grads { at, len: linear.num_params() };
+            let op = Op::LinearBackward { linear, input_grad: true };
+            l.op(op, &[params, x.buf, dy.buf], &[grads, dx.buf]);
+            Ok(Some(dx))
+        });
+        Ok(y)
+    }
 }
 
 impl Module for Conv2d {
@@ -141,6 +160,10 @@ impl Module for Conv2d {
     ) -> Result<Tensor, ModelError> {
         let s: ConvSaved = unsave(saved, "Conv2d")?;
         Conv2d::backward(self, ctx.backend, p.f32()?, &s, &dy, g.f32_mut()?)
+    }
+
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        crate::lower::layers::conv2d(l, self, at, x)
     }
 }
 
@@ -188,6 +211,11 @@ impl Module for BatchNorm {
         let s: BnSaved = unsave(saved, "BatchNorm")?;
         layer.backward(p.f32()?, &s, &dy, g.f32_mut()?, reducer)
     }
+
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let buffers = l.buffers_at();
+        crate::lower::layers::batchnorm(l, self, (at, buffers), x)
+    }
 }
 
 /// `max(x, 0)`.
@@ -219,6 +247,18 @@ impl Module for Relu {
         let s: ReluSaved = unsave(saved, "Relu")?;
         layers::relu_backward(ctx.backend, &s, dy)
     }
+
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        let y = l.value(&x.shape);
+        l.op(Op::Relu, &[x.buf], &[y.buf]);
+        let y2 = y.clone();
+        l.on_backward(move |l, dy| {
+            let dx = l.value(&dy.shape);
+            l.op(Op::ReluBackward, &[y2.buf, dy.buf], &[dx.buf]);
+            Ok(Some(dx))
+        });
+        Ok(y)
+    }
 }
 
 impl Module for MaxPool2d {
@@ -245,6 +285,10 @@ impl Module for MaxPool2d {
     ) -> Result<Tensor, ModelError> {
         let s: MaxPoolSaved = unsave(saved, "MaxPool2d")?;
         MaxPool2d::backward(self, &s, &dy)
+    }
+
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        crate::lower::layers::max_pool(l, self, x)
     }
 }
 
@@ -277,6 +321,10 @@ impl Module for GlobalAvgPool {
         let s: ShapeSaved = unsave(saved, "GlobalAvgPool")?;
         layers::global_avg_pool_backward(&s, &dy)
     }
+
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        crate::lower::layers::global_avg_pool(l, x)
+    }
 }
 
 /// `[N, ...] -> [N, prod]`.
@@ -307,6 +355,10 @@ impl Module for Flatten {
     ) -> Result<Tensor, ModelError> {
         let s: ShapeSaved = unsave(saved, "Flatten")?;
         layers::flatten_backward(&s, dy)
+    }
+
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        Ok(crate::lower::layers::flatten(l, x))
     }
 }
 
@@ -346,6 +398,18 @@ impl Module for Activation {
             *g *= v;
         }
         Ok(dy)
+    }
+
+    /// As the host forward: the derivative is saved, the backward one multiply.
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        let (y, d) = (l.value(&x.shape), l.value(&x.shape));
+        l.op(Op::ActivationSavingDerivative(*self), &[x.buf], &[y.buf, d.buf]);
+        l.on_backward(move |l, dy| {
+            let dx = l.value(&dy.shape);
+            l.op(Op::Mul, &[dy.buf, d.buf], &[dx.buf]);
+            Ok(Some(dx))
+        });
+        Ok(y)
     }
 }
 
@@ -397,6 +461,21 @@ impl Module for Embedding {
         self.table.backward(x.as_u32()?, dy.as_f32()?, g.f32_mut()?)?;
         Ok(Tensor::default())
     }
+
+    /// The ids get no gradient: nothing flows back past this module.
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let t = self.table;
+        let mut shape = x.shape.clone();
+        shape.push(t.dim);
+        let y = l.value(&shape);
+        l.op(Op::EmbeddingForward(t), &[Buf::Params { at, len: t.num_params() }, x.buf], &[y.buf]);
+        l.on_backward(move |l, dy| {
+            let grads = Buf::Grads { at, len: t.num_params() };
+            l.op(Op::EmbeddingBackward(t), &[x.buf, dy.buf], &[grads]);
+            Ok(None)
+        });
+        Ok(y)
+    }
 }
 
 /// LayerNorm over the last dimension (with or without bias).
@@ -442,6 +521,22 @@ impl Module for LayerNorm {
         let mut dx = dy;
         self.0.backward_in_place(p.f32()?, x.as_f32()?, &s, dx.as_f32_mut()?, g.f32_mut()?)?;
         dx.reshape(x.shape().to_vec())
+    }
+
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let ln = self.0;
+        let rows = rows_of(&x.shape, ln.dim, "layer norm input")?;
+        let params = Buf::Params { at, len: ln.num_params() };
+        let (y, mean, rstd) = (l.value(&x.shape), l.value(&[rows]), l.value(&[rows]));
+        l.op(Op::LayerNormForward(ln), &[params, x.buf], &[y.buf, mean.buf, rstd.buf]);
+        l.on_backward(move |l, dy| {
+            let dx = l.value(&x.shape);
+            let grads = Buf::Grads { at, len: ln.num_params() };
+            let reads = [params, x.buf, mean.buf, rstd.buf, dy.buf];
+            l.op(Op::LayerNormBackward(ln), &reads, &[dx.buf, grads]);
+            Ok(Some(dx))
+        });
+        Ok(y)
     }
 }
 
@@ -546,6 +641,15 @@ impl Module for Dropout {
             &mut dx,
         )?;
         Tensor::new(dy.shape().to_vec(), dx)
+    }
+
+    /// The identity where the host forward is one (evaluation, `p = 0`); a dropping
+    /// dropout is not lowered (LOWER-3).
+    fn lower(&self, l: &mut Lowering, _: usize, x: Val) -> Result<Val, ModelError> {
+        if l.training() && self.p != 0.0 {
+            return Err(Lowering::unlowered("dropout while training"));
+        }
+        Ok(x)
     }
 }
 
@@ -677,5 +781,32 @@ impl Module for CausalSelfAttention {
         let e = self.embd();
         let dqkv = Tensor::new(vec![s.shape.batch, s.shape.seq, 3 * e], dqkv)?;
         self.c_attn.backward(p.slice(0..k)?, s.c_attn, dqkv, g.slice(0..k)?, ctx)
+    }
+
+    /// The host route: `c_attn`, the attention on the token layout, `c_proj`.
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        if l.training() && self.attn_dropout.is_some_and(|d| d.p != 0.0) {
+            return Err(Lowering::unlowered("attention dropout while training"));
+        }
+        let e = self.embd();
+        let (batch, seq) = match x.shape[..] {
+            [b, t, c] if c == e => (b, t),
+            _ => {
+                let got = format!("{:?}", x.shape);
+                return Err(ModelError::shape("attention input", format!("[B, T, {e}]"), got));
+            }
+        };
+        let shape = AttnShape { batch, heads: self.n_head, seq, head_dim: e / self.n_head };
+        let qkv = self.c_attn.lower(l, at, x)?;
+        let (y, lse) = (l.value(&[batch, seq, e]), l.value(&[shape.rows()]));
+        l.op(Op::AttentionForwardTokens(shape), &[qkv.buf], &[y.buf, lse.buf]);
+        let y2 = y.clone();
+        l.on_backward(move |l, dy| {
+            let dqkv = l.value(&qkv.shape);
+            let reads = [qkv.buf, y2.buf, lse.buf, dy.buf];
+            l.op(Op::AttentionBackwardTokens(shape), &reads, &[dqkv.buf]);
+            Ok(Some(dqkv))
+        });
+        self.c_proj.lower(l, at + self.split(), y)
     }
 }

@@ -4,6 +4,8 @@
 
 use crate::error::ModelError;
 use crate::loss::{correct_count, softmax_cross_entropy};
+use crate::lower::Lowering;
+use crate::ops::Op;
 use crate::tensor::Tensor;
 
 /// A loss over a model's output and a target.
@@ -26,6 +28,14 @@ pub trait Loss: Send + Sync + std::fmt::Debug {
         let _ = (output, target);
         Ok(None)
     }
+
+    /// [`Loss::forward_backward`] for an output of `shape` as one device op (reads the
+    /// output and the targets, writes the loss and the output's gradient; `crate::lower`).
+    /// The default refuses (LOWER-3).
+    fn lower(&self, shape: &[usize], global_batch: usize) -> Result<Op, ModelError> {
+        let _ = (shape, global_batch);
+        Err(Lowering::unlowered(&format!("the {} loss", self.name())))
+    }
 }
 
 /// Classification: softmax cross-entropy of `[N, classes]` logits against `u32` labels `[N]`.
@@ -43,6 +53,12 @@ impl Loss for ClassCrossEntropy {
         global: usize,
     ) -> Result<(f32, Tensor), ModelError> {
         softmax_cross_entropy(output, target.as_u32()?, global)
+    }
+    fn lower(&self, shape: &[usize], global: usize) -> Result<Op, ModelError> {
+        match shape {
+            &[_, classes] => Ok(Op::SoftmaxCrossEntropy { classes, global }),
+            s => Err(ModelError::shape("cross-entropy logits", "[N, K]", format!("{s:?}"))),
+        }
     }
     fn correct(&self, output: &Tensor, target: &Tensor) -> Result<Option<(u64, u64)>, ModelError> {
         let y = target.as_u32()?;
@@ -81,6 +97,12 @@ impl Loss for TokenCrossEntropy {
         let (rows, seq) = as_rows(output, target)?;
         let (loss, g) = softmax_cross_entropy(&rows, target.as_u32()?, global * seq)?;
         Ok((loss, g.reshape(output.shape().to_vec())?))
+    }
+    fn lower(&self, shape: &[usize], global: usize) -> Result<Op, ModelError> {
+        match shape {
+            &[_, seq, classes] => Ok(Op::SoftmaxCrossEntropy { classes, global: global * seq }),
+            s => Err(ModelError::shape("lm cross-entropy logits", "[B, T, V]", format!("{s:?}"))),
+        }
     }
     fn correct(&self, output: &Tensor, target: &Tensor) -> Result<Option<(u64, u64)>, ModelError> {
         let (rows, _) = as_rows(output, target)?;

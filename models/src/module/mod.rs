@@ -73,7 +73,7 @@
 //!   prefixed with the child's name; the views a child gets are exactly its own slice.
 
 mod compose;
-pub(crate) use compose::{backward_children, forward_children};
+pub(crate) use compose::{backward_children, forward_children, lower_children};
 pub mod gpt;
 mod layers;
 mod loss;
@@ -92,6 +92,7 @@ pub use view::{Buffers, Grads, Params};
 use std::any::Any;
 
 use crate::error::ModelError;
+use crate::lower::{Lowering, Val};
 use crate::model::Ctx;
 use crate::rng::SplitMix64;
 use crate::spec::ParamSpec;
@@ -206,6 +207,15 @@ pub trait Module: Send + Sync + std::fmt::Debug {
         g: Grads<'_>,
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError>;
+
+    /// Emits this module's forward over `x` as device ops into `l`, its parameters at
+    /// `at..` of the unit's, and pushes its backward onto the lowering's tape
+    /// ([`crate::lower`]); returns the output. The default refuses (LOWER-3): such a
+    /// module runs as host code.
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        let _ = (l, at, x);
+        Err(Lowering::unlowered(std::any::type_name::<Self>()))
+    }
 }
 
 /// The root of a model whose parameters are used both before and after the body: a token
@@ -251,6 +261,19 @@ pub trait RootModule: Send + Sync + std::fmt::Debug {
         g: Grads<'_>,
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError>;
+
+    /// [`RootModule::forward_in`] as device ops ([`Module::lower`]); the model's input gets
+    /// no gradient. The default refuses (LOWER-3).
+    fn lower_in(&self, l: &mut Lowering, x: Val) -> Result<Val, ModelError> {
+        let _ = (l, x);
+        Err(Lowering::unlowered(std::any::type_name::<Self>()))
+    }
+
+    /// [`RootModule::forward_out`] as device ops. The default refuses (LOWER-3).
+    fn lower_out(&self, l: &mut Lowering, x: Val) -> Result<Val, ModelError> {
+        let _ = (l, x);
+        Err(Lowering::unlowered(std::any::type_name::<Self>()))
+    }
 }
 
 /// Takes back a saved value of type `T`; another type is a caller bug reported as an error.

@@ -30,6 +30,7 @@ use super::{Buffers, Grads, Init, Module, Param, Params, Residual, Saved, Sequen
 use crate::batchnorm::BatchNorm;
 use crate::conv::Conv2d;
 use crate::error::ModelError;
+use crate::lower::{Lowering, Val};
 use crate::model::Ctx;
 use crate::module::ClassCrossEntropy;
 use crate::network::ModuleNet;
@@ -96,6 +97,9 @@ impl Module for KaimingConv {
         ctx: &Ctx,
     ) -> Result<Tensor, ModelError> {
         Module::backward(&self.0, p, saved, dy, g, ctx)
+    }
+    fn lower(&self, l: &mut Lowering, at: usize, x: Val) -> Result<Val, ModelError> {
+        Module::lower(&self.0, l, at, x)
     }
 }
 

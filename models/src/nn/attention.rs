@@ -221,6 +221,23 @@ impl<F> AttnSaved<F> {
         Ok(AttnSaved { shape, block, layout: Layout::Heads, src, o, lse, dropout: None })
     }
 
+    /// What [`attention_forward_tokens`] without dropout saves, from parts a caller kept: the
+    /// fused `[batch, seq, 3 * embd]` q, k, v and the logsumexp (the token attention ops of
+    /// [`crate::ops`]).
+    pub(crate) fn from_tokens(
+        shape: AttnShape,
+        block: usize,
+        qkv: Vec<F>,
+        lse: Vec<F>,
+    ) -> Result<Self, ModelError> {
+        check_block(block, &shape)?;
+        shape.check("attention qkv", qkv.len(), 3 * shape.numel())?;
+        shape.check("attention logsumexp", lse.len(), shape.rows())?;
+        let (src, o, lse) = (Metered::new(qkv), Metered::new(Vec::new()), Metered::new(lse));
+        let layout = Layout::Tokens { parts: 3 };
+        Ok(AttnSaved { shape, block, layout, src, o, lse, dropout: None })
+    }
+
     /// Number of values kept: q, k, v, the output when the struct holds it, and the
     /// logsumexp; `4 * numel + rows` from [`attention_forward`], `3 * numel + rows` from
     /// [`attention_forward_tokens`] (ATTN-1).

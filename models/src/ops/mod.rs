@@ -31,6 +31,8 @@ use crate::nn::gemm::Gemm;
 use crate::nn::linear::Linear;
 use crate::nn::norm::{LayerNorm, LayerNormSaved};
 
+mod cnn;
+mod elementwise;
 mod norm_attn;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -223,6 +225,132 @@ pub enum Op {
     /// Its backward. Reads: `q`, `k`, `v`, `out`, `lse`, `dout`. Writes: `dq`, `dk`, `dv`
     /// (overwritten).
     AttentionBackward(AttnShape),
+    /// Reads: `x`. Writes: `y = x`, bit for bit.
+    Copy,
+    /// Reads: `a`, `b`. Writes: `c = a + b` (a residual connection and its gradient).
+    Add,
+    /// Reads: `a`, `b`. Writes: `c = a * b` (an activation's input gradient from the
+    /// derivative its forward saved).
+    Mul,
+    /// The activation module's forward, which saves the derivative instead of the input
+    /// (ACTIV-5). Reads: `x`. Writes: `y = f(x)`, `d = f'(x)`.
+    ActivationSavingDerivative(Activation),
+    /// Causal self-attention without dropout on nanoGPT's token layout (ATTN-5). Reads:
+    /// `qkv [batch, seq, 3 embd]` (`c_attn`'s output). Writes: `y [batch, seq, embd]` (the
+    /// heads merged), `lse [batch, heads, seq]`.
+    AttentionForwardTokens(AttnShape),
+    /// Its backward. Reads: `qkv`, `y`, `lse`, `dy`. Writes: `dqkv` (overwritten).
+    AttentionBackwardTokens(AttnShape),
+    /// The engine's classification loss: this rank's share of the mean softmax
+    /// cross-entropy over `global` rows (LOSS-1). Reads: `logits [rows, classes]`, `targets
+    /// [rows]` (u32 bits). Writes: `loss [1]`, `dlogits`.
+    SoftmaxCrossEntropy {
+        /// Classes per row.
+        classes: usize,
+        /// Rows of the global batch the mean is over (at least the rows read).
+        global: usize,
+    },
+    /// 2-d convolution as the layer computes it (im2col and one product per sample). Reads:
+    /// `params` (`weight`, then `bias`), `x [n, in, h, w]`. Writes: `y [n, out, ho, wo]`.
+    Conv2dForward(ConvDims),
+    /// Its backward. Reads: `params`, `x`, `dy`. Writes: `grads` (ADDS), `dx` (overwritten).
+    Conv2dBackward(ConvDims),
+    /// Max pooling. Reads: `x [n, c, h, w]`. Writes: `y [n, c, ho, wo]`, `argmax` (each
+    /// output's input index, `u32` bits).
+    MaxPoolForward(PoolDims),
+    /// Its backward. Reads: `argmax`, `dy`. Writes: `dx` (overwritten).
+    MaxPoolBackward(PoolDims),
+    /// Global average pooling over `[n, c, s]`. Reads: `x`. Writes: `y [n, c]`.
+    GlobalAvgPool(BnDims),
+    /// Its backward. Reads: `dy [n, c]`. Writes: `dx [n, c, s]`.
+    GlobalAvgPoolBackward(BnDims),
+    /// BatchNorm's statistics of this rank's slice, exact: per channel count, mean and M2,
+    /// each an `f64` as two elements ([`store_f64`]). Reads: `x [n, c, s]`. Writes: `stats
+    /// [6 c]`.
+    BatchNormLocalStats(BnDims),
+    /// The statistics as SyncBatchNorm's message records (each `f64` as an f32 pair, hi then
+    /// lo, BN-5). Reads: `stats [6 c]`. Writes: `records [6 c]`.
+    BatchNormEncode {
+        /// Channels.
+        c: usize,
+    },
+    /// Every rank's records merged in rank order (Chan's merge, as the reducer combines
+    /// them), back to exact statistics. Reads: `records [world * 6 c]`. Writes: `stats [6 c]`.
+    BatchNormMerge {
+        /// Channels.
+        c: usize,
+        /// Ranks.
+        world: usize,
+    },
+    /// BatchNorm's training forward with the batch's statistics. Reads: `x`, `params [2 c]`,
+    /// `stats [6 c]`. Writes: `y`, `xhat`, `invstd [c]`, `count [2]` (the batch's count, an
+    /// `f64`), `buffers [2 c + 1]` (the running statistics, updated).
+    BatchNormTrain {
+        /// The layout.
+        dims: BnDims,
+        /// Added to the variance.
+        eps: f32,
+        /// Of the running statistics.
+        momentum: f32,
+    },
+    /// BatchNorm in evaluation mode. Reads: `x`, `params [2 c]`, `buffers [2 c + 1]`.
+    /// Writes: `y`.
+    BatchNormEval {
+        /// The layout.
+        dims: BnDims,
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// BatchNorm's backward reduce, exact. Reads: `dy`, `xhat`. Writes: `sums [4 c]` (`sum
+    /// dy`, then `sum dy * xhat`, `f64`s as pairs), `grads [2 c]` (ADDS).
+    BatchNormGradSums(BnDims),
+    /// BatchNorm's input gradient in training mode. Reads: `params [2 c]`, `xhat`, `invstd`,
+    /// `sums [4 c]`, `count [2]`, `dy`. Writes: `dx`.
+    BatchNormGradDx(BnDims),
+    /// `f64`s stored as pairs ([`store_f64`]) rounded to f32. Reads: `[2 n]`. Writes: `[n]`.
+    F64ToF32,
+    /// f32 values widened to `f64` pairs. Reads: `[n]`. Writes: `[2 n]`.
+    F32ToF64,
+}
+
+/// A BatchNorm's (or a pooling's) layout `[n, c, s]`: samples, channels, values per channel
+/// and sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BnDims {
+    /// Samples.
+    pub n: usize,
+    /// Channels.
+    pub c: usize,
+    /// Values per channel and sample.
+    pub s: usize,
+}
+
+/// A convolution over `[n, in, h, w]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvDims {
+    /// The layer.
+    pub conv: crate::conv::Conv2d,
+    /// Samples.
+    pub n: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
+}
+
+/// A max pooling over `[n, c, h, w]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolDims {
+    /// The layer.
+    pub pool: crate::layers::MaxPool2d,
+    /// Samples.
+    pub n: usize,
+    /// Channels.
+    pub c: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
 }
 
 fn want(what: &str, got: &[usize], n: usize) -> Result<(), String> {
@@ -327,6 +455,28 @@ impl Op {
             Op::BatchNormBackwardDx { .. } => "batch norm backward dx",
             Op::AttentionForward(_) => "attention forward",
             Op::AttentionBackward(_) => "attention backward",
+            Op::Copy => "copy",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::ActivationSavingDerivative(_) => "activation saving derivative",
+            Op::AttentionForwardTokens(_) => "attention forward (tokens)",
+            Op::AttentionBackwardTokens(_) => "attention backward (tokens)",
+            Op::SoftmaxCrossEntropy { .. } => "softmax cross entropy",
+            Op::Conv2dForward(_) => "conv2d forward",
+            Op::Conv2dBackward(_) => "conv2d backward",
+            Op::MaxPoolForward(_) => "max pool forward",
+            Op::MaxPoolBackward(_) => "max pool backward",
+            Op::GlobalAvgPool(_) => "global average pool",
+            Op::GlobalAvgPoolBackward(_) => "global average pool backward",
+            Op::BatchNormLocalStats(_) => "batch norm local statistics",
+            Op::BatchNormEncode { .. } => "batch norm encode",
+            Op::BatchNormMerge { .. } => "batch norm merge",
+            Op::BatchNormTrain { .. } => "batch norm train",
+            Op::BatchNormEval { .. } => "batch norm eval",
+            Op::BatchNormGradSums(_) => "batch norm gradient sums",
+            Op::BatchNormGradDx(_) => "batch norm gradient dx",
+            Op::F64ToF32 => "f64 to f32",
+            Op::F32ToF64 => "f32 to f64",
         }
     }
 
@@ -519,6 +669,39 @@ impl Op {
                 }
                 Ok(())
             }
+            Op::Copy | Op::Add | Op::Mul | Op::ActivationSavingDerivative(_) => {
+                elementwise::check(self, r, w)
+            }
+            Op::AttentionForwardTokens(shape) => {
+                want(&format!("{name} reads"), r, 1)?;
+                want(&format!("{name} writes"), w, 2)?;
+                let (numel, rows) = norm_attn::attn_lens(shape)?;
+                len_is("attention qkv", r[0], 3 * numel)?;
+                len_is("attention y", w[0], numel)?;
+                len_is("attention lse", w[1], rows)
+            }
+            Op::AttentionBackwardTokens(shape) => {
+                want(&format!("{name} reads"), r, 4)?;
+                want(&format!("{name} writes"), w, 1)?;
+                let (numel, rows) = norm_attn::attn_lens(shape)?;
+                len_is("attention qkv", r[0], 3 * numel)?;
+                len_is("attention y", r[1], numel)?;
+                len_is("attention lse", r[2], rows)?;
+                len_is("attention dy", r[3], numel)?;
+                len_is("attention dqkv", w[0], 3 * numel)
+            }
+            Op::SoftmaxCrossEntropy { classes, global } => {
+                want(&format!("{name} reads"), r, 2)?;
+                want(&format!("{name} writes"), w, 2)?;
+                let n = rows_of("softmax cross entropy logits", r[0], *classes)?;
+                len_is("softmax cross entropy targets", r[1], n)?;
+                if *global < n {
+                    return Err(format!("softmax cross entropy: global rows {global} below {n}"));
+                }
+                len_is("softmax cross entropy loss", w[0], 1)?;
+                len_is("softmax cross entropy dlogits", w[1], r[0])
+            }
+            _ => cnn::check(self, r, w),
         }
     }
 
@@ -589,6 +772,17 @@ impl Op {
             }
             Op::AttentionForward(shape) => norm_attn::attn_forward_host(*shape, r, w)?,
             Op::AttentionBackward(shape) => norm_attn::attn_backward_host(*shape, r, w)?,
+            Op::Copy | Op::Add | Op::Mul | Op::ActivationSavingDerivative(_) => {
+                elementwise::host(self, r, w)?
+            }
+            Op::AttentionForwardTokens(shape) => norm_attn::attn_tokens_forward_host(*shape, r, w)?,
+            Op::AttentionBackwardTokens(shape) => {
+                norm_attn::attn_tokens_backward_host(*shape, r, w)?
+            }
+            Op::SoftmaxCrossEntropy { classes, global } => {
+                elementwise::softmax_xent_host(*classes, *global, r, w)?
+            }
+            _ => cnn::host(self, r, w)?,
         }
         Ok(())
     }

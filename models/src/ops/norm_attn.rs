@@ -4,7 +4,10 @@
 
 use crate::batchnorm::{backward_dx, backward_reduce, channel_stats, invstd_of, normalize};
 use crate::error::ModelError;
-use crate::nn::attention::{attention_backward, attention_forward, AttnSaved, AttnShape, Qkv};
+use crate::nn::attention::{
+    attention_backward, attention_backward_tokens, attention_forward, attention_forward_tokens,
+    AttnSaved, AttnShape, Qkv,
+};
 
 /// Query and key block of the host attention's online softmax (the GPT model's).
 const ATTN_BLOCK: usize = 64;
@@ -125,5 +128,30 @@ pub(super) fn attn_backward_host(
     for (out, grad) in w.iter_mut().zip([&g.dq, &g.dk, &g.dv]) {
         out.copy_from_slice(grad);
     }
+    Ok(())
+}
+
+/// [`attention_forward_tokens`] without dropout: the module's route (ATTN-5).
+pub(super) fn attn_tokens_forward_host(
+    shape: AttnShape,
+    r: &[&[f32]],
+    w: &mut [&mut [f32]],
+) -> Result<(), String> {
+    let [y, lse] = w else { unreachable!("checked: two writes") };
+    let saved =
+        attention_forward_tokens(shape, block(shape), None, r[0].to_vec(), y).map_err(err)?;
+    lse.copy_from_slice(saved.logsumexp());
+    Ok(())
+}
+
+/// [`attention_backward_tokens`] from the fused q, k, v and the logsumexp the reads hold.
+pub(super) fn attn_tokens_backward_host(
+    shape: AttnShape,
+    r: &[&[f32]],
+    w: &mut [&mut [f32]],
+) -> Result<(), String> {
+    let saved =
+        AttnSaved::from_tokens(shape, block(shape), r[0].to_vec(), r[2].to_vec()).map_err(err)?;
+    w[0].copy_from_slice(&attention_backward_tokens(&saved, r[1], r[3]).map_err(err)?);
     Ok(())
 }

@@ -921,8 +921,9 @@ struct TrainArgs {
     /// Compute device: cpu; cuda (a build with the `cuda` feature, on a host with a GPU:
     /// matrix multiplies and elementwise kernels run on each rank's own GPU, the one at its
     /// local rank among those CUDA_VISIBLE_DEVICES shows, the shards, the optimizer and the
-    /// collectives stay on the host; without a GPU: exit 2 naming what is missing; with fewer
-    /// visible GPUs than ranks on a node, the run fails naming both); or
+    /// collectives stay on the host (with --model-ops: the device engine instead, see there);
+    /// without a GPU: exit 2 naming what is missing; with fewer visible GPUs than ranks on a
+    /// node, the run fails naming both); or
     /// sim, a simulated accelerator for testing: the device engine keeps each rank's
     /// parameters, gradients and optimizer state in device memory, runs kernels on a compute
     /// stream and gathers and reductions on their own streams ordered by events, and fails
@@ -948,6 +949,18 @@ struct TrainArgs {
     /// NCCL process group would), instead of one each.
     #[arg(long)]
     sim_one_comm: bool,
+    /// --device sim: the model's calls and loss run as device ops lowered from its modules
+    /// (what a GPU runs), and the simulated device refuses any other host code (evaluation
+    /// scores the downloaded logits on the host). Results are bitwise those without it.
+    /// --device cuda --model-ops: the same device engine on GPUs (a build with the `cuda`
+    /// feature): rank r on GPU r, each rank a thread of this process, gathers and reductions
+    /// over NCCL, no host staging.
+    /// Models whose layers all lower: gpt without dropout while training, mlp-bn, convnet-bn,
+    /// resnet-bn and wide-mlp (BatchNorm and SyncBatchNorm, convolution, pooling, residual
+    /// blocks); module trees of those and of LayerNorm, Embedding, GELU/SiLU and attention;
+    /// others are refused, naming the layer.
+    #[arg(long)]
+    model_ops: bool,
     /// Number of ranks (threads, one actor each).
     #[arg(long, default_value_t = 4)]
     world: usize,
@@ -1443,11 +1456,17 @@ fn run_options(a: &TrainArgs) -> RunOptions {
     }
 }
 
-/// `train --device sim`: the device engine on simulated devices, through the same training
-/// loop (checkpoints, resume, evaluation, logs, summary); the flags it does not honour are
-/// refused by name.
+/// `train --device sim` (or `--device cuda --model-ops`): the device engine on simulated
+/// devices (or GPUs), through the same training loop (checkpoints, resume, evaluation, logs,
+/// summary); the flags it does not honour are refused by name.
 fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
+    let cuda = a.device == DeviceKind::Cuda;
+    let device = if cuda { "--device cuda --model-ops" } else { "--device sim" };
+    // The engine's host-side work (shape probes) runs on the CPU backend.
+    let cfg = &TrainConfig { device: Device::Cpu, ..cfg.clone() };
     let refused = [
+        (cuda && a.offload != OffloadArg::None, "--offload"),
+        (cuda && a.trace.is_some(), "--trace"),
         (!a.faults.is_empty(), "--fault"),
         (a.dump_on_failure.is_some(), "--dump-on-failure"),
         (a.metrics_addr.is_some(), "--metrics-addr"),
@@ -1456,14 +1475,30 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         (cfg.profile.is_some(), "--profile"),
     ];
     if let Some((_, flag)) = refused.iter().find(|r| r.0) {
-        eprintln!("error: {flag} is not supported with --device sim");
+        eprintln!("error: {flag} is not supported with {device}");
         return 2;
     }
     if std::env::var_os("WORLD_SIZE").is_some() {
-        eprintln!("error: --device sim runs its ranks as threads of one process, not launched");
+        eprintln!("error: {device} runs its ranks as threads of one process, not launched");
         return 2;
     }
-    let o = shardline_runtime::engine::on_device::SimTrainOptions {
+    // Of the built-in models gpt's modules and the zoo's layers all lower (gpt's dropout
+    // while training does not).
+    let lowers = match cfg.model.as_str() {
+        "gpt" => cfg.dropout.unwrap_or(0.0) == 0.0,
+        m => matches!(m, "wide-mlp" | "mlp-bn" | "convnet-bn" | "resnet-bn"),
+    };
+    if a.model_ops && !lowers {
+        eprintln!(
+            "error: --model-ops needs a model whose layers all lower to device ops: --model gpt \
+             with --dropout 0, mlp-bn, convnet-bn, resnet-bn or wide-mlp (got --model {}{})",
+            cfg.model,
+            cfg.dropout.filter(|d| *d != 0.0).map_or(String::new(), |d| format!(" --dropout {d}"))
+        );
+        return 2;
+    }
+    let o = shardline_runtime::engine::on_device::DeviceTrainOptions {
+        cuda: a.device == DeviceKind::Cuda,
         seed: a.sim_seed,
         max_delay_us: a.sim_delay_us,
         capacity: a.device_memory,
@@ -1474,13 +1509,14 @@ fn sim_train(a: &TrainArgs, cfg: &TrainConfig) -> i32 {
         },
         trace: a.trace.clone(),
         one_comm: a.sim_one_comm,
+        model_ops: a.model_ops,
     };
     let opts = run_options(a);
     if let Err(e) = shardline_runtime::interrupt::install(true) {
         eprintln!("error: {e}");
         return 1;
     }
-    match shardline_runtime::engine::on_device::train_on_sim(cfg.clone(), opts, &o) {
+    match shardline_runtime::engine::on_device::train_on_devices(cfg.clone(), opts, &o) {
         Ok(summary) => {
             if let Some(p) = &a.summary_json {
                 let text = serde_json::to_string_pretty(&summary).unwrap_or_default();
@@ -1579,11 +1615,17 @@ fn main() {
                     std::process::exit(2);
                 }
             };
-            if a.device == DeviceKind::Sim {
+            if a.device == DeviceKind::Sim || (a.device == DeviceKind::Cuda && a.model_ops) {
                 std::process::exit(sim_train(&a, &cfg));
             }
             if a.offload != OffloadArg::None {
                 eprintln!("error: --offload runs on the device engine: use it with --device sim");
+                std::process::exit(2);
+            }
+            if a.model_ops {
+                eprintln!(
+                    "error: --model-ops runs on the device engine: use it with --device sim or cuda"
+                );
                 std::process::exit(2);
             }
             if let Some(addr) = a.metrics_addr {

@@ -31,6 +31,9 @@ impl DeviceEngine {
         c: &CtxOf,
         checkpoint: bool,
     ) -> Result<(Act, Reserved)> {
+        if self.model_ops {
+            return self.forward_ops(i, input, saved, c, checkpoint);
+        }
         let u = self.plan.unit_at(i);
         // Use `i` of the step: the microbatch's forward runs calls 0..nc (ACC-1).
         let nc = self.calls.len();
@@ -145,6 +148,9 @@ impl DeviceEngine {
         (global_batch, micro): (usize, usize),
         figures: &Figures,
     ) -> Result<Act> {
+        if self.model_ops {
+            return self.loss_ops(out, y, (global_batch, micro));
+        }
         // TENSOR-4: the kernel reads the targets from device memory, as it reads the data.
         let label = format!("targets (microbatch {micro})");
         let targets = self.mem.alloc(Category::Activations, y.numel(), &label)?;
@@ -190,6 +196,9 @@ impl DeviceEngine {
         reds: &mut Reductions<DeviceReduction>,
         partial: &mut [Option<Option<DeviceBuffer>>],
     ) -> Result<Option<Act>> {
+        if self.model_ops {
+            return self.backward_ops(i, (grad_out, c), saved, hand, reds, partial);
+        }
         let u = self.plan.unit_at(i);
         let nc = self.calls.len();
         let call = 2 * nc - 1 - i % (2 * nc);

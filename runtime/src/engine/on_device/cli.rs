@@ -1,7 +1,9 @@
-//! `shardline train --device sim`: a job of the device engine on simulated accelerators, one
-//! per rank thread, run by the one training loop. A testing device: it checks that every
-//! access is ordered by the streams and events, and its timings include its seeded delays,
-//! so they measure the simulation, not a GPU.
+//! `shardline train --device sim` (and `--device cuda --model-ops`): a job of the device
+//! engine on one device per rank thread, run by the one training loop. The simulated
+//! accelerator is a testing device: it checks that every access is ordered by the streams
+//! and events, and its timings include its seeded delays, so they measure the simulation,
+//! not a GPU. On GPUs (feature `cuda`) rank `r` opens GPU `r`, its gathers and reductions
+//! go over NCCL, and the model runs as ops (LOWDEV-1): a GPU runs no host code.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -17,9 +19,11 @@ use crate::error::{Result, RuntimeError};
 use crate::telemetry::Trace;
 use crate::train::{RunOptions, Summary, TrainConfig};
 
-/// How `--device sim` runs.
+/// How `--device sim` (or `--device cuda --model-ops`) runs.
 #[derive(Clone, Debug, Default)]
-pub struct SimTrainOptions {
+pub struct DeviceTrainOptions {
+    /// The ranks' devices are GPUs (rank r on GPU r, NCCL) instead of simulated ones.
+    pub cuda: bool,
     /// Seeds the streams' delays (rank r: seed + r).
     pub seed: u64,
     /// Longest delay before each device operation, in microseconds.
@@ -32,6 +36,9 @@ pub struct SimTrainOptions {
     pub trace: Option<PathBuf>,
     /// Gathers and reductions on one stream and communicator.
     pub one_comm: bool,
+    /// The model's calls and loss as device ops, on devices that refuse other host code
+    /// (evaluation's scoring excepted; LOWDEV-1).
+    pub model_ops: bool,
 }
 
 /// Human bytes (KiB, MiB).
@@ -47,9 +54,23 @@ fn bytes(b: u64) -> String {
 /// the one training loop ([`crate::driver`]): resume, checkpoints, evaluation, logs and the
 /// summary as on the host engine. Prints what runs where, and after the run the streams'
 /// overlap and (with a trace) writes every rank's streams.
-pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> Result<Summary> {
+pub fn train_on_devices(
+    cfg: TrainConfig,
+    opts: RunOptions,
+    o: &DeviceTrainOptions,
+) -> Result<Summary> {
     let speak = !opts.quiet;
-    if speak {
+    if o.cuda && !o.model_ops {
+        return Err(RuntimeError::config("the device engine on GPUs needs --model-ops"));
+    }
+    if speak && o.cuda {
+        println!(
+            "device: cuda, rank r on GPU r (CudaDevice: streams, events, device memory; no host \
+             code), x {} ranks, gathers and reductions over NCCL; memory figures below are \
+             device memory",
+            cfg.world
+        );
+    } else if speak {
         println!(
             "device: sim (a simulated accelerator for testing; kernels run on the CPU, delays \
              seeded {} up to {} us) x {} ranks, memory {}, offload {}; memory figures below \
@@ -61,11 +82,16 @@ pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> 
             o.offload.name()
         );
         println!(
-            "streams per rank: {}; the host waits once per step (the loss)",
+            "streams per rank: {}; the host waits once per step (the loss){}",
             if o.one_comm {
                 "compute, gather (gathers and reductions, one communicator), offload"
             } else {
                 "compute, gather, reduce (each with its own communicator), offload"
+            },
+            if o.model_ops {
+                "; the model's calls and loss run as device ops (--model-ops)"
+            } else {
+                ""
             }
         );
     }
@@ -77,10 +103,21 @@ pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> 
         let world = job.cfg.world;
         let timeout = Duration::from_secs(job.cfg.timeout_s.max(1));
         let worlds = DeviceWorlds::new(world, timeout);
-        let dopts =
-            DeviceOptions { offload: sim.offload, one_comm: sim.one_comm, ..Default::default() };
+        let dopts = DeviceOptions {
+            offload: sim.offload,
+            one_comm: sim.one_comm,
+            model_ops: sim.model_ops,
+            ..Default::default()
+        };
         let (mut engines, mut trackers) = (Vec::new(), Vec::new());
-        for (rank, sink) in sinks2.iter().enumerate() {
+        if sim.cuda {
+            for e in cuda_engines(world, &worlds, (job, &ecfg, dopts), sim.capacity)? {
+                trackers.push(e.memory().clone());
+                lock(&overlaps2).push(e.overlap_handle());
+                engines.push(Box::new(e) as Box<dyn Driven>);
+            }
+        }
+        for (rank, sink) in sinks2.iter().enumerate().filter(|_| !sim.cuda) {
             let dev = Arc::new(SimDevice::new(SimOptions {
                 seed: sim.seed.wrapping_add(rank as u64),
                 max_delay_us: sim.max_delay_us,
@@ -89,7 +126,10 @@ pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> 
                 timeout: timeout * 2,
                 // Every operation's span, for the overlap figures (and --trace).
                 timeline: true,
-                ..SimOptions::default()
+                // SIM-4: with model ops, host code is refused, except what --offload runs on
+                // the host by design.
+                ops_only: sim.model_ops,
+                host_kernels_allowed: ["host update", "copy "].map(String::from).to_vec(),
             }));
             let model = Arc::clone(&job.model);
             let mut e = DeviceEngine::new(rank, dev, &worlds, model, ecfg.clone(), dopts)?;
@@ -129,6 +169,56 @@ pub fn train_on_sim(cfg: TrainConfig, opts: RunOptions, o: &SimTrainOptions) -> 
         );
     }
     Ok(summary)
+}
+
+/// Every rank's engine, rank `r` on GPU `r`, its gathers and reductions over NCCL (the ids
+/// through a store of this build: the ranks are threads of this process). The ranks join
+/// their communicators at once, each on its own thread, as NCCL's rendezvous needs.
+#[cfg(feature = "cuda")]
+fn cuda_engines(
+    world: usize,
+    worlds: &DeviceWorlds,
+    (job, ecfg, dopts): (&Job, &EngineConfig, DeviceOptions),
+    capacity: Option<u64>,
+) -> Result<Vec<DeviceEngine>> {
+    use shardline_models::cuda::CudaDevice;
+    let gpus = crate::engine::cuda_devices()?;
+    if world > gpus {
+        return Err(RuntimeError::config(format!(
+            "--device cuda --model-ops runs one rank per GPU: --world {world} with {gpus} visible"
+        )));
+    }
+    let store: Arc<dyn shardline_collectives::store::Store> =
+        Arc::new(shardline_collectives::store::MemStore::new());
+    let timeout = Duration::from_secs(job.cfg.timeout_s.max(1));
+    let one = |rank: usize| -> Result<DeviceEngine> {
+        let dev = Arc::new(CudaDevice::open(rank, capacity)?);
+        let store = Arc::clone(&store);
+        let comms =
+            super::run::nccl_comms(Arc::clone(&dev), rank, world, store, timeout, ecfg.sync_bn)?;
+        let model = Arc::clone(&job.model);
+        DeviceEngine::new(rank, dev, worlds, model, ecfg.clone(), dopts)?.with_comms(comms)
+    };
+    std::thread::scope(|s| {
+        let joins: Vec<_> = (0..world).map(|rank| s.spawn(move || one(rank))).collect();
+        joins
+            .into_iter()
+            .map(|j| {
+                j.join().unwrap_or_else(|_| Err(RuntimeError::Failed("a rank panicked".into())))
+            })
+            .collect()
+    })
+}
+
+/// Without the `cuda` feature there is no GPU device.
+#[cfg(not(feature = "cuda"))]
+fn cuda_engines(
+    _: usize,
+    _: &DeviceWorlds,
+    _: (&Job, &EngineConfig, DeviceOptions),
+    _: Option<u64>,
+) -> Result<Vec<DeviceEngine>> {
+    Err(RuntimeError::DeviceUnavailable("a build without the `cuda` feature".into()))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -62,13 +62,10 @@ impl DeviceEngine {
         }
         match (act, fp) {
             (Some(out), Some(fp)) => self.score(out, y, global_n, &sums, &fp.loss)?,
-            _ => self.dev.launch(
-                c,
-                "evaluation (empty)",
-                &[],
-                &[&sums],
-                Box::new(|_, w| w[0].fill(0.0)),
-            )?,
+            _ => {
+                let zero = shardline_models::ops::Op::Fill { value: 0.0 };
+                self.dev.launch_op(c, zero.arc(), &[], &[&sums])?
+            }
         }
         // The sums over the group, on the reduce stream after the scores.
         let (r, e) = (self.streams.reduce, self.dev.record(c));
@@ -90,6 +87,17 @@ impl DeviceEngine {
         figures: &super::Figures,
     ) -> Result<()> {
         let c = self.streams.compute;
+        if self.model_ops {
+            // LOWDEV-1: a device that runs no host code scores on the host, from the logits
+            // downloaded (one wait per evaluation forward, as the sums already cost).
+            let logits = self.dev.download(c, &out.buf)?.wait(&*self.dev)?;
+            let t = activations::values(y)?;
+            let views = ((&logits[..], &out.shape[..], out.dtype), (&t[..], y.shape(), y.dtype()));
+            let mut scores = [0.0f32; 3];
+            kernels::eval_loss(&*self.model, self.rank, views, global_n, &mut scores)?;
+            self.dev.upload(c, &scores, sums)?;
+            return self.mem.free(c, out.buf);
+        }
         let targets = self.mem.alloc(Category::Activations, y.numel(), "evaluation targets")?;
         self.dev.upload(c, &activations::values(y)?, &targets)?;
         let (y_shape, y_dtype) = (y.shape().to_vec(), y.dtype());

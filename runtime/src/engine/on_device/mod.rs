@@ -28,7 +28,7 @@
 //! (`memory`, DMEM-1): the summary's breakdown is of device memory.
 //!
 //! The engine is a [`crate::engine::Driven`]: `train --device sim` runs it under the one
-//! training loop ([`train_on_sim`]), with checkpoints in the host engine's format (`state`),
+//! training loop ([`train_on_devices`]), with checkpoints in the host engine's format (`state`),
 //! evaluation (`eval`), `--resume`, logs and the summary.
 //!
 //! Invariants:
@@ -51,6 +51,7 @@ mod eval;
 mod io;
 mod kernel_memory;
 mod kernels;
+mod lowered;
 mod memory;
 mod offload;
 mod reduce;
@@ -60,9 +61,10 @@ mod stats;
 mod step;
 mod timeline;
 
-pub use cli::{train_on_sim, SimTrainOptions};
+pub use cli::{train_on_devices, DeviceTrainOptions};
 pub use offload::Offload;
 pub use run::{run_on_devices, run_on_devices_with, DeviceKind, DeviceRun, FaultSpec};
+
 pub use timeline::{chrome_trace, overlap, Overlap};
 
 use std::collections::HashMap;
@@ -121,6 +123,10 @@ pub struct DeviceOptions {
     /// Gathers and reductions share one stream and one communicator, as a single NCCL
     /// process group does (the default gives each its own).
     pub one_comm: bool,
+    /// The model's calls and loss run as device ops, lowered from its modules (`lowered`,
+    /// LOWDEV-1), not as host code: what a device that runs no host code needs. A model
+    /// that does not lower is refused, naming the module.
+    pub model_ops: bool,
 }
 
 /// The streams of a rank's device.
@@ -214,6 +220,17 @@ fn kernel_error(rank: usize, what: &str, e: impl std::fmt::Display) -> DeviceErr
     DeviceError::Failed(format!("rank {rank}: {what}: {e}"))
 }
 
+/// A rank's communicators on its device: the gathers', the reductions' and SyncBatchNorm's
+/// statistics'.
+pub struct Comms {
+    /// The gather stream's communicator.
+    pub gather: Box<dyn DeviceComm>,
+    /// The reduce stream's communicator.
+    pub reduce: Box<dyn DeviceComm>,
+    /// The statistics' (model ops with SyncBatchNorm over several ranks).
+    pub stats: Option<Box<dyn DeviceComm>>,
+}
+
 /// One rank's engine on a device.
 pub struct DeviceEngine {
     rank: usize,
@@ -271,6 +288,13 @@ pub struct DeviceEngine {
     overlap_total: Arc<Mutex<Overlap>>,
     step: u64,
     bug: InjectedBug,
+    /// The model's calls and loss run as device ops ([`DeviceOptions::model_ops`]).
+    model_ops: bool,
+    /// SyncBatchNorm's statistics as collectives of lowered calls (with model ops, where
+    /// the job syncs over several ranks).
+    stats_comm: Option<Mutex<Box<dyn DeviceComm>>>,
+    /// The lowered calls, per call, input shape and mode.
+    programs: HashMap<(usize, Vec<usize>, bool), Arc<shardline_models::lower::Program>>,
 }
 
 impl DeviceEngine {
@@ -363,6 +387,10 @@ impl DeviceEngine {
         let sizes = layout.units().iter().map(|l| l.padded_numel() as u64 * 4).collect();
         let plan = GatherPlan::new(sizes, cfg.prefetch_budget_bytes, cfg.prefetch);
         let backend: Arc<dyn Backend> = Arc::from(open_backend(cfg.device, cfg.threads)?);
+        let stats_comm = (opts.model_ops && cfg.sync_bn && world > 1).then(|| {
+            let c = SimComm::new(rank, Arc::clone(&worlds.stats), Arc::clone(&dev));
+            Mutex::new(Box::new(c) as Box<dyn DeviceComm>)
+        });
         Ok(DeviceEngine {
             rank,
             world,
@@ -408,11 +436,33 @@ impl DeviceEngine {
             dev,
             step: 0,
             bug,
+            model_ops: opts.model_ops,
+            stats_comm,
+            programs: HashMap::new(),
             stop_requested: false,
             worlds: worlds.clone(),
             trace_sink: None,
             overlap_total: Arc::default(),
         })
+    }
+
+    /// The engine with its gathers and reductions over `comms` (NCCL on a GPU) instead of
+    /// the simulated communicators of its worlds; refused with [`DeviceOptions::one_comm`],
+    /// whose single communicator is the worlds'. Call it before the first step.
+    pub fn with_comms(mut self, comms: Comms) -> Result<Self> {
+        if self.streams.gather == self.streams.reduce {
+            return Err(RuntimeError::config("one communicator (--sim-one-comm) with own comms"));
+        }
+        (self.gather_comm, self.reduce_comm) = (comms.gather, comms.reduce);
+        if self.stats_comm.is_some() {
+            let stats = comms.stats.ok_or_else(|| {
+                RuntimeError::config(
+                    "SyncBatchNorm over several ranks needs a statistics communicator",
+                )
+            })?;
+            self.stats_comm = Some(Mutex::new(stats));
+        }
+        Ok(self)
     }
 
     /// This rank.

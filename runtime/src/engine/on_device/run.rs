@@ -4,7 +4,7 @@
 //! (memory by category, timelines), which the training loop does not report. The job's plan
 //! (data, model, stage, optimizer) is the host engine's ([`crate::train::plan`]), and each
 //! rank reads the same batches as there. `train --device sim` runs the engine under the
-//! training loop instead ([`super::train_on_sim`]): checkpoints, evaluation, logs.
+//! training loop instead ([`super::train_on_devices`]): checkpoints, evaluation, logs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -16,6 +16,7 @@ use shardline_collectives::device::{
 use shardline_models::{DistributedSampler, RankBatches};
 
 use super::{DeviceEngine, DeviceOptions, DeviceStepStats, DeviceWorlds};
+
 use crate::error::{Result, RuntimeError};
 use crate::train::{self, TrainConfig};
 
@@ -28,6 +29,11 @@ pub enum DeviceKind {
     Sim(SimOptions),
     /// Simulated accelerators, one rank's made to fail ([`FailingDevice`]).
     Failing(FaultSpec),
+    /// Rank `r` on GPU `r` (a [`shardline_models::cuda::CudaDevice`]), its gathers and
+    /// reductions over NCCL (each its own communicator, the ids through an in-process
+    /// store). The device refuses host code: run it with [`DeviceOptions::model_ops`].
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 /// Which rank's device fails, and where: a fault-injection job.
@@ -99,8 +105,13 @@ pub fn run_on_devices_with(
         .map_err(RuntimeError::from_model)?;
     let data = Arc::new(plan.train);
     let (tx, rx) = mpsc::channel();
+    #[cfg(feature = "cuda")]
+    let store: Arc<dyn shardline_collectives::store::Store> =
+        Arc::new(shardline_collectives::store::MemStore::new());
     for rank in 0..world {
         let mut counted = None;
+        #[cfg(feature = "cuda")]
+        let mut cuda = None;
         let dev: Arc<dyn Device> = match &kind {
             DeviceKind::Cpu => Arc::new(CpuDevice::new()),
             DeviceKind::Sim(o) => sim(o, rank, timeout),
@@ -110,14 +121,28 @@ pub fn run_on_devices_with(
                 d
             }
             DeviceKind::Failing(f) => sim(&f.sim, rank, timeout),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => {
+                let d = Arc::new(shardline_models::cuda::CudaDevice::open(rank, None)?);
+                cuda = Some(Arc::clone(&d));
+                d
+            }
         };
+        #[cfg(feature = "cuda")]
+        let store = Arc::clone(&store);
         let (worlds, model, ecfg) = (worlds.clone(), Arc::clone(&plan.model), plan.engine.clone());
         let (data, sampler, tx) = (Arc::clone(&data), sampler.clone(), tx.clone());
         let (total, per_epoch) = (plan.total_steps, plan.steps_per_epoch);
         let on_step = Arc::clone(&on_step);
         std::thread::spawn(move || {
             let r = (|| {
+                #[cfg(feature = "cuda")]
+                let sync_bn = ecfg.sync_bn;
                 let mut eng = DeviceEngine::new(rank, dev, &worlds, model, ecfg, opts)?;
+                #[cfg(feature = "cuda")]
+                if let Some(d) = cuda {
+                    eng = eng.with_comms(nccl_comms(d, rank, world, store, timeout, sync_bn)?)?;
+                }
                 let mut batches = RankBatches::default();
                 let mut steps = Vec::new();
                 let (mut most, mut timeline) = (0, Vec::new());
@@ -192,4 +217,25 @@ pub fn run_on_devices_with(
     run.peak_device_bytes = peak;
     run.timelines = timelines;
     Ok(run)
+}
+
+/// Rank `rank`'s NCCL communicators on `dev`: one for the gathers, one for the reductions,
+/// and with SyncBatchNorm over several ranks one for the statistics.
+#[cfg(feature = "cuda")]
+pub(super) fn nccl_comms(
+    dev: Arc<shardline_models::cuda::CudaDevice>,
+    rank: usize,
+    world: usize,
+    store: Arc<dyn shardline_collectives::store::Store>,
+    timeout: Duration,
+    sync_bn: bool,
+) -> Result<super::Comms> {
+    use shardline_collectives::device::DeviceComm;
+    use shardline_models::cuda::NcclComm;
+    let comm = |key: &str| -> Result<Box<dyn DeviceComm>> {
+        let c = NcclComm::new(Arc::clone(&dev), rank, world, Arc::clone(&store), key, timeout)?;
+        Ok(Box::new(c))
+    };
+    let stats = (sync_bn && world > 1).then(|| comm("stats")).transpose()?;
+    Ok(super::Comms { gather: comm("gather")?, reduce: comm("reduce")?, stats })
 }

@@ -11,7 +11,7 @@ use shardline_collectives::device::DeviceBuffer;
 use shardline_models::Tensor;
 
 use super::activations::{self, Act};
-use super::kernel_memory::Footprint;
+use super::kernel_memory::{Figures, Footprint};
 use super::memory::Reserved;
 use super::offload::Offload;
 use super::reduce::StepIo;
@@ -73,8 +73,14 @@ impl DeviceStep<'_> {
         let buf = e.mem.alloc(Category::Activations, xk.numel(), &label)?;
         e.dev.upload(e.streams.compute, &activations::values(&xk)?, &buf)?;
         self.act = Some(Act { buf, shape: xk.shape().to_vec(), dtype: xk.dtype() });
-        let fp = e.footprint(xk.batch(), &yk, &ctx)?;
         let nc = e.calls.len();
+        // KMEM-1 probes the host kernels; ops allocate what they make (LOWDEV-1).
+        let fp = if e.model_ops {
+            let none = vec![Figures::default(); nc];
+            Footprint { forward: none.clone(), backward: none, loss: Figures::default() }
+        } else {
+            e.footprint(xk.batch(), &yk, &ctx)?
+        };
         self.saved = (0..nc).map(|_| Slot::new(None)).collect();
         self.held.clear();
         self.targets = Some(yk);
