@@ -2,8 +2,9 @@
 # nanoGPT training step, one thread per rank, side by side in one run: torch single process and
 # torch FSDP2 at world 2 (../shared/peers/torch_gpt_train.py), `shardline train --model gpt` at
 # world 1 stage 0 and world 2 stage 3, and the GEMM-bound limit of the step measured in the
-# same run (`gpt_step --limit`: the step's matmul FLOPs at `gemm_gflops`' rate). Same model
-# (4 layers, 4 heads, embd 256, block 128, vocab 256), global batch 16, AdamW.
+# same run (`gpt_step --limit`: the step's matmul FLOPs at `gemm_gflops`' rate, measured before
+# and after the runs, the faster of the two). Same model (4 layers, 4 heads, embd 256, block
+# 128, vocab 256), global batch 16, AdamW.
 #
 # Waits (polling every 30 s, at most WAIT_S seconds) until the 1-minute load is below
 # MAX_LOAD, and records the load at start and end. Not part of `.ci/run`.
@@ -33,6 +34,9 @@ while awk -v l="$(load1)" -v m="$MAX_LOAD" 'BEGIN { exit !(l >= m) }' && [ "$wai
 done
 load_start=$(cat /proc/loadavg)
 date -u +%Y-%m-%dT%H:%M:%SZ > "$OUT/date"
+# The limit is measured before and after the runs; the faster rate of the two counts.
+$G --limit 16 > "$OUT/limit-b16-before.json"
+$G --limit 8 > "$OUT/limit-b8-before.json"
 
 python3 "$PEERS/torch_gpt_train.py" --variants single,fsdp2 --worlds 2 --threads 1 --layers 4 \
     --heads 4 --embd 256 --block 128 --vocab 256 --batch 16 --warmup "$WARMUP" --steps "$STEPS" \
@@ -63,7 +67,8 @@ for name, (w, s), peer, batch in [('world 1, stage 0', (1, 0), ('single', 1), 16
                                   ('world 2, stage 3', (2, 3), ('fsdp2', 2), 8)]:
     med, lo, hi = ours(w, s)
     tm = torch[peer]['step_ms_median']
-    lim = json.load(open(f'{out}/limit-b{batch}.json'))
+    lim = min((json.load(open(f'{out}/limit-b{batch}{when}.json')) for when in ('-before', '')),
+              key=lambda l: l['bound_ms'])
     rows.append({'ours': name, 'torch': f'{peer[0]} world {peer[1]}', 'ours_step_ms_median': med,
                  'ours_step_ms_min': lo, 'ours_step_ms_max': hi, 'torch_step_ms_median': tm,
                  'ratio_ours_over_torch': med / tm, 'ours_tokens_per_s': tokens / med * 1e3,
