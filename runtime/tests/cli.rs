@@ -81,6 +81,8 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
             &["--model", "gpt", "--dataset", "text", "--n-embd", "30", "--n-head", "4"],
             "--n-embd 30 is not divisible by --n-head 4",
         ),
+        // Without --dataset, gpt trains on the bundled text: the next error is gpt's own.
+        (&["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible"),
         (
             &["--model", "mlp-bn", "--width", "8"],
             "--width applies to --model resnet-bn, not 'mlp-bn'",
@@ -101,6 +103,33 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
     assert!(o.stderr.contains("--hidden must be at least 1"), "{}", o.stderr);
     let o = shardline(&["checkpoint", "inspect"]);
     assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
+}
+
+/// `--dataset` defaults to the bundled text for gpt (also when a `--config` file names the
+/// model) and to digits otherwise.
+#[test]
+fn the_default_dataset_follows_the_model() {
+    let gpt = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16"];
+    let run = |args: &[&str]| {
+        let o = shardline(args);
+        assert_eq!(o.code, Some(0), "{args:?}: {}", o.stderr);
+        o.stdout
+    };
+    let flags = [&["train", "--model", "gpt", "--steps", "1", "--no-progress"][..], &gpt].concat();
+    assert!(run(&flags).contains("gpt (") && run(&flags).contains(" on text ("));
+    let dir = std::env::temp_dir().join(format!("shardline-cli-dataset-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toml = dir.join("gpt.toml");
+    std::fs::write(
+        &toml,
+        "[model]\nname = \"gpt\"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n",
+    )
+    .unwrap();
+    let out = run(&["train", "--config", toml.to_str().unwrap(), "--steps", "1", "--no-progress"]);
+    assert!(out.contains(" on text ("), "{out}");
+    let out = run(&["train", "--hidden", "8", "--steps", "1", "--no-progress"]);
+    assert!(out.contains("mlp-bn (") && out.contains(" on digits ("), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Without the `cuda` feature, `--device cuda` is refused before anything starts.

@@ -211,8 +211,9 @@ pub(crate) struct TrainArgs {
     /// bytes) or text:PATH (a file or folder of bytes, the last 10% held out; or a nanoGPT
     /// uint16 .bin token file, training only). Without t10k files, csv and npy data hold out a stratified 20%
     /// (seed 1234) for testing; classes are the largest label + 1.
-    #[arg(long, default_value = "digits")]
-    pub(crate) dataset: String,
+    /// [default: text for --model gpt, else digits]
+    #[arg(long)]
+    pub(crate) dataset: Option<String>,
     /// Divide the values of csv:PATH and npy:X,Y data by this (e.g. 255 for pixel bytes);
     /// IDX pixels are always divided by 255 [default: values as they are].
     #[arg(long)]
@@ -554,6 +555,16 @@ pub(crate) fn parse_scaled(s: &str, base: u64) -> Result<u64, String> {
     Ok((n * m as f64) as u64)
 }
 
+/// The data set when `--dataset` is not given: the bundled text for `gpt`, a language model,
+/// the bundled digits for the image classifiers.
+pub(crate) fn default_dataset(model: Option<&str>) -> &'static str {
+    if model == Some("gpt") {
+        "text"
+    } else {
+        "digits"
+    }
+}
+
 pub(crate) fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
     let stage = match a.stage.as_str() {
         "auto" => StageChoice::Auto,
@@ -567,7 +578,7 @@ pub(crate) fn to_config(a: &TrainArgs) -> Result<TrainConfig, String> {
         world: a.world,
         stage,
         model: a.model.clone().unwrap_or_else(|| "mlp-bn".into()),
-        dataset: a.dataset.clone(),
+        dataset: a.dataset.clone().unwrap_or_else(|| default_dataset(a.model.as_deref()).into()),
         data_scale: a.data_scale,
         epochs: a.epochs,
         steps: a.steps,

@@ -217,6 +217,9 @@ pub(crate) fn train(a: TrainArgs) -> i32 {
             let f = shardline_runtime::config_file::ConfigFile::load(path)
                 .map_err(|e| e.to_string())?;
             f.model.apply(a.model.as_deref(), &mut c);
+            if a.dataset.is_none() {
+                c.dataset = default_dataset(Some(&c.model)).into();
+            }
         }
         Ok(c)
     }) {
