@@ -27,6 +27,7 @@ use std::cell::RefCell;
 use num_traits::Float;
 
 use super::products::Form;
+use super::transpose::Transpose;
 use crate::backend::GemmShape;
 use crate::meter::{self, Scratch, Use};
 
@@ -137,7 +138,7 @@ impl Gemm for f64 {
 }
 
 /// [`Gemm::gemm_view`] for a float type the `gemm` crate handles, with that type's scratch.
-fn product_view<T: Float + Default + 'static>(
+fn product_view<T: Transpose + Default + 'static>(
     (m, n, k): (usize, usize, usize),
     (a, va): (&[T], View),
     (b, vb): (&[T], View),
@@ -169,12 +170,8 @@ fn product_view<T: Float + Default + 'static>(
     // `k x n` values, one key or value block.
     let (b, vb) = if transposed_b {
         let copy = scratch.get(k * n);
-        // Row `p` of the copy is column `p` of the stored rows: written contiguously, read
-        // with a stride (the block stays in L1), without per-element bounds checks.
-        for (p, row) in copy.chunks_exact_mut(n).enumerate() {
-            let col = b[vb.off + p..].iter().step_by(vb.cs);
-            row.iter_mut().zip(col).for_each(|(x, &v)| *x = v);
-        }
+        // The stored rows (`n` of `k` values, `cs` apart) transposed into `k x n`.
+        T::transpose(&b[vb.off..], vb.cs, (n, k), copy, n, false);
         (&*copy, View::rows(0, n))
     } else {
         (b, vb)
@@ -223,30 +220,17 @@ pub(crate) fn gemm_f32(
     SCRATCH_F32.with(|s| product(shape, a, b, c, accumulate, par, &mut s.borrow_mut()));
 }
 
-/// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one, in
-/// 32 x 32 tiles so that both sides stay in cache.
-fn transpose_into<T: Float>(t: &[T], m: usize, n: usize, c: &mut [T], accumulate: bool) {
-    const B: usize = 32;
-    for i0 in (0..m).step_by(B) {
-        for j0 in (0..n).step_by(B) {
-            for i in i0..(i0 + B).min(m) {
-                let row = &mut c[i * n + j0..i * n + (j0 + B).min(n)];
-                let col = t[j0 * m + i..].iter().step_by(m);
-                if accumulate {
-                    row.iter_mut().zip(col).for_each(|(x, &v)| *x = *x + v);
-                } else {
-                    row.iter_mut().zip(col).for_each(|(x, &v)| *x = v);
-                }
-            }
-        }
-    }
+/// `c[i * n + j] (+)= t[j * m + i]`: a column-major `m x n` matrix into a row-major one
+/// (TRANS-1).
+fn transpose_into<T: Transpose>(t: &[T], m: usize, n: usize, c: &mut [T], accumulate: bool) {
+    T::transpose(t, m, (n, m), c, n, accumulate);
 }
 
 /// Multiply-adds from which an `a b^T` product copies `b` transposed rather than `c`.
 const COPY_B_MIN: usize = 64 * 64 * 64;
 
 /// [`Gemm::gemm`] for a float type the `gemm` crate handles, with that type's scratch.
-fn product<T: Float + Default + 'static>(
+fn product<T: Transpose + Default + 'static>(
     shape: GemmShape,
     a: &[T],
     b: &[T],

@@ -53,6 +53,7 @@ pub(crate) mod gradcheck;
 pub mod linear;
 pub mod norm;
 pub mod products;
+pub mod transpose;
 
 pub use activation::{Activation, Erf};
 pub use cross_entropy::{cross_entropy_backward, cross_entropy_forward, CrossEntropySaved};
@@ -62,6 +63,7 @@ pub use gemm::Gemm;
 pub use gpt::{GptConfig, GptSaved};
 pub use linear::Linear;
 pub use norm::{LayerNorm, LayerNormSaved, RmsNorm, RmsNormSaved};
+pub use transpose::Transpose;
 
 use num_traits::Float;
 
