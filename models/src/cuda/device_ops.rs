@@ -276,6 +276,22 @@ pub(super) fn uses_blas(op: &Op) -> bool {
 }
 
 impl CudaDevice {
+    /// Zeros the first `len` values of `c` on `cs`: the result of a product over an empty
+    /// inner dimension.
+    pub(super) fn zero_fill(
+        &self,
+        what: &str,
+        cs: &CudaStream,
+        c: &mut CudaViewMut<'_, f32>,
+        len: usize,
+    ) -> Result<()> {
+        let (len, zero) = (u64_of(len), 0.0f32);
+        if len == 0 {
+            return Ok(());
+        }
+        kernel!(self, format!("{what}: zero"), cs, &self.k.fill, elems(len), &mut *c, &zero, &len)
+    }
+
     /// Row-major `c = op(a) op(b)` (`+=` when `accumulate`) through cuBLAS, whose handle is
     /// bound to the op's stream ([`gemm_config`], as `Cuda::gemm_dev`).
     #[allow(clippy::too_many_arguments)]
@@ -297,17 +313,7 @@ impl CudaDevice {
         if k == 0 {
             // An empty sum: zero, or nothing to add.
             if !accumulate {
-                let (len, zero) = (u64_of(m * n), 0.0f32);
-                kernel!(
-                    self,
-                    format!("{what}: zero"),
-                    cs,
-                    &self.k.fill,
-                    elems(len),
-                    &mut *c,
-                    &zero,
-                    &len
-                )?;
+                self.zero_fill(what, cs, c, m * n)?;
             }
             return Ok(());
         }

@@ -23,7 +23,8 @@ const TILE: usize = 64;
 /// A float type with a transposed copy: `f32` (AVX2 where the CPU has it) and `f64`.
 pub trait Transpose: Float {
     /// The `rows x cols` block of `src` (row stride `ss`) transposed into the `cols x rows`
-    /// block of `dst` (row stride `ds`), written or added (TRANS-1).
+    /// block of `dst` (row stride `ds`), written or added (TRANS-1). The scalar loop unless
+    /// the type has a faster route.
     fn transpose(
         src: &[Self],
         ss: usize,
@@ -31,7 +32,10 @@ pub trait Transpose: Float {
         dst: &mut [Self],
         ds: usize,
         accumulate: bool,
-    );
+    ) {
+        check(src, ss, shape, dst, ds);
+        scalar(src, ss, shape, dst, ds, accumulate);
+    }
 }
 
 /// Panics unless both blocks lie inside their slices (TRANS-1).
@@ -68,19 +72,7 @@ fn scalar<T: Float>(
     }
 }
 
-impl Transpose for f64 {
-    fn transpose(
-        src: &[f64],
-        ss: usize,
-        shape: (usize, usize),
-        dst: &mut [f64],
-        ds: usize,
-        accumulate: bool,
-    ) {
-        check(src, ss, shape, dst, ds);
-        scalar(src, ss, shape, dst, ds, accumulate);
-    }
-}
+impl Transpose for f64 {}
 
 impl Transpose for f32 {
     fn transpose(

@@ -155,19 +155,9 @@ impl CudaDevice {
         }
         if k == 0 {
             // Empty sums: zeros, or nothing to add.
-            let len = u64_of(c.len());
-            if !accumulate && len > 0 {
-                let zero = 0.0f32;
-                kernel!(
-                    self,
-                    format!("{what}: zero"),
-                    cs,
-                    &self.k.fill,
-                    elems(len),
-                    &mut *c,
-                    &zero,
-                    &len
-                )?;
+            if !accumulate {
+                let len = c.len();
+                self.zero_fill(what, cs, c, len)?;
             }
             return Ok(());
         }
