@@ -116,7 +116,8 @@ fn the_default_dataset_follows_the_model() {
         o.stdout
     };
     let flags = [&["train", "--model", "gpt", "--steps", "1", "--no-progress"][..], &gpt].concat();
-    assert!(run(&flags).contains("gpt (") && run(&flags).contains(" on text ("));
+    let out = run(&flags);
+    assert!(out.contains("gpt (") && out.contains(" on text ("), "{out}");
     let dir = std::env::temp_dir().join(format!("shardline-cli-dataset-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let toml = dir.join("gpt.toml");
