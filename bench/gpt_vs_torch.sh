@@ -3,7 +3,8 @@
 # torch FSDP2 at world 2 (../shared/peers/torch_gpt_train.py), `shardline train --model gpt` at
 # world 1 stage 0 and world 2 stage 3, and the GEMM-bound limit of the step measured in the
 # same run (`gpt_step --limit`: the step's matmul FLOPs at `gemm_gflops`' rate, measured before
-# and after the runs, the faster of the two). Same model (4 layers, 4 heads, embd 256, block
+# and after the runs, the faster of the two), and the same FLOPs at the core's measured FMA peak
+# (a loop of independent vector FMAs; nothing runs faster). Same model (4 layers, 4 heads, embd 256, block
 # 128, vocab 256), global batch 16, AdamW.
 #
 # Waits (polling every 30 s, at most WAIT_S seconds) until the 1-minute load is below
@@ -67,8 +68,8 @@ for name, (w, s), peer, batch in [('world 1, stage 0', (1, 0), ('single', 1), 16
                                   ('world 2, stage 3', (2, 3), ('fsdp2', 2), 8)]:
     med, lo, hi = ours(w, s)
     tm = torch[peer]['step_ms_median']
-    lim = min((json.load(open(f'{out}/limit-b{batch}{when}.json')) for when in ('-before', '')),
-              key=lambda l: l['bound_ms'])
+    lims = [json.load(open(f'{out}/limit-b{batch}{when}.json')) for when in ('-before', '')]
+    lim = min(lims, key=lambda l: l['bound_ms'])
     rows.append({'ours': name, 'torch': f'{peer[0]} world {peer[1]}', 'ours_step_ms_median': med,
                  'ours_step_ms_min': lo, 'ours_step_ms_max': hi, 'torch_step_ms_median': tm,
                  'ratio_ours_over_torch': med / tm, 'ours_tokens_per_s': tokens / med * 1e3,
@@ -76,17 +77,22 @@ for name, (w, s), peer, batch in [('world 1, stage 0', (1, 0), ('single', 1), 16
                  'gemm_bound_ms': lim['bound_ms'], 'gemm_gflops': lim['gemm_gflops'],
                  'matmul_gflop_per_rank': lim['matmul_gflop'],
                  'ours_fraction_of_gemm_bound': lim['bound_ms'] / med,
+                 'fma_peak_gflops': max(l['fma_peak_gflops'] for l in lims),
+                 'fma_peak_bound_ms': min(l['peak_bound_ms'] for l in lims),
+                 'ours_fraction_of_fma_peak': min(l['peak_bound_ms'] for l in lims) / med,
+                 'goal_step_ms': 0.5 * tm if w == 2 else tm,
                  'torch_fraction_of_gemm_bound': lim['bound_ms'] / tm})
 res = {'date': open(f'{out}/date').read().strip(), 'load_start': load_start,
        'load_end': load_end, 'warmup_steps_skipped': warmup, 'rows': rows}
 json.dump(res, open(f'{out}/gpt_vs_torch.json', 'w'), indent=1)
 print(f"load at start: {load_start}; at end: {load_end}")
-print('| ours | torch | ours ms (min-max) | torch ms | ours/torch | ours tokens/s | torch tokens/s | GEMM bound ms | ours / torch at % of bound |')
-print('|---|---|---|---|---|---|---|---|---|')
+print('| ours | torch | ours ms (min-max) | torch ms | ours/torch | ours tokens/s | torch tokens/s | GEMM bound ms | ours / torch at % of bound | FMA-peak bound ms | goal ms |')
+print('|---|---|---|---|---|---|---|---|---|---|---|')
 for r in rows:
     print(f"| {r['ours']} | {r['torch']} | {r['ours_step_ms_median']:.0f} ({r['ours_step_ms_min']:.0f}-{r['ours_step_ms_max']:.0f}) "
           f"| {r['torch_step_ms_median']:.0f} | {r['ratio_ours_over_torch']:.2f} | {r['ours_tokens_per_s']:.0f} "
           f"| {r['torch_tokens_per_s']:.0f} | {r['gemm_bound_ms']:.0f} ({r['gemm_gflops']:.0f} GFLOP/s) "
-          f"| {100 * r['ours_fraction_of_gemm_bound']:.1f}% / {100 * r['torch_fraction_of_gemm_bound']:.1f}% |")
+          f"| {100 * r['ours_fraction_of_gemm_bound']:.1f}% / {100 * r['torch_fraction_of_gemm_bound']:.1f}% "
+          f"| {r['fma_peak_bound_ms']:.0f} ({r['fma_peak_gflops']:.0f} GFLOP/s) | {r['goal_step_ms']:.0f} |")
 print(f"JSON: {out}/gpt_vs_torch.json")
 EOF

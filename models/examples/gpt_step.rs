@@ -4,7 +4,8 @@
 //! `cargo run --release -p shardline-models --example gpt_step -- [runs]`
 //!
 //! `-- --limit BATCH` prints only the GEMM-bound limit of a step over `BATCH` sequences (one
-//! JSON line: matmul GFLOP, `gemm_gflops`, the bound in ms), for `bench/gpt_vs_torch.sh`.
+//! JSON line: matmul GFLOP, `gemm_gflops`, the bound in ms, and the core's measured FMA peak with
+//! the bound at that peak), for `bench/gpt_vs_torch.sh`.
 //!
 //! Configuration: vocab 256, block 128, 4 layers, 4 heads, embd 256, biases, batch 16
 //! sequences of 128 tokens. The limit is the step's matrix-multiply FLOPs (every linear
@@ -155,6 +156,86 @@ fn limit_gflops(
     Ok((gm, gn, gk, gemm_gflops(&Cpu::new(), gm, gn, gk, 40)?))
 }
 
+/// The core's peak single-precision FMA rate in GFLOP/s, measured: twelve independent vector
+/// accumulators (more than FMA latency times FMA ports on current x86 cores, so the loop is
+/// throughput-bound), the widest vector the CPU has, best of 5 timed runs. No product can run
+/// faster than this, so `matmul FLOPs / peak` bounds a step from below whatever its kernel.
+fn fma_peak_gflops() -> f64 {
+    const ITERS: usize = 20_000_000;
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            let (lanes, sink) = peak::run(ITERS);
+            let s = t.elapsed().as_secs_f64();
+            std::hint::black_box(sink);
+            (ITERS * 12 * lanes * 2) as f64 / s / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+mod peak {
+    /// Runs `iters` rounds of 12 independent FMAs; returns the vector width in lanes and a value
+    /// that depends on every accumulator (so nothing is optimised away).
+    pub fn run(iters: usize) -> (usize, f32) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F (checked just above).
+                return (16, unsafe { x86::avx512(iters) });
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX2 and FMA (checked just above).
+                return (8, unsafe { x86::avx2(iters) });
+            }
+        }
+        (1, scalar(iters))
+    }
+
+    fn scalar(iters: usize) -> f32 {
+        let mut acc = [0.0f32; 12];
+        for _ in 0..iters {
+            for a in &mut acc {
+                *a = std::hint::black_box(*a).mul_add(0.999_999, 1e-7);
+            }
+        }
+        acc.iter().sum()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn avx2(iters: usize) -> f32 {
+            let (m, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+            let mut acc = [_mm256_setzero_ps(); 12];
+            for _ in 0..iters {
+                for a in &mut acc {
+                    *a = _mm256_fmadd_ps(*a, m, c);
+                }
+            }
+            let mut out = [0.0f32; 8];
+            let sum = acc.iter().fold(_mm256_setzero_ps(), |s, &a| _mm256_add_ps(s, a));
+            // SAFETY: `out` holds the 8 floats the unaligned store writes.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sum) };
+            out.iter().sum()
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn avx512(iters: usize) -> f32 {
+            let (m, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+            let mut acc = [_mm512_setzero_ps(); 12];
+            for _ in 0..iters {
+                for a in &mut acc {
+                    *a = _mm512_fmadd_ps(*a, m, c);
+                }
+            }
+            let sum = acc.iter().fold(_mm512_setzero_ps(), |s, &a| _mm512_add_ps(s, a));
+            _mm512_reduce_add_ps(sum)
+        }
+    }
+}
+
 fn main() -> Result<(), shardline_models::ModelError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let cfg = GptConfig {
@@ -171,10 +252,12 @@ fn main() -> Result<(), shardline_models::ModelError> {
         let batch: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(BATCH).max(1);
         let flops: f64 = shapes(&cfg, batch).iter().map(Shape::flops).sum();
         let (.., gflops) = limit_gflops(&cfg, BATCH * SEQ)?;
+        let peak = fma_peak_gflops();
         println!(
-            "{{\"batch\": {batch}, \"seq\": {SEQ}, \"matmul_gflop\": {:.6}, \"gemm_gflops\": {gflops:.3}, \"bound_ms\": {:.3}}}",
+            "{{\"batch\": {batch}, \"seq\": {SEQ}, \"matmul_gflop\": {:.6}, \"gemm_gflops\": {gflops:.3}, \"bound_ms\": {:.3}, \"fma_peak_gflops\": {peak:.3}, \"peak_bound_ms\": {:.3}}}",
             flops / 1e9,
-            flops / (gflops * 1e9) * 1e3
+            flops / (gflops * 1e9) * 1e3,
+            flops / (peak * 1e9) * 1e3
         );
         return Ok(());
     }
