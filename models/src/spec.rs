@@ -55,4 +55,100 @@ impl ModelSpec {
     pub fn numel(&self) -> usize {
         self.units.iter().map(UnitSpec::numel).sum()
     }
+
+    /// The first way `other` differs from `self`, in words that say which is which (`self`
+    /// "here", `other` "there"), or `None` when they are equal: the name, the number of units,
+    /// then unit by unit its name, its parameters' and buffers' count, names and shapes.
+    pub fn first_difference(&self, other: &ModelSpec) -> Option<String> {
+        if self.name != other.name {
+            return Some(format!("model '{}' there, '{}' here", other.name, self.name));
+        }
+        if self.units.len() != other.units.len() {
+            return Some(format!("{} units there, {} here", other.units.len(), self.units.len()));
+        }
+        for (a, b) in self.units.iter().zip(&other.units) {
+            if a.name != b.name {
+                return Some(format!("unit '{}' there, '{}' here", b.name, a.name));
+            }
+            for (what, pa, pb) in
+                [("parameters", &a.params, &b.params), ("buffers", &a.buffers, &b.buffers)]
+            {
+                if pa.len() != pb.len() {
+                    return Some(format!(
+                        "unit '{}' has {} {what} there, {} here",
+                        a.name,
+                        pb.len(),
+                        pa.len()
+                    ));
+                }
+                for (x, y) in pa.iter().zip(pb) {
+                    if x.name != y.name {
+                        return Some(format!("'{}' there, '{}' here", y.name, x.name));
+                    }
+                    if x.shape != y.shape {
+                        return Some(format!(
+                            "'{}' is {:?} there, {:?} here",
+                            x.name, y.shape, x.shape
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelSpec {
+        let p = |name: &str, shape: &[usize]| ParamSpec { name: name.into(), shape: shape.into() };
+        ModelSpec {
+            name: "m".into(),
+            units: vec![
+                UnitSpec { name: "a".into(), params: vec![p("a.w", &[2, 3])], buffers: vec![] },
+                UnitSpec {
+                    name: "b".into(),
+                    params: vec![p("b.w", &[3, 4]), p("b.b", &[4])],
+                    buffers: vec![p("b.mean", &[4])],
+                },
+            ],
+        }
+    }
+
+    /// Every kind of difference is found and named, with the two sides the right way round.
+    #[test]
+    fn the_first_difference_is_named() {
+        let here = spec();
+        assert_eq!(here.first_difference(&here.clone()), None);
+        let there = |f: &dyn Fn(&mut ModelSpec)| {
+            let mut s = spec();
+            f(&mut s);
+            here.first_difference(&s).expect("a difference")
+        };
+        assert_eq!(there(&|s| s.name = "n".into()), "model 'n' there, 'm' here");
+        assert_eq!(
+            there(&|s| {
+                s.units.pop();
+            }),
+            "1 units there, 2 here"
+        );
+        assert_eq!(there(&|s| s.units[1].name = "c".into()), "unit 'c' there, 'b' here");
+        assert_eq!(
+            there(&|s| {
+                s.units[1].params.pop();
+            }),
+            "unit 'b' has 1 parameters there, 2 here"
+        );
+        assert_eq!(there(&|s| s.units[1].params[1].name = "b.x".into()), "'b.x' there, 'b.b' here");
+        assert_eq!(
+            there(&|s| s.units[1].params[0].shape = vec![3, 8]),
+            "'b.w' is [3, 8] there, [3, 4] here"
+        );
+        assert_eq!(
+            there(&|s| s.units[1].buffers[0].shape = vec![5]),
+            "'b.mean' is [5] there, [4] here"
+        );
+    }
 }

@@ -48,6 +48,9 @@ fn load_named(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
     if cfg.dataset == "text" || cfg.dataset.starts_with("text:") {
         let corpus = load_corpus(&cfg.dataset)?;
         let block = cfg.block_size.unwrap_or(GPT_DEFAULTS.3);
+        if block == 0 {
+            return Err(RuntimeError::config("--block-size must be at least 1"));
+        }
         corpus.check_block(block).map_err(|e| {
             RuntimeError::config(format!(
                 "--dataset {} with --block-size {block}: {e}",

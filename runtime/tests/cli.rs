@@ -83,6 +83,8 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
         ),
         // Without --dataset, gpt trains on the bundled text: the next error is gpt's own.
         (&["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible"),
+        // Checked before the text is cut into windows of block_size + 1 tokens.
+        (&["--model", "gpt", "--block-size", "0"], "--block-size must be at least 1"),
         (
             &["--model", "mlp-bn", "--width", "8"],
             "--width applies to --model resnet-bn, not 'mlp-bn'",
@@ -103,6 +105,39 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
     assert!(o.stderr.contains("--hidden must be at least 1"), "{}", o.stderr);
     let o = shardline(&["checkpoint", "inspect"]);
     assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
+}
+
+/// Paths that hold no checkpoint, no dump or no directory are the caller's mistake: exit 2
+/// naming the path (a checkpoint that fails verification is 1: see the corrupted-shard test).
+#[test]
+fn paths_of_the_wrong_kind_exit_2_naming_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).expect("mkdir");
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "not a dump\n").expect("write");
+    let (empty_s, file_s) = (empty.to_str().expect("utf-8"), file.to_str().expect("utf-8"));
+    let out = dir.path().join("x.safetensors");
+    let cases: &[(&[&str], &str)] = &[
+        (&["checkpoint", "inspect", empty_s], "no committed checkpoint here"),
+        (
+            &["checkpoint", "export", empty_s, "--out", out.to_str().expect("utf-8")],
+            "no committed checkpoint here",
+        ),
+        (&["doctor", file_s], "is not a shardline failure dump"),
+        (
+            &["train", "--checkpoint-dir", file_s, "--steps", "1", "--no-progress"],
+            "is a file, not a directory",
+        ),
+        (&["plan", "--model", "gpt", "--block-size", "0"], "--block-size must be at least 1"),
+    ];
+    for (args, needle) in cases {
+        let o = shardline(args);
+        assert_eq!(o.code, Some(2), "{args:?}: exit code; stderr: {}", o.stderr);
+        assert!(o.stderr.contains(needle), "{args:?}: stderr lacks '{needle}': {}", o.stderr);
+        let named = args.iter().any(|a| o.stderr.contains(a) && a.contains('/'));
+        assert!(named || !args.iter().any(|a| a.contains('/')), "{args:?}: {}", o.stderr);
+    }
 }
 
 /// `--dataset` defaults to the bundled text for gpt (also when a `--config` file names the

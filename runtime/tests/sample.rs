@@ -95,6 +95,46 @@ fn sample_continues_the_prompt_with_the_requested_bytes() {
     assert_eq!(o3.code, Some(0), "{}", o3.stderr);
 }
 
+/// A long generation prints each byte as it is drawn: the prompt and the first bytes arrive
+/// long before the last would be drawn (ten million at a forward pass each).
+#[test]
+fn a_long_generation_shows_its_bytes_as_they_are_drawn() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let tmp = tempfile::tempdir().unwrap();
+    train_tiny_gpt(tmp.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardline"))
+        .args(["sample", tmp.path().to_str().unwrap(), "--prompt", "The ", "--tokens", "10000000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start shardline");
+    let mut so = child.stdout.take().expect("stdout pipe");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok(n) = so.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut got = Vec::new();
+    while got.len() < "The ".len() + 20 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(b) => got.extend(b),
+            Err(_) => break,
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(got.starts_with(b"The "), "{got:?}");
+    assert!(got.len() >= 24, "only {} bytes within 60 s: {got:?}", got.len());
+}
+
 #[test]
 fn bad_input_exits_2_naming_it() {
     let tmp = tempfile::tempdir().unwrap();

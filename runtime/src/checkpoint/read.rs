@@ -200,12 +200,12 @@ impl Checkpoint {
 
     /// Refuses a checkpoint of another model (units, names, shapes).
     pub fn check_model(&self, spec: &ModelSpec) -> Result<()> {
-        if &self.manifest.model != spec {
+        if let Some(diff) = spec.first_difference(&self.manifest.model) {
             return Err(RuntimeError::checkpoint(
                 self.dir.join(MANIFEST),
                 format!(
-                    "holds model '{}' whose units, names or shapes differ from '{}'",
-                    self.manifest.model.name, spec.name
+                    "holds another model than this run builds ({diff}): the model's flags or \
+                     [model] table must be the ones it was written with"
                 ),
             ));
         }
@@ -458,6 +458,7 @@ mod tests {
         assert!(err.contains("manifest.json") && err.contains("beef"), "{err}");
         let mut other = spec();
         other.units[2].params[0].shape = vec![5, 2];
-        assert!(ck.check_model(&other).is_err());
+        let err = ck.check_model(&other).unwrap_err().to_string();
+        assert!(err.contains("manifest.json") && err.contains("[5, 2] here"), "{err}");
     }
 }

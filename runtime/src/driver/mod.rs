@@ -497,6 +497,12 @@ pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
     if opts.async_checkpoint && opts.checkpoint_dir.is_none() {
         return Err(RuntimeError::config("--async-checkpoint needs --checkpoint-dir"));
     }
+    if let Some(d) = opts.checkpoint_dir.as_deref().filter(|d| d.exists() && !d.is_dir()) {
+        return Err(RuntimeError::config(format!(
+            "--checkpoint-dir {} is a file, not a directory",
+            d.display()
+        )));
+    }
     Ok(())
 }
 

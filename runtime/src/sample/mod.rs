@@ -3,13 +3,15 @@
 //! `load` rebuilds the decoder a run trained from its checkpoint; `pick` draws the next token
 //! from a row of logits. Generation itself is nanoGPT's `generate`: the context is cropped to
 //! the last `block_size` tokens, the logits of its last position give the next token, which
-//! is appended, `tokens` times.
+//! is appended, `tokens` times. `utf8` shows the bytes as text while they arrive.
 
 mod load;
 mod pick;
+mod utf8;
 
 pub use load::{load_decoder, Decoder};
 pub use pick::Pick;
+pub use utf8::LossyUtf8;
 
 use shardline_models::rng::SplitMix64;
 
@@ -55,6 +57,22 @@ impl Decoder {
     /// The `opts.tokens` bytes that follow `prompt` (an empty prompt starts from
     /// [`EMPTY_PROMPT_CONTEXT`]). Byte-level decoders only (vocabulary of 256).
     pub fn generate(&self, prompt: &[u8], opts: &SampleOptions) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(opts.tokens);
+        self.generate_each(prompt, opts, |b| {
+            out.push(b);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// As [`Decoder::generate`], handing each byte to `each` as soon as it is drawn, so that a
+    /// long generation shows its progress; an error from `each` stops it.
+    pub fn generate_each(
+        &self,
+        prompt: &[u8],
+        opts: &SampleOptions,
+        mut each: impl FnMut(u8) -> Result<()>,
+    ) -> Result<()> {
         opts.validate()?;
         let g = &self.config;
         if g.vocab_size != BYTE_VOCAB {
@@ -70,7 +88,6 @@ impl Decoder {
             prompt.iter().map(|&b| u32::from(b)).collect()
         };
         let mut rng = SplitMix64::new(opts.seed);
-        let mut out = Vec::with_capacity(opts.tokens);
         for _ in 0..opts.tokens {
             let window = &ctx[ctx.len().saturating_sub(g.block_size)..];
             let (logits, _) = g
@@ -80,10 +97,10 @@ impl Decoder {
             let next = opts.pick.next(last, &mut rng);
             // The vocabulary is 256 tokens, so every token is a byte.
             let byte = u8::try_from(next).unwrap_or(u8::MAX);
-            out.push(byte);
+            each(byte)?;
             ctx.push(u32::from(byte));
         }
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -405,7 +405,7 @@ fn main() {
             }
             Err(e) => {
                 eprintln!("error: {e}");
-                1
+                exit_for(&e)
             }
         },
         Cmd::Eval(a) => eval_cmd(&a),
@@ -420,8 +420,9 @@ fn main() {
         Cmd::Checkpoint(c) => match checkpoint_cmd(c) {
             Ok(()) => 0,
             Err(e) => {
+                // Bad input (no checkpoint there) exits 2; a shard that fails verification, 1.
                 eprintln!("error: {e}");
-                1
+                exit_for(&e)
             }
         },
     };
@@ -432,11 +433,13 @@ fn resolve(dir: PathBuf) -> Result<PathBuf, RuntimeError> {
     if dir.join("manifest.json").exists() {
         return Ok(dir);
     }
+    // A directory with no checkpoint is the caller's mistake (exit 2), not a damaged one.
     shardline_runtime::checkpoint::latest(&dir)?.ok_or_else(|| {
-        RuntimeError::checkpoint(
-            &dir,
-            "no committed checkpoint here (expected manifest.json or step-* directories)",
-        )
+        RuntimeError::config(format!(
+            "checkpoint {}: no committed checkpoint here (expected manifest.json or step-* \
+             directories)",
+            dir.display()
+        ))
     })
 }
 
@@ -466,7 +469,7 @@ fn eval_cmd(a: &EvalArgs) -> i32 {
 }
 
 fn sample_cmd(a: &SampleArgs) -> Result<(), RuntimeError> {
-    use shardline_runtime::sample::{load_decoder, Pick, SampleOptions};
+    use shardline_runtime::sample::{load_decoder, LossyUtf8, Pick, SampleOptions};
     use std::io::Write;
     let opts = SampleOptions {
         tokens: a.tokens,
@@ -476,12 +479,18 @@ fn sample_cmd(a: &SampleArgs) -> Result<(), RuntimeError> {
     // Flags first: a bad one is reported without reading the checkpoint.
     opts.validate()?;
     let decoder = load_decoder(&a.checkpoint, a.n_head)?;
-    let mut text = a.prompt.as_bytes().to_vec();
-    text.extend(decoder.generate(a.prompt.as_bytes(), &opts)?);
+    // The prompt, then each byte as it is drawn (a long generation shows its progress).
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}", String::from_utf8_lossy(&text))
-        .and_then(|_| out.flush())
-        .map_err(|e| RuntimeError::Failed(format!("writing the sample: {e}")))
+    let writing = |e: std::io::Error| RuntimeError::Failed(format!("writing the sample: {e}"));
+    let mut text = LossyUtf8::default();
+    for &b in a.prompt.as_bytes() {
+        text.push(b, &mut out).map_err(writing)?;
+    }
+    out.flush().map_err(writing)?;
+    decoder.generate_each(a.prompt.as_bytes(), &opts, |b| {
+        text.push(b, &mut out).and_then(|_| out.flush()).map_err(writing)
+    })?;
+    text.finish(&mut out).and_then(|_| writeln!(out)).and_then(|_| out.flush()).map_err(writing)
 }
 
 fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
