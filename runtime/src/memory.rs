@@ -125,6 +125,16 @@ impl fmt::Display for Category {
     }
 }
 
+/// This host's physical memory (`MemTotal` of `/proc/meminfo`), or `None` where that cannot
+/// be read (not Linux). A rank that needs more than this cannot run here whatever the
+/// overcommit setting lets it allocate.
+pub fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Formats a byte count with binary units and one decimal: `12.0 MiB`, `512 B`.
 pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];

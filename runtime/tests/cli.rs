@@ -85,6 +85,11 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
         (&["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30 is not divisible"),
         // Checked before the text is cut into windows of block_size + 1 tokens.
         (&["--model", "gpt", "--block-size", "0"], "--block-size must be at least 1"),
+        // Terabytes per rank: refused before the allocation would abort the process.
+        (
+            &["--model", "gpt", "--n-embd", "400000", "--n-head", "1", "--n-layer", "1"],
+            "more than this host's",
+        ),
         (
             &["--model", "mlp-bn", "--width", "8"],
             "--width applies to --model resnet-bn, not 'mlp-bn'",

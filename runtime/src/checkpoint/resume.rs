@@ -269,7 +269,7 @@ mod tests {
         let mut other = spec();
         other.units[0].params[1].shape = vec![6];
         let err = newest_verified(tmp.path(), "cafe", &other).unwrap_err().to_string();
-        assert!(err.contains("holds model"), "{err}");
+        assert!(err.contains("holds another model") && err.contains("[6] here"), "{err}");
 
         // The newest is damaged and skipped; the next is another run's: refused.
         flip_byte(&dirs[2].join(shard_file_name(0)));

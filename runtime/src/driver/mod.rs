@@ -497,6 +497,18 @@ pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
     if opts.async_checkpoint && opts.checkpoint_dir.is_none() {
         return Err(RuntimeError::config("--async-checkpoint needs --checkpoint-dir"));
     }
+    // The dump is written when the run fails: a path it cannot be written to would lose it
+    // just when it is needed.
+    if let Some(f) = &opts.dump_on_failure {
+        let parent = f.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if !parent.is_dir() {
+            return Err(RuntimeError::config(format!(
+                "--dump-on-failure {}: the directory {} does not exist",
+                f.display(),
+                parent.display()
+            )));
+        }
+    }
     if let Some(d) = opts.checkpoint_dir.as_deref().filter(|d| d.exists() && !d.is_dir()) {
         return Err(RuntimeError::config(format!(
             "--checkpoint-dir {} is a file, not a directory",

@@ -9,8 +9,48 @@ use super::{EngineConfig, RankEngine};
 use crate::checkpoint::{RankShard, UnitShard};
 use crate::error::{Result, RuntimeError};
 use crate::memory::{Allocation, Category, MemoryTracker};
-use crate::shard::ShardedModelLayout;
+use crate::shard::{ShardedModelLayout, Stage};
 use shardline_models::Network;
+
+/// Bytes `rank` holds between steps (parameters, gradients, optimizer state of every unit, as
+/// the stage's rules say), and the largest unit's full initial values while it is built (a
+/// unit is initialised whole, then cut to the rank's shard).
+fn persistent_bytes(layout: &ShardedModelLayout, rules: &StageRules, k: usize) -> (u64, u64) {
+    let units = layout.units();
+    let kept: usize = units
+        .iter()
+        .map(|l| rules.params.len(l) + rules.grads.len(l) + rules.optim_state.len(l) * k)
+        .sum();
+    let init = units.iter().map(|l| 2 * l.padded_numel()).max().unwrap_or(0);
+    (kept as u64 * 4, init as u64 * 4)
+}
+
+/// Refuses, before allocating, a rank whose state alone is larger than the host's memory
+/// (`host`), which would otherwise abort the process on the allocation or be killed by the
+/// kernel later; says what would fit.
+fn check_fits_host(
+    layout: &ShardedModelLayout,
+    rules: &StageRules,
+    k: usize,
+    rank: usize,
+    hint: &str,
+    host: Option<u64>,
+) -> Result<()> {
+    let (kept, init) = persistent_bytes(layout, rules, k);
+    let Some(host) = host.filter(|&h| kept + init > h) else { return Ok(()) };
+    let fmt = crate::memory::format_bytes;
+    Err(RuntimeError::config(format!(
+        "rank {rank} would hold {} ({} of parameters, gradients and optimizer state, and {} \
+         while its largest unit is initialised whole) for {} parameters, more than this host's \
+         {} of memory: use {hint}more ranks or hosts, or a smaller model (`shardline plan` \
+         predicts the memory per rank)",
+        fmt(kept + init),
+        fmt(kept),
+        fmt(init),
+        layout.units().iter().map(|l| l.numel()).sum::<usize>(),
+        fmt(host)
+    )))
+}
 
 /// What a rank keeps of every unit between steps.
 pub(crate) struct ShardState {
@@ -41,6 +81,8 @@ impl ShardState {
         let rules = StageRules::of(cfg.stage);
         let (k, seed) = (cfg.optimizer.state_len_per_param(), cfg.seed);
         let n = layout.units().len();
+        let hint = if cfg.stage == Stage::Zero3 { "" } else { "a higher --stage, " };
+        check_fits_host(layout, rules, k, rank, hint, crate::memory::host_memory_bytes())?;
         let mut st = ShardState {
             params: Vec::with_capacity(n),
             grads: Vec::with_capacity(n),
@@ -198,5 +240,40 @@ impl RankEngine {
         }
         self.step = step;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardline_models::{ModelSpec, ParamSpec, UnitSpec};
+
+    fn layout(world: usize) -> ShardedModelLayout {
+        let unit = |name: &str, n: usize| UnitSpec {
+            name: name.into(),
+            params: vec![ParamSpec { name: format!("{name}.w"), shape: vec![n] }],
+            buffers: vec![],
+        };
+        let spec = ModelSpec { name: "m".into(), units: vec![unit("a", 1000), unit("b", 3000)] };
+        ShardedModelLayout::new(&spec, world).unwrap()
+    }
+
+    /// What a rank holds follows the stage (AdamW: 2 state values per element), plus the
+    /// largest unit built whole; the check refuses only above the host's memory.
+    #[test]
+    fn a_rank_larger_than_the_host_is_refused_before_allocating() {
+        let l = layout(4);
+        let (k, n) = (2, 4000u64);
+        let (kept0, init) = persistent_bytes(&l, StageRules::of(Stage::Zero0), k);
+        assert_eq!((kept0, init), (4 * n * 4, 2 * 3000 * 4));
+        let (kept3, _) = persistent_bytes(&l, StageRules::of(Stage::Zero3), k);
+        assert_eq!(kept3, 4 * (n / 4) * 4);
+        let fits = |stage, host| check_fits_host(&l, StageRules::of(stage), k, 0, "", host);
+        assert!(fits(Stage::Zero0, Some(kept0 + init)).is_ok());
+        assert!(fits(Stage::Zero0, None).is_ok());
+        let err = fits(Stage::Zero0, Some(kept0 + init - 1)).unwrap_err();
+        assert!(matches!(err, RuntimeError::Config(_)), "{err}");
+        assert!(err.to_string().contains("4000 parameters"), "{err}");
+        assert!(fits(Stage::Zero3, Some(kept0)).is_ok(), "stage 3 holds a quarter");
     }
 }
