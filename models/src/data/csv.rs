@@ -62,6 +62,13 @@ fn parse(
         for f in fields {
             let v: f32 =
                 f.trim().parse().map_err(|e| err(format!("line {}: value {f:?}: {e}", ln + 1)))?;
+            // DATA-7: "nan" and "inf" parse as floats but are no data.
+            if !(v / scale).is_finite() {
+                return Err(err(format!(
+                    "line {}: value {f:?} is not a finite number (after dividing by {scale})",
+                    ln + 1
+                )));
+            }
             x.push(v / scale);
         }
         let got = x.len() - before;
@@ -112,9 +119,18 @@ mod tests {
             ("", "no samples"),
             ("label,a\n", "no samples"),
             ("3\n", "line 1: a label but no values"),
+            // DATA-7.
+            ("1,2\n0,nan\n", "line 2: value \"nan\" is not a finite number"),
+            ("1,-inf\n", "line 1: value \"-inf\" is not a finite number"),
         ] {
             let e = Dataset::from_csv_rows(text, "bad.csv", 1.0).unwrap_err().to_string();
             assert!(e.contains("bad.csv") && e.contains(needle), "{text:?}: {e}");
         }
+        // DATA-7 after the scale: finite in the file, infinite once divided.
+        let e = Dataset::from_csv_rows("1,3e38\n", "big.csv", 0.001).unwrap_err().to_string();
+        assert!(
+            e.contains("value \"3e38\" is not a finite number (after dividing by 0.001)"),
+            "{e}"
+        );
     }
 }

@@ -19,6 +19,9 @@
 //! - `DATA-6`: an image model gets samples `[C, H, W]` (`[H, W]` and a square number of
 //!   values become `[1, H, W]`); any other model gets them flat (`[C * H * W]`); the values
 //!   and their order are unchanged.
+//! - `DATA-7`: every sample value read from a file is a finite number; a NaN or an infinity
+//!   (before or after the scale) is an error naming the file and where it is, since the
+//!   layers would turn it into a loss that looks sound (a ReLU maps NaN to 0).
 
 pub mod csv;
 pub mod fashion;

@@ -143,7 +143,20 @@ impl Dataset {
         if sample_shape.contains(&0) {
             return Err(data_err(x_name, format!("shape {xs:?}: empty samples")));
         }
-        let x = xv.into_iter().map(|v| v / scale).collect();
+        let x: Vec<f32> = xv.into_iter().map(|v| v / scale).collect();
+        // DATA-7: the first value that is no finite number, by sample and position.
+        if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+            let per: usize = sample_shape.iter().product();
+            return Err(data_err(
+                x_name,
+                format!(
+                    "sample {}, value {}: {} is not a finite number (after dividing by {scale})",
+                    i / per,
+                    i % per,
+                    x[i]
+                ),
+            ));
+        }
         let classes = y.iter().max().map_or(0, |&m| m as usize + 1);
         Ok(Dataset { x, y, sample_shape, classes, kind: SampleKind::Features })
     }
@@ -229,6 +242,9 @@ mod tests {
             (err(&x, &encode("|u1", &[2, 1], &[0, 1], false)), "y.npy: shape [2, 1]: labels need shape [N]"),
             (err(&[], &y), "x.npy: empty file"),
             (err(b"P5 2 2 255\n....", &y), "x.npy: not a readable .npy file"),
+            // DATA-7.
+            (err(&encode("<f4", &[2, 2], &f4(&[1.0, 2.0, 3.0, f32::NAN]), false), &y), "x.npy: sample 1, value 1: NaN is not a finite number"),
+            (err(&encode("<f4", &[2, 2], &f4(&[f32::NEG_INFINITY, 2.0, 3.0, 4.0]), false), &y), "x.npy: sample 0, value 0: -inf is not a finite number"),
         ] {
             assert!(e.contains(needle), "{e}\n  lacks: {needle}");
         }
