@@ -112,6 +112,19 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
     assert_eq!(o.code, Some(2), "missing DIR: {}", o.stderr);
 }
 
+/// The first step whose loss is not finite is named once on stderr; the run goes on (its
+/// log and checkpoints are the user's to judge).
+#[test]
+fn a_non_finite_loss_is_named_once_with_its_step() {
+    let o = run_small(&["--lr", "1e30", "--optimizer", "sgd"]);
+    assert_eq!(o.code, Some(0), "{}", o.stderr);
+    assert_eq!(o.stderr.matches("(not finite)").count(), 1, "{}", o.stderr);
+    assert!(o.stderr.contains("warning: step "), "{}", o.stderr);
+    // A sound run says nothing of the kind.
+    let o = run_small(&[]);
+    assert!(!o.stderr.contains("not finite"), "{}", o.stderr);
+}
+
 /// Paths that hold no checkpoint, no dump or no directory are the caller's mistake: exit 2
 /// naming the path (a checkpoint that fails verification is 1: see the corrupted-shard test).
 #[test]

@@ -676,6 +676,7 @@ async fn steps<P: Placement>(
     let t_loop = Instant::now();
     let mut interrupted = None::<i32>;
     let mut stragglers = Stragglers::new(opts.stragglers);
+    let mut warned_nonfinite = false;
     for _ in 0..run_steps {
         // INT-1: this process's wish to stop travels with the step's loss reduction, so
         // every rank of the job learns it from the same step.
@@ -708,6 +709,18 @@ async fn steps<P: Placement>(
                 return Err(RuntimeError::Failed(format!(
                     "step {done}: {s}; evicted (--evict-stragglers)"
                 )));
+            }
+        }
+        // The first step whose loss is NaN or infinite is named once: every step after it
+        // trains damaged parameters, and a summary's "final loss NaN" does not say when.
+        if !f.first.loss.is_finite() && !warned_nonfinite {
+            warned_nonfinite = true;
+            if lead {
+                eprintln!(
+                    "warning: step {done}: the loss is {} (not finite); the parameters are \
+                     damaged from here on (try a lower --lr or --clip-grad-norm)",
+                    f.first.loss
+                );
             }
         }
         log.write(f.json(done, epoch, &stragglers.flagged()))?;
