@@ -262,6 +262,12 @@ fn checkpoint_inspect_and_export_match_the_final_parameters() {
     ]);
     assert_eq!(o.code, Some(0), "{}", o.stderr);
     let tensors = read_safetensors(&out);
+    // An output directory that does not exist is the caller's mistake, named.
+    let nowhere = dir.path().join("nowhere").join("model.safetensors");
+    let (ck_s, nowhere_s) = (ck_path.to_str().expect("utf-8"), nowhere.to_str().expect("utf-8"));
+    let o = shardline(&["checkpoint", "export", ck_s, "--out", nowhere_s]);
+    assert_eq!(o.code, Some(2), "{}", o.stderr);
+    assert!(o.stderr.contains("does not exist") && o.stderr.contains(nowhere_s), "{}", o.stderr);
 
     // Expected: every parameter and buffer under its spec name, from the run's final state.
     let spec = &ck.manifest().model;
