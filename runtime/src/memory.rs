@@ -125,14 +125,48 @@ impl fmt::Display for Category {
     }
 }
 
-/// This host's physical memory (`MemTotal` of `/proc/meminfo`), or `None` where that cannot
-/// be read (not Linux). A rank that needs more than this cannot run here whatever the
-/// overcommit setting lets it allocate.
+/// The memory this process may use: the host's physical memory (`MemTotal` of
+/// `/proc/meminfo`), or its control group's limit when that is lower (a Slurm job step or a
+/// container is killed at its limit, not at the host's). `None` where neither can be read
+/// (not Linux). A rank that needs more than this cannot run here, whatever the overcommit
+/// setting lets it allocate.
 pub fn host_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).ok();
+    let total = read("/proc/meminfo".as_ref()).and_then(|t| {
+        let line = t.lines().find(|l| l.starts_with("MemTotal:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kib| kib * 1024)
+    });
+    let limit = read("/proc/self/cgroup".as_ref()).and_then(|c| cgroup_memory_limit(&c, read));
+    match (total, limit) {
+        (Some(t), Some(l)) => Some(t.min(l)),
+        (t, l) => t.or(l),
+    }
+}
+
+/// The memory limit of the control group that `/proc/self/cgroup` (`proc_cgroup`) names,
+/// read through `read`: cgroup v2's `memory.max` (`0::/path`) or v1's
+/// `memory.limit_in_bytes` (`N:memory:/path`). `None` when there is none ("max", or v1's
+/// page-rounded `i64::MAX`).
+fn cgroup_memory_limit(
+    proc_cgroup: &str,
+    read: impl Fn(&std::path::Path) -> Option<String>,
+) -> Option<u64> {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let file = proc_cgroup.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let rel = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "memory") {
+            Some(root.join("memory").join(rel).join("memory.limit_in_bytes"))
+        } else if controllers.is_empty() {
+            Some(root.join(rel).join("memory.max"))
+        } else {
+            None
+        }
+    })?;
+    let v: u64 = read(&file)?.trim().parse().ok()?;
+    // v1 writes "no limit" as i64::MAX rounded down to a page.
+    (v < 1 << 62).then_some(v)
 }
 
 /// Formats a byte count with binary units and one decimal: `12.0 MiB`, `512 B`.
@@ -463,6 +497,32 @@ impl shardline_models::meter::Meter for RankMeter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The control group's memory limit is found under v1 and v2, and "no limit" reads as
+    /// none; the host figure is the lower of the two.
+    #[test]
+    fn the_cgroup_memory_limit_is_read_under_v1_and_v2() {
+        let files = |path: &'static str, value: &'static str| {
+            move |p: &std::path::Path| (p == std::path::Path::new(path)).then(|| value.to_string())
+        };
+        let v2 = "0::/slurm/uid_0/job_7/step_0\n";
+        let f = files("/sys/fs/cgroup/slurm/uid_0/job_7/step_0/memory.max", "4294967296\n");
+        assert_eq!(cgroup_memory_limit(v2, f), Some(4 << 30));
+        let f = files("/sys/fs/cgroup/slurm/uid_0/job_7/step_0/memory.max", "max\n");
+        assert_eq!(cgroup_memory_limit(v2, f), None);
+        let v1 = "9:name=systemd:/\n4:memory:/process_api/ab\n1:cpu:/\n0::/\n";
+        let f = files("/sys/fs/cgroup/memory/process_api/ab/memory.limit_in_bytes", "1073741824");
+        assert_eq!(cgroup_memory_limit(v1, f), Some(1 << 30));
+        let f = files(
+            "/sys/fs/cgroup/memory/process_api/ab/memory.limit_in_bytes",
+            "9223372036854771712",
+        );
+        assert_eq!(cgroup_memory_limit(v1, f), None);
+        // Unreadable: no limit known.
+        assert_eq!(cgroup_memory_limit(v2, |_: &std::path::Path| None), None);
+        // This machine: some figure, never zero.
+        assert!(host_memory_bytes().is_none_or(|b| b > 0));
+    }
     use proptest::prelude::*;
 
     const MIB: u64 = 1024 * 1024;

@@ -88,7 +88,7 @@ fn usage_and_config_errors_exit_2_with_a_clear_message() {
         // Terabytes per rank: refused before the allocation would abort the process.
         (
             &["--model", "gpt", "--n-embd", "400000", "--n-head", "1", "--n-layer", "1"],
-            "more than this host's",
+            "of memory this process may use",
         ),
         (
             &["--model", "mlp-bn", "--width", "8"],

@@ -41,8 +41,9 @@ fn check_fits_host(
     let fmt = crate::memory::format_bytes;
     Err(RuntimeError::config(format!(
         "rank {rank} would hold {} ({} of parameters, gradients and optimizer state, and {} \
-         while its largest unit is initialised whole) for {} parameters, more than this host's \
-         {} of memory: use {hint}more ranks or hosts, or a smaller model (`shardline plan` \
+         while its largest unit is initialised whole) for {} parameters, more than the {} of \
+         memory this process may use (the host's, or its control group's limit): use \
+         {hint}more ranks or hosts, or a smaller model (`shardline plan` \
          predicts the memory per rank)",
         fmt(kept + init),
         fmt(kept),
