@@ -169,6 +169,16 @@ fn host_engines(job: &Job, ecfg: EngineConfig, opts: &RunOptions) -> Result<Buil
         f.attach_trace(&trace);
     }
 
+    // Every rank of the job lives in this process: refuse what cannot fit before any of
+    // them allocates (each engine also checks its own share).
+    let layout = crate::shard::ShardedModelLayout::new(&model.spec(), cfg.world)?;
+    crate::engine::check_fits_host(
+        &layout,
+        ecfg.stage,
+        ecfg.optimizer.state_len_per_param(),
+        (cfg.world, &format!("the {} ranks of this process", cfg.world)),
+        crate::memory::host_memory_bytes(),
+    )?;
     // Build every engine concurrently: opening lanes is collective.
     let engines: Vec<Result<RankEngine>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms

@@ -114,6 +114,7 @@ use clock::CommClock;
 use pass::{Micro, PassCtx, Saved};
 use prefetch::{GatherPlan, Gathered, LaneGathers, PendingGather};
 use reduction::{ReduceIo, ReduceWork, Reductions, StepIo};
+pub(crate) use shard_state::check_fits_host;
 use shard_state::ShardState;
 use shardline_collectives::{CallOptions, Communicator, Lane, ReduceOp};
 use shardline_models::{Backend, Dataset, DistributedSampler, Network, StatsReducer, Tensor};

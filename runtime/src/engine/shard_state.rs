@@ -13,37 +13,41 @@ use crate::shard::{ShardedModelLayout, Stage};
 use shardline_models::Network;
 
 /// Bytes `rank` holds between steps (parameters, gradients, optimizer state of every unit, as
-/// the stage's rules say), and the largest unit's full initial values while it is built (a
-/// unit is initialised whole, then cut to the rank's shard).
+/// the stage's rules say), and what building the largest unit adds for a moment: its initial
+/// values and their padded copy, which becomes the parameters where the rank keeps them whole
+/// and is cut to the rank's shard where it does not.
 fn persistent_bytes(layout: &ShardedModelLayout, rules: &StageRules, k: usize) -> (u64, u64) {
     let units = layout.units();
     let kept: usize = units
         .iter()
         .map(|l| rules.params.len(l) + rules.grads.len(l) + rules.optim_state.len(l) * k)
         .sum();
-    let init = units.iter().map(|l| 2 * l.padded_numel()).max().unwrap_or(0);
+    let copies = if rules.params == Holding::Full { 1 } else { 2 };
+    let init = units.iter().map(|l| copies * l.padded_numel()).max().unwrap_or(0);
     (kept as u64 * 4, init as u64 * 4)
 }
 
-/// Refuses, before allocating, a rank whose state alone is larger than the host's memory
-/// (`host`), which would otherwise abort the process on the allocation or be killed by the
-/// kernel later; says what would fit.
-fn check_fits_host(
+/// Refuses, before allocating, `ranks` ranks (all in this process, built at once) whose
+/// state is larger than the memory this process may use (`host`), which would otherwise abort
+/// the process on the allocation or get it killed later; `who` names them, `hint` says what
+/// would fit.
+pub(crate) fn check_fits_host(
     layout: &ShardedModelLayout,
-    rules: &StageRules,
+    stage: Stage,
     k: usize,
-    rank: usize,
-    hint: &str,
+    (ranks, who): (usize, &str),
     host: Option<u64>,
 ) -> Result<()> {
-    let (kept, init) = persistent_bytes(layout, rules, k);
+    let (kept, init) = persistent_bytes(layout, StageRules::of(stage), k);
+    let (kept, init) = (kept * ranks as u64, init * ranks as u64);
     let Some(host) = host.filter(|&h| kept + init > h) else { return Ok(()) };
     let fmt = crate::memory::format_bytes;
+    let stage_hint = if stage == Stage::Zero3 { "" } else { "a higher --stage, " };
     Err(RuntimeError::config(format!(
-        "rank {rank} would hold {} ({} of parameters, gradients and optimizer state, and {} \
-         while its largest unit is initialised whole) for {} parameters, more than the {} of \
-         memory this process may use (the host's, or its control group's limit): use \
-         {hint}more ranks or hosts, or a smaller model (`shardline plan` \
+        "{who} would hold {} ({} of parameters, gradients and optimizer state, and {} while \
+         the largest unit is initialised whole) for {} parameters, more than the {} of memory \
+         this process may use (the host's, or its control group's limit): use {stage_hint}\
+         ranks on more hosts (`shardline launch`), or a smaller model (`shardline plan` \
          predicts the memory per rank)",
         fmt(kept + init),
         fmt(kept),
@@ -82,8 +86,8 @@ impl ShardState {
         let rules = StageRules::of(cfg.stage);
         let (k, seed) = (cfg.optimizer.state_len_per_param(), cfg.seed);
         let n = layout.units().len();
-        let hint = if cfg.stage == Stage::Zero3 { "" } else { "a higher --stage, " };
-        check_fits_host(layout, rules, k, rank, hint, crate::memory::host_memory_bytes())?;
+        let who = format!("rank {rank}");
+        check_fits_host(layout, cfg.stage, k, (1, &who), crate::memory::host_memory_bytes())?;
         let mut st = ShardState {
             params: Vec::with_capacity(n),
             grads: Vec::with_capacity(n),
@@ -266,15 +270,21 @@ mod tests {
         let l = layout(4);
         let (k, n) = (2, 4000u64);
         let (kept0, init) = persistent_bytes(&l, StageRules::of(Stage::Zero0), k);
-        assert_eq!((kept0, init), (4 * n * 4, 2 * 3000 * 4));
-        let (kept3, _) = persistent_bytes(&l, StageRules::of(Stage::Zero3), k);
+        assert_eq!((kept0, init), (4 * n * 4, 3000 * 4));
+        let (kept3, init3) = persistent_bytes(&l, StageRules::of(Stage::Zero3), k);
+        assert_eq!(init3, 2 * 3000 * 4, "the whole unit and its padded copy");
         assert_eq!(kept3, 4 * (n / 4) * 4);
-        let fits = |stage, host| check_fits_host(&l, StageRules::of(stage), k, 0, "", host);
+        let fits = |stage, host| check_fits_host(&l, stage, k, (1, "rank 0"), host);
         assert!(fits(Stage::Zero0, Some(kept0 + init)).is_ok());
         assert!(fits(Stage::Zero0, None).is_ok());
         let err = fits(Stage::Zero0, Some(kept0 + init - 1)).unwrap_err();
         assert!(matches!(err, RuntimeError::Config(_)), "{err}");
         assert!(err.to_string().contains("4000 parameters"), "{err}");
         assert!(fits(Stage::Zero3, Some(kept0)).is_ok(), "stage 3 holds a quarter");
+        // Four ranks in one process hold four times one rank's state.
+        let four = |host| check_fits_host(&l, Stage::Zero0, k, (4, "the 4 ranks"), host);
+        assert!(four(Some(4 * (kept0 + init))).is_ok());
+        let err = four(Some(4 * (kept0 + init) - 1)).unwrap_err().to_string();
+        assert!(err.starts_with("invalid configuration: the 4 ranks would hold"), "{err}");
     }
 }
