@@ -497,9 +497,12 @@ impl shardline_models::meter::Meter for RankMeter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
-    /// The control group's memory limit is found under v1 and v2, and "no limit" reads as
-    /// none; the host figure is the lower of the two.
+    const MIB: u64 = 1024 * 1024;
+
+    /// The control group's memory limit is found under v1 and v2, and "no limit" or an
+    /// unreadable file reads as none.
     #[test]
     fn the_cgroup_memory_limit_is_read_under_v1_and_v2() {
         let files = |path: &'static str, value: &'static str| {
@@ -523,9 +526,6 @@ mod tests {
         // This machine: some figure, never zero.
         assert!(host_memory_bytes().is_none_or(|b| b > 0));
     }
-    use proptest::prelude::*;
-
-    const MIB: u64 = 1024 * 1024;
 
     #[test]
     fn layers_tensors_are_registered_and_a_refusal_is_reported_mem_4() {

@@ -136,6 +136,8 @@ fn paths_of_the_wrong_kind_exit_2_naming_them() {
     std::fs::write(&file, "not a dump\n").expect("write");
     let (empty_s, file_s) = (empty.to_str().expect("utf-8"), file.to_str().expect("utf-8"));
     let out = dir.path().join("x.safetensors");
+    let missing_dump = dir.path().join("no-such-dir").join("dump.json");
+    let missing_dump = missing_dump.to_str().expect("utf-8").to_string();
     let cases: &[(&[&str], &str)] = &[
         (&["checkpoint", "inspect", empty_s], "no committed checkpoint here"),
         (
@@ -148,6 +150,10 @@ fn paths_of_the_wrong_kind_exit_2_naming_them() {
             "is a file, not a directory",
         ),
         (&["plan", "--model", "gpt", "--block-size", "0"], "--block-size must be at least 1"),
+        (
+            &["train", "--dump-on-failure", &missing_dump, "--steps", "1", "--no-progress"],
+            "the directory",
+        ),
     ];
     for (args, needle) in cases {
         let o = shardline(args);

@@ -487,6 +487,20 @@ impl StepFigures {
     }
 }
 
+/// Refuses an output file `file` (given by `flag`) whose directory does not exist, naming
+/// both, before any work that would be lost when the file cannot be written.
+pub fn check_output_dir(flag: &str, file: &Path) -> Result<()> {
+    let parent = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if parent.is_dir() {
+        return Ok(());
+    }
+    Err(RuntimeError::config(format!(
+        "{flag} {}: the directory {} does not exist",
+        file.display(),
+        parent.display()
+    )))
+}
+
 /// Refuses run options that cannot work, before any rank meets another: every rank then
 /// reports the same error itself, instead of one reporting it and the others the transport
 /// failure its exit causes.
@@ -500,14 +514,7 @@ pub(crate) fn check_options(opts: &RunOptions) -> Result<()> {
     // The dump is written when the run fails: a path it cannot be written to would lose it
     // just when it is needed.
     if let Some(f) = &opts.dump_on_failure {
-        let parent = f.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        if !parent.is_dir() {
-            return Err(RuntimeError::config(format!(
-                "--dump-on-failure {}: the directory {} does not exist",
-                f.display(),
-                parent.display()
-            )));
-        }
+        check_output_dir("--dump-on-failure", f)?;
     }
     if let Some(d) = opts.checkpoint_dir.as_deref().filter(|d| d.exists() && !d.is_dir()) {
         return Err(RuntimeError::config(format!(

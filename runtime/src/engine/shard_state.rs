@@ -29,8 +29,8 @@ fn persistent_bytes(layout: &ShardedModelLayout, rules: &StageRules, k: usize) -
 
 /// Refuses, before allocating, `ranks` ranks (all in this process, built at once) whose
 /// state is larger than the memory this process may use (`host`), which would otherwise abort
-/// the process on the allocation or get it killed later; `who` names them, `hint` says what
-/// would fit.
+/// the process on the allocation or get it killed later; `who` names them in the error,
+/// which says what would fit.
 pub(crate) fn check_fits_host(
     layout: &ShardedModelLayout,
     stage: Stage,

@@ -505,14 +505,7 @@ fn checkpoint_cmd(c: CheckpointCmd) -> Result<(), RuntimeError> {
         }
         CheckpointCmd::Export { dir, out, dtype } => {
             let d = resolve(dir)?;
-            let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
-            if let Some(p) = parent.filter(|p| !p.is_dir()) {
-                return Err(RuntimeError::config(format!(
-                    "--out {}: the directory {} does not exist",
-                    out.display(),
-                    p.display()
-                )));
-            }
+            shardline_runtime::driver::check_output_dir("--out", &out)?;
             let n = shardline_runtime::checkpoint::export_safetensors_as(&d, &out, dtype)?;
             println!(
                 "wrote {} tensors ({}) from {} to {}",
