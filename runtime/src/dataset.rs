@@ -53,7 +53,8 @@ fn load_named(cfg: &TrainConfig, image: bool) -> Result<(Dataset, Dataset)> {
         }
         corpus.check_block(block).map_err(|e| {
             RuntimeError::config(format!(
-                "--dataset {} with --block-size {block}: {e}",
+                // Not "--block-size": eval takes its block size from the checkpoint.
+                "--dataset {} with block size {block}: {e}",
                 cfg.dataset
             ))
         })?;
