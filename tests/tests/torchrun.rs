@@ -85,7 +85,10 @@ fn workers_meet_in_the_agents_torch_store_and_train_as_in_process() {
     let ranks: Vec<Child> = (0..2).map(|r| worker(r, 2, port, true, &args)).collect();
     for (r, c) in ranks.into_iter().enumerate() {
         let out = wait_output(c, Instant::now() + DEADLINE, &format!("rank {r}"));
-        assert!(out.status.success(), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "rank {r}: {err}");
+        // No --world was given: nothing to warn of.
+        assert!(!err.contains("--world"), "rank {r}: {err}");
     }
     assert_eq!(job_figures(&log), reference, "torchrun-style ranks differ from the in-process run");
     // The hellos are in the agent's store, under the run id and restart count (LAUNCH-11).
@@ -94,6 +97,30 @@ fn workers_meet_in_the_agents_torch_store_and_train_as_in_process() {
         let key = format!("launch/{}/hello/{r}", job_of(port));
         assert!(c.check(&[key.as_str()]).unwrap(), "{key} missing from the agent's store");
     }
+}
+
+#[test]
+fn an_explicit_world_the_launcher_overrides_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = TorchStoreServer::bind("127.0.0.1:0").unwrap();
+    let port = store.addr().port();
+    let mut args = train_args(1, &dir.path().join("log.jsonl"));
+    args.extend(["--world".into(), "4".into()]);
+    let ranks: Vec<Child> = (0..2).map(|r| worker(r, 2, port, true, &args)).collect();
+    let errs: Vec<String> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let out = wait_output(c, Instant::now() + DEADLINE, &format!("rank {r}"));
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(out.status.success(), "rank {r}: {err}");
+            err
+        })
+        .collect();
+    let warning = "warning: --world 4 is not used: the torchrun launch environment sets the \
+                   world to 2";
+    assert_eq!(errs[0].matches(warning).count(), 1, "rank 0: {}", errs[0]);
+    assert!(!errs[1].contains("--world"), "rank 1 repeats the warning: {}", errs[1]);
 }
 
 #[test]

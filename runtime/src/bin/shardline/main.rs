@@ -384,8 +384,14 @@ fn main() {
          --token is not given\n{}",
         shardline_collectives::config::env_help()
     );
-    let parsed =
-        Cli::command().after_help(help).try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
+    let parsed = Cli::command().after_help(help).try_get_matches().and_then(|m| {
+        let mut cli = Cli::from_arg_matches(&m)?;
+        if let Cmd::Train(a) = &mut cli.cmd {
+            let given = m.subcommand_matches("train").and_then(|t| t.value_source("world"));
+            a.world_given = given == Some(clap::parser::ValueSource::CommandLine);
+        }
+        Ok(cli)
+    });
     let cli = match parsed {
         Ok(c) => c,
         Err(e) => {

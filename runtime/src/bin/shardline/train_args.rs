@@ -162,9 +162,13 @@ pub(crate) struct TrainArgs {
     /// others are refused, naming the layer.
     #[arg(long)]
     pub(crate) model_ops: bool,
-    /// Number of ranks (threads, one actor each).
+    /// Number of ranks (threads, one actor each). Under a launcher (torchrun, srun,
+    /// shardline launch) the launcher's world is used, with a warning where this differs.
     #[arg(long, default_value_t = 4)]
     pub(crate) world: usize,
+    /// Whether --world was given on the command line (set from the parsed matches).
+    #[arg(skip)]
+    pub(crate) world_given: bool,
     /// ZeRO stage: 0 (DDP), 1, 2, 3 (FSDP full shard), or auto (the lowest whose estimate fits
     /// --device-memory: model state, plus the activations and scratch of one microbatch,
     /// measured by running it once with the --recompute choice). With --profile, auto

@@ -151,6 +151,14 @@ pub(crate) fn worker_mode(
     use shardline_runtime::launch::run_worker;
     let mut opts = opts.clone();
     opts.progress = opts.progress && env.rank == 0;
+    // The job runs the launcher's world; a --world that says otherwise is a mistake worth
+    // naming once (rank 0), not a reason to stop a job every rank of which agrees.
+    if a.world_given && a.world != env.world && env.rank == 0 {
+        eprintln!(
+            "warning: --world {} is not used: the {} launch environment sets the world to {}",
+            a.world, env.source, env.world
+        );
+    }
     // The agent forwards SIGINT/SIGTERM: stop with the group after a step, checkpoint it.
     // LAUNCH-13: a wait that outlasts its grace after the signal ends the worker.
     let installed = shardline_runtime::interrupt::install(false).and_then(|_| {
