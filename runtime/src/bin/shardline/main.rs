@@ -41,13 +41,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Train a model with every rank as an actor in this process.
+    /// Train a model: every rank an actor in this process, or one rank under a launcher.
     ///
     /// With no flags: mlp-bn on the bundled digits data, 4 ranks, ZeRO stage 3, SyncBN chosen
     /// automatically.
     ///
     /// Under a launcher (shardline launch, torchrun or srun; see `shardline launch --help`)
-    /// this process is one rank of the job. SHARDLINE_TOKEN (the job token) is required.
+    /// this process is one rank of the job, in the launcher's world. SHARDLINE_TOKEN (the job
+    /// token) is required.
     ///
     /// Examples:
     ///   shardline train
