@@ -127,6 +127,14 @@ fn gpt_checkpoints_report_perplexity() {
     assert_eq!(p, f64::from(r.loss).exp());
     let lines = r.lines().join("\n");
     assert!(lines.contains("held-out tokens") && lines.contains("perplexity"), "{lines}");
+    // Samples for gpt: named as --dataset's mistake (eval takes no --model).
+    let o = EvalOptions {
+        checkpoint: dir.path().to_path_buf(),
+        dataset: Some("digits".into()),
+        ..EvalOptions::default()
+    };
+    let e = eval_with_deadline(o).unwrap_err().to_string();
+    assert!(e.contains("--dataset digits: the checkpoint's model gpt takes text"), "{e}");
 }
 
 #[test]
@@ -149,4 +157,7 @@ fn missing_checkpoints_and_mismatched_data_are_refused() {
     assert!(e.contains("shape [784]") && e.contains("[32, 64] in the checkpoint"), "{e}");
     let e = eval_with_deadline(o(&ck, Some("idx:/no/such/dir"))).unwrap_err().to_string();
     assert!(e.contains("/no/such/dir") && e.contains("not a directory"), "{e}");
+    // Tokens for a model of samples: named as --dataset's mistake (eval takes no --model).
+    let e = eval_with_deadline(o(&ck, Some("text"))).unwrap_err().to_string();
+    assert!(e.contains("--dataset text: the checkpoint's model mlp-bn takes samples"), "{e}");
 }

@@ -35,10 +35,15 @@ pub struct JobPlan {
     pub data_origin: Option<String>,
 }
 
+/// Whether `dataset` names a text corpus (`text`, `text:PATH`): tokens, which only gpt takes.
+pub(crate) fn is_text(dataset: &str) -> bool {
+    dataset == "text" || dataset.starts_with("text:")
+}
+
 /// Whether the job is a language model on text: `--model gpt` with `--dataset text[:PATH]`
 /// (either without the other is an error naming both flags).
 pub(crate) fn train_on_text(cfg: &TrainConfig) -> Result<bool> {
-    let text = cfg.dataset == "text" || cfg.dataset.starts_with("text:");
+    let text = is_text(&cfg.dataset);
     match (cfg.model == "gpt", text) {
         (true, true) => Ok(true),
         (false, false) => Ok(false),
