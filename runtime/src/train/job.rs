@@ -84,8 +84,8 @@ pub fn plan(cfg: &TrainConfig) -> Result<JobPlan> {
     let sync = sync_bn_choice(cfg, None);
     if sync.0 {
         convert_sync_batchnorm(&mut model);
-    } else if cfg.world > 1 && model.has_local_batchnorm() {
-        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
+    } else if model.has_local_batchnorm() {
+        note_local_batchnorm(cfg);
     }
     let p = job_plan(cfg, Arc::new(model), sync, train, test)?;
     Ok(JobPlan { data_origin, ..p })
@@ -109,10 +109,21 @@ pub fn plan_network(
     // has nothing to synchronise.
     let bn = spec.units.iter().any(|u| !u.buffers.is_empty());
     let sync = sync_bn_choice(cfg, (!bn).then_some(spec.name.as_str()));
-    if bn && !sync.0 && cfg.world > 1 {
-        tracing::warn!("world {} with plain BatchNorm: batch statistics are per rank", cfg.world);
+    if bn && !sync.0 {
+        note_local_batchnorm(cfg);
     }
     job_plan(cfg, model, sync, train, test)
+}
+
+/// Says that a model's BatchNorms keep per-rank statistics at `cfg.world` > 1: a warning
+/// where `--sync-bn off` chose it, a log line where auto did (the header says why).
+fn note_local_batchnorm(cfg: &TrainConfig) {
+    let world = cfg.world;
+    match cfg.sync_bn {
+        _ if world <= 1 => {}
+        SyncBnMode::Auto => tracing::info!("world {world}: BatchNorm statistics are per rank"),
+        _ => tracing::warn!("world {world} with plain BatchNorm: batch statistics are per rank"),
+    }
 }
 
 /// Whether SyncBatchNorm is on, and why; `no_batchnorm` names a model known to have none.
