@@ -285,7 +285,6 @@ fn launched_kill_during_an_async_write_resumes_from_the_previous_checkpoint_driv
 #[test]
 fn a_stop_commits_its_async_checkpoint_before_exiting_drive_5() {
     use std::process::{Command, Stdio};
-    use std::time::Instant;
     let tmp = tempfile::tempdir().expect("tempdir");
     let (dir, log) = (tmp.path().join("ck"), tmp.path().join("log.jsonl"));
     let mut args = job_args(&dir, &["--log-json", log.to_str().expect("utf-8 temp path")]);
@@ -300,25 +299,7 @@ fn a_stop_commits_its_async_checkpoint_before_exiting_drive_5() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start shardline");
-    let lines = |p: &Path| std::fs::read_to_string(p).map_or(0, |s| s.lines().count());
-    let t0 = Instant::now();
-    while lines(&log) < 20 {
-        assert!(t0.elapsed() < PROCESS_DEADLINE, "no 20 steps logged in time");
-        assert!(child.try_wait().expect("poll").is_none(), "run ended before the signal");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("send SIGINT");
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("poll") {
-            break st;
-        }
-        if t0.elapsed() > 2 * PROCESS_DEADLINE {
-            let _ = child.kill();
-            panic!("the run did not stop after SIGINT");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = interrupt_after_steps(&mut child, &log, 20);
     let mut stderr = String::new();
     if let Some(mut e) = child.stderr.take() {
         let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
@@ -327,7 +308,7 @@ fn a_stop_commits_its_async_checkpoint_before_exiting_drive_5() {
     let latest = checkpoint::latest(&dir).expect("list").expect("a checkpoint");
     let ck = Checkpoint::open(&latest).expect("open");
     ck.verify().expect("the stop's checkpoint verifies");
-    assert_eq!(ck.manifest().step as usize, lines(&log), "the checkpoint of the last step");
+    assert_eq!(ck.manifest().step as usize, line_count(&log), "the checkpoint of the last step");
     assert!(stderr.contains(&latest.display().to_string()), "the stop names it: {stderr}");
     let left: Vec<_> = std::fs::read_dir(&dir)
         .expect("list")

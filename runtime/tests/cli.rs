@@ -8,7 +8,6 @@ use shardline_runtime::shard::FlatLayout;
 use shardline_runtime::train::RunOptions;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// Flags of a small, fast training run.
 const SMALL: &[&str] = &[
@@ -463,25 +462,7 @@ fn interrupted_run_resumes(extra: &[&str], total: u64) {
         .stderr(std::fs::File::create(&err_path).expect("stderr file"))
         .spawn()
         .expect("start shardline");
-    let lines = |p: &Path| std::fs::read_to_string(p).map_or(0, |s| s.lines().count());
-    let t0 = Instant::now();
-    while lines(&log_b) < 20 {
-        assert!(t0.elapsed() < PROCESS_DEADLINE, "no 20 steps logged in time");
-        assert!(child.try_wait().expect("poll").is_none(), "run ended before the signal");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("send SIGINT");
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("poll") {
-            break st;
-        }
-        if t0.elapsed() > 2 * PROCESS_DEADLINE {
-            let _ = child.kill();
-            panic!("the run did not stop after SIGINT");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = interrupt_after_steps(&mut child, &log_b, 20);
     let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
     assert_eq!(status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("stopped by SIGINT after step"), "{stderr}");
@@ -490,7 +471,7 @@ fn interrupted_run_resumes(extra: &[&str], total: u64) {
     let ck = Checkpoint::open(&latest).expect("open");
     ck.verify().expect("verifies");
     let k = ck.manifest().step;
-    assert_eq!(k as usize, lines(&log_b), "the checkpoint holds the last logged step");
+    assert_eq!(k as usize, line_count(&log_b), "the checkpoint holds the last logged step");
     assert!((20..total).contains(&k), "stopped at step {k}");
 
     // Resume to the end, and run the same job without interruption.

@@ -185,3 +185,36 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// The number of lines in `path` (0 while it does not exist).
+pub fn line_count(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |s| s.lines().count())
+}
+
+/// Waits until the run's `--log-json` file `log` holds `steps` lines, then sends the child
+/// SIGINT and waits for it to end. Fails the test if the run ends before the signal or
+/// overruns a deadline (PROCESS_DEADLINE for the steps, twice that in all).
+pub fn interrupt_after_steps(
+    child: &mut std::process::Child,
+    log: &std::path::Path,
+    steps: usize,
+) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    while line_count(log) < steps {
+        assert!(t0.elapsed() < PROCESS_DEADLINE, "no {steps} steps logged in time");
+        assert!(child.try_wait().expect("poll").is_none(), "run ended before the signal");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("send SIGINT");
+    loop {
+        if let Some(st) = child.try_wait().expect("poll") {
+            return st;
+        }
+        if t0.elapsed() > 2 * PROCESS_DEADLINE {
+            let _ = child.kill();
+            panic!("the run did not stop after SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
