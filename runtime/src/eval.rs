@@ -193,7 +193,7 @@ pub fn evaluate(o: &EvalOptions) -> Result<EvalReport> {
     // The checkpoint fixes the model, so a data set of the other kind (tokens for a model of
     // samples, or samples for gpt) is --dataset's mistake; train's message would name --model.
     let gpt = cfg.model == "gpt";
-    if gpt != train::is_text(&cfg.dataset) {
+    if o.dataset.is_some() && gpt != train::is_text(&cfg.dataset) {
         let wants = if gpt { "text (--dataset text or text:PATH)" } else { "samples, not text" };
         return Err(RuntimeError::config(format!(
             "--dataset {}: the checkpoint's model {} takes {wants}",
