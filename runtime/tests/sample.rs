@@ -80,6 +80,12 @@ fn sample_continues_the_prompt_with_the_requested_bytes() {
         "7",
     ]);
     assert_eq!((o2.code, &o2.stdout), (Some(0), &o.stdout), "{}", o2.stderr);
+    // The prompt read from a file: the same bytes, the same text.
+    let file = tmp.path().join("prompt.txt");
+    std::fs::write(&file, prompt).unwrap();
+    let f = file.to_str().unwrap();
+    let o4 = shardline(&["sample", root, "--prompt-file", f, "--tokens", "40", "--seed", "7"]);
+    assert_eq!((o4.code, &o4.stdout), (Some(0), &o.stdout), "{}", o4.stderr);
     let o3 = shardline(&[
         "sample",
         root,
@@ -142,6 +148,8 @@ fn bad_input_exits_2_naming_it() {
     let gpt = tmp.path().join("gpt");
     let gpt = gpt.to_str().unwrap();
     let missing = tmp.path().join("missing");
+    let missing_file = tmp.path().join("no-prompt.txt");
+    let missing_file = missing_file.to_str().unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["sample", missing.to_str().unwrap(), "--prompt", "a", "--tokens", "3"], "missing"),
         (vec!["sample", gpt, "--prompt", "a", "--tokens", "0"], "--tokens"),
@@ -155,6 +163,12 @@ fn bad_input_exits_2_naming_it() {
         ),
         (vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--top-k", "0"], "--top-k"),
         (vec!["sample", gpt, "--prompt", "a", "--tokens", "3", "--n-head", "4"], "--n-head"),
+        (vec!["sample", gpt, "--prompt-file", missing_file, "--tokens", "3"], missing_file),
+        (vec!["sample", gpt, "--tokens", "3"], "--prompt-file"),
+        (
+            vec!["sample", gpt, "--prompt", "a", "--prompt-file", missing_file, "--tokens", "3"],
+            "cannot be used with",
+        ),
     ];
     for (args, names) in cases {
         let o = shardline(&args);

@@ -72,10 +72,12 @@ enum Cmd {
     /// (invalid UTF-8 shown as U+FFFD, as for the whole text at once).
     /// The model is rebuilt from the configuration the checkpoint records; the context is
     /// the last block_size bytes. An empty prompt starts from a newline byte (not printed).
-    /// Bad input (no checkpoint, another model, --tokens 0, --temperature <= 0) exits 2.
+    /// Bad input (no checkpoint, another model, an unreadable --prompt-file, --tokens 0,
+    /// --temperature <= 0) exits 2.
     ///
     /// Examples:
     ///   shardline sample ckpt --prompt "The licensor " --tokens 200
+    ///   shardline sample ckpt --prompt-file prompt.txt --tokens 200
     ///   shardline sample ckpt/step-00002000 --prompt "Copyright" --tokens 100 --temperature 0.8 --top-k 20 --seed 3
     #[command(verbatim_doc_comment)]
     Sample(SampleArgs),
@@ -290,13 +292,18 @@ struct LaunchArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("start").required(true).args(["prompt", "prompt_file"])))]
 struct SampleArgs {
     /// A checkpoint root as given to `train --checkpoint-dir` (its newest checkpoint is
     /// used), or one of its `step-NNNNNNNN` directories.
     checkpoint: PathBuf,
     /// Text the generation continues (may be empty).
     #[arg(long, allow_hyphen_values = true)]
-    prompt: String,
+    prompt: Option<String>,
+    /// Read the prompt from this file instead: its bytes as they are (the model reads bytes,
+    /// so any encoding works); as nanoGPT's sample.py takes `--start=FILE:...`.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
     /// Bytes to generate after the prompt.
     #[arg(long)]
     tokens: usize,
@@ -486,16 +493,22 @@ fn sample_cmd(a: &SampleArgs) -> Result<(), RuntimeError> {
     };
     // Flags first: a bad one is reported without reading the checkpoint.
     opts.validate()?;
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (_, Some(f)) => std::fs::read(f)
+            .map_err(|e| RuntimeError::config(format!("--prompt-file {}: {e}", f.display())))?,
+        (Some(p), None) => p.as_bytes().to_vec(),
+        (None, None) => Vec::new(),
+    };
     let decoder = load_decoder(&a.checkpoint, a.n_head)?;
     // The prompt, then each byte as it is drawn (a long generation shows its progress).
     let mut out = std::io::stdout().lock();
     let writing = |e: std::io::Error| RuntimeError::Failed(format!("writing the sample: {e}"));
     let mut text = LossyUtf8::default();
-    for &b in a.prompt.as_bytes() {
+    for &b in &prompt {
         text.push(b, &mut out).map_err(writing)?;
     }
     out.flush().map_err(writing)?;
-    decoder.generate_each(a.prompt.as_bytes(), &opts, |b| {
+    decoder.generate_each(&prompt, &opts, |b| {
         text.push(b, &mut out).and_then(|_| out.flush()).map_err(writing)
     })?;
     text.finish(&mut out).and_then(|_| writeln!(out)).and_then(|_| out.flush()).map_err(writing)
